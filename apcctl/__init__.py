@@ -1,0 +1,1 @@
+"""apcctl: admin tools for the lineage prompt cache."""

@@ -1,0 +1,1 @@
+"""The apcctl dashboard (Textual)."""
