@@ -1,0 +1,26 @@
+"""The ``apcctl`` command line: one click group; each command family lives in its own module."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="apcctl")
+def main() -> None:
+    """Run and inspect the lineage prompt cache of a patched mlx-vlm server."""
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks that print ratios measured side by side in one run."""
+
+
+def _register() -> None:
+    """Attach command modules; each exposes click commands and never imports the server."""
+    from apcctl.commands import register_all
+
+    register_all(main, bench)
+
+
+_register()

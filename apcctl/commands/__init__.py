@@ -1,0 +1,15 @@
+"""Command modules. Each module defines ``register(main, bench)`` and is listed here."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# Module names under apcctl.commands; add yours here.
+MODULES: tuple[str, ...] = ()
+
+
+def register_all(main: click.Group, bench: click.Group) -> None:
+    for name in MODULES:
+        importlib.import_module(f"apcctl.commands.{name}").register(main, bench)
