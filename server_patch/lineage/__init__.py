@@ -1,0 +1,16 @@
+"""The lineage cache policy: plain Python + numpy over sized state handles, no mlx-vlm import."""
+
+from server_patch.lineage.config import LineageConfig
+from server_patch.lineage.handles import KVHandle, SizedKV, SizedSnapshot, SnapshotHandle
+from server_patch.lineage.model import (
+    ANCHOR, CHECKPOINT_KINDS, COLD, DISK, DIVERGENCE, ENTRY, FINAL, GUARD, PERIODIC, RAM,
+    RESTORE_KINDS, SEGMENT, Capture, Checkpoint, DiskRecord, Entry, Event, RestorePlan, as_tokens,
+)
+from server_patch.lineage.policy import CacheError, DiskTier, LineageCache
+
+__all__ = [
+    "ANCHOR", "CHECKPOINT_KINDS", "COLD", "DISK", "DIVERGENCE", "ENTRY", "FINAL", "GUARD",
+    "PERIODIC", "RAM", "RESTORE_KINDS", "SEGMENT", "CacheError", "Capture", "Checkpoint",
+    "DiskRecord", "DiskTier", "Entry", "Event", "KVHandle", "LineageCache", "LineageConfig",
+    "RestorePlan", "SizedKV", "SizedSnapshot", "SnapshotHandle", "as_tokens",
+]

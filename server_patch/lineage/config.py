@@ -1,0 +1,98 @@
+"""Every threshold of the lineage cache in one frozen object, read from ``APC_LINEAGE_*``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Mapping
+
+GB = 1 << 30
+
+# Thinning classes, first dropped first. "stale_guard" is every guard but the newest one.
+DEFAULT_THIN_ORDER: tuple[str, ...] = ("segment", "stale_guard", "periodic", "turn", "guard")
+
+
+@dataclass(frozen=True)
+class LineageConfig:
+    """Knobs of the lineage design; see docs/design.md for why each default is what it is."""
+
+    enabled: bool = True
+    # 0.7.10 prefills tokens [:n-1] and feeds the last prompt token to the first decode step,
+    # so the natural place for an entry is n-1: it serves both the next turn and a resend.
+    entry_offset: int = 1
+    guard_tokens: int = 16
+    guard_min_suffix: int = 256
+    divergence_min_gain: int = 256
+    periodic_stride: int = 2048
+    segment_min_gap: int = 256
+    min_tokens: int = 16
+    max_checkpoints: int = 4
+    thin_order: tuple[str, ...] = DEFAULT_THIN_ORDER
+    ram_budget_bytes: int = 48 * GB
+    anchor_max_entries: int = 16
+    anchor_max_bytes: int = 16 * GB
+    disk_max_bytes: int = 1024 * GB
+    disk_low_watermark: float = 0.9
+    # An entry still being extended is not worth writing: wait until it is idle this long.
+    disk_write_delay_s: float = 30.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "LineageConfig":
+        """Build from ``APC_LINEAGE`` (on/off) and ``APC_LINEAGE_<FIELD>`` variables, then overrides."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        if "APC_LINEAGE" in env:
+            values["enabled"] = _parse_bool("APC_LINEAGE", env["APC_LINEAGE"])
+        for f in fields(cls):
+            key = f"APC_LINEAGE_{f.name.upper()}"
+            if key in env:
+                values[f.name] = _parse_field(key, env[key], f.default)
+        values.update(overrides)
+        config = replace(cls(), **values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Reject settings that would make the policy misbehave rather than fail loudly later."""
+        for name in ("entry_offset", "guard_tokens", "guard_min_suffix", "divergence_min_gain",
+                     "periodic_stride", "segment_min_gap", "min_tokens", "max_checkpoints",
+                     "ram_budget_bytes", "anchor_max_entries", "anchor_max_bytes", "disk_max_bytes"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"lineage config {name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.disk_low_watermark <= 1:
+            raise ValueError("lineage config disk_low_watermark must be in (0, 1]")
+        unknown = set(self.thin_order) - set(DEFAULT_THIN_ORDER)
+        if unknown:
+            raise ValueError(f"unknown thinning classes {sorted(unknown)}; known: {DEFAULT_THIN_ORDER}")
+
+
+def _parse_bool(key: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{key}={raw!r} is not a boolean (use 1/0)")
+
+
+def _parse_field(key: str, raw: str, default: object) -> object:
+    try:
+        if isinstance(default, bool):
+            return _parse_bool(key, raw)
+        if isinstance(default, tuple):
+            return tuple(part.strip() for part in raw.split(",") if part.strip())
+        if key.endswith("_BYTES"):
+            return _parse_bytes(raw)
+        if isinstance(default, float):
+            return float(raw)
+        return int(raw)
+    except ValueError as exc:
+        raise ValueError(f"{key}={raw!r}: {exc}") from None
+
+
+def _parse_bytes(raw: str) -> int:
+    """Plain integers are bytes; a G/M/K suffix is binary units (``48G``)."""
+    text = raw.strip().upper().rstrip("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": GB, "T": 1 << 40}.get(text[-1:], 1)
+    number = text[:-1] if scale != 1 else text
+    return int(float(number) * scale)

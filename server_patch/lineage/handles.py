@@ -1,0 +1,52 @@
+"""What the policy needs to know about stored state: its size, and how to detach a prefix.
+
+The mlx plumbing (``server_patch.state``) hands the policy real cache states; the simulator
+hands it sized placeholders. The policy never looks inside either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class SnapshotHandle(Protocol):
+    """The non-sliceable part of the cache (recurrent + conv state) at one token length."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+@runtime_checkable
+class KVHandle(Protocol):
+    """The append-only part of the cache: rows [:n] are the KV at n tokens."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def prefix(self, length: int) -> "KVHandle":
+        """An independent handle on rows [:length] (an anchor must outlive its lineage)."""
+        ...
+
+
+@dataclass(frozen=True)
+class SizedSnapshot:
+    """A snapshot that is only a size: the simulator's and the unit tests' stand-in."""
+
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SizedKV:
+    """KV rows that are only a size: ``bytes_per_token * length``."""
+
+    bytes_per_token: int
+    length: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_per_token * self.length
+
+    def prefix(self, length: int) -> "SizedKV":
+        return SizedKV(self.bytes_per_token, min(length, self.length))

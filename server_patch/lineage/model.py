@@ -1,0 +1,166 @@
+"""The lineage cache's records: entries, checkpoints, disk records, restore plans, events.
+
+Plain data. The policy (``policy.py``) decides; these only describe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from server_patch.lineage.handles import KVHandle, SnapshotHandle
+
+# Checkpoint kinds (a recurrent state at an earlier length sharing the entry's KV rows).
+GUARD = "guard"
+FINAL = "final"
+DIVERGENCE = "divergence"
+PERIODIC = "periodic"
+SEGMENT = "segment"
+CHECKPOINT_KINDS = (GUARD, FINAL, DIVERGENCE, PERIODIC, SEGMENT)
+
+# Restore kinds: a checkpoint kind, or one of these.
+ENTRY = "entry"  # the entry's own latest state
+ANCHOR = "anchor"  # a pinned system-prompt-and-tools entry
+COLD = "cold"
+RESTORE_KINDS = (ENTRY, ANCHOR, *CHECKPOINT_KINDS, COLD)
+
+RAM = "ram"
+DISK = "disk"
+
+
+def as_tokens(tokens: Any) -> np.ndarray:
+    """Token ids as a contiguous int32 array, the form every comparison uses."""
+    return np.ascontiguousarray(np.asarray(tokens, dtype=np.int32).reshape(-1))
+
+
+@dataclass
+class Checkpoint:
+    """The snapshot layers' state at ``length`` tokens; the KV rows come from the entry."""
+
+    length: int
+    kind: str
+    state: SnapshotHandle
+    created: float
+    last_hit: float | None = None
+    hits: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.state.nbytes)
+
+
+@dataclass
+class Entry:
+    """One conversation lineage (or one anchor): its latest state plus earlier checkpoints."""
+
+    id: str
+    tokens: np.ndarray
+    kv: KVHandle
+    head: SnapshotHandle
+    namespace: str
+    created: float
+    last_used: float
+    is_anchor: bool = False
+    pinned: bool = False
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    hits: int = 0
+    last_hit: float | None = None
+    label: str = ""
+    # Disk bookkeeping: ``dirty`` means RAM holds something the disk file lacks.
+    on_disk: bool = False
+    dirty: bool = True
+    supersedes: list[str] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: used KV rows once, the head state, and every checkpoint's state."""
+        return int(self.kv.nbytes) + int(self.head.nbytes) + sum(c.nbytes for c in self.checkpoints)
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return sum(c.nbytes for c in self.checkpoints)
+
+    def restore_points(self) -> Iterator[tuple[int, str, Checkpoint | None]]:
+        """(length, kind, checkpoint or None for the head), longest first."""
+        yield self.length, (ANCHOR if self.is_anchor else ENTRY), None
+        for cp in sorted(self.checkpoints, key=lambda c: -c.length):
+            yield cp.length, cp.kind, cp
+
+
+@dataclass
+class DiskRecord:
+    """What the disk index knows about one file, read from its header alone."""
+
+    id: str
+    tokens: np.ndarray
+    namespace: str
+    checkpoints: tuple[tuple[int, str], ...]
+    nbytes: int
+    last_used: float
+    is_anchor: bool = False
+    pinned: bool = False
+    label: str = ""
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def restore_points(self) -> Iterator[tuple[int, str]]:
+        yield self.length, (ANCHOR if self.is_anchor else ENTRY)
+        for length, kind in sorted(self.checkpoints, key=lambda c: -c[0]):
+            yield length, kind
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """Where a prompt restores from; ``length == 0`` is a cold prefill. Same shape on hit and miss."""
+
+    length: int
+    kind: str
+    tier: str | None = None
+    entry: Entry | None = None
+    checkpoint: Checkpoint | None = None
+    record: DiskRecord | None = None
+    shared: int = 0  # longest prefix the prompt shares with anything stored (the divergence point)
+    prompt_len: int = 0
+
+    @property
+    def hit(self) -> bool:
+        return self.length > 0
+
+    @property
+    def state(self) -> SnapshotHandle | None:
+        """The snapshot to restore (RAM plans only)."""
+        if self.entry is None:
+            return None
+        return self.entry.head if self.checkpoint is None else self.checkpoint.state
+
+    @property
+    def log_kind(self) -> str:
+        """The kind as the per-request log names it: disk hits are 'disk'."""
+        return DISK if self.tier == DISK and self.hit else self.kind
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A length at which prefill must stop and hand the snapshot layers' state to commit."""
+
+    length: int
+    kind: str  # a checkpoint kind, or ANCHOR
+
+
+@dataclass(frozen=True)
+class Event:
+    """A cache event for logs, the admin event stream and the journal."""
+
+    kind: str  # store, absorb, checkpoint, thin, evict, pin, unpin, promote, disk_write, ...
+    entry_id: str
+    length: int = 0
+    nbytes: int = 0
+    detail: str = ""

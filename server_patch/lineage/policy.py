@@ -1,0 +1,595 @@
+"""The lineage cache policy: what to keep, where to restore, what to drop.
+
+One entry per conversation lineage holds the state at its latest prompt; earlier restore points
+are checkpoints of the snapshot layers only, sharing the entry's append-only KV rows. Anchors
+(system prompt + tools) are separate pinned entries. The policy sees only sized handles, so the
+same code drives the real mlx cache and the trace simulator.
+
+Four verbs carry a request: ``lookup`` at admission, ``plan_captures`` before prefill,
+``commit`` after prefill, ``tick`` now and then. The admin verbs (``pin``, ``unpin``, ``evict``,
+``flush``) and ``snapshot`` serve operators.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from server_patch.lineage.config import LineageConfig
+from server_patch.lineage.handles import KVHandle, SnapshotHandle
+from server_patch.lineage.lookup import common_prefix_len
+from server_patch.lineage.model import (
+    ANCHOR, COLD, DISK, DIVERGENCE, FINAL, GUARD, PERIODIC, RAM, SEGMENT,
+    Capture, Checkpoint, DiskRecord, Entry, Event, RestorePlan, as_tokens,
+)
+
+
+class DiskTier(Protocol):
+    """Where entries go when RAM lets them go; the real one writes safetensors in a thread."""
+
+    def records(self) -> Iterable[DiskRecord]:
+        """The index, rebuilt from file headers at start."""
+        ...
+
+    def write(self, entry: Entry, done: Callable[[Entry, DiskRecord | None], None]) -> None:
+        """Persist ``entry`` in the background and call ``done`` (record, or None on failure)."""
+        ...
+
+    def delete(self, record_id: str) -> None: ...
+
+
+class CacheError(KeyError):
+    """An admin request named something the cache does not hold."""
+
+
+@dataclass
+class _Candidate:
+    length: int
+    kind: str
+    entry: Entry | None = None
+    checkpoint: Checkpoint | None = None
+    record: DiskRecord | None = None
+
+
+class LineageCache:
+    """Entries, checkpoints and anchors over sized state handles. Thread-safe."""
+
+    def __init__(
+        self,
+        config: LineageConfig | None = None,
+        *,
+        disk: DiskTier | None = None,
+        clock: Callable[[], float] = time.time,
+        on_event: Callable[[Event], None] | None = None,
+    ) -> None:
+        self.config = config or LineageConfig()
+        self.disk = disk
+        self.clock = clock
+        self.on_event = on_event
+        self.lock = threading.RLock()
+        self._entries: dict[str, Entry] = {}
+        self._records: dict[str, DiskRecord] = {}
+        self._superseded_by: dict[str, str] = {}
+        self.stats: Counter[str] = Counter()
+        if disk is not None:
+            for record in disk.records():
+                self._records[record.id] = record
+
+    # ------------------------------------------------------------------ reading
+
+    def entries(self) -> list[Entry]:
+        with self.lock:
+            return sorted(self._entries.values(), key=lambda e: -e.last_used)
+
+    def records(self) -> list[DiskRecord]:
+        with self.lock:
+            return sorted(self._records.values(), key=lambda r: -r.last_used)
+
+    def get(self, entry_id: str) -> Entry | None:
+        with self.lock:
+            return self._entries.get(entry_id)
+
+    @property
+    def ram_bytes(self) -> int:
+        with self.lock:
+            return sum(e.nbytes for e in self._entries.values())
+
+    @property
+    def disk_bytes(self) -> int:
+        with self.lock:
+            return sum(r.nbytes for r in self._records.values())
+
+    def budgets(self) -> dict[str, int]:
+        """Used and limit per budget, for status screens and metrics."""
+        with self.lock:
+            anchors = [e for e in self._entries.values() if e.is_anchor and e.pinned]
+            conv = sum(e.nbytes for e in self._entries.values() if e not in anchors)
+            return {
+                "ram_used": conv + sum(e.nbytes for e in anchors),
+                "ram_limit": self.config.ram_budget_bytes,
+                "conversation_bytes": conv,
+                "anchor_bytes": sum(e.nbytes for e in anchors),
+                "anchor_bytes_limit": self.config.anchor_max_bytes,
+                "anchor_count": len(anchors),
+                "anchor_count_limit": self.config.anchor_max_entries,
+                "disk_used": sum(r.nbytes for r in self._records.values()),
+                "disk_limit": self.config.disk_max_bytes,
+                "entries": len(self._entries),
+                "disk_files": len(self._records),
+            }
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray, namespace: str = "") -> RestorePlan:
+        """The longest restore point for ``tokens`` leaving at least one token to compute.
+
+        RAM wins; the disk index is consulted only for something strictly longer.
+        """
+        prompt = as_tokens(tokens)
+        n = int(prompt.shape[0])
+        limit = n - 1
+        with self.lock:
+            self.stats["lookups"] += 1
+            best: _Candidate | None = None
+            shared = 0
+            for entry in self._entries.values():
+                if entry.namespace != namespace:
+                    continue
+                lcp = common_prefix_len(prompt, entry.tokens)
+                shared = max(shared, lcp)
+                cand = self._best_in_entry(entry, lcp, limit)
+                if cand is not None and (best is None or cand.length > best.length):
+                    best = cand
+            ram_best = best.length if best is not None else 0
+            for record in self._records.values():
+                if record.namespace != namespace or record.id in self._entries:
+                    continue
+                lcp = common_prefix_len(prompt, record.tokens)
+                shared = max(shared, lcp)
+                cand = self._best_in_record(record, lcp, limit)
+                if cand is not None and cand.length > ram_best and (best is None or cand.length > best.length):
+                    best = cand
+            if best is None or best.length < self.config.min_tokens:
+                return RestorePlan(0, COLD, shared=shared, prompt_len=n)
+            tier = DISK if best.record is not None else RAM
+            return RestorePlan(best.length, best.kind, tier, best.entry, best.checkpoint,
+                               best.record, shared=shared, prompt_len=n)
+
+    @staticmethod
+    def _best_in_entry(entry: Entry, lcp: int, limit: int) -> _Candidate | None:
+        for length, kind, cp in entry.restore_points():
+            if length <= min(lcp, limit):
+                return _Candidate(length, kind, entry=entry, checkpoint=cp)
+        return None
+
+    @staticmethod
+    def _best_in_record(record: DiskRecord, lcp: int, limit: int) -> _Candidate | None:
+        for length, kind in record.restore_points():
+            if length <= min(lcp, limit):
+                return _Candidate(length, kind, record=record)
+        return None
+
+    def note_restore(self, plan: RestorePlan) -> None:
+        """Count a restore that really happened (the plumbing calls this once it succeeded)."""
+        with self.lock:
+            now = self.clock()
+            self.stats[f"hits_{plan.log_kind}"] += 1
+            self.stats["reused_tokens"] += plan.length
+            self.stats["prefill_tokens"] += max(0, plan.prompt_len - plan.length)
+            if plan.entry is not None and plan.entry.id in self._entries:
+                target: Any = plan.checkpoint or plan.entry
+                target.hits += 1
+                target.last_hit = now
+                plan.entry.last_used = now
+                if plan.checkpoint is not None:
+                    plan.entry.hits += 1
+                    plan.entry.last_hit = now
+
+    def note_cold(self, plan: RestorePlan) -> None:
+        """Count a cold prefill (a miss, or a restore that failed validation)."""
+        with self.lock:
+            self.stats["hits_cold"] += 1
+            self.stats["prefill_tokens"] += plan.prompt_len
+
+    # ------------------------------------------------------------------ captures
+
+    def plan_captures(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        plan: RestorePlan,
+        *,
+        namespace: str = "",
+        anchor_len: int | None = None,
+        segments: Iterable[int] = (),
+    ) -> list[Capture]:
+        """Lengths inside this prompt's uncached region where prefill must hand over state.
+
+        Only lengths strictly between the restore point and the prefill end are returned,
+        except the anchor, which is pinned wherever it falls (at the prefill end it is the head).
+        """
+        cfg = self.config
+        n = len(tokens)
+        end = n - cfg.entry_offset  # the entry's own length: its head is not a capture
+        start = plan.length
+        picks: dict[int, str] = {}
+
+        if anchor_len is not None and cfg.min_tokens <= anchor_len <= end and anchor_len > start:
+            if not self._has_anchor(tokens, anchor_len, namespace):
+                picks[anchor_len] = ANCHOR
+        if cfg.guard_tokens > cfg.entry_offset and end - start >= cfg.guard_min_suffix:
+            guard = n - cfg.guard_tokens
+            if start < guard < end:
+                picks.setdefault(guard, GUARD)
+        gain_point = min(plan.shared, end)
+        if gain_point - start >= max(1, cfg.divergence_min_gain) and gain_point < end:
+            picks.setdefault(gain_point, DIVERGENCE)
+        if cfg.periodic_stride > 0 and end >= 2:
+            periodic = ((end - 1) // cfg.periodic_stride) * cfg.periodic_stride
+            if start < periodic < end:
+                picks.setdefault(periodic, PERIODIC)
+        taken = sorted({start, end, *picks})
+        for seg in sorted(set(int(s) for s in segments)):
+            if not start < seg < end or seg in picks:
+                continue
+            if all(abs(seg - other) >= cfg.segment_min_gap for other in taken):
+                picks[seg] = SEGMENT
+                taken = sorted({*taken, seg})
+        return [Capture(length, kind) for length, kind in sorted(picks.items())
+                if length >= cfg.min_tokens]
+
+    def _has_anchor(self, tokens: Sequence[int] | np.ndarray, length: int, namespace: str) -> bool:
+        prefix = as_tokens(tokens)[:length]
+        with self.lock:
+            for entry in self._entries.values():
+                if entry.is_anchor and entry.namespace == namespace and entry.length == length \
+                        and np.array_equal(entry.tokens, prefix):
+                    return True
+            return any(r.is_anchor and r.namespace == namespace and r.length == length
+                       and np.array_equal(r.tokens, prefix) for r in self._records.values())
+
+    # ------------------------------------------------------------------ commit
+
+    def commit(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        kv: KVHandle,
+        head: SnapshotHandle,
+        captures: Mapping[int, tuple[str, SnapshotHandle]] | None = None,
+        namespace: str = "",
+        anchor_label: str = "",
+    ) -> Entry | None:
+        """Store the state at the prefill end of prompt ``tokens`` as its lineage's entry.
+
+        ``kv``/``head`` hold the state at ``len(tokens) - entry_offset`` tokens; ``captures``
+        maps capture lengths to (kind, snapshot). Entries this one extends are absorbed.
+        """
+        cfg = self.config
+        prompt = as_tokens(tokens)
+        stored = prompt[: prompt.shape[0] - cfg.entry_offset]
+        length = int(stored.shape[0])
+        if length < cfg.min_tokens:
+            return None
+        captures = dict(captures or {})
+        with self.lock:
+            now = self.clock()
+            for cap_len, (kind, state) in sorted(captures.items()):
+                if kind == ANCHOR:
+                    self._store_anchor(stored, cap_len, kv, state, namespace, anchor_label, now)
+            same = self._find_identical(stored, namespace)
+            if same is not None:
+                same.last_used = now
+                self._add_checkpoints(same, captures, now)
+                self._enforce_budgets(keep=same)
+                return same
+
+            entry = Entry(id=uuid.uuid4().hex[:12], tokens=stored, kv=kv, head=head,
+                          namespace=namespace, created=now, last_used=now)
+            self._add_checkpoints(entry, captures, now)
+            for old in self._absorbable(entry):
+                self._absorb(entry, old, now)
+            self._entries[entry.id] = entry
+            self.stats["stores"] += 1
+            self._emit(Event("store", entry.id, length, entry.nbytes))
+            self._thin(entry)
+            self._enforce_budgets(keep=entry)
+            return entry
+
+    def _find_identical(self, stored: np.ndarray, namespace: str) -> Entry | None:
+        for entry in self._entries.values():
+            if not entry.is_anchor and entry.namespace == namespace and entry.length == stored.shape[0] \
+                    and np.array_equal(entry.tokens, stored):
+                return entry
+        return None
+
+    def _add_checkpoints(self, entry: Entry, captures: Mapping[int, tuple[str, SnapshotHandle]],
+                         now: float) -> None:
+        have = {c.length for c in entry.checkpoints}
+        for cap_len, (kind, state) in sorted(captures.items()):
+            if kind == ANCHOR or cap_len >= entry.length or cap_len in have:
+                continue
+            entry.checkpoints.append(Checkpoint(cap_len, kind, state, created=now))
+            have.add(cap_len)
+            entry.dirty = True
+            self._emit(Event("checkpoint", entry.id, cap_len, int(state.nbytes), kind))
+        entry.checkpoints.sort(key=lambda c: c.length)
+        self._thin(entry)
+
+    def _store_anchor(self, stored: np.ndarray, length: int, kv: KVHandle, state: SnapshotHandle,
+                      namespace: str, label: str, now: float) -> None:
+        if length > stored.shape[0] or self._has_anchor(stored, length, namespace):
+            return
+        anchor = Entry(id=uuid.uuid4().hex[:12], tokens=stored[:length].copy(), kv=kv.prefix(length),
+                       head=state, namespace=namespace, created=now, last_used=now,
+                       is_anchor=True, pinned=True, label=label)
+        self._entries[anchor.id] = anchor
+        self.stats["anchors_pinned"] += 1
+        self._emit(Event("pin", anchor.id, length, anchor.nbytes, "captured"))
+        if self.disk is not None:
+            self._write(anchor)  # anchors are the first thing a restarted server needs
+
+    def _absorbable(self, new: Entry) -> list[Entry]:
+        """Conversation entries whose whole token sequence is a prefix of ``new``."""
+        found = []
+        for entry in self._entries.values():
+            if entry.is_anchor or entry.namespace != new.namespace or entry.length >= new.length:
+                continue
+            if common_prefix_len(new.tokens, entry.tokens) == entry.length:
+                found.append(entry)
+        return found
+
+    def _absorb(self, new: Entry, old: Entry, now: float) -> None:
+        """``old``'s head becomes a turn-boundary checkpoint of ``new``; its checkpoints carry over."""
+        have = {c.length for c in new.checkpoints}
+        carried = [c for c in old.checkpoints if c.length not in have]
+        if old.length not in have:
+            carried.append(Checkpoint(old.length, FINAL, old.head, created=now,
+                                      last_hit=old.last_hit, hits=old.hits))
+        new.checkpoints = sorted(new.checkpoints + carried, key=lambda c: c.length)
+        new.hits += old.hits
+        del self._entries[old.id]
+        if old.on_disk:
+            new.supersedes.append(old.id)
+        new.supersedes.extend(old.supersedes)
+        self._superseded_by[old.id] = new.id
+        self.stats["absorbs"] += 1
+        self._emit(Event("absorb", old.id, old.length, old.nbytes, f"into {new.id}"))
+
+    # ------------------------------------------------------------------ thinning
+
+    def _thin(self, entry: Entry) -> None:
+        cap = self.config.max_checkpoints
+        while len(entry.checkpoints) > cap:
+            victim = self._thin_victim(entry)
+            if victim is None:
+                return
+            entry.checkpoints.remove(victim)
+            entry.dirty = True
+            self.stats["thinned"] += 1
+            self._emit(Event("thin", entry.id, victim.length, victim.nbytes, victim.kind))
+
+    def _thin_victim(self, entry: Entry) -> Checkpoint | None:
+        guards = [c for c in entry.checkpoints if c.kind == GUARD]
+        newest_guard = max(guards, key=lambda c: (c.created, c.length)) if guards else None
+
+        def klass(cp: Checkpoint) -> str:
+            if cp.kind == GUARD:
+                return "guard" if cp is newest_guard else "stale_guard"
+            if cp.kind in (FINAL, DIVERGENCE):
+                return "turn"
+            return cp.kind
+
+        for name in self.config.thin_order:
+            members = [c for c in entry.checkpoints if klass(c) == name]
+            if members:
+                if name == "segment":  # early boundaries are the ones other sessions share
+                    return max(members, key=lambda c: c.length)
+                return min(members, key=lambda c: (c.created, c.length))
+        return None
+
+    # ------------------------------------------------------------------ budgets
+
+    def _enforce_budgets(self, keep: Entry | None = None) -> None:
+        cfg = self.config
+        anchors = sorted((e for e in self._entries.values() if e.is_anchor and e.pinned),
+                         key=lambda e: e.last_used)
+        while anchors and (len(anchors) > cfg.anchor_max_entries
+                           or sum(a.nbytes for a in anchors) > cfg.anchor_max_bytes):
+            self._evict_ram(anchors.pop(0), "anchor cap")
+        total = sum(e.nbytes for e in self._entries.values())
+        while total > cfg.ram_budget_bytes:
+            victim = self._lru_victim(keep)
+            if victim is None:
+                break
+            total -= victim.nbytes
+            self._evict_ram(victim, "ram budget")
+
+    def _lru_victim(self, keep: Entry | None) -> Entry | None:
+        ordinary = [e for e in self._entries.values() if not (e.is_anchor and e.pinned)]
+        pinned = [e for e in self._entries.values() if e.is_anchor and e.pinned]
+        for group in (ordinary, pinned):
+            others = [e for e in group if e is not keep]
+            if others:
+                return min(others, key=lambda e: e.last_used)
+        return keep if keep is not None and keep.id in self._entries else None
+
+    def _evict_ram(self, entry: Entry, reason: str) -> None:
+        """Drop ``entry`` from RAM; what the disk lacks is written first (in the background)."""
+        if self.disk is not None and (entry.dirty or not entry.on_disk):
+            self._write(entry)
+        self._entries.pop(entry.id, None)
+        self.stats["evictions"] += 1
+        self._emit(Event("evict", entry.id, entry.length, entry.nbytes, reason))
+
+    # ------------------------------------------------------------------ disk
+
+    def tick(self, now: float | None = None) -> int:
+        """Write entries that have been idle for ``disk_write_delay_s``; returns how many."""
+        if self.disk is None:
+            return 0
+        with self.lock:
+            now = self.clock() if now is None else now
+            idle = [e for e in self._entries.values()
+                    if e.dirty and now - e.last_used >= self.config.disk_write_delay_s]
+            for entry in idle:
+                self._write(entry)
+            return len(idle)
+
+    def flush(self) -> int:
+        """Write every entry the disk lacks (before a restart); returns how many were queued."""
+        if self.disk is None:
+            return 0
+        with self.lock:
+            dirty = [e for e in self._entries.values() if e.dirty]
+            for entry in dirty:
+                self._write(entry)
+            return len(dirty)
+
+    def _write(self, entry: Entry) -> None:
+        assert self.disk is not None
+        entry.dirty = False
+        self.disk.write(entry, self._written)
+
+    def _written(self, entry: Entry, record: DiskRecord | None) -> None:
+        """Writer callback: index the file, delete what it supersedes, keep the disk cap."""
+        with self.lock:
+            if record is None:
+                entry.dirty = True
+                self.stats["disk_write_failures"] += 1
+                return
+            absorber = self._resolve_absorber(entry.id)
+            record.pinned = entry.pinned
+            self._records[record.id] = record
+            entry.on_disk = True
+            self.stats["disk_writes"] += 1
+            self.stats["disk_bytes_written"] += record.nbytes
+            self._emit(Event("disk_write", entry.id, entry.length, record.nbytes))
+            if absorber is not None:
+                # Absorbed while its write was in flight: the absorber's file will supersede it.
+                if absorber.on_disk and not absorber.dirty:
+                    self._delete_record(record.id, "superseded")
+                else:
+                    absorber.supersedes.append(record.id)
+            for old_id in entry.supersedes:
+                self._delete_record(old_id, "superseded")
+            entry.supersedes.clear()
+            self._enforce_disk_cap()
+
+    def _resolve_absorber(self, entry_id: str) -> Entry | None:
+        seen = set()
+        current = self._superseded_by.get(entry_id)
+        while current is not None and current not in seen:
+            seen.add(current)
+            if current in self._entries:
+                return self._entries[current]
+            current = self._superseded_by.get(current)
+        return None
+
+    def _delete_record(self, record_id: str, reason: str) -> None:
+        record = self._records.pop(record_id, None)
+        if record is None:
+            return
+        if self.disk is not None:
+            self.disk.delete(record_id)
+        entry = self._entries.get(record_id)
+        if entry is not None:
+            entry.on_disk = False
+            entry.dirty = True
+        self.stats["disk_deletes"] += 1
+        self._emit(Event("disk_delete", record_id, record.length, record.nbytes, reason))
+
+    def _enforce_disk_cap(self) -> None:
+        """Evict least recently used files; pinned anchors are the last candidates, not exempt."""
+        cap = self.config.disk_max_bytes
+        total = sum(r.nbytes for r in self._records.values())
+        if total <= cap:
+            return
+        target = cap * self.config.disk_low_watermark
+        for record in sorted(self._records.values(), key=lambda r: (r.pinned, r.last_used)):
+            if total <= target:
+                break
+            total -= record.nbytes
+            self._delete_record(record.id, "disk cap")
+            self.stats["disk_evictions"] += 1
+
+    def promote(self, record: DiskRecord, entry: Entry | None) -> Entry | None:
+        """Put a loaded disk entry into RAM, or forget a record whose file failed validation."""
+        with self.lock:
+            if entry is None:
+                self._records.pop(record.id, None)
+                self.stats["disk_rejects"] += 1
+                self._emit(Event("disk_reject", record.id, record.length, record.nbytes))
+                return None
+            now = self.clock()
+            entry.on_disk, entry.dirty = True, False
+            entry.last_used = now
+            entry.pinned = record.pinned
+            record.last_used = now
+            self._entries[entry.id] = entry
+            self._emit(Event("promote", entry.id, entry.length, entry.nbytes))
+            self._enforce_budgets(keep=entry)
+            return entry
+
+    # ------------------------------------------------------------------ admin verbs
+
+    def pin(self, entry_id: str) -> Entry:
+        with self.lock:
+            entry = self._require(entry_id)
+            entry.pinned = True
+            entry.is_anchor = True
+            if entry.id in self._records:
+                self._records[entry.id].pinned = True
+            self._emit(Event("pin", entry.id, entry.length, entry.nbytes, "operator"))
+            self._enforce_budgets(keep=entry)
+            return entry
+
+    def unpin(self, entry_id: str) -> Entry:
+        with self.lock:
+            entry = self._require(entry_id)
+            entry.pinned = False
+            if entry.id in self._records:
+                self._records[entry.id].pinned = False
+            self._emit(Event("unpin", entry.id, entry.length, entry.nbytes))
+            return entry
+
+    def evict(self, entry_id: str) -> int:
+        """Remove an entry or anchor from RAM and disk; returns the bytes freed."""
+        with self.lock:
+            entry = self._entries.pop(entry_id, None)
+            record = self._records.get(entry_id)
+            if entry is None and record is None:
+                raise CacheError(entry_id)
+            freed = (entry.nbytes if entry is not None else 0) + (record.nbytes if record else 0)
+            if record is not None:
+                self._delete_record(entry_id, "operator")
+            if entry is not None:
+                for old_id in entry.supersedes:
+                    self._delete_record(old_id, "operator")
+            self.stats["operator_evictions"] += 1
+            self._emit(Event("evict", entry_id, (entry or record).length, freed, "operator"))
+            return freed
+
+    def clear(self) -> None:
+        """Forget RAM entries (disk files stay); mlx-vlm's /cache/reset semantics."""
+        with self.lock:
+            self._entries.clear()
+
+    def _require(self, entry_id: str) -> Entry:
+        entry = self._entries.get(entry_id)
+        if entry is None:
+            raise CacheError(entry_id)
+        return entry
+
+    def _emit(self, event: Event) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(event)
+            except Exception:  # an observer must never break the cache
+                pass
+
