@@ -1,0 +1,1 @@
+"""The lineage cache's disk tier."""

@@ -1,0 +1,1 @@
+"""mlx plumbing of the lineage cache: cache-class registry, layouts, state handles."""
