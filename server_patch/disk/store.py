@@ -156,8 +156,10 @@ class DiskStore:
 
     def write(self, entry: Entry, done: Callable[[Entry, DiskRecord | None], None]) -> None:
         """Queue a write; the references taken now are what gets written."""
-        job = (entry, entry.kv, entry.head, list(entry.checkpoints), done)
-        self._queue.put(job)
+        checkpoints = list(entry.checkpoints)
+        # Evaluate on the caller's thread: the writer must only read memory, never compute.
+        mx.eval(entry.kv.arrays(), entry.head.arrays(), [c.state.arrays() for c in checkpoints])
+        self._queue.put((entry, entry.kv, entry.head, checkpoints, done))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write finished; False on timeout."""
@@ -176,6 +178,8 @@ class DiskStore:
         return self._queue.unfinished_tasks
 
     def _run(self) -> None:
+        # MLX streams are per thread; the writer gets its own on the CPU.
+        mx.set_default_stream(mx.new_stream(mx.cpu))
         while True:
             entry, kv, head, checkpoints, done = self._queue.get()
             try:

@@ -1,0 +1,418 @@
+"""The lineage policy over sized handles: every event, rule and corner case of the design."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from server_patch.lineage import (
+    ANCHOR, DIVERGENCE, FINAL, GUARD, PERIODIC, SEGMENT, CacheError, DiskRecord, Entry,
+    LineageCache, LineageConfig, SizedKV, SizedSnapshot,
+)
+
+KV_PER_TOKEN = 100
+SNAP = 1000
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def make(**overrides) -> LineageCache:
+    return LineageCache(LineageConfig(**overrides), clock=Clock())
+
+
+def words(n: int, seed: int) -> list[int]:
+    return list(np.random.RandomState(seed).randint(10, 30000, n))
+
+
+def serve(cache: LineageCache, prompt, *, anchor_len=None, segments=(), namespace=""):
+    """One request as the server runs it: lookup, capture plan, prefill, commit."""
+    plan = cache.lookup(prompt, namespace)
+    caps = cache.plan_captures(prompt, plan, namespace=namespace, anchor_len=anchor_len,
+                               segments=segments)
+    cache.note_restore(plan) if plan.hit else cache.note_cold(plan)
+    end = len(prompt) - cache.config.entry_offset
+    captures = {c.length: (c.kind, SizedSnapshot(SNAP)) for c in caps}
+    entry = cache.commit(prompt, kv=SizedKV(KV_PER_TOKEN, end), head=SizedSnapshot(SNAP),
+                         captures=captures, namespace=namespace)
+    return plan, caps, entry
+
+
+def kinds(entry: Entry) -> list[tuple[int, str]]:
+    return [(c.length, c.kind) for c in entry.checkpoints]
+
+
+# ----------------------------------------------------------------------------- lineage
+
+def test_multi_turn_conversation_keeps_one_entry_and_hits_it_every_turn():
+    cache = make()
+    prompt = words(400, 1)
+    previous = None
+    for turn in range(5):
+        plan, _, entry = serve(cache, prompt)
+        if previous is None:
+            assert plan.kind == "cold"
+        else:
+            assert (plan.kind, plan.length) == ("entry", len(previous) - 1)
+        previous = prompt
+        prompt = prompt + words(30, 100 + turn)
+    assert len(cache.entries()) == 1
+    assert cache.stats["absorbs"] == 4
+
+
+def test_absorption_turns_the_old_head_into_a_final_checkpoint_and_carries_checkpoints():
+    cache = make(guard_min_suffix=100)
+    first = words(300, 2)
+    _, caps, e1 = serve(cache, first)
+    assert [c.kind for c in caps] == [GUARD]
+    second = first + words(50, 3)
+    _, _, e2 = serve(cache, second)
+    assert kinds(e2) == [(284, GUARD), (299, FINAL)]
+    assert cache.get(e1.id) is None
+
+
+def test_entry_sits_at_n_minus_1_and_is_its_own_resend_point():
+    cache = make()
+    prompt = words(500, 4)
+    _, _, entry = serve(cache, prompt)
+    assert entry.length == 499
+    plan, caps, again = serve(cache, prompt)  # verbatim resend (regenerate, retry)
+    assert (plan.kind, plan.length) == ("entry", 499)
+    assert caps == [] and again is entry and len(cache.entries()) == 1
+
+
+def test_post_layout_resend_lands_on_guard_or_previous_turn_boundary():
+    """With the entry at n (the post's layout) a resend needs the guard or a turn boundary."""
+    cache = make(entry_offset=0)
+    long_turn = words(600, 5)
+    serve(cache, long_turn)
+    plan, _, _ = serve(cache, long_turn)
+    assert (plan.kind, plan.length) == (GUARD, 584)
+
+    short_turn = long_turn + words(7, 6)  # a 7-token question never gets a guard...
+    _, caps, _ = serve(cache, short_turn)
+    assert all(c.kind != GUARD for c in caps)
+    plan, _, _ = serve(cache, short_turn)  # ...so its resend restores at the turn boundary
+    assert (plan.kind, plan.length) == (FINAL, 600)
+
+
+def test_guard_only_when_uncached_suffix_reaches_the_threshold():
+    cache = make()
+    base = words(300, 7)
+    _, caps, _ = serve(cache, base)
+    assert (GUARD in [c.kind for c in caps]) is True  # 299 uncached ≥ 256
+    _, caps, _ = serve(cache, base + words(7, 8))
+    assert caps == []
+    grown = base + words(7, 8)
+    _, caps, _ = serve(cache, grown + words(255, 9))  # 255 uncached tokens: one short
+    assert caps == []
+    _, caps, _ = serve(cache, grown + words(255, 9) + words(256, 10))
+    assert [c.kind for c in caps] == [GUARD]
+
+
+def test_edited_last_message_snaps_to_a_checkpoint_possibly_later_than_the_turn_boundary():
+    cache = make(guard_min_suffix=64)
+    turn1 = words(200, 11)
+    serve(cache, turn1)
+    question = words(120, 12)
+    turn2 = turn1 + question
+    _, _, entry = serve(cache, turn2)
+    assert kinds(entry) == [(184, GUARD), (199, FINAL), (304, GUARD)]
+    # The edit keeps the first 110 words of the question: it lands on the guard, not the boundary.
+    edited = turn1 + question[:110] + words(20, 13)
+    plan = cache.lookup(edited)
+    assert (plan.kind, plan.length) == (GUARD, 304)
+    # An edit early in the question lands on the turn boundary.
+    edited = turn1 + question[:5] + words(20, 14)
+    plan = cache.lookup(edited)
+    assert (plan.kind, plan.length) == (FINAL, 199)
+
+
+# ----------------------------------------------------------------------------- anchors
+
+def test_new_session_with_the_same_system_prompt_lands_on_the_anchor():
+    cache = make()
+    system = words(1000, 20)
+    serve(cache, system + words(40, 21), anchor_len=1000)
+    anchors = [e for e in cache.entries() if e.is_anchor]
+    assert len(anchors) == 1 and anchors[0].pinned and anchors[0].length == 1000
+    assert anchors[0].kv.nbytes == 1000 * KV_PER_TOKEN
+    plan, caps, _ = serve(cache, system + words(25, 22), anchor_len=1000)
+    assert (plan.kind, plan.length) == (ANCHOR, 1000)
+    assert all(c.kind != ANCHOR for c in caps)  # once per distinct prefix
+    assert sum(e.is_anchor for e in cache.entries()) == 1
+
+
+def test_anchor_is_pinned_even_when_it_falls_after_the_guard_point():
+    """The post's live bug: a 10k system block and a 7-token question put the anchor past n-16."""
+    cache = make(entry_offset=0)
+    system = words(10_000, 23)
+    prompt = system + words(7, 24)
+    _, caps, _ = serve(cache, prompt, anchor_len=len(system) + 3)
+    planned = {(c.length, c.kind) for c in caps}
+    assert {(10_003, ANCHOR), (10_007 - 16, GUARD)} <= planned
+    assert any(e.is_anchor and e.length == 10_003 for e in cache.entries())
+
+
+def test_anchor_at_the_prefill_end_is_the_head_and_is_still_pinned():
+    cache = make()
+    prompt = words(500, 25)
+    _, caps, _ = serve(cache, prompt, anchor_len=499)
+    assert (499, ANCHOR) in [(c.length, c.kind) for c in caps]
+    assert any(e.is_anchor and e.length == 499 for e in cache.entries())
+
+
+def test_anchors_are_not_absorbed_and_are_exempt_from_conversation_lru():
+    cache = make(ram_budget_bytes=250_000)
+    system = words(600, 26)
+    serve(cache, system + words(30, 27), anchor_len=600)
+    for i in range(6):
+        serve(cache, words(500, 200 + i))  # unrelated conversations fill the budget
+    assert any(e.is_anchor for e in cache.entries())
+    assert cache.stats["evictions"] >= 3
+
+
+def test_anchor_caps_count_and_bytes():
+    cache = make(anchor_max_entries=3)
+    for i in range(5):
+        serve(cache, words(400, 30 + i) + words(20, 40 + i), anchor_len=400)
+    assert sum(e.is_anchor for e in cache.entries()) == 3
+    cache = make(anchor_max_bytes=2 * (400 * KV_PER_TOKEN + SNAP))
+    for i in range(4):
+        serve(cache, words(400, 50 + i) + words(20, 60 + i), anchor_len=400)
+    assert sum(e.is_anchor for e in cache.entries()) == 2
+
+
+def test_operator_pin_unpin_evict():
+    cache = make()
+    _, _, entry = serve(cache, words(300, 70))
+    cache.pin(entry.id)
+    assert entry.pinned and entry.is_anchor
+    cache.unpin(entry.id)
+    assert not entry.pinned
+    freed = cache.evict(entry.id)
+    assert freed == entry.nbytes and cache.get(entry.id) is None
+    with pytest.raises(CacheError):
+        cache.evict(entry.id)
+
+
+# ----------------------------------------------------------------------------- divergence
+
+def test_second_system_prompt_variant_reuses_nearly_all_through_a_divergence_checkpoint():
+    cache = make()
+    system = words(3000, 80)
+    variant = system[:-4] + words(4, 81)  # differs by 4 tokens near its end
+    serve(cache, system + words(30, 82), anchor_len=3000)
+    # First session of the variant: the best earlier checkpoint (periodic fallback at 2048).
+    plan, caps, _ = serve(cache, variant + words(30, 83), anchor_len=3000)
+    assert (plan.kind, plan.length) == (PERIODIC, 2048)
+    assert (2996, DIVERGENCE) in [(c.length, c.kind) for c in caps]
+    # From its second session on, the divergence checkpoint carries ~all of it.
+    plan, _, _ = serve(cache, variant + words(30, 84), anchor_len=3000)
+    assert plan.length >= 2996
+
+
+def test_divergence_needs_a_gain_of_256_tokens():
+    cache = make(periodic_stride=0)
+    base = words(1000, 90)
+    serve(cache, base)
+    _, caps, _ = serve(cache, base[:200] + words(400, 91))
+    assert all(c.kind != DIVERGENCE for c in caps)  # gain 200 < 256
+    _, caps, _ = serve(cache, base[:700] + words(400, 92))
+    assert (700, DIVERGENCE) in [(c.length, c.kind) for c in caps]
+
+
+# ----------------------------------------------------------------------------- periodic / stock floor
+
+def stock_reuse(history: list[list[int]], prompt: list[int], stride: int = 2048) -> int:
+    """The most stock 0.7.10 exact mode could reuse with unbounded RAM: n-1 and stride points."""
+    best = 0
+    for old in history:
+        points = [len(old) - 1] + list(range(stride, len(old) - 1, stride))
+        for p in points:
+            if p <= len(prompt) - 1 and prompt[:p] == old[:p]:
+                best = max(best, p)
+    return best
+
+
+def test_never_reuses_fewer_tokens_than_stock_on_mid_prompt_divergence():
+    cache = make()
+    rng = np.random.RandomState(95)
+    base = words(5000, 96)
+    history = []
+    for i in range(12):
+        cut = int(rng.randint(100, 4900))
+        prompt = base[:cut] + words(int(rng.randint(20, 600)), 300 + i)
+        plan, _, _ = serve(cache, prompt)
+        assert plan.length >= stock_reuse(history, prompt)
+        history.append(prompt)
+
+
+def test_periodic_checkpoint_at_the_last_stride_multiple():
+    cache = make(periodic_stride=1024)
+    _, caps, _ = serve(cache, words(3000, 97))
+    assert (2048, PERIODIC) in [(c.length, c.kind) for c in caps]
+
+
+# ----------------------------------------------------------------------------- thinning
+
+def test_thinning_keeps_four_checkpoints_dropping_stale_guards_then_oldest_turns():
+    cache = make(guard_min_suffix=50, periodic_stride=0)
+    prompt = words(100, 110)
+    serve(cache, prompt)
+    for turn in range(6):
+        prompt = prompt + words(60, 120 + turn)
+        _, _, entry = serve(cache, prompt)
+        assert len(entry.checkpoints) <= 4
+    guards = [c for c in entry.checkpoints if c.kind == GUARD]
+    assert len(guards) == 1 and guards[0].length == len(prompt) - 16  # only the live one
+    finals = [c.length for c in entry.checkpoints if c.kind == FINAL]
+    assert finals == sorted(finals)[-3:] and max(finals) == len(prompt) - 61
+
+
+def test_thinning_drops_periodic_before_turn_boundaries_and_segments_first():
+    cache = make(periodic_stride=256, max_checkpoints=2, segment_min_gap=10)
+    prompt = words(600, 130)
+    _, _, entry = serve(cache, prompt, segments=[100, 200])
+    assert len(entry.checkpoints) == 2
+    assert SEGMENT not in {c.kind for c in entry.checkpoints} or PERIODIC not in {
+        c.kind for c in entry.checkpoints}
+    prompt2 = prompt + words(40, 131)
+    _, _, entry = serve(cache, prompt2)
+    assert (599, FINAL) in kinds(entry)
+    assert len(entry.checkpoints) == 2
+
+
+def test_segment_boundaries_respect_the_minimum_gap():
+    cache = make(periodic_stride=0)
+    caps = cache.plan_captures(words(2000, 140), cache.lookup(words(2000, 140)),
+                               segments=[100, 300, 450, 1000, 1990])
+    assert [(c.length, c.kind) for c in caps if c.kind == SEGMENT] == [(300, SEGMENT), (1000, SEGMENT)]
+
+
+# ----------------------------------------------------------------------------- budgets
+
+def test_ram_budget_really_exceeded_evicts_least_recently_used_lineage():
+    entry_bytes = 499 * KV_PER_TOKEN + SNAP
+    cache = make(ram_budget_bytes=int(2.5 * entry_bytes), periodic_stride=0, guard_min_suffix=10_000)
+    a, b, c = words(500, 150), words(500, 151), words(500, 152)
+    serve(cache, a)
+    serve(cache, b)
+    assert cache.ram_bytes == 2 * entry_bytes
+    serve(cache, a)  # touch a: b is now least recently used
+    serve(cache, c)
+    assert cache.ram_bytes <= cache.config.ram_budget_bytes
+    lengths = {tuple(e.tokens[:3]) for e in cache.entries()}
+    assert tuple(b[:3]) not in lengths and tuple(a[:3]) in lengths
+    assert cache.stats["evictions"] == 1
+
+
+def test_namespaces_never_share_entries():
+    cache = make()
+    prompt = words(300, 160)
+    serve(cache, prompt, namespace="tenant-a")
+    assert cache.lookup(prompt, "tenant-b").kind == "cold"
+    assert cache.lookup(prompt, "tenant-a").kind == "entry"
+
+
+# ----------------------------------------------------------------------------- disk bookkeeping
+
+class FakeDisk:
+    """A disk tier that writes instantly and remembers sizes."""
+
+    def __init__(self, records=()):
+        self.files: dict[str, DiskRecord] = {r.id: r for r in records}
+        self.deleted: list[str] = []
+        self.written: list[str] = []
+
+    def records(self):
+        return list(self.files.values())
+
+    def write(self, entry, done):
+        record = DiskRecord(entry.id, entry.tokens, entry.namespace,
+                            tuple((c.length, c.kind) for c in entry.checkpoints), entry.nbytes,
+                            0.0, entry.is_anchor, entry.pinned)
+        self.files[entry.id] = record
+        self.written.append(entry.id)
+        done(entry, record)
+
+    def delete(self, record_id):
+        self.files.pop(record_id, None)
+        self.deleted.append(record_id)
+
+
+def test_idle_entries_are_written_and_superseded_files_deleted_after_the_successor():
+    disk = FakeDisk()
+    clock = Clock()
+    cache = LineageCache(LineageConfig(disk_write_delay_s=30), disk=disk, clock=clock)
+    prompt = words(300, 170)
+    _, _, first = serve(cache, prompt)
+    assert cache.tick() == 0  # still hot
+    clock.now += 60
+    assert cache.tick() == 1 and first.id in disk.files
+    _, _, second = serve(cache, prompt + words(30, 171))
+    assert first.id in disk.files  # kept until its successor is on disk
+    clock.now += 60
+    cache.tick()
+    assert second.id in disk.files and first.id not in disk.files
+
+
+def test_disk_consulted_only_for_something_longer_than_ram():
+    disk = FakeDisk()
+    cache = LineageCache(LineageConfig(), disk=disk, clock=Clock())
+    long = words(800, 180)
+    _, _, entry = serve(cache, long)
+    cache.flush()
+    cache.clear()  # RAM forgets; disk remembers
+    short = long[:300]
+    serve(cache, short)
+    plan = cache.lookup(long + words(10, 181))
+    assert (plan.tier, plan.length, plan.record.id) == ("disk", 799, entry.id)
+    plan = cache.lookup(short + words(10, 182))
+    assert plan.tier == "ram"
+
+
+def test_disk_cap_evicts_pinned_anchor_files_last():
+    disk = FakeDisk()
+    per_file = 299 * KV_PER_TOKEN + SNAP
+    cache = LineageCache(LineageConfig(disk_max_bytes=int(3.5 * per_file), periodic_stride=0,
+                                       guard_min_suffix=10_000), disk=disk, clock=Clock())
+    serve(cache, words(300, 190) + words(5, 191), anchor_len=300)  # anchor written at once
+    anchor_id = next(e.id for e in cache.entries() if e.is_anchor)
+    for i in range(6):
+        serve(cache, words(300, 192 + i))
+    cache.flush()
+    assert anchor_id in disk.files
+    assert cache.disk_bytes <= cache.config.disk_max_bytes
+    assert cache.stats["disk_evictions"] >= 2
+
+
+def test_failed_disk_load_forgets_the_record_and_the_request_goes_cold():
+    record = DiskRecord("bad", np.array(words(400, 200), np.int32), "", (), 10, 0.0)
+    disk = FakeDisk([record])
+    cache = LineageCache(LineageConfig(), disk=disk, clock=Clock())
+    prompt = words(400, 200) + words(5, 201)
+    plan = cache.lookup(prompt)
+    assert plan.tier == "disk"
+    assert cache.promote(plan.record, None) is None
+    assert cache.lookup(prompt).kind == "cold"
+
+
+# ----------------------------------------------------------------------------- config
+
+def test_config_from_env_and_the_master_switch():
+    cfg = LineageConfig.from_env({"APC_LINEAGE": "0", "APC_LINEAGE_MAX_CHECKPOINTS": "6",
+                                  "APC_LINEAGE_RAM_BUDGET_BYTES": "2G",
+                                  "APC_LINEAGE_THIN_ORDER": "stale_guard,periodic,turn"})
+    assert not cfg.enabled and cfg.max_checkpoints == 6 and cfg.ram_budget_bytes == 2 << 30
+    assert cfg.thin_order == ("stale_guard", "periodic", "turn")
+    with pytest.raises(ValueError, match="APC_LINEAGE_MAX_CHECKPOINTS"):
+        LineageConfig.from_env({"APC_LINEAGE_MAX_CHECKPOINTS": "many"})
+    with pytest.raises(ValueError, match="thinning"):
+        LineageConfig.from_env({"APC_LINEAGE_THIN_ORDER": "random"})
