@@ -1,0 +1,252 @@
+"""The random glm5_next builder: determinism, fingerprint, tokenizer, template, loading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from apcctl import tiny_model
+from apcctl.tiny_model import (
+    CONTROL_TOKENS,
+    MARKUP_TOKENS,
+    PRESETS,
+    STAMP_FILE,
+    build_model,
+    cache_bytes,
+    make_config,
+    weights_fingerprint,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0)
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_same_seed_builds_byte_identical_files(tiny: Path, tmp_path: Path) -> None:
+    again = build_model(tmp_path / "again", "tiny", seed=0)
+    assert _files(again) == _files(tiny)
+    assert weights_fingerprint(again) == weights_fingerprint(tiny)
+
+
+def test_other_seed_changes_weights_and_fingerprint_but_not_config(tiny: Path, tmp_path: Path) -> None:
+    other = build_model(tmp_path / "seed1", "tiny", seed=1)
+    assert (other / "config.json").read_bytes() == (tiny / "config.json").read_bytes()
+    assert (other / "model.safetensors").read_bytes() != (tiny / "model.safetensors").read_bytes()
+    assert weights_fingerprint(other) != weights_fingerprint(tiny)
+
+
+def test_fingerprint_follows_weight_bytes(tiny: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name, data in _files(tiny).items():
+        (copy / name).write_bytes(data)
+    assert weights_fingerprint(copy) == weights_fingerprint(tiny)
+    weights = bytearray((copy / "model.safetensors").read_bytes())
+    weights[-1] ^= 0xFF
+    (copy / "model.safetensors").write_bytes(bytes(weights))
+    assert weights_fingerprint(copy) != weights_fingerprint(tiny)
+
+
+def test_matching_stamp_skips_rebuild_and_other_seed_replaces(tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    build_model(out, "tiny", seed=0)
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    first = weights_fingerprint(out)
+    build_model(out, "tiny", seed=0)
+    assert (out / "model.safetensors").stat().st_mtime_ns == before
+
+    build_model(out, "tiny", seed=1)
+    assert weights_fingerprint(out) != first
+    assert json.loads((out / STAMP_FILE).read_text())["seed"] == 1
+
+
+def test_refuses_to_overwrite_a_directory_it_did_not_build(tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError):
+        build_model(foreign, "tiny", seed=0)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+    with pytest.raises(ValueError):
+        build_model(tmp_path / "x", "huge", seed=0)
+
+
+def test_tiny_config_has_full_and_shared_indexers_and_real_topk(tiny: Path) -> None:
+    text = json.loads((tiny / "config.json").read_text())["text_config"]
+    kinds = list(zip(text["layer_types"], text["indexer_types"]))
+    assert kinds.count(("deepseek_sparse_attention", "full")) >= 1
+    assert kinds.count(("deepseek_sparse_attention", "shared")) >= 1
+    assert text["layer_types"].count("linear_attention") >= 2
+    # A shared layer needs a full one before it, or the model raises at the first forward.
+    first_full = kinds.index(("deepseek_sparse_attention", "full"))
+    first_shared = kinds.index(("deepseek_sparse_attention", "shared"))
+    assert first_full < first_shared
+    assert (text["index_topk"], text["index_kpool"], text["hidden_size"]) == (64, 16, 64)
+    assert "sparse" in text["mlp_layer_types"]
+
+
+def test_bench_preset_latent_and_index_at_16k_is_over_500_mb() -> None:
+    ids = {t: i for i, t in enumerate(CONTROL_TOKENS + MARKUP_TOKENS)}
+    config = make_config(PRESETS["bench"], ids, vocab_size=4096)
+    at_16k = cache_bytes(config, 16384)
+    assert at_16k.latent_and_index >= 500_000_000
+    assert at_16k.latent_and_index // 16384 == 32786  # the figure the module docstring states
+
+
+def test_tokenizer_round_trips_text_and_keeps_markup(tiny: Path) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    text = "Hello wörld! def f(x): return {'k': 42}\n\ttabs → ünïcode 🙂"
+    ids = tok.encode(text).ids
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    for token in CONTROL_TOKENS + MARKUP_TOKENS:
+        assert tok.encode(token).ids == [tok.token_to_id(token)]
+    # Control tokens vanish when decoding for the user; parser markup must survive.
+    marked = tok.encode("<|assistant|><tool_call>f<arg_key>a</arg_key>").ids
+    assert tok.decode(marked, skip_special_tokens=True) == "<tool_call>f<arg_key>a</arg_key>"
+
+
+def test_eos_ids_are_endoftext_user_observation(tiny: Path) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    config = json.loads((tiny / "config.json").read_text())
+    names = [tok.id_to_token(i) for i in config["eos_token_id"]]
+    assert names == ["<|endoftext|>", "<|user|>", "<|observation|>"]
+    assert config["text_config"]["vocab_size"] == tok.get_vocab_size()
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny: Path):
+    from mlx_vlm import load
+
+    return load(str(tiny))
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+def test_chat_template_renders_glm_turns_tools_and_tool_results(loaded) -> None:
+    _, processor = loaded
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}
+            ],
+        },
+        {"role": "tool", "content": "sunny"},
+        {"role": "tool", "content": "22C"},
+        {"role": "assistant", "content": "Sunny, 22C."},
+        {"role": "user", "content": "Thanks"},
+    ]
+    text = processor.apply_chat_template(
+        messages, tools=TOOLS, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert text.startswith("[gMASK]<sop><|system|>\n# Tools")
+    assert '"name": "get_weather"' in text
+    # GLM puts the tools block before the system text.
+    assert text.index("</tools>") < text.index("<|system|>You are terse.")
+    assert (
+        "<|user|>Weather in Paris?<|assistant|></think>"
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+        "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>"
+    ) in text
+    assert "<|observation|><tool_response>sunny</tool_response><tool_response>22C</tool_response>" in text
+    assert text.count("<|observation|>") == 1
+    assert "<|assistant|></think>Sunny, 22C.<|user|>Thanks" in text
+    assert text.endswith("<|user|>Thanks<|assistant|></think>")
+
+    thinking = processor.apply_chat_template(
+        messages[:2], tokenize=False, add_generation_prompt=True, enable_thinking=True
+    )
+    assert thinking == "[gMASK]<sop><|system|>You are terse.<|user|>Weather in Paris?<|assistant|><think>"
+
+
+def test_jinja_file_and_inline_template_agree(tiny: Path) -> None:
+    inline = json.loads((tiny / "tokenizer_config.json").read_text())["chat_template"]
+    assert (tiny / "chat_template.jinja").read_text() == inline == tiny_model.CHAT_TEMPLATE
+
+
+def test_loads_and_generates_greedily_and_deterministically(loaded) -> None:
+    from mlx_vlm import generate
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    model, processor = loaded
+    prompt = apply_chat_template(processor, model.config, [{"role": "user", "content": "Hello there"}])
+    first = generate(model, processor, prompt, max_tokens=6, temperature=0.0, verbose=False)
+    second = generate(model, processor, prompt, max_tokens=6, temperature=0.0, verbose=False)
+    assert first.generation_tokens == 6
+    assert first.prompt_tokens > 5
+    assert first.text and first.text == second.text
+
+
+def test_cache_bytes_matches_the_model_caches_after_a_long_prefill(loaded, tiny: Path) -> None:
+    import mlx.core as mx
+    from mlx_vlm.models.cache import CacheList
+
+    model, _ = loaded
+    tokens = 300  # > index_topk, so the indexer really selects
+    cache = model.language_model.make_cache()
+    ids = mx.array([[(7 * i) % 1000 + 30 for i in range(tokens)]])
+    mx.eval(model.language_model(ids, cache=cache).logits)
+
+    def state_bytes(c) -> int:
+        return sum(a.nbytes for a in _arrays(c.state))
+
+    latent = index = projected = 0
+    for c in cache:
+        if not isinstance(c, CacheList):
+            continue
+        latent += state_bytes(c[0])
+        if len(c.caches) == 4:  # own indexer: latent, validity, pools, projected
+            index += state_bytes(c[1]) + state_bytes(c[2])
+            projected += state_bytes(c[3])
+        else:  # shared indexer: latent, projected
+            projected += state_bytes(c[1])
+    expected = cache_bytes(json.loads((tiny / "config.json").read_text()), tokens)
+    assert (latent, index, projected) == (expected.latent, expected.index, expected.projected)
+
+
+def _arrays(state):
+    for item in state:
+        if isinstance(item, (list, tuple)):
+            yield from _arrays(item)
+        elif item is not None:
+            yield item
+
+
+def test_cli_build_and_fingerprint(tmp_path: Path) -> None:
+    from apcctl.cli import main
+
+    runner = CliRunner()
+    out = tmp_path / "cli-model"
+    result = runner.invoke(main, ["model", "build", str(out), "--preset", "tiny", "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    assert "latent+index cache 261 B/token" in result.output
+    result = runner.invoke(main, ["model", "fingerprint", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["fingerprint"] == weights_fingerprint(out)
+    result = runner.invoke(main, ["model", "fingerprint", str(tmp_path)])
+    assert result.exit_code != 0 and "no config.json" in result.output
