@@ -7,7 +7,7 @@ import importlib
 import click
 
 # Module names under apcctl.commands; add yours here.
-MODULES: tuple[str, ...] = ("bench_lookup", "model")
+MODULES: tuple[str, ...] = ("bench_lookup", "model", "patch")
 
 
 def register_all(main: click.Group, bench: click.Group) -> None:

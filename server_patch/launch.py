@@ -1,0 +1,55 @@
+"""Start mlx-vlm's server with the lineage patch: ``python -m server_patch.launch [server args]``.
+
+The arguments are mlx-vlm 0.7.10's own (``mlx_vlm.server --help``). Differences from running
+``python -m mlx_vlm.server``:
+
+* the overlay is installed first (unless ``APC_LINEAGE=0``, which runs stock 0.7.10 with no
+  overlay at all), so a patch that does not apply stops here with a message naming the file
+  and the edit;
+* ``--host`` defaults to 127.0.0.1 instead of mlx-vlm's 0.0.0.0;
+* ``--reload`` is refused: uvicorn's reloader serves from a child process that would import
+  mlx-vlm without the hook.
+
+It works because ``mlx_vlm.server.cli.main`` parses ``sys.argv`` and then runs
+``uvicorn.run("mlx_vlm.server:app", workers=1)`` in this same process, where the hook applies.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+def lineage_enabled(environ: os._Environ[str] | dict[str, str] = os.environ) -> bool:
+    """``APC_LINEAGE=0`` (or false/no/off) turns the whole patch off."""
+    return environ.get("APC_LINEAGE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def server_argv(args: list[str]) -> list[str]:
+    """The server's arguments with the loopback default applied."""
+    if not any(arg == "--host" or arg.startswith("--host=") for arg in args):
+        args = ["--host", DEFAULT_HOST, *args]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--reload" in args:
+        raise SystemExit("server_patch.launch: --reload is not supported (the reloader's child would run unpatched)")
+    if lineage_enabled():
+        from server_patch.overlay import PatchError, install
+
+        try:
+            install()
+        except PatchError as exc:
+            raise SystemExit(f"server_patch.launch: {exc}") from exc
+    sys.argv = ["mlx_vlm.server", *server_argv(args)]
+    from mlx_vlm.server.cli import main as server_main
+
+    server_main()
+
+
+if __name__ == "__main__":
+    main()
