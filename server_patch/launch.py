@@ -42,9 +42,17 @@ def main(argv: list[str] | None = None) -> None:
         from server_patch.overlay import PatchError, install
 
         try:
-            install()
+            finder = install()
         except PatchError as exc:
             raise SystemExit(f"server_patch.launch: {exc}") from exc
+        edits = sum(len(p.edits) for p in finder.registry.values())
+        print(
+            f"server_patch.launch: overlay installed ({edits} edits in "
+            f"{len(finder.registry)} mlx-vlm files)",
+            file=sys.stderr,
+        )
+    else:
+        print("server_patch.launch: APC_LINEAGE=0, running stock mlx-vlm", file=sys.stderr)
     sys.argv = ["mlx_vlm.server", *server_argv(args)]
     from mlx_vlm.server.cli import main as server_main
 

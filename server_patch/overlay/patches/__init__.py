@@ -1,6 +1,8 @@
 """Patch topics: one module per concern, each exposing ``FILE_PATCHES`` (or calling
 ``register`` when imported). Topic modules must not import mlx-vlm: they are loaded before
-the hook is installed, and an mlx-vlm module imported then would stay unpatched.
+the hook is installed, and an mlx-vlm module imported then would stay unpatched. Prefer
+``FILE_PATCHES``: ``load_topics(fresh_registry)`` re-reads it, while a ``register`` call runs
+only on the first import and only into ``PATCHES``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,362 @@
+"""The patch overlay: exact-text edits, the import hook, verification, diff, CLI, launcher."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import sys
+import traceback
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+from click.testing import CliRunner
+
+from server_harness import PatchedServer
+from server_patch import PATCH_VERSION
+from server_patch.launch import lineage_enabled, server_argv
+from server_patch.launch import main as launch_main
+from server_patch.overlay import (
+    Edit,
+    FilePatch,
+    OverlayFinder,
+    PatchError,
+    apply,
+    install,
+    installed,
+    register,
+    unified_diff,
+    verify_all,
+)
+from server_patch.overlay.patches import load_topics
+
+MOD_SOURCE = '''"""A fake module to patch."""
+
+VALUE = "pristine"
+
+
+def boom():
+    raise ValueError("pristine failure")
+'''
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class FakePackage:
+    """A throwaway package on sys.path: ``<name>/__init__.py``, ``mod.py``, ``other.py``."""
+
+    def __init__(self, root: Path) -> None:
+        self.name = f"fakepkg_{uuid.uuid4().hex[:8]}"
+        self.dir = root / self.name
+        self.dir.mkdir()
+        self.init_source = "PKG = 'pristine'\n"
+        (self.dir / "__init__.py").write_text(self.init_source)
+        (self.dir / "mod.py").write_text(MOD_SOURCE)
+        (self.dir / "other.py").write_text("OTHER = 1\n")
+
+    def patch(self, *edits: Edit, module: str = "mod", source: str = MOD_SOURCE) -> FilePatch:
+        relpath = f"{self.name}/__init__.py" if module == "__init__" else f"{self.name}/{module}.py"
+        full = self.name if module == "__init__" else f"{self.name}.{module}"
+        return FilePatch(module=full, relpath=relpath, sha256=sha(source), edits=edits, dist=None)
+
+
+@pytest.fixture
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pkg = FakePackage(tmp_path)
+    finders: list[OverlayFinder] = []
+    yield pkg, finders
+    for finder in finders:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+    for name in [n for n in sys.modules if n == pkg.name or n.startswith(pkg.name + ".")]:
+        del sys.modules[name]
+
+
+def activate(finders: list[OverlayFinder], *patches: FilePatch) -> OverlayFinder:
+    finder = OverlayFinder({p.module: p for p in patches})
+    sys.meta_path.insert(0, finder)
+    finders.append(finder)
+    return finder
+
+
+VALUE_EDIT = Edit("value", 'VALUE = "pristine"', 'VALUE = "patched"')
+
+
+# ------------------------------------------------------------------ apply (pure text)
+
+
+def test_apply_replaces_each_anchor_once(fake) -> None:
+    pkg, _ = fake
+    patch = pkg.patch(VALUE_EDIT, Edit("boom", 'raise ValueError("pristine failure")', "return 42"))
+    out = apply(patch, MOD_SOURCE)
+    assert 'VALUE = "patched"' in out and "return 42" in out
+    assert out.startswith('"""A fake module to patch."""\n')  # text around anchors kept
+    assert out.count("patched") == 1 and "pristine" not in out
+
+
+def test_zero_matches_names_file_and_edit(fake) -> None:
+    pkg, _ = fake
+    patch = pkg.patch(Edit("missing", "NOT THERE", "x"))
+    with pytest.raises(PatchError, match=rf"edit 'missing' in {pkg.name}/mod.py matched 0 times"):
+        apply(patch, MOD_SOURCE)
+
+
+def test_two_matches_is_an_error(fake) -> None:
+    pkg, _ = fake
+    patch = pkg.patch(Edit("ambiguous", "pristine", "x"))
+    with pytest.raises(PatchError, match=r"edit 'ambiguous' in .*/mod.py matched 2 times"):
+        apply(patch, MOD_SOURCE)
+    # Overlapping occurrences of a self-similar anchor count too.
+    text = "aaa\n"
+    with pytest.raises(PatchError, match="matched 2 times"):
+        apply(FilePatch(pkg.name + ".mod", f"{pkg.name}/mod.py", sha(text), (Edit("aa", "aa", "b"),), dist=None), text)
+
+
+def test_overlapping_edits_are_rejected(fake) -> None:
+    pkg, _ = fake
+    patch = pkg.patch(VALUE_EDIT, Edit("wider", 'VALUE = "pristine"\n\n\ndef boom', "x"))
+    with pytest.raises(PatchError, match="edits 'value' and 'wider' in .* overlap"):
+        apply(patch, MOD_SOURCE)
+
+
+def test_sha_mismatch_refuses_before_looking_at_edits(fake) -> None:
+    pkg, _ = fake
+    patch = pkg.patch(VALUE_EDIT)
+    with pytest.raises(PatchError, match="sha256 mismatch: .*mod.py"):
+        apply(patch, MOD_SOURCE + "# local change\n")
+    real = FilePatch("mlx_vlm.server.app", "mlx_vlm/server/app.py", "0" * 64, (VALUE_EDIT,))
+    with pytest.raises(PatchError, match=r"sha256 mismatch: installed mlx-vlm is not 0\.7\.10"):
+        apply(real, "anything")
+
+
+def test_every_problem_is_reported_at_once(fake) -> None:
+    pkg, _ = fake
+    patch = pkg.patch(Edit("a", "NOPE", "x"), Edit("b", "pristine", "y"))
+    with pytest.raises(PatchError) as info:
+        apply(patch, MOD_SOURCE)
+    assert len(info.value.problems) == 2
+
+
+# ------------------------------------------------------------------ registry
+
+
+def test_register_merges_topics_for_one_file_and_rejects_conflicts(fake) -> None:
+    pkg, _ = fake
+    registry: dict[str, FilePatch] = {}
+    register(pkg.patch(VALUE_EDIT), registry)
+    register(pkg.patch(Edit("boom", 'raise ValueError("pristine failure")', "return 42")), registry)
+    register(pkg.patch(VALUE_EDIT), registry)  # a topic imported twice is a no-op
+    merged = registry[f"{pkg.name}.mod"]
+    assert [e.name for e in merged.edits] == ["value", "boom"]
+    assert "return 42" in apply(merged, MOD_SOURCE)
+
+    with pytest.raises(PatchError, match="registered twice with different text"):
+        register(pkg.patch(Edit("value", 'VALUE = "pristine"', "VALUE = 0")), registry)
+    with pytest.raises(PatchError, match="disagree"):
+        register(pkg.patch(Edit("z", "def", "def"), source="other text"), registry)
+
+
+def test_edits_from_two_topics_must_not_overlap(fake) -> None:
+    pkg, _ = fake
+    registry: dict[str, FilePatch] = {}
+    register(pkg.patch(VALUE_EDIT), registry)
+    register(pkg.patch(Edit("other_topic", '"pristine"\n', '"mine"\n')), registry)
+    with pytest.raises(PatchError, match="overlap"):
+        verify_all(registry)
+
+
+def test_filepatch_checks_module_and_relpath_agree() -> None:
+    with pytest.raises(PatchError, match="is not the file of module"):
+        FilePatch("mlx_vlm.server.app", "mlx_vlm/server/openai.py", "0" * 64, ())
+
+
+# ------------------------------------------------------------------ the import hook
+
+
+def test_hook_loads_patched_source_under_the_original_filename(fake) -> None:
+    pkg, finders = fake
+    activate(finders, pkg.patch(
+        VALUE_EDIT,
+        Edit("boom", '    raise ValueError("pristine failure")\n',
+             '    extra = "a line that shifts numbering"\n    raise ValueError("patched failure")\n'),
+    ))
+    mod = importlib.import_module(f"{pkg.name}.mod")
+    assert mod.VALUE == "patched"
+    assert mod.__file__ == str(pkg.dir / "mod.py")
+    other = importlib.import_module(f"{pkg.name}.other")  # not patched: the normal loader
+    assert other.OTHER == 1 and not isinstance(other.__loader__, type(mod.__loader__))
+    assert (pkg.dir / "mod.py").read_text() == MOD_SOURCE  # nothing on disk changed
+
+    with pytest.raises(ValueError) as info:
+        mod.boom()
+    frame = traceback.extract_tb(info.tb)[-1]
+    assert frame.filename == str(pkg.dir / "mod.py")
+    assert frame.line == 'raise ValueError("patched failure")'
+
+
+def test_hook_patches_a_package_init_and_keeps_its_submodules(fake) -> None:
+    pkg, finders = fake
+    activate(finders, pkg.patch(Edit("pkg", "PKG = 'pristine'", "PKG = 'patched'"),
+                                module="__init__", source=pkg.init_source))
+    package = importlib.import_module(pkg.name)
+    assert package.PKG == "patched"
+    assert importlib.import_module(f"{pkg.name}.other").OTHER == 1
+
+
+def test_hook_fails_closed_when_the_file_changed_after_verification(fake) -> None:
+    pkg, finders = fake
+    patch = pkg.patch(VALUE_EDIT)
+    verify_all({patch.module: patch})
+    (pkg.dir / "mod.py").write_text(MOD_SOURCE + "# edited later\n")
+    activate(finders, patch)
+    with pytest.raises(PatchError, match="sha256 mismatch"):
+        importlib.import_module(f"{pkg.name}.mod")
+    assert f"{pkg.name}.mod" not in sys.modules
+
+
+def test_install_refuses_when_the_module_is_already_imported(fake) -> None:
+    pkg, _ = fake
+    importlib.import_module(f"{pkg.name}.mod")
+    patch = pkg.patch(VALUE_EDIT)
+    with pytest.raises(PatchError, match=rf"already imported unpatched: {pkg.name}\.mod"):
+        install({patch.module: patch})
+    assert not installed()
+
+
+def test_install_verifies_everything_before_touching_meta_path(fake) -> None:
+    pkg, _ = fake
+    patch = pkg.patch(VALUE_EDIT, Edit("broken", "NOT THERE", "x"))
+    before = list(sys.meta_path)
+    with pytest.raises(PatchError, match="matched 0 times"):
+        install({patch.module: patch})
+    assert sys.meta_path == before and not installed()
+
+
+# ------------------------------------------------------------------ the real mlx-vlm
+
+
+def test_verify_all_passes_on_the_installed_mlx_vlm() -> None:
+    patched = verify_all()
+    assert "**_apc_health_fields()," in patched["mlx_vlm.server.app"]
+    assert "mlx_vlm.server.app" in load_topics()
+
+
+def test_version_pin_is_checked() -> None:
+    real = load_topics({})["mlx_vlm.server.app"]
+    wrong = FilePatch(real.module, real.relpath, real.sha256, real.edits, version="0.7.9")
+    with pytest.raises(PatchError, match="installed mlx-vlm is 0.7.10, the patch needs exactly 0.7.9"):
+        verify_all({wrong.module: wrong})
+
+
+def test_unified_diff_shows_the_identity_edit() -> None:
+    diff = unified_diff()
+    assert "--- a/mlx_vlm/server/app.py\n+++ b/mlx_vlm/server/app.py\n" in diff
+    assert "\n+        **_apc_health_fields(),\n" in diff
+    assert '\n         "apc_enabled": runtime["apc"]["enabled"],\n' in diff  # context line
+
+
+def test_cli_patch_verify_and_diff(monkeypatch: pytest.MonkeyPatch) -> None:
+    from apcctl.cli import main
+
+    runner = CliRunner()
+    result = runner.invoke(main, ["patch", "verify"])
+    assert result.exit_code == 0 and result.output.startswith("ok:")
+    result = runner.invoke(main, ["patch", "verify", "--json"])
+    report = json.loads(result.output)
+    assert result.exit_code == 0 and report["ok"] is True
+    app = next(f for f in report["files"] if f["module"] == "mlx_vlm.server.app")
+    assert {"identity.import", "identity.health_field"} <= set(app["edits"])
+    result = runner.invoke(main, ["patch", "diff"])
+    assert result.exit_code == 0 and "+        **_apc_health_fields()," in result.output
+
+    real = load_topics({})["mlx_vlm.server.app"]
+    broken = FilePatch(real.module, real.relpath, real.sha256, real.edits + (Edit("gone", "NO SUCH TEXT", ""),))
+    monkeypatch.setattr("server_patch.overlay.patches.load_topics", lambda: {broken.module: broken})
+    result = runner.invoke(main, ["patch", "verify"])
+    assert result.exit_code == 1
+    assert "edit 'gone' in mlx_vlm/server/app.py matched 0 times" in result.output
+    result = runner.invoke(main, ["patch", "verify", "--json"])
+    assert result.exit_code == 1 and json.loads(result.output)["ok"] is False
+
+
+# ------------------------------------------------------------------ launcher
+
+
+def test_launcher_defaults_to_loopback_and_keeps_an_explicit_host() -> None:
+    assert server_argv(["--port", "1"]) == ["--host", "127.0.0.1", "--port", "1"]
+    assert server_argv(["--host", "0.0.0.0"]) == ["--host", "0.0.0.0"]
+    assert server_argv(["--host=::1"]) == ["--host=::1"]
+    assert lineage_enabled({}) and lineage_enabled({"APC_LINEAGE": "1"})
+    assert not lineage_enabled({"APC_LINEAGE": "0"}) and not lineage_enabled({"APC_LINEAGE": "off"})
+    with pytest.raises(SystemExit, match="--reload"):
+        launch_main(["--model", "x", "--reload"])
+
+
+# ------------------------------------------------------------------ a real server
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from apcctl.tiny_model import build_model
+
+    return build_model(tmp_path_factory.mktemp("overlay-model") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture
+def start_server(tiny_model: Path, tmp_path: Path):
+    servers: list[PatchedServer] = []
+
+    def start(**env: str) -> PatchedServer:
+        server = PatchedServer(
+            tiny_model,
+            env={"APC_ENABLED": "1", "APC_DISK_ENABLED": "0",
+                 "APC_DISK_PATH": str(tmp_path / f"disk-{len(servers)}"), **env},
+            log_dir=tmp_path,
+        )
+        servers.append(server)
+        return server.start()
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def _listening_hosts(pid: int, port: int) -> set[str]:
+    return {
+        conn.laddr.ip
+        for conn in psutil.Process(pid).net_connections(kind="tcp")
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port
+    }
+
+
+@pytest.mark.server
+def test_patched_server_reports_the_patch_and_serves_chat(start_server) -> None:
+    server = start_server()
+    health = server.get_json("/health")
+    assert health["apc_lineage_patch"] == PATCH_VERSION
+    assert health["apc_enabled"] is True
+    assert _listening_hosts(server.pid, server.port) == {"127.0.0.1"}
+    assert "overlay installed" in server.log_text()
+
+    reply = server.chat([{"role": "user", "content": "Hello there"}], max_tokens=4)
+    assert reply["usage"]["completion_tokens"] == 4
+    assert reply["usage"]["prompt_tokens"] > 0
+    assert reply["choices"][0]["finish_reason"] in ("length", "stop")
+
+    assert server.stop() is not None
+    assert server.process.poll() is not None
+
+
+@pytest.mark.server
+def test_apc_lineage_0_is_stock_mlx_vlm(start_server) -> None:
+    server = start_server(APC_LINEAGE="0")
+    health = server.get_json("/health")
+    assert "apc_lineage_patch" not in health
+    assert "running stock mlx-vlm" in server.log_text()
+    assert health["status"] == "healthy"
+    assert _listening_hosts(server.pid, server.port) == {"127.0.0.1"}
