@@ -1,0 +1,127 @@
+"""Per-request timing records: two greppable log lines each, and a ring buffer for /admin.
+
+A record is opened at lookup (keyed by the prompt), bound to the generator's uid when the
+prompt batch is built, filled in at commit, prefill completion and first token, then logged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable
+
+log = logging.getLogger("server_patch.lineage")
+
+RING_SIZE = 2048
+_PENDING_MAX = 256
+
+
+@dataclass
+class RequestTiming:
+    """What one request cost, split where an operator can act on it."""
+
+    seq: int
+    started: float
+    prompt_tokens: int
+    restore_kind: str = "cold"
+    restored_tokens: int = 0
+    entry_id: str = ""
+    lookup_ms: float = 0.0
+    admission_ms: float = 0.0
+    prefill_ms: float = 0.0
+    commit_ms: float = 0.0
+    ttft_ms: float = 0.0
+    request_id: str = ""
+    uid: Any = None
+    captures: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("uid", None)
+        return out
+
+
+def _fmt(**fields: Any) -> str:
+    return " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
+
+
+class TimingBook:
+    """Open records by prompt key and by uid; finished records in a bounded ring."""
+
+    def __init__(self, ring_size: int = RING_SIZE) -> None:
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._by_key: OrderedDict[Any, RequestTiming] = OrderedDict()
+        self._by_uid: OrderedDict[Any, RequestTiming] = OrderedDict()
+        self.ring: deque[RequestTiming] = deque(maxlen=ring_size)
+        self.listeners: list[Callable[[RequestTiming], None]] = []
+
+    def open(self, key: Any, prompt_tokens: int) -> RequestTiming:
+        with self._lock:
+            record = RequestTiming(next(self._seq), time.time(), prompt_tokens)
+            self._by_key[key] = record
+            while len(self._by_key) > _PENDING_MAX:
+                self._by_key.popitem(last=False)
+            return record
+
+    def by_key(self, key: Any) -> RequestTiming | None:
+        with self._lock:
+            return self._by_key.get(key)
+
+    def bind(self, uid: Any, key: Any) -> None:
+        """Attach the record opened for prompt ``key`` to the generator's ``uid``."""
+        with self._lock:
+            record = self._by_key.pop(key, None)
+            if record is None:
+                return
+            record.uid = uid
+            self._by_uid[uid] = record
+            while len(self._by_uid) > _PENDING_MAX:
+                self._by_uid.popitem(last=False)
+
+    def by_uid(self, uid: Any) -> RequestTiming | None:
+        with self._lock:
+            return self._by_uid.get(uid)
+
+    def prefill_completed(self, uid: Any, request_id: str, prefill_s: float) -> None:
+        record = self.by_uid(uid)
+        if record is None:
+            return
+        record.request_id = str(request_id)
+        record.prefill_ms = prefill_s * 1000
+        log.info("apc_lineage restore %s", _fmt(
+            request=record.request_id, kind=record.restore_kind, restored=record.restored_tokens,
+            prompt=record.prompt_tokens, lookup_ms=record.lookup_ms,
+            admission_ms=record.admission_ms, entry=record.entry_id or "-"))
+
+    def first_token(self, uid: Any, request_id: str, ttft_s: float) -> None:
+        with self._lock:
+            record = self._by_uid.pop(uid, None)
+        if record is None:
+            return
+        record.request_id = record.request_id or str(request_id)
+        record.ttft_ms = ttft_s * 1000
+        log.info("apc_lineage timing %s", _fmt(
+            request=record.request_id, kind=record.restore_kind, prefill_ms=record.prefill_ms,
+            commit_ms=record.commit_ms, ttft_ms=record.ttft_ms,
+            captures=",".join(record.captures) or "-"))
+        with self._lock:
+            self.ring.append(record)
+        for listener in list(self.listeners):
+            try:
+                listener(record)
+            except Exception:
+                pass
+
+    def since(self, seq: int = 0) -> list[dict[str, Any]]:
+        """Finished records newer than ``seq`` (for polling with ``since=``)."""
+        with self._lock:
+            return [r.as_dict() for r in self.ring if r.seq > seq]
+
+    def all(self) -> Iterable[RequestTiming]:
+        with self._lock:
+            return list(self.ring)
