@@ -1,0 +1,34 @@
+"""The policies a replay can run, by name."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from apcctl.sim.policies.base import Ledger, Policy, Served
+from apcctl.sim.policies.lineage import LineagePolicy
+from apcctl.sim.policies.oracle import OraclePolicy
+from apcctl.sim.policies.periodic import PeriodicPolicy
+from apcctl.sim.policies.post_baseline import make_post_baseline
+from apcctl.sim.policies.stock import make_stock
+from apcctl.sim.sizes import StateSizes
+from server_patch.lineage import LineageConfig
+
+# Each factory takes the state sizes and the lineage config (None: the policy's defaults).
+FACTORIES: dict[str, Callable[[StateSizes, LineageConfig | None], Policy]] = {
+    "lineage": lambda sizes, cfg: LineagePolicy(sizes, config=cfg),
+    "lineage-nosegments": lambda sizes, cfg: LineagePolicy(sizes, segments=False, config=cfg),
+    "stock": lambda sizes, cfg: make_stock(sizes),
+    "post-baseline": lambda sizes, cfg: make_post_baseline(sizes),
+    "periodic": lambda sizes, cfg: PeriodicPolicy(sizes),
+    "oracle": lambda sizes, cfg: OraclePolicy(),
+}
+POLICY_NAMES: tuple[str, ...] = tuple(FACTORIES)
+
+
+def make_policy(name: str, sizes: StateSizes, lineage_config: LineageConfig | None = None) -> Policy:
+    if name not in FACTORIES:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
+    return FACTORIES[name](sizes, lineage_config)
+
+
+__all__ = ["FACTORIES", "POLICY_NAMES", "Ledger", "Policy", "Served", "make_policy"]

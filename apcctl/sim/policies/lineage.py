@@ -1,0 +1,154 @@
+"""The real ``LineageCache`` driven by trace time, over sized handles and an in-memory disk.
+
+Per request the adapter does what the server plumbing does: ``tick`` (idle disk writes),
+``lookup``, load and ``promote`` a disk hit, ``note_restore``/``note_cold``, ``plan_captures``
+with the trace's anchor length and segments, then ``commit`` the state at n - 1 with one
+snapshot per capture. Stored bytes: the entry's KV rows are one row-extraction copy per commit
+that creates an entry; checkpoints are references to recurrent states prefill produced anyway
+(0 copies); an anchor copies its KV prefix (``KVHandle.prefix``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from apcctl.sim.policies.base import Ledger, Served
+from apcctl.sim.sizes import StateSizes
+from apcctl.sim.trace import Request
+from server_patch.lineage import (
+    DISK, Checkpoint, DiskRecord, Entry, Event, LineageCache, LineageConfig, RestorePlan,
+    SizedKV, SizedSnapshot,
+)
+
+
+@dataclass
+class MemoryDisk:
+    """A ``DiskTier`` that keeps records in a dict and counts bytes; writes complete at once."""
+
+    ledger: Ledger
+    files: dict[str, DiskRecord] = field(default_factory=dict)
+    clock: Callable[[], float] = lambda: 0.0
+
+    @property
+    def held(self) -> int:
+        return sum(r.nbytes for r in self.files.values())
+
+    def records(self) -> list[DiskRecord]:
+        return list(self.files.values())
+
+    def write(self, entry: Entry, done: Callable[[Entry, DiskRecord | None], None]) -> None:
+        record = DiskRecord(
+            id=entry.id, tokens=entry.tokens.copy(), namespace=entry.namespace,
+            checkpoints=tuple((c.length, c.kind) for c in entry.checkpoints),
+            nbytes=entry.nbytes, last_used=self.clock(), is_anchor=entry.is_anchor,
+            pinned=entry.pinned, label=entry.label,
+        )
+        self.files[record.id] = record  # a rewrite of the same entry replaces its file
+        self.ledger.disk_bytes_written += record.nbytes
+        done(entry, record)
+
+    def delete(self, record_id: str) -> None:
+        record = self.files.pop(record_id, None)
+        if record is not None:
+            self.ledger.disk_bytes_deleted += record.nbytes
+
+
+class LineagePolicy:
+    """``lineage`` (segments passed to ``plan_captures``) or ``lineage-nosegments``."""
+
+    def __init__(self, sizes: StateSizes, *, segments: bool = True,
+                 config: LineageConfig | None = None) -> None:
+        self.name = "lineage" if segments else "lineage-nosegments"
+        self.sizes = sizes
+        self.use_segments = segments
+        self.ledger = Ledger()
+        self.now = 0.0
+        self.disk = MemoryDisk(self.ledger, clock=lambda: self.now)
+        self._anchor_ids: set[str] = set()
+        self.cache = LineageCache(config or LineageConfig(), disk=self.disk,
+                                  clock=lambda: self.now, on_event=self._on_event)
+
+    # ------------------------------------------------------------------ per request
+
+    def serve(self, req: Request) -> Served:
+        self._advance(req.t)
+        cache, ns = self.cache, req.namespace
+        plan = cache.lookup(req.tokens, ns)
+        if plan.hit and plan.tier == DISK:
+            self._load(plan)
+        if plan.hit:
+            cache.note_restore(plan)
+        else:
+            cache.note_cold(plan)
+        captures = cache.plan_captures(
+            req.tokens, plan, namespace=ns, anchor_len=req.anchor_len,
+            segments=req.segments if self.use_segments else (),
+        )
+        snap = self.sizes.snapshot_bytes
+        kv = SizedKV(self.sizes.kv_per_token, req.n - cache.config.entry_offset)
+        entry = cache.commit(
+            req.tokens, kv=kv, head=SizedSnapshot(snap), namespace=ns,
+            captures={c.length: (c.kind, SizedSnapshot(snap)) for c in captures},
+        )
+        if entry is not None and entry.kv is kv:
+            self.ledger.bytes_cloned += kv.nbytes  # the row extraction this entry now holds
+        return Served(plan.length, _source(plan))
+
+    def _advance(self, t: float) -> None:
+        """Trace time drives the clock; idle entries are written as the server's tick would."""
+        self.now = max(self.now, t)
+        self.cache.tick(self.now)
+
+    def _load(self, plan: RestorePlan) -> None:
+        """What the plumbing does on a disk hit: read the file, rebuild the entry, promote it."""
+        record = plan.record
+        assert record is not None
+        snap = self.sizes.snapshot_bytes
+        entry = Entry(
+            id=record.id, tokens=record.tokens.copy(), kv=SizedKV(self.sizes.kv_per_token, record.length),
+            head=SizedSnapshot(snap), namespace=record.namespace, created=self.now,
+            last_used=self.now, is_anchor=record.is_anchor, pinned=record.pinned, label=record.label,
+            checkpoints=[Checkpoint(length, kind, SizedSnapshot(snap), created=self.now)
+                         for length, kind in record.checkpoints],
+        )
+        self.ledger.disk_bytes_read += record.nbytes
+        self.cache.promote(record, entry)
+
+    def _on_event(self, event: Event) -> None:
+        if event.kind == "pin" and event.detail == "captured":
+            self._anchor_ids.add(event.entry_id)
+            self.ledger.bytes_cloned += self.sizes.kv_bytes(event.length)  # KVHandle.prefix copy
+        elif event.kind == "evict" and event.detail != "operator":
+            if event.entry_id in self._anchor_ids:
+                self.ledger.anchor_evictions += 1
+            else:
+                self.ledger.evictions += 1
+        elif event.kind == "disk_delete" and event.detail == "disk cap":
+            self.ledger.disk_evictions += 1
+
+    # ------------------------------------------------------------------ end and sampling
+
+    def finish(self, end_time: float) -> None:
+        """The server keeps running after the trace: idle entries get written 30 s later.
+
+        That tail is counted as traffic (it is what a live server writes); ``flush()`` would
+        write the same set, since by then every dirty entry is idle.
+        """
+        self._advance(end_time + self.cache.config.disk_write_delay_s)
+
+    def ram_bytes(self) -> int:
+        return self.cache.ram_bytes
+
+    def disk_bytes(self) -> int:
+        return self.disk.held
+
+    def checkpoint_bytes(self) -> int:
+        return sum(e.checkpoint_bytes for e in self.cache.entries())
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.cache.stats)
+
+
+def _source(plan: RestorePlan) -> str:
+    return f"{plan.tier}:{plan.kind}" if plan.hit else "cold"

@@ -1,0 +1,67 @@
+"""The trace format: delta-encoded token ids, text records, headers, the bundled trace."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from apcctl.sim.prefix import PrefixSet
+from apcctl.sim.trace import Request, bundled_trace_path, parse_lines, read_trace, tokenize_text, write_trace
+
+
+def arr(*ids: int) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int32)
+
+
+def test_round_trip_stores_each_turn_as_a_delta():
+    reqs = [Request("a", 0.0, arr(1, 2, 3, 4), anchor_len=2, segments=(2, 3)),
+            Request("a", 1.0, arr(1, 2, 3, 4, 5, 6), kind="turn"),
+            Request("b", 2.0, arr(1, 2, 9), kind="new_session", namespace="x")]
+    out = io.StringIO()
+    write_trace(out, reqs, {"seed": 1})
+    lines = out.getvalue().splitlines()
+    assert '"trace"' in lines[0]
+    assert '"from":0,"keep":4,"add":[5,6]' in lines[2]
+    back = parse_lines(lines)
+    assert back.meta["seed"] == 1
+    for original, parsed in zip(reqs, back.requests):
+        assert np.array_equal(original.tokens, parsed.tokens)
+        assert (parsed.conv, parsed.t, parsed.anchor_len, parsed.segments, parsed.kind, parsed.namespace) == \
+            (original.conv, original.t, original.anchor_len, original.segments, original.kind, original.namespace)
+
+
+def test_text_records_use_a_deterministic_whitespace_tokenizer():
+    trace = parse_lines(['{"conv": "c", "t": 0, "text": "hello  world\\nhello"}'])
+    ids = trace.requests[0].tokens
+    assert ids.shape == (3,) and ids[0] == ids[2] != ids[1]
+    assert np.array_equal(ids, tokenize_text("hello world hello"))
+    assert tokenize_text("hello")[0] == 1000 + 907060870 % 150_000  # crc32, not hash()
+
+
+def test_malformed_lines_name_the_line():
+    with pytest.raises(ValueError, match="line 2"):
+        parse_lines(['{"tokens": [1, 2]}', '{"conv": "x"}'])
+    with pytest.raises(ValueError, match="keep"):
+        parse_lines(['{"tokens": [1, 2]}', '{"from": 0, "keep": 5}'])
+
+
+def test_prefix_set_keeps_only_maximal_prompts():
+    seen = PrefixSet()
+    seen.add(arr(1, 2, 3), 0)
+    seen.add(arr(1, 2, 3, 4), 1)  # extends 0, which is dropped
+    seen.add(arr(1, 2), 2)  # covered by 1
+    seen.add(arr(1, 7), 3)
+    assert len(seen) == 2
+    assert seen.longest(arr(1, 2, 3, 9)) == (3, 1)
+    assert seen.longest(arr(5)) == (0, -1)
+
+
+def test_bundled_trace_is_small_and_full_scale():
+    path = bundled_trace_path()
+    assert path.stat().st_size < 5_000_000
+    trace = read_trace(path)
+    assert trace.meta["scale"] == "full" and len(trace.requests) > 100
+    assert trace.prompt_tokens > 1_000_000
+    assert all(9_000 <= r.anchor_len + 2 <= 12_000 for r in trace.requests if r.agent != "coder-sub")
