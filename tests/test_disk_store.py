@@ -52,7 +52,7 @@ def serve(cache, model, layout, prompt):
 
 
 def test_written_entry_restores_from_disk_after_a_restart_with_cold_logits(tmp_path, model, layout):
-    cache, store = make_cache(tmp_path, layout, guard_min_suffix=64)
+    cache, store = make_cache(tmp_path, layout, guard_min_suffix=64, guard_tokens=16)
     first = tokens(200, 1)
     serve(cache, model, layout, first)
     second = np.concatenate([first, tokens(100, 2)])

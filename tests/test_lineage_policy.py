@@ -24,6 +24,7 @@ class Clock:
 
 
 def make(**overrides) -> LineageCache:
+    overrides.setdefault("guard_tokens", 16)  # most tests exercise the guard rule too
     return LineageCache(LineageConfig(**overrides), clock=Clock())
 
 
@@ -75,6 +76,12 @@ def test_absorption_turns_the_old_head_into_a_final_checkpoint_and_carries_check
     _, _, e2 = serve(cache, second)
     assert kinds(e2) == [(284, GUARD), (299, FINAL)]
     assert cache.get(e1.id) is None
+
+
+def test_default_layout_captures_no_guard():
+    cache = LineageCache(LineageConfig(), clock=Clock())
+    _, caps, _ = serve(cache, words(3000, 3))
+    assert GUARD not in {c.kind for c in caps}
 
 
 def test_entry_sits_at_n_minus_1_and_is_its_own_resend_point():
@@ -350,7 +357,7 @@ class FakeDisk:
 def test_idle_entries_are_written_and_superseded_files_deleted_after_the_successor():
     disk = FakeDisk()
     clock = Clock()
-    cache = LineageCache(LineageConfig(disk_write_delay_s=30), disk=disk, clock=clock)
+    cache = LineageCache(LineageConfig(disk_write_delay_s=30, guard_tokens=16), disk=disk, clock=clock)
     prompt = words(300, 170)
     _, _, first = serve(cache, prompt)
     assert cache.tick() == 0  # still hot
@@ -416,3 +423,20 @@ def test_config_from_env_and_the_master_switch():
         LineageConfig.from_env({"APC_LINEAGE_MAX_CHECKPOINTS": "many"})
     with pytest.raises(ValueError, match="thinning"):
         LineageConfig.from_env({"APC_LINEAGE_THIN_ORDER": "random"})
+
+
+def test_anchor_adopts_segment_checkpoints_inside_the_system_prefix():
+    """The end of the tools block is what the next agent variant needs: the pinned anchor keeps it."""
+    cache = make(periodic_stride=0)
+    tools_end, system_end = 600, 1200
+    system = words(system_end, 210)
+    _, caps, entry = serve(cache, system + words(40, 211), anchor_len=system_end,
+                           segments=[tools_end, system_end])
+    anchor = next(e for e in cache.entries() if e.is_anchor)
+    assert kinds(anchor) == [(tools_end, SEGMENT)]
+    assert all(c.length >= system_end for c in entry.checkpoints)
+    # A variant whose system text differs after the tools block restores at the tools end.
+    variant = system[:tools_end] + words(600, 212) + words(40, 213)
+    plan = cache.lookup(variant)
+    assert (plan.kind, plan.length, plan.entry) == (SEGMENT, tools_end, anchor)
+

@@ -128,7 +128,5 @@ def test_bundled_trace_lineage_disk_and_eviction_targets(bundled_summary):
     assert lineage["below_stock"]["count"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="first-sight divergence: the tools-end segment checkpoint is "
-                   "thinned first and anchors hold no checkpoints (docs/benchmarks-replay.md)")
 def test_bundled_trace_lineage_prefill_target(bundled_summary):
     assert bundled_summary["lineage"]["prefill_vs_oracle"] <= 1.05

@@ -20,7 +20,10 @@ class LineageConfig:
     # 0.7.10 prefills tokens [:n-1] and feeds the last prompt token to the first decode step,
     # so the natural place for an entry is n-1: it serves both the next turn and a resend.
     entry_offset: int = 1
-    guard_tokens: int = 16
+    # The post's guard sat at n-16 because its entry sat at n. Ours sits at n-1 and is its own
+    # resend point, so by default no guard is captured (a guard needs guard_tokens >
+    # entry_offset); 16 brings it back. The replay showed it never saved a token.
+    guard_tokens: int = 1
     guard_min_suffix: int = 256
     divergence_min_gain: int = 256
     periodic_stride: int = 2048

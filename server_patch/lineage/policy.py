@@ -148,6 +148,8 @@ class LineageCache:
                     best = cand
             ram_best = best.length if best is not None else 0
             for record in self._records.values():
+                # A superseded file still restores correctly until its absorber is written (it
+                # may hold a turn boundary the absorber has thinned), so it stays visible.
                 if record.namespace != namespace or record.id in self._entries:
                     continue
                 lcp = common_prefix_len(prompt, record.tokens)
@@ -281,7 +283,11 @@ class LineageCache:
             now = self.clock()
             for cap_len, (kind, state) in sorted(captures.items()):
                 if kind == ANCHOR:
-                    self._store_anchor(stored, cap_len, kv, state, namespace, anchor_label, now)
+                    anchor = self._store_anchor(stored, cap_len, kv, state, namespace, anchor_label, now)
+                    if anchor is not None:
+                        self._adopt_captures(anchor, captures, now)
+                        if self.disk is not None:
+                            self._write(anchor)  # anchors are what a restarted server needs first
             same = self._find_identical(stored, namespace)
             if same is not None:
                 same.last_used = now
@@ -321,18 +327,30 @@ class LineageCache:
         entry.checkpoints.sort(key=lambda c: c.length)
         self._thin(entry)
 
+    def _adopt_captures(self, anchor: Entry, captures: dict[int, tuple[str, SnapshotHandle]],
+                        now: float) -> None:
+        """Restore points inside the system+tools prefix belong to the pinned anchor.
+
+        They are what the *next* agent variant needs (the end of the tools block before a
+        changed system text, a timestamp), and in a conversation entry they would be the first
+        thing thinning drops. Moved, not copied: the conversation entry does not keep them.
+        """
+        below = {n: c for n, c in captures.items() if n < anchor.length and c[0] != ANCHOR}
+        for n in below:
+            del captures[n]
+        self._add_checkpoints(anchor, below, now)
+
     def _store_anchor(self, stored: np.ndarray, length: int, kv: KVHandle, state: SnapshotHandle,
-                      namespace: str, label: str, now: float) -> None:
+                      namespace: str, label: str, now: float) -> Entry | None:
         if length > stored.shape[0] or self._has_anchor(stored, length, namespace):
-            return
+            return None
         anchor = Entry(id=uuid.uuid4().hex[:12], tokens=stored[:length].copy(), kv=kv.prefix(length),
                        head=state, namespace=namespace, created=now, last_used=now,
                        is_anchor=True, pinned=True, label=label)
         self._entries[anchor.id] = anchor
         self.stats["anchors_pinned"] += 1
         self._emit(Event("pin", anchor.id, length, anchor.nbytes, "captured"))
-        if self.disk is not None:
-            self._write(anchor)  # anchors are the first thing a restarted server needs
+        return anchor
 
     def _absorbable(self, new: Entry) -> list[Entry]:
         """Conversation entries whose whole token sequence is a prefix of ``new``."""
