@@ -4,7 +4,7 @@
   coordinator; the batch passes each row's uid to checkpoint stores and binds timing records.
 * server/__init__.py: ``apply_chat_template`` also notes each request's system+tools prefix.
 * server/generation.py: prefill-completed and first-token times go to the timing records.
-* server/app.py: the lifespan flushes unwritten entries to disk at shutdown.
+* server/app.py: /admin is mounted; the lifespan flushes unwritten entries to disk at shutdown.
 """
 
 from __future__ import annotations
@@ -139,6 +139,16 @@ FILE_PATCHES = (
         relpath="mlx_vlm/server/app.py",
         sha256=APP_SHA256,
         edits=(
+            Edit(
+                name="lineage.admin",
+                old="    lifespan=lifespan,\n)\n",
+                new=(
+                    "    lifespan=lifespan,\n)\n"
+                    "from server_patch.admin.api import install as _apc_admin_install\n"
+                    "\n"
+                    "_apc_admin_install(app)\n"
+                ),
+            ),
             Edit(
                 name="lineage.shutdown_flush",
                 old="    try:\n        yield\n    finally:\n        if runtime.audio_queue is not None:\n",

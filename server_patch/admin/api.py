@@ -1,0 +1,281 @@
+"""``/admin``: what the lineage cache holds, and the verbs an operator needs.
+
+Every route needs ``Authorization: Bearer <token>``. Bad input is a 4xx with a JSON message;
+the handlers never let an exception become a 500 with a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Optional
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from server_patch import MLX_VLM_VERSION, PATCH_VERSION
+from server_patch.admin import views
+from server_patch.admin.auth import load_or_create_token, token_matches
+from server_patch.admin.internal import internal_chat
+from server_patch.admin.metrics import exposition
+from server_patch.admin.traffic import TRAFFIC, TrafficMiddleware
+from server_patch.integration import runtime as lineage_runtime
+from server_patch.lineage import CacheError
+
+log = logging.getLogger("server_patch.admin")
+
+PREFIX = "/admin"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DrainBody(Strict):
+    retry_after: int = Field(5, ge=1, le=3600, description="Seconds clients should wait (Retry-After).")
+
+
+class NewAnchorBody(Strict):
+    system: str = Field(..., min_length=1, description="The system prompt text.")
+    tools: Optional[list[dict[str, Any]]] = Field(None, description="OpenAI-style tool list.")
+    tenant: Optional[str] = Field(None, description="X-APC-Tenant the sessions will send, if any.")
+
+
+class FlushBody(Strict):
+    timeout: float = Field(60.0, gt=0, le=3600)
+
+
+def _server_app_module() -> Any:
+    return sys.modules.get("mlx_vlm.server.app")
+
+
+def _mlx_runtime() -> Any:
+    module = _server_app_module()
+    return getattr(module, "runtime", None) if module is not None else None
+
+
+def _lineage() -> lineage_runtime.LineageRuntime:
+    current = lineage_runtime.current()
+    if current is None:
+        raise HTTPException(409, detail="no model has been served yet: the lineage cache starts with the first request")
+    return current
+
+
+def _require_token(request: Request) -> None:
+    expected = request.app.state.apc_admin_token
+    if not token_matches(expected, request.headers.get("authorization")):
+        raise HTTPException(401, detail="missing or wrong admin token (Authorization: Bearer <token>)",
+                            headers={"WWW-Authenticate": "Bearer"})
+
+
+router = APIRouter(prefix=PREFIX, tags=["admin"], dependencies=[Depends(_require_token)])
+
+
+def _model_path() -> str | None:
+    runtime = _mlx_runtime()
+    if runtime is None:
+        return None
+    try:
+        return runtime.model_cache.get("model_path")
+    except Exception:
+        return None
+
+
+def _pool() -> dict[str, int]:
+    import mlx.core as mx
+
+    return {"active_bytes": int(mx.get_active_memory()), "cache_bytes": int(mx.get_cache_memory()),
+            "peak_bytes": int(mx.get_peak_memory())}
+
+
+def _queued() -> int:
+    runtime = _mlx_runtime()
+    try:
+        return int(runtime.response_generator.requests.qsize())
+    except Exception:
+        return 0
+
+
+@router.get("/status", summary="Server identity, budgets, idle state and counters")
+def status() -> dict[str, Any]:
+    current = lineage_runtime.current()
+    started = getattr(router, "started", time.time())
+    body: dict[str, Any] = {
+        "server": {"model": _model_path(), "pid": os.getpid(), "uptime_s": time.time() - started,
+                   "started": started, "mlx_vlm_version": MLX_VLM_VERSION, "patch_version": PATCH_VERSION,
+                   "fingerprint": current.fingerprint if current else None},
+        "idle": {**TRAFFIC.snapshot(), "queued": _queued()},
+        "pool": _pool(),
+        "lineage": None,
+    }
+    if current is not None:
+        cfg = current.config
+        body["lineage"] = {
+            "budgets": current.cache.budgets(),
+            "stats": dict(current.cache.stats),
+            "layout": current.layout.describe(),
+            "disk_path": str(current.disk.root) if current.disk else None,
+            "disk_pending_writes": current.disk.pending if current.disk else 0,
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()},
+        }
+    return body
+
+
+@router.get("/entries", summary="Lineage entries and anchors with their checkpoints")
+def entries(tier: str = Query("all", pattern="^(ram|disk|all)$"),
+            kind: str = Query("all", pattern="^(conversation|anchor|all)$")) -> dict[str, Any]:
+    current = _lineage()
+    records = {r.id: r for r in current.cache.records()}
+    rows = []
+    if tier in ("ram", "all"):
+        rows += [views.entry_view(e, records.get(e.id)) for e in current.cache.entries()]
+    if tier in ("disk", "all"):
+        in_ram = {e.id for e in current.cache.entries()}
+        rows += [views.record_view(r) for r in records.values() if r.id not in in_ram]
+    if kind != "all":
+        rows = [r for r in rows if r["kind"] == kind]
+    return {"entries": rows}
+
+
+@router.get("/entries/{entry_id}", summary="One entry")
+def entry(entry_id: str) -> dict[str, Any]:
+    current = _lineage()
+    records = {r.id: r for r in current.cache.records()}
+    found = current.cache.get(entry_id)
+    if found is not None:
+        return views.entry_view(found, records.get(entry_id))
+    if entry_id in records:
+        return views.record_view(records[entry_id])
+    raise HTTPException(404, detail=f"no entry {entry_id!r}")
+
+
+@router.delete("/entries/{entry_id}", summary="Evict an entry or anchor from RAM and disk")
+def evict(entry_id: str) -> dict[str, Any]:
+    try:
+        freed = _lineage().cache.evict(entry_id)
+    except CacheError:
+        raise HTTPException(404, detail=f"no entry {entry_id!r}") from None
+    return {"evicted": entry_id, "freed_bytes": freed}
+
+
+@router.get("/anchors", summary="Anchors (system prompt + tools prefixes)")
+def anchors() -> dict[str, Any]:
+    return {"anchors": entries(tier="all", kind="anchor")["entries"]}
+
+
+@router.post("/anchors/{entry_id}/pin", summary="Pin an entry as an anchor")
+def pin(entry_id: str) -> dict[str, Any]:
+    try:
+        return views.entry_view(_lineage().cache.pin(entry_id))
+    except CacheError:
+        raise HTTPException(404, detail=f"no entry {entry_id!r} in RAM") from None
+
+
+@router.post("/anchors/{entry_id}/unpin", summary="Unpin an anchor (it joins the conversation LRU)")
+def unpin(entry_id: str) -> dict[str, Any]:
+    try:
+        return views.entry_view(_lineage().cache.unpin(entry_id))
+    except CacheError:
+        raise HTTPException(404, detail=f"no entry {entry_id!r} in RAM") from None
+
+
+@router.post("/anchors", summary="Prefill a system prompt + tools now and pin it")
+async def new_anchor(body: NewAnchorBody, request: Request) -> dict[str, Any]:
+    model = _model_path()
+    if model is None:
+        raise HTTPException(409, detail="no model is loaded")
+    messages = [{"role": "system", "content": body.system}, {"role": "user", "content": "."}]
+    payload = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0}
+    if body.tools:
+        payload["tools"] = body.tools
+    headers = {"x-apc-tenant": body.tenant} if body.tenant else {}
+    before = {e.id for e in _lineage().cache.entries()} if lineage_runtime.current() else set()
+    status_code, answer = await internal_chat(request.app.state.apc_inner_app, payload, headers)
+    if status_code != 200:
+        raise HTTPException(422, detail=f"prefill failed: {answer}")
+    anchors_now = [e for e in _lineage().cache.entries() if e.is_anchor]
+    created = [e for e in anchors_now if e.id not in before]
+    chosen = created[0] if created else max(anchors_now, key=lambda e: e.last_used, default=None)
+    if chosen is None:
+        raise HTTPException(422, detail="the prompt produced no anchor (no system/tools prefix found)")
+    chosen.pinned = True
+    return {"anchor": views.entry_view(chosen), "created": bool(created)}
+
+
+@router.get("/requests", summary="Per-request timing records (poll with since=)")
+def requests_(since: int = Query(0, ge=0), limit: int = Query(200, ge=1, le=5000)) -> dict[str, Any]:
+    current = lineage_runtime.current()
+    records = current.timings.since(since) if current else []
+    return {"requests": records[-limit:]}
+
+
+@router.get("/events", summary="Server-sent events: requests and cache events")
+async def events(request: Request, since: int = Query(0, ge=0)) -> StreamingResponse:
+    async def stream():
+        cache_seq, request_seq = since, 0
+        yield ": apc admin event stream\n\n"
+        while not await request.is_disconnected():
+            current = lineage_runtime.current()
+            if current is not None:
+                for seq, at, event in list(current.events):
+                    if seq > cache_seq:
+                        cache_seq = seq
+                        yield f"event: cache\ndata: {json.dumps(views.event_view(seq, at, event))}\n\n"
+                for record in current.timings.since(request_seq):
+                    request_seq = max(request_seq, record["seq"])
+                    yield f"event: request\ndata: {json.dumps(record)}\n\n"
+            yield ": keepalive\n\n"
+            await asyncio.sleep(0.25)
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/metrics", summary="Prometheus text exposition of the lineage cache")
+def metrics() -> Response:
+    return Response(exposition(lineage_runtime.current, TRAFFIC),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.post("/flush", summary="Write every RAM entry the disk lacks, and wait")
+def flush(body: Optional[FlushBody] = None) -> dict[str, Any]:
+    current = _lineage()
+    timeout = body.timeout if body else 60.0
+    queued = current.cache.flush()
+    done = current.disk.flush(timeout) if current.disk else True
+    return {"queued": queued, "complete": done, "disk_enabled": current.disk is not None}
+
+
+@router.post("/drain", summary="Refuse new inference requests (503 + Retry-After); finish those in flight")
+def drain(body: Optional[DrainBody] = None) -> dict[str, Any]:
+    TRAFFIC.retry_after = body.retry_after if body else 5
+    TRAFFIC.draining = True
+    return TRAFFIC.snapshot()
+
+
+@router.post("/undrain", summary="Admit new requests again")
+def undrain() -> dict[str, Any]:
+    TRAFFIC.draining = False
+    return TRAFFIC.snapshot()
+
+
+@router.get("/openapi.json", summary="The OpenAPI schema of /admin")
+def openapi(request: Request) -> dict[str, Any]:
+    schema = request.app.openapi()
+    paths = {p: v for p, v in schema.get("paths", {}).items() if p.startswith(PREFIX)}
+    return {**schema, "paths": paths, "info": {**schema.get("info", {}), "title": "apcctl admin API",
+                                               "version": PATCH_VERSION}}
+
+
+def install(app: FastAPI) -> None:
+    """Mount /admin, the traffic middleware and the token on mlx-vlm's app."""
+    router.started = time.time()
+    app.state.apc_admin_token = load_or_create_token()
+    app.state.apc_inner_app = app  # pinning prefills through the real route, counted like any request
+    app.include_router(router)
+    app.add_middleware(TrafficMiddleware)
