@@ -7,7 +7,7 @@ import importlib
 import click
 
 # Module names under apcctl.commands; add yours here.
-MODULES: tuple[str, ...] = ("bench_lookup", "model", "patch", "bench_replay")
+MODULES: tuple[str, ...] = ("bench_lookup", "model", "patch", "bench_replay", "profile", "bench_attention")
 
 
 def register_all(main: click.Group, bench: click.Group) -> None:
