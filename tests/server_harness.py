@@ -43,6 +43,9 @@ BASE_ENV = {
 }
 
 
+ADMIN_TOKEN = "test-admin-token"
+
+
 def free_port(host: str = HOST) -> int:
     """A port nothing listens on right now (the kernel picks it; a small race remains)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -90,6 +93,10 @@ class PatchedServer:
         env = dict(os.environ)
         env.update(BASE_ENV)
         env["APC_DISK_PATH"] = str(self.log_dir / "apc-disk")
+        # Lineage disk tier, admin token and state never touch the user's real directories.
+        env["APC_LINEAGE_DISK_PATH"] = str(self.log_dir / "lineage-disk")
+        env["APC_STATE_DIR"] = str(self.log_dir / "state")
+        env["APC_ADMIN_TOKEN"] = ADMIN_TOKEN
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         for key, value in overrides.items():
             if value is None:
