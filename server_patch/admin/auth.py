@@ -7,15 +7,15 @@ import os
 import secrets
 from pathlib import Path
 
+from server_patch.paths import state_dir
+
 
 def default_token_path() -> Path:
-    """``APC_ADMIN_TOKEN_FILE``, else ``<user state dir>/apcctl/admin-token``."""
+    """``APC_ADMIN_TOKEN_FILE``, else ``<state dir>/admin-token``."""
     configured = os.environ.get("APC_ADMIN_TOKEN_FILE")
     if configured:
         return Path(configured).expanduser()
-    from platformdirs import user_state_dir
-
-    return Path(user_state_dir("apcctl")) / "admin-token"
+    return state_dir() / "admin-token"
 
 
 def load_or_create_token(path: Path | None = None) -> str:
