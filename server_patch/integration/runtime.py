@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from server_patch.disk.store import DiskStore
+from server_patch.integration import journal
 from server_patch.integration.timings import TimingBook
 from server_patch.lineage import Event, LineageCache, LineageConfig
 from server_patch.state.fingerprint import model_fingerprint
@@ -57,6 +58,8 @@ class LineageRuntime:
             root = default_disk_root() / self.fingerprint[:16]
             self.disk = DiskStore(root, fingerprint=self.fingerprint, layout=self.layout)
         self.cache = LineageCache(self.config, disk=self.disk, on_event=self._record_event)
+        # Request records and cache events also go to the on-disk journal (apcctl report).
+        self.journal = journal.attach(self)
         self._ticker = threading.Thread(target=self._tick_loop, name="apc-lineage-tick", daemon=True)
         self._ticker.start()
         log.info("apc_lineage enabled layout=%s fingerprint=%s disk=%s entries_on_disk=%d",

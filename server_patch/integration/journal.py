@@ -1,0 +1,167 @@
+"""A week of traffic on disk: every request record and cache event as one JSON line.
+
+The ring buffers behind ``/admin/requests`` and ``/admin/events`` forget on restart; the
+journal does not. It is a size-capped set of rotating files in the server's state directory
+(``journal.jsonl`` is the newest, ``journal.jsonl.1`` the one before, ...), read back by
+``apcctl report``. Each line is flushed to the OS as it is written, so a restart (even a
+SIGKILL) loses at most a torn last line, which the reader skips.
+
+Settings (environment): ``APC_JOURNAL=0`` turns it off; ``APC_JOURNAL_DIR`` (default
+``<state dir>/journal``); ``APC_JOURNAL_MAX_BYTES`` per file (64 MB); ``APC_JOURNAL_FILES``
+kept in all (8); ``APC_JOURNAL_SNAPSHOT_S``, the least time between two budget snapshots (60).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from server_patch.paths import state_dir
+
+log = logging.getLogger("server_patch.lineage")
+
+FILE_NAME = "journal.jsonl"
+MAX_BYTES = 64 * 1024 * 1024  # per file
+FILES = 8  # the live file and seven rotated ones
+SNAPSHOT_S = 60.0  # budgets are sampled at most this often
+
+
+def journal_files(directory: Path) -> list[Path]:
+    """The journal's files, oldest first (``journal.jsonl.7`` ... ``journal.jsonl``)."""
+    rotated = []
+    for path in directory.glob(FILE_NAME + ".*"):
+        suffix = path.name[len(FILE_NAME) + 1:]
+        if suffix.isdigit():
+            rotated.append((int(suffix), path))
+    live = directory / FILE_NAME
+    return [p for _, p in sorted(rotated, reverse=True)] + ([live] if live.exists() else [])
+
+
+class Journal:
+    """A thread-safe appender of JSON lines with a size cap and numbered rotation."""
+
+    def __init__(self, directory: Path, *, max_bytes: int = MAX_BYTES, files: int = FILES) -> None:
+        if max_bytes < 1024 or files < 1:
+            raise ValueError("journal needs max_bytes >= 1024 and files >= 1")
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self.files = files
+        self._lock = threading.Lock()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._file: IO[bytes] | None = None
+        self._size = 0
+        self._open()
+
+    @property
+    def path(self) -> Path:
+        return self.directory / FILE_NAME
+
+    def _open(self) -> None:
+        self._file = self.path.open("ab")
+        self._size = self._file.tell()
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Write one record as a line; rotate first if it would not fit in the live file."""
+        line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+        with self._lock:
+            if self._file is None:
+                return
+            if self._size and self._size + len(line) > self.max_bytes:
+                self._rotate()
+            self._file.write(line)
+            self._file.flush()
+            self._size += len(line)
+
+    def _rotate(self) -> None:
+        """journal.jsonl -> .1 -> .2 ...; the oldest beyond ``files`` is deleted."""
+        assert self._file is not None
+        self._file.close()
+        oldest = self.directory / f"{FILE_NAME}.{self.files - 1}"
+        if self.files == 1:
+            self.path.unlink(missing_ok=True)
+        else:
+            oldest.unlink(missing_ok=True)
+            for n in range(self.files - 2, 0, -1):
+                src = self.directory / f"{FILE_NAME}.{n}"
+                if src.exists():
+                    os.replace(src, self.directory / f"{FILE_NAME}.{n + 1}")
+            os.replace(self.path, self.directory / f"{FILE_NAME}.1")
+        self._open()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+                self._file = None
+
+
+def enabled(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    return environ.get("APC_JOURNAL", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def from_env() -> Journal | None:
+    """The journal the environment asks for, or None when it is off."""
+    if not enabled():
+        return None
+    directory = Path(os.environ.get("APC_JOURNAL_DIR") or state_dir() / "journal").expanduser()
+    return Journal(directory, max_bytes=int(os.environ.get("APC_JOURNAL_MAX_BYTES", MAX_BYTES)),
+                   files=int(os.environ.get("APC_JOURNAL_FILES", FILES)))
+
+
+class JournalRecorder:
+    """Turns a runtime's request records and cache events into journal lines."""
+
+    def __init__(self, journal: Journal, runtime: Any, snapshot_s: float = SNAPSHOT_S) -> None:
+        self.journal = journal
+        self.runtime = runtime
+        self.snapshot_s = snapshot_s
+        self._last_snapshot = 0.0
+
+    def started(self) -> None:
+        self.journal.append({"type": "start", "time": time.time(), "pid": os.getpid(),
+                             "fingerprint": self.runtime.fingerprint})
+        self.snapshot(force=True)
+
+    def on_event(self, seq: int, at: float, event: Any) -> None:
+        # Called with the cache's (reentrant) lock held by this thread, so budgets() is safe here.
+        from server_patch.admin.views import event_view
+
+        self.journal.append(event_view(seq, at, event))
+        self.snapshot()
+
+    def on_request(self, record: Any) -> None:
+        self.journal.append({"type": "request", "time": time.time(), **record.as_dict()})
+        self.snapshot()
+
+    def snapshot(self, force: bool = False) -> None:
+        """Bytes per tier now, so a report can draw them over time; rate-limited."""
+        now = time.time()
+        if not force and now - self._last_snapshot < self.snapshot_s:
+            return
+        self._last_snapshot = now
+        self.journal.append({"type": "budgets", "time": now, **self.runtime.cache.budgets()})
+
+
+def attach(runtime: Any) -> JournalRecorder | None:
+    """Register the journal on ``runtime``'s listeners; a journal that cannot open only warns."""
+    try:
+        journal = from_env()
+    except (OSError, ValueError) as exc:
+        log.warning("apc_lineage journal disabled: %s", exc)
+        return None
+    if journal is None:
+        return None
+    recorder = JournalRecorder(journal, runtime,
+                               snapshot_s=float(os.environ.get("APC_JOURNAL_SNAPSHOT_S", SNAPSHOT_S)))
+    runtime.event_listeners.append(recorder.on_event)
+    runtime.timings.listeners.append(recorder.on_request)
+    recorder.started()
+    log.info("apc_lineage journal %s", journal.path)
+    return recorder
