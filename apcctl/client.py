@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -81,8 +82,13 @@ class AdminClient:
     def metrics(self) -> str:
         return self._request("GET", "/admin/metrics")
 
-    def events(self, since: int = 0, timeout: float | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
-        """Server-sent events as (event name, data) until the stream ends."""
+    def events(self, since: int = 0, timeout: float | None = None,
+               stop: threading.Event | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Server-sent events as (event name, data) until the stream ends, or ``stop`` is set.
+
+        ``stop`` is checked on every line, keepalives included, so setting it closes the
+        connection within a keepalive interval (an open stream delays a server's shutdown).
+        """
         url = self.base_url.rstrip("/") + f"/admin/events?since={int(since)}"
         request = urllib.request.Request(url)
         if self.token:
@@ -96,6 +102,8 @@ class AdminClient:
         with response:
             name, data = "message", []
             for raw in response:
+                if stop is not None and stop.is_set():
+                    return
                 line = raw.decode(errors="replace").rstrip("\n")
                 if not line:
                     if data:
@@ -105,6 +113,16 @@ class AdminClient:
                     name = line[6:].strip()
                 elif line.startswith("data:"):
                     data.append(line[5:].strip())
+
+    # ------------------------------------------------------------------ inference
+
+    def chat(self, messages: list[dict[str, Any]], *, model: str | None = None, timeout: float | None = None,
+             **params: Any) -> dict[str, Any]:
+        """POST /v1/chat/completions without the admin token: restart probes and demo traffic."""
+        body: dict[str, Any] = {"messages": messages, **params}
+        if model is not None:
+            body["model"] = model
+        return self._request("POST", "/v1/chat/completions", body, timeout=timeout, auth=False)
 
     # ------------------------------------------------------------------ writes
 

@@ -7,7 +7,8 @@ import importlib
 import click
 
 # Module names under apcctl.commands; add yours here.
-MODULES: tuple[str, ...] = ("bench_lookup", "model", "patch", "bench_replay", "profile", "bench_attention")
+MODULES: tuple[str, ...] = ("bench_lookup", "model", "patch", "bench_replay", "profile", "bench_attention",
+                           "serve", "status", "entries", "anchors", "requests", "ops", "restart", "report", "demo")
 
 
 def register_all(main: click.Group, bench: click.Group) -> None:

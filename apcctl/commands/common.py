@@ -1,0 +1,150 @@
+"""What every server command shares: exit codes, the server options, and the error boundary.
+
+Not a command module (it is not listed in MODULES): errors from the admin client become one
+message and one documented exit code here, so scripts can trust ``$?``.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from enum import IntEnum
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import click
+
+from apcctl.client import AdminError
+from apcctl.config import ConfigError, Target, select
+from apcctl.manage import ManagedServer, ManageError
+
+
+class ExitStatus(IntEnum):
+    OK = 0
+    FAILED = 1  # the operation failed: server error, restart stopped, timeout
+    USAGE = 2  # click's usage errors, unknown server names, bad config files
+    UNREACHABLE = 3  # nothing answered at the server's URL
+    AUTH = 4  # missing or wrong admin token (HTTP 401/403)
+    NOT_FOUND = 5  # unknown entry or anchor id, or no such managed server
+
+
+EXIT_CODES_HELP = """\b
+Exit codes:
+  0  ok
+  1  the operation failed (server error, restart stopped, timeout)
+  2  usage error (bad option, unknown server name, bad config file)
+  3  server unreachable
+  4  authentication failed (missing or wrong admin token)
+  5  not found (unknown entry or anchor id, no such managed server)"""
+
+EXIT_CODES_SHORT = "Exit codes: 0 ok, 1 failed, 2 usage, 3 unreachable, 4 auth failed, 5 not found."
+
+
+class CommandError(click.ClickException):
+    """One message on stderr and one exit code from ``ExitStatus``."""
+
+    def __init__(self, message: str, status: ExitStatus = ExitStatus.FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = int(status)
+
+
+def exit_status_for(error: AdminError) -> ExitStatus:
+    """HTTP status of a failed admin call -> exit code."""
+    if error.status == 0:
+        return ExitStatus.UNREACHABLE
+    if error.status in (401, 403):
+        return ExitStatus.AUTH
+    if error.status == 404:
+        return ExitStatus.NOT_FOUND
+    return ExitStatus.FAILED
+
+
+def command_error(error: AdminError, target: Target) -> CommandError:
+    hint = ""
+    if error.status in (401, 403):
+        hint = " (give --token, APCCTL_TOKEN, or token_file in the config; the server's token is in its state dir)"
+    elif error.status == 0 and target.managed is not None and target.managed.pid() is None:
+        hint = f" (server {target.name!r} is not running: apcctl serve --name {target.name})"
+    return CommandError(f"{target.name}: {error.message}{hint}", exit_status_for(error))
+
+
+@contextmanager
+def talking_to(target: Target) -> Iterator[None]:
+    """Turn admin-client and process errors inside the block into ``CommandError``."""
+    try:
+        yield
+    except AdminError as exc:
+        raise command_error(exc, target) from None
+    except ManageError as exc:
+        raise CommandError(f"{target.name}: {exc}") from None
+
+
+def server_options(*, allow_all: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add ``--server``, ``--token``, ``--config`` (and ``--all``); pass ``targets`` instead."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, server: str | None, token: str | None, config_path: Path | None,
+                    all_servers: bool = False, **kwargs: Any) -> Any:
+            try:
+                targets = select(server, token, config_path, all_servers)
+            except (ConfigError, ManageError) as exc:
+                raise click.UsageError(str(exc)) from None
+            return fn(*args, targets=targets, **kwargs)
+
+        if allow_all:
+            wrapper = click.option("--all", "all_servers", is_flag=True,
+                                   help="Every server in the config file and every managed server.")(wrapper)
+        for option in reversed(SERVER_OPTIONS):
+            wrapper = option(wrapper)
+        return wrapper
+
+    return decorate
+
+
+SERVER_OPTIONS = (
+    click.option("--server", "-s", envvar="APCCTL_SERVER", metavar="NAME|URL",
+                 help="A server name (config file or apcctl serve) or a URL. [env: APCCTL_SERVER]"),
+    click.option("--token", envvar="APCCTL_TOKEN", metavar="TOKEN",
+                 help="Admin token (default: the config's token_file, then the server's token file). "
+                      "[env: APCCTL_TOKEN]"),
+    click.option("--config", "config_path", envvar="APCCTL_CONFIG", metavar="PATH",
+                 type=click.Path(dir_okay=False, path_type=Path),
+                 help="TOML config file (default: user config dir/apcctl/config.toml). [env: APCCTL_CONFIG]"),
+)
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON (stable shape, for scripts).")
+
+
+def one(targets: list[Target]) -> Target:
+    return targets[0]
+
+
+def managed(target: Target) -> ManagedServer:
+    """The managed server behind ``target``, or exit 5 when ``apcctl serve`` never started it."""
+    if target.managed is None:
+        raise CommandError(f"{target.name}: not a server started by 'apcctl serve' (no state files)",
+                           ExitStatus.NOT_FOUND)
+    return target.managed
+
+
+def for_each(targets: list[Target], action: Callable[[Target], Any], show: Callable[[list[Any]], None]) -> None:
+    """Run ``action`` on every target and ``show`` the results; with several targets a failure
+    becomes ``{"server", "error", "exit_code"}`` in the results, and the first one's exit code
+    is the command's."""
+    results: list[Any] = []
+    first_error: CommandError | None = None
+    for target in targets:
+        try:
+            with talking_to(target):
+                results.append(action(target))
+        except CommandError as exc:
+            if len(targets) == 1:
+                raise
+            click.echo(f"Error: {exc.message}", err=True)
+            results.append({"server": target.name, "url": target.url, "error": exc.message,
+                            "exit_code": exc.exit_code})
+            first_error = first_error or exc
+    show(results)
+    if first_error is not None:
+        raise click.exceptions.Exit(first_error.exit_code)

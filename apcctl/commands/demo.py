@@ -1,0 +1,155 @@
+"""``apcctl demo``: the tiny model, a patched server, agent-like traffic and the dashboard, in one command."""
+
+from __future__ import annotations
+
+import inspect
+import queue
+import socket
+import threading
+from typing import Any, Callable
+
+import click
+
+from apcctl import render
+from apcctl.client import AdminError
+from apcctl.commands.common import EXIT_CODES_SHORT, CommandError, json_option
+from apcctl.commands.demo_traffic import AgentTraffic
+from apcctl.commands.requests import format_request, header
+from apcctl.commands.status import hit_summary
+from apcctl.config import ServerConfig, Target
+from apcctl.manage import ManagedServer, ManageError, build_spec
+from server_patch.paths import state_dir
+
+NAME = "demo"
+
+
+def register(main: click.Group, bench: click.Group) -> None:
+    del bench
+    main.add_command(demo)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _dashboard() -> Callable[..., Any] | None:
+    """The Textual dashboard, when the ``tui`` package provides one."""
+    try:
+        from tui.app import run_dashboard
+    except ImportError:
+        return None
+    return run_dashboard
+
+
+def _open_dashboard(run_dashboard: Callable[..., Any], target: Target) -> None:
+    """Pass the dashboard whichever of these it asks for by name."""
+    offers = {"client": target.client(), "url": target.url, "base_url": target.url, "token": target.token,
+              "name": target.name, "server": target.name, "target": target, "targets": [target]}
+    params = inspect.signature(run_dashboard).parameters
+    run_dashboard(**{k: v for k, v in offers.items() if k in params})
+
+
+def _print_live(target: Target, traffic: AgentTraffic, err: bool) -> None:
+    """Request lines (and cache events) from the server's event stream until the traffic ends."""
+    events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+    closed = threading.Event()
+
+    def read() -> None:
+        try:
+            for item in target.client().events(stop=closed):
+                events.put(item)
+        except AdminError:
+            pass  # the server went away
+
+    threading.Thread(target=read, name="apcctl-demo-events", daemon=True).start()
+    try:
+        _print_events(events, traffic, err)
+    finally:
+        closed.set()  # an open event stream would hold up the server's graceful shutdown
+
+
+def _print_events(events: queue.Queue[tuple[str, dict[str, Any]]], traffic: AgentTraffic, err: bool) -> None:
+    click.echo(header(), err=err)
+    seen, quiet = 0, 0
+    # Failed requests leave no record; after the traffic ends, a few quiet seconds also end it.
+    while not (traffic.done.is_set() and (seen >= traffic.sent - traffic.failed or quiet >= 10)):
+        try:
+            name, data = events.get(timeout=0.5)
+            quiet = 0
+        except queue.Empty:
+            quiet += traffic.done.is_set()
+            continue
+        if name == "request":
+            seen += 1
+            click.echo(format_request(data), err=err)
+        elif name == "cache":
+            size = f" {render.human_bytes(data['bytes'])}" if data.get("bytes") else ""
+            click.echo(f"{'':>6} cache    {data['event']:<12} {data['entry_id']} @{data['length']}{size} "
+                       f"{data.get('detail') or ''}".rstrip(), err=err)
+
+
+@click.command(epilog=EXIT_CODES_SHORT)
+@click.option("--requests", "max_requests", type=click.IntRange(min=1), default=60, show_default=True,
+              help="Stop the traffic after this many requests.")
+@click.option("--duration", type=click.FloatRange(min=1), help="Stop the traffic after this many seconds.")
+@click.option("--no-dashboard", is_flag=True, help="Print live request lines instead of opening the dashboard.")
+@click.option("--port", type=click.IntRange(1, 65535), help="Port (default: a free one).")
+@json_option
+def demo(max_requests: int, duration: float | None, no_dashboard: bool, port: int | None, as_json: bool) -> None:
+    """Build the tiny model, start a patched server on it, drive agent-like traffic
+    (sessions sharing system prompts, a sub-agent, an edit, a regenerate) and watch it.
+
+    Everything lives in the state dir; the server is stopped when the demo ends.
+    With --json, prints the final status (hit rate by restore kind) as JSON.
+
+    \b
+    Example:
+      apcctl demo --no-dashboard --requests 20
+    """
+    from apcctl.tiny_model import build_model
+
+    # Its own directory, outside servers/, so 'apcctl status --all' never lists the demo.
+    server = ManagedServer(NAME, root=state_dir())
+    server.stop(grace=10)  # a demo left over from an interrupted run
+    model = build_model(server.directory / "model", "tiny")
+    spec = build_spec(NAME, model=str(model), port=port or _free_port(), env={"HF_HUB_OFFLINE": "1"},
+                      directory=server.directory)
+    click.echo(f"demo: tiny model {model}\ndemo: starting the patched server at {spec.url} (log {server.log_path})",
+               err=as_json)
+    try:
+        server.start(spec)
+        server.wait_ready(timeout=300)
+        target = Target(NAME, spec.url, server.token(), ServerConfig(NAME, url=spec.url), server)
+        traffic = AgentTraffic(target.client(timeout=300), model=str(model), max_requests=max_requests,
+                               duration=duration)
+        traffic.start()
+        run_dashboard = None if no_dashboard else _dashboard()
+        if run_dashboard is None:
+            _print_live(target, traffic, err=as_json)
+        else:
+            _open_dashboard(run_dashboard, target)
+        traffic.stop.set()
+        traffic.done.wait(timeout=310)
+        summary = _summary(target, traffic)
+    except (ManageError, AdminError) as exc:
+        raise CommandError(f"demo: {exc}\n{server.log_tail(15)}") from None
+    finally:
+        server.stop(grace=20)
+    if as_json:
+        render.emit_json(summary)
+    else:
+        hits = summary["hits"]
+        click.echo(f"demo: {traffic.sent} requests ({traffic.failed} failed), hit rate "
+                   f"{render.percent(hits['hits'], hits['requests'])}, "
+                   f"{render.percent(hits['reused_tokens'], hits['reused_tokens'] + hits['prefill_tokens'])} of prompt "
+                   f"tokens reused; by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(hits["by_kind"].items())))
+    if traffic.failed:
+        raise CommandError(f"demo: {traffic.failed} requests failed; see {server.log_path}")
+
+
+def _summary(target: Target, traffic: AgentTraffic) -> dict[str, Any]:
+    status = target.client().status()
+    stats = (status.get("lineage") or {}).get("stats", {})
+    return {"sent": traffic.sent, "failed": traffic.failed, "hits": hit_summary(stats), "url": target.url}

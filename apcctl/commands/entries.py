@@ -1,0 +1,79 @@
+"""``apcctl entries``: the lineages (conversation entries and anchors) and their checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from apcctl import render
+from apcctl.commands.common import EXIT_CODES_SHORT, for_each, json_option, server_options
+from apcctl.config import Target
+
+COLUMNS = ("ID", "KIND", "PIN", "TIER", "TOKENS", "RAM", "DISK", "HITS", "LAST USED", "CKPTS", "LABEL")
+NUMERIC = ("TOKENS", "RAM", "DISK", "HITS", "CKPTS")
+
+
+def register(main: click.Group, bench: click.Group) -> None:
+    del bench
+    main.add_command(entries)
+
+
+def entry_rows(rows: list[dict[str, Any]], *, checkpoints: bool = False) -> list[tuple[Any, ...]]:
+    """Table rows for entries; with ``checkpoints`` each entry is followed by one row per checkpoint."""
+    out: list[tuple[Any, ...]] = []
+    for e in rows:
+        out.append((e["id"], e["kind"], "yes" if e["pinned"] else "", e["tier"], f"{e['length']:,}",
+                    render.human_bytes(e["bytes"]) if e["bytes"] else "-",
+                    render.human_bytes(e["disk_bytes"]) if e["disk_bytes"] else "-", e["hits"],
+                    render.ago(e.get("last_used")), len(e["checkpoints"]), (e.get("label") or "")[:40]))
+        if checkpoints:
+            for c in e["checkpoints"]:
+                out.append(("", f"  @{c['length']:,}", "", c["kind"], "", render.human_bytes(c["bytes"]),
+                            "", c["hits"], render.ago(c.get("last_hit")) if c.get("last_hit") else "-", "", ""))
+    return out
+
+
+def show_entries(results: list[dict[str, Any]], *, as_json: bool, checkpoints: bool, title: str) -> None:
+    """Print ``[{"server", "entries"}]``: JSON (one server: just its list) or one table per server."""
+    if as_json:
+        render.emit_json(results[0]["entries"] if len(results) == 1 and "error" not in results[0] else results)
+        return
+    out = render.console()
+    for result in results:
+        if "error" in result:
+            continue
+        rows = result["entries"]
+        out.print(render.table(COLUMNS, entry_rows(rows, checkpoints=checkpoints), numeric=NUMERIC,
+                               title=f"[bold]{result['server']}[/] {len(rows)} {title}"))
+
+
+@click.command(epilog=EXIT_CODES_SHORT)
+@server_options(allow_all=True)
+@click.argument("entry_id", required=False)
+@click.option("--tier", type=click.Choice(["ram", "disk", "all"]), default="all", show_default=True)
+@click.option("--kind", type=click.Choice(["conversation", "anchor", "all"]), default="all", show_default=True)
+@click.option("--checkpoints", "-c", is_flag=True, help="A row per checkpoint under each entry.")
+@json_option
+def entries(targets: list[Target], entry_id: str | None, tier: str, kind: str, checkpoints: bool,
+            as_json: bool) -> None:
+    """List lineage entries and anchors (or show ENTRY_ID) with their checkpoints.
+
+    \b
+    Examples:
+      apcctl entries --kind anchor
+      apcctl entries 3f2a9c01d4e5 --json
+    """
+
+    def action(target: Target) -> dict[str, Any]:
+        client = target.client()
+        rows = [client.entry(entry_id)] if entry_id else client.entries(tier=tier, kind=kind)
+        return {"server": target.name, "url": target.url, "entries": rows}
+
+    def show(results: list[dict[str, Any]]) -> None:
+        if entry_id and as_json and len(results) == 1:
+            render.emit_json(results[0]["entries"][0])
+            return
+        show_entries(results, as_json=as_json, checkpoints=checkpoints or bool(entry_id), title="entries")
+
+    for_each(targets, action, show)

@@ -1,0 +1,71 @@
+"""``apcctl flush``, ``drain`` and ``undrain``: the verbs a restart is made of, one at a time."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import click
+
+from apcctl import render
+from apcctl.client import AdminClient
+from apcctl.commands.common import EXIT_CODES_SHORT, for_each, json_option, server_options
+from apcctl.config import Target
+
+
+def register(main: click.Group, bench: click.Group) -> None:
+    del bench
+    for command in (flush, drain, undrain):
+        main.add_command(command)
+
+
+def _run(targets: list[Target], as_json: bool, call: Callable[[AdminClient], dict[str, Any]],
+         describe: Callable[[dict[str, Any]], str]) -> None:
+    """Call every target; print the answers as JSON or one line per server."""
+
+    def action(target: Target) -> dict[str, Any]:
+        return {"server": target.name, **call(target.client(timeout=30.0))}
+
+    def show(results: list[dict[str, Any]]) -> None:
+        if as_json:
+            render.emit_json(results if len(targets) > 1 else results[0])
+            return
+        for result in results:
+            if "error" not in result:
+                click.echo(f"{result['server']}: {describe(result)}")
+
+    for_each(targets, action, show)
+
+
+@click.command(epilog=EXIT_CODES_SHORT)
+@server_options(allow_all=True)
+@click.option("--timeout", type=click.FloatRange(0, 3600, min_open=True), default=60.0, show_default=True,
+              help="Seconds to wait for the disk writer.")
+@json_option
+def flush(targets: list[Target], timeout: float, as_json: bool) -> None:
+    """Write every RAM entry the disk lacks, and wait for the writes."""
+
+    def describe(r: dict[str, Any]) -> str:
+        if not r.get("disk_enabled", True):
+            return "the disk tier is off; nothing to write"
+        return f"{r['queued']} entries written" + ("" if r.get("complete") else " (still writing: timed out)")
+
+    _run(targets, as_json, lambda c: c.flush(timeout=timeout), describe)
+
+
+@click.command(epilog=EXIT_CODES_SHORT)
+@server_options(allow_all=True)
+@click.option("--retry-after", type=click.IntRange(1, 3600), default=5, show_default=True,
+              help="Seconds clients are told to wait (Retry-After on the 503).")
+@json_option
+def drain(targets: list[Target], retry_after: int, as_json: bool) -> None:
+    """Refuse new inference requests (503 + Retry-After); requests in flight finish."""
+    _run(targets, as_json, lambda c: c.drain(retry_after),
+         lambda r: f"draining, {r['in_flight']} in flight, clients retry after {r['retry_after_s']}s")
+
+
+@click.command(epilog=EXIT_CODES_SHORT)
+@server_options(allow_all=True)
+@json_option
+def undrain(targets: list[Target], as_json: bool) -> None:
+    """Admit new inference requests again."""
+    _run(targets, as_json, lambda c: c.undrain(), lambda r: f"admitting requests ({r['in_flight']} in flight)")

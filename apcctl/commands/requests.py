@@ -1,0 +1,116 @@
+"""``apcctl requests``: per-request timings (restore kind, reused tokens, lookup to first token)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator
+
+import click
+
+from apcctl import render
+from apcctl.client import AdminClient, AdminError
+from apcctl.commands.common import EXIT_CODES_SHORT, json_option, one, server_options, talking_to
+from apcctl.config import Target
+
+COLUMNS = ("SEQ", "TIME", "KIND", "PROMPT", "REUSED", "LOOKUP", "ADMIT", "PREFILL", "COMMIT", "TTFT ms", "ENTRY")
+NUMERIC = ("SEQ", "PROMPT", "REUSED", "LOOKUP", "ADMIT", "PREFILL", "COMMIT", "TTFT ms")
+LINE = "{:>6} {:8} {:12} {:>7} {:>7} {:>8} {:>8} {:>9} {:>8} {:>9} {}"
+
+
+def register(main: click.Group, bench: click.Group) -> None:
+    del bench
+    main.add_command(requests)
+
+
+def row(r: dict[str, Any]) -> tuple[Any, ...]:
+    return (r["seq"], render.clock(r.get("started")), r["restore_kind"], f"{r['prompt_tokens']:,}",
+            f"{r['restored_tokens']:,}", render.ms(r["lookup_ms"]), render.ms(r["admission_ms"]),
+            render.ms(r["prefill_ms"]), render.ms(r["commit_ms"]), render.ms(r["ttft_ms"]), r.get("entry_id") or "-")
+
+
+def format_request(r: dict[str, Any]) -> str:
+    """One aligned line per request, for ``--follow`` and the demo's live view."""
+    return LINE.format(*row(r))
+
+
+def header() -> str:
+    return LINE.format(*COLUMNS)
+
+
+def poll(client: AdminClient, since: int = 0, interval: float = 1.0) -> Iterator[dict[str, Any]]:
+    """New request records forever; rides out restarts (sequence numbers start again at 1)."""
+    last, waiting = since, False
+    while True:
+        try:
+            batch = client.requests(since=last, limit=5000)
+            if not batch and last and max((r["seq"] for r in client.requests(since=0, limit=1)), default=0) < last:
+                last = 0  # the server restarted: its ring starts over
+                continue
+            waiting = False
+        except AdminError as exc:
+            if exc.status not in (0, 409, 503):
+                raise
+            if not waiting:
+                click.echo(f"(waiting for the server: {exc.message})", err=True)
+            waiting, batch = True, []
+        for record in batch:
+            last = max(last, record["seq"])
+            yield record
+        time.sleep(interval)
+
+
+def stream(client: AdminClient, since: int = 0) -> Iterator[dict[str, Any]]:
+    """Request records from the server-sent event stream."""
+    for name, data in client.events(since=0, timeout=60):
+        if name == "request" and data["seq"] > since:
+            yield data
+
+
+def _take(records: Iterator[dict[str, Any]], count: int | None, emit: Callable[[dict[str, Any]], None]) -> None:
+    seen = 0
+    try:
+        for record in records:
+            emit(record)
+            seen += 1
+            if count and seen >= count:
+                return
+    except KeyboardInterrupt:
+        pass
+
+
+@click.command(epilog=EXIT_CODES_SHORT)
+@server_options()
+@click.option("--since", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Only records with a larger sequence number.")
+@click.option("--limit", type=click.IntRange(1, 5000), default=50, show_default=True, help="Newest records to show.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new records (polls /admin/requests?since=).")
+@click.option("--sse", is_flag=True, help="With --follow: read the /admin/events stream instead of polling.")
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between polls.")
+@click.option("--count", type=click.IntRange(min=1), help="With --follow: stop after this many records.")
+@json_option
+def requests(targets: list[Target], since: int, limit: int, follow: bool, sse: bool, interval: float,
+             count: int | None, as_json: bool) -> None:
+    """Request timings: restore kind, reused tokens, lookup/admission/prefill/commit and TTFT (ms).
+
+    With --json and --follow, one JSON object per line.
+
+    \b
+    Examples:
+      apcctl requests --limit 20
+      apcctl requests --follow --json | jq .ttft_ms
+    """
+    target = one(targets)
+    client = target.client()
+    if not follow:
+        with talking_to(target):
+            records = client.requests(since=since, limit=limit)
+        if as_json:
+            render.emit_json(records)
+        else:
+            render.console().print(render.table(COLUMNS, [row(r) for r in records], numeric=NUMERIC))
+        return
+    if not as_json:
+        click.echo(header())
+    with talking_to(target):
+        source = stream(client, since) if sse else poll(client, since, interval)
+        _take(source, count, render.emit_json_line if as_json else lambda r: click.echo(format_request(r)))

@@ -1,0 +1,113 @@
+"""``apcctl status``: one screen per server: identity, process, traffic, budgets, hit rate."""
+
+from __future__ import annotations
+
+import time
+import urllib.parse
+from typing import Any
+
+import click
+import psutil
+
+from apcctl import render
+from apcctl.commands.common import EXIT_CODES_SHORT, for_each, json_option, server_options
+from apcctl.config import Target
+
+_LOCAL = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+
+
+def register(main: click.Group, bench: click.Group) -> None:
+    del bench
+    main.add_command(status)
+
+
+def hit_summary(stats: dict[str, int]) -> dict[str, Any]:
+    """Lookup and token hit rates from the cache's counters (``hits_<kind>``, ``reused_tokens``...)."""
+    by_kind = {k[5:]: v for k, v in stats.items() if k.startswith("hits_")}
+    hits = sum(v for k, v in by_kind.items() if k != "cold")
+    total = hits + by_kind.get("cold", 0)
+    reused, prefilled = stats.get("reused_tokens", 0), stats.get("prefill_tokens", 0)
+    return {"requests": total, "hits": hits, "hit_rate": hits / total if total else None, "by_kind": by_kind,
+            "reused_tokens": reused, "prefill_tokens": prefilled,
+            "token_hit_rate": reused / (reused + prefilled) if reused + prefilled else None}
+
+
+def process_info(target: Target, pid: int | None) -> dict[str, Any] | None:
+    """RSS, CPU and uptime from psutil, when the server runs on this machine."""
+    host = urllib.parse.urlsplit(target.url).hostname or ""
+    if pid is None or (host not in _LOCAL and target.managed is None):
+        return None
+    try:
+        process = psutil.Process(pid)
+        with process.oneshot():
+            return {"pid": pid, "rss_bytes": process.memory_info().rss, "cpu_percent": process.cpu_percent(0.1),
+                    "threads": process.num_threads(), "uptime_s": max(0.0, time.time() - process.create_time())}
+    except psutil.Error:
+        return None
+
+
+def collect(target: Target) -> dict[str, Any]:
+    body = target.client().status()
+    lineage = body.get("lineage") or {}
+    return {"server": target.name, "url": target.url, "managed": target.managed is not None, "status": body,
+            "process": process_info(target, body["server"].get("pid")), "hits": hit_summary(lineage.get("stats", {}))}
+
+
+@click.command(epilog=EXIT_CODES_SHORT)
+@server_options(allow_all=True)
+@json_option
+def status(targets: list[Target], as_json: bool) -> None:
+    """Server, process (RSS, CPU, uptime), traffic, cache budgets and hit rate."""
+
+    def show(results: list[dict[str, Any]]) -> None:
+        if as_json:
+            render.emit_json(results if len(targets) > 1 else results[0])
+            return
+        out = render.console()
+        for result in results:
+            if "error" not in result:
+                out.print(render.key_values(_rows(result), title=f"[bold]{result['server']}[/] {result['url']}"))
+                out.print()
+
+    for_each(targets, collect, show)
+
+
+def _rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    body, process, hits = result["status"], result["process"], result["hits"]
+    server, idle, pool = body["server"], body["idle"], body.get("pool", {})
+    rows = [("model", str(server.get("model"))),
+            ("version", f"mlx-vlm {server.get('mlx_vlm_version')} + patch {server.get('patch_version')}"),
+            ("server", f"pid {server.get('pid')}, up {render.human_duration(server.get('uptime_s'))}"
+                       + (", managed by apcctl" if result["managed"] else ""))]
+    if process:
+        rows.append(("process", f"RSS {render.human_bytes(process['rss_bytes'])}, CPU {process['cpu_percent']:.0f}%, "
+                                f"{process['threads']} threads, up {render.human_duration(process['uptime_s'])}"))
+    rows.append(("traffic", f"{idle.get('in_flight', 0)} in flight, {idle.get('queued', 0)} queued, "
+                            f"draining {'yes' if idle.get('draining') else 'no'}, " + _last(idle)))
+    rows.append(("mlx memory", f"active {render.human_bytes(pool.get('active_bytes'))}, "
+                               f"cache {render.human_bytes(pool.get('cache_bytes'))}, "
+                               f"peak {render.human_bytes(pool.get('peak_bytes'))}"))
+    lineage = body.get("lineage")
+    if lineage is None:
+        rows.append(("cache", "not started yet (the lineage cache starts with the first request)"))
+        return rows
+    b = lineage["budgets"]
+    rows += [
+        ("ram", f"{render.human_bytes(b['ram_used'])} / {render.human_bytes(b['ram_limit'])} "
+                f"({b['entries']} entries)"),
+        ("anchors", f"{b['anchor_count']} / {b['anchor_count_limit']} pinned, "
+                    f"{render.human_bytes(b['anchor_bytes'])} / {render.human_bytes(b['anchor_bytes_limit'])}"),
+        ("disk", (f"{render.human_bytes(b['disk_used'])} / {render.human_bytes(b['disk_limit'])} "
+                  f"({b['disk_files']} files, {lineage.get('disk_pending_writes', 0)} writes pending)")
+         if lineage.get("disk_path") else "off"),
+        ("hit rate", f"{render.percent(hits['hits'], hits['requests'])} of {hits['requests']} requests, "
+                     f"{render.percent(hits['reused_tokens'], hits['reused_tokens'] + hits['prefill_tokens'])} "
+                     f"of prompt tokens reused"),
+        ("by kind", ", ".join(f"{k} {v}" for k, v in sorted(hits["by_kind"].items())) or "-"),
+    ]
+    return rows
+
+
+def _last(idle: dict[str, Any]) -> str:
+    seconds = idle.get("since_last_finished_s")
+    return "no request yet" if seconds is None else f"last finished {render.human_duration(seconds)} ago"

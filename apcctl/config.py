@@ -1,0 +1,208 @@
+"""Which server(s) a command talks to, and with which token.
+
+Precedence, highest first: command-line flags, then the environment (``APCCTL_SERVER``,
+``APCCTL_TOKEN``, ``APCCTL_CONFIG``; click reads those for the flags), then the TOML file
+(default ``user_config_dir("apcctl")/config.toml``), then the servers ``apcctl serve`` manages,
+then ``http://127.0.0.1:8080``. Example file::
+
+    default = "main"
+
+    [servers.main]
+    url = "http://127.0.0.1:8080"
+    token_file = "~/.local/state/apcctl/servers/main/admin-token"
+    model = "/models/glm5-next"
+    port = 8080
+    supervisor = "none"          # or "launchd" / "systemd"
+    service = "com.example.apc"  # launchd label or systemd unit, for supervised restarts
+    args = ["--max-kv-size", "65536"]
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from apcctl.client import AdminClient
+from apcctl.manage import ManagedServer, managed_names
+
+DEFAULT_PORT = 8080
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_NAME = "default"
+SUPERVISORS = ("none", "launchd", "systemd")
+_KEYS = {"url", "token", "token_file", "model", "port", "host", "supervisor", "service", "args"}
+
+
+class ConfigError(ValueError):
+    """The config file or a server selection is wrong (a usage error, exit 2)."""
+
+
+def default_config_path() -> Path:
+    from platformdirs import user_config_dir
+
+    return Path(user_config_dir("apcctl")) / "config.toml"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One ``[servers.NAME]`` table; every key is optional."""
+
+    name: str
+    url: str | None = None
+    token: str | None = None
+    token_file: Path | None = None
+    model: str | None = None
+    port: int | None = None
+    host: str | None = None
+    supervisor: str = "none"
+    service: str | None = None
+    args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path | None
+    servers: dict[str, ServerConfig] = field(default_factory=dict)
+    default: str | None = None
+
+
+def load_config(path: Path | None = None) -> Config:
+    """Read ``path`` (it must exist), or the default path (which may be missing)."""
+    explicit = path is not None
+    path = Path(path).expanduser() if explicit else default_config_path()
+    if not path.exists():
+        if explicit:
+            raise ConfigError(f"config file {path} does not exist")
+        return Config(path=None)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from None
+    servers = {name: _server(name, table, path) for name, table in (data.get("servers") or {}).items()}
+    default = data.get("default")
+    if default is not None and default not in servers:
+        raise ConfigError(f"{path}: default = {default!r} names no [servers.*] table")
+    return Config(path=path, servers=servers, default=default)
+
+
+def _server(name: str, table: Any, path: Path) -> ServerConfig:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [servers.{name}] must be a table")
+    unknown = set(table) - _KEYS
+    if unknown:
+        raise ConfigError(f"{path}: [servers.{name}] has unknown keys {sorted(unknown)}; known: {sorted(_KEYS)}")
+    supervisor = table.get("supervisor", "none")
+    if supervisor not in SUPERVISORS:
+        raise ConfigError(f"{path}: [servers.{name}] supervisor must be one of {SUPERVISORS}")
+    token_file = table.get("token_file")
+    return ServerConfig(
+        name=name, url=table.get("url"), token=table.get("token"),
+        token_file=Path(token_file).expanduser() if token_file else None,
+        model=table.get("model"), port=_int(table.get("port"), name, path), host=table.get("host"),
+        supervisor=supervisor, service=table.get("service"), args=tuple(str(a) for a in table.get("args", ())),
+    )
+
+
+def _int(value: Any, name: str, path: Path) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or not 0 < value < 65536:
+        raise ConfigError(f"{path}: [servers.{name}] port must be an integer port number")
+    return value
+
+
+@dataclass(frozen=True)
+class Target:
+    """A resolved server: where it is, how to authenticate, and whether ``apcctl serve`` runs it."""
+
+    name: str
+    url: str
+    token: str | None
+    settings: ServerConfig
+    managed: ManagedServer | None = None
+
+    def client(self, timeout: float = 10.0) -> AdminClient:
+        return AdminClient(self.url, self.token, timeout=timeout)
+
+
+def is_url(value: str) -> bool:
+    return "://" in value
+
+
+def select(server: str | None = None, token: str | None = None, config_path: Path | None = None,
+           all_servers: bool = False) -> list[Target]:
+    """The servers a command acts on; ``server`` and ``token`` already include the environment."""
+    config = load_config(config_path)
+    if all_servers:
+        if server:
+            raise ConfigError("give either --server or --all, not both")
+        names = list(dict.fromkeys([*config.servers, *managed_names()]))
+        if not names:
+            raise ConfigError("--all found no servers: none in the config file, none started by apcctl serve")
+        return [resolve(name, token, config) for name in names]
+    return [resolve(server or config.default or _sole(config) or DEFAULT_NAME, token, config)]
+
+
+def _sole(config: Config) -> str | None:
+    return next(iter(config.servers)) if len(config.servers) == 1 else None
+
+
+def resolve(value: str, token: str | None, config: Config) -> Target:
+    """A name from the config file or a managed server, or a URL."""
+    if is_url(value):
+        managed = _managed_at(value)
+        settings = ServerConfig(name=managed.name if managed else _url_name(value), url=value)
+        return Target(settings.name, value.rstrip("/"), token or _token(settings, managed), settings, managed)
+    settings = config.servers.get(value)
+    managed = ManagedServer(value) if ManagedServer(value).spec() is not None else None
+    if settings is None and managed is None and value != DEFAULT_NAME:
+        known = sorted({*config.servers, *managed_names()})
+        raise ConfigError(f"unknown server {value!r}; known: {', '.join(known) or 'none'} (or give a URL)")
+    settings = settings or ServerConfig(name=value)
+    url = settings.url or (managed.spec().url if managed else None) or _url(settings)
+    return Target(value, url.rstrip("/"), token or _token(settings, managed), settings, managed)
+
+
+def _url(settings: ServerConfig) -> str:
+    return f"http://{settings.host or DEFAULT_HOST}:{settings.port or DEFAULT_PORT}"
+
+
+def _url_name(url: str) -> str:
+    parsed = urllib.parse.urlsplit(url)
+    return parsed.netloc or url
+
+
+def _managed_at(url: str) -> ManagedServer | None:
+    """The managed server listening at ``url``, so a URL still finds its token and PID files."""
+    wanted = url.rstrip("/")
+    for name in managed_names():
+        spec = ManagedServer(name).spec()
+        if spec is not None and spec.url == wanted:
+            return ManagedServer(name)
+    return None
+
+
+def _token(settings: ServerConfig, managed: ManagedServer | None) -> str | None:
+    """Config token or token file, ``APC_ADMIN_TOKEN``, the managed server's file, the default file."""
+    if settings.token:
+        return settings.token
+    if settings.token_file is not None:
+        return _read(settings.token_file)
+    env = os.environ.get("APC_ADMIN_TOKEN")
+    if env:
+        return env.strip()
+    if managed is not None and managed.token():
+        return managed.token()
+    from server_patch.admin.auth import default_token_path
+
+    return _read(default_token_path())
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None

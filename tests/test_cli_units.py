@@ -1,0 +1,379 @@
+"""apcctl's CLI without a server: config precedence, exit codes, rendering, the journal and its
+report, and the rolling restart's logic against a fake admin client."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from apcctl import render
+from apcctl.cli import main
+from apcctl.client import AdminError
+from apcctl.commands import MODULES
+from apcctl.commands.common import ExitStatus, exit_status_for
+from apcctl.config import ConfigError, ServerConfig, Target, load_config, select
+from apcctl.journal_report import parse_since, percentiles, read_journal, report, summarize
+from apcctl.manage import ManagedServer, build_spec
+from apcctl.restart import RestartStep, rolling_restart, supervisor_command
+from server_patch.integration.journal import FILE_NAME, Journal, journal_files
+
+REPO = Path(__file__).resolve().parents[1]
+OUR_COMMANDS = ("serve", "stop", "logs", "status", "entries", "anchors", "requests", "flush", "drain", "undrain",
+                "restart", "report", "demo")
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Private state and config dirs; no token or server from the developer's shell."""
+    monkeypatch.setenv("APC_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    for key in ("APCCTL_SERVER", "APCCTL_TOKEN", "APCCTL_CONFIG", "APC_ADMIN_TOKEN", "APC_ADMIN_TOKEN_FILE"):
+        monkeypatch.delenv(key, raising=False)
+    return tmp_path
+
+
+def write_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "apcctl.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ------------------------------------------------------------------ config
+
+
+def test_config_file_names_servers_and_flags_win_over_it(tmp_path: Path) -> None:
+    (tmp_path / "tok").write_text("from-file\n")
+    path = write_config(tmp_path, f"""
+default = "b"
+[servers.a]
+url = "http://10.0.0.1:9000"
+token_file = "{tmp_path / 'tok'}"
+[servers.b]
+port = 8123
+supervisor = "launchd"
+service = "com.example.apc"
+""")
+    (b,) = select(config_path=path)
+    assert (b.name, b.url, b.settings.supervisor, b.settings.service) == ("b", "http://127.0.0.1:8123", "launchd",
+                                                                          "com.example.apc")
+    (a,) = select("a", config_path=path)
+    assert (a.url, a.token) == ("http://10.0.0.1:9000", "from-file")
+    (a,) = select("a", token="from-flag", config_path=path)
+    assert a.token == "from-flag"
+    assert [t.name for t in select(config_path=path, all_servers=True)] == ["a", "b"]
+
+
+def test_environment_is_read_by_the_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_config(tmp_path, '[servers.a]\nurl = "http://127.0.0.1:1"\n')
+    monkeypatch.setenv("APCCTL_CONFIG", str(path))
+    monkeypatch.setenv("APCCTL_SERVER", "a")
+    monkeypatch.setenv("APCCTL_TOKEN", "env-token")
+    result = CliRunner().invoke(main, ["status", "--json"])
+    assert result.exit_code == ExitStatus.UNREACHABLE
+    assert "a: cannot reach http://127.0.0.1:1" in result.output
+    flag = CliRunner().invoke(main, ["status", "--server", "http://127.0.0.1:2"])
+    assert "cannot reach http://127.0.0.1:2" in flag.output
+
+
+def test_default_config_path_may_be_missing_but_a_given_one_may_not(tmp_path: Path) -> None:
+    assert load_config().servers == {}
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = write_config(tmp_path, "[servers.a]\nurl = 'x'\nfoo = 1\n")
+    with pytest.raises(ConfigError, match="unknown keys"):
+        load_config(bad)
+    result = CliRunner().invoke(main, ["status", "--config", str(bad)])
+    assert result.exit_code == ExitStatus.USAGE
+
+
+def test_unknown_server_name_is_a_usage_error(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["entries", "--server", "nosuch"])
+    assert result.exit_code == ExitStatus.USAGE
+    assert "unknown server 'nosuch'" in result.output
+
+
+def test_a_managed_server_is_found_by_name_and_by_url_with_its_token(tmp_path: Path) -> None:
+    server = ManagedServer("m1")
+    spec = build_spec("m1", model=str(tmp_path), port=18999)
+    server.save(spec)
+    server.token_path.write_text("managed-token\n")
+    (by_name,) = select("m1")
+    (by_url,) = select("http://127.0.0.1:18999")
+    assert by_name.url == by_url.url == "http://127.0.0.1:18999"
+    assert by_name.token == by_url.token == "managed-token"
+    assert by_url.managed is not None and by_url.managed.name == "m1"
+    assert oct(server.spec_path.stat().st_mode & 0o777) == "0o600"
+    assert spec.env["APC_ENABLED"] == "1" and spec.env["APC_STATE_DIR"] == str(server.directory)
+    assert spec.env["APC_LINEAGE_DISK_PATH"] == str(server.directory / "lineage-disk")
+
+
+# ------------------------------------------------------------------ exit codes and help
+
+
+@pytest.mark.parametrize("status, code", [(0, 3), (401, 4), (403, 4), (404, 5), (409, 1), (500, 1), (422, 1)])
+def test_http_status_to_exit_code(status: int, code: int) -> None:
+    assert exit_status_for(AdminError(status, "x")) == code
+
+
+def test_unreachable_server_exits_3_for_every_read_command() -> None:
+    url = f"http://127.0.0.1:{unused_port()}"
+    for args in (["status"], ["entries"], ["anchors", "list"], ["requests"], ["flush"], ["drain"]):
+        result = CliRunner().invoke(main, [*args, "--server", url, "--json"])
+        assert result.exit_code == ExitStatus.UNREACHABLE, (args, result.output)
+
+
+def test_stop_and_logs_of_an_unmanaged_server_exit_5() -> None:
+    url = f"http://127.0.0.1:{unused_port()}"
+    assert CliRunner().invoke(main, ["stop", "--server", url]).exit_code == ExitStatus.NOT_FOUND
+    assert CliRunner().invoke(main, ["logs", "--server", url]).exit_code == ExitStatus.NOT_FOUND
+
+
+def test_main_help_lists_the_exit_codes() -> None:
+    result = CliRunner().invoke(main, ["--help"])
+    for line in ("0  ok", "2  usage error", "3  server unreachable", "4  authentication failed", "5  not found"):
+        assert line in result.output
+
+
+def _commands(group: click.Group, prefix: str = "") -> list[tuple[str, click.Command]]:
+    out = []
+    for name, command in group.commands.items():
+        out.append((prefix + name, command))
+        if isinstance(command, click.Group):
+            out += _commands(command, prefix + name + " ")
+    return out
+
+
+@pytest.mark.parametrize("name, command", [c for c in _commands(main) if c[0].split()[0] in OUR_COMMANDS])
+def test_every_command_has_help_and_a_section_in_the_docs(name: str, command: click.Command) -> None:
+    assert command.help, f"{name} has no help"
+    assert f"`apcctl {name}" in (REPO / "docs" / "cli.md").read_text(encoding="utf-8"), f"docs/cli.md lacks {name}"
+
+
+def test_command_modules_are_registered() -> None:
+    for module in ("serve", "status", "entries", "anchors", "requests", "ops", "restart", "report", "demo"):
+        assert module in MODULES
+    assert set(OUR_COMMANDS) <= set(main.commands)
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def test_human_sizes_and_durations() -> None:
+    assert render.human_bytes(0) == "0 B"
+    assert render.human_bytes(1536) == "1.5 KiB"
+    assert render.human_bytes(3 * 1024**3) == "3.0 GiB"
+    assert render.human_bytes(None) == "-"
+    assert render.human_duration(5.25) == "5.2s"
+    assert render.human_duration(3725) == "1h 2m"
+    assert render.human_duration(2 * 86400 + 3600) == "2d 1h"
+    assert render.percent(1, 4) == "25.0%" and render.percent(1, 0) == "-"
+
+
+# ------------------------------------------------------------------ journal and report
+
+
+def test_journal_rotates_at_its_size_cap_and_keeps_a_fixed_number_of_files(tmp_path: Path) -> None:
+    journal = Journal(tmp_path, max_bytes=1024, files=3)
+    for i in range(200):
+        journal.append({"type": "request", "time": float(i), "seq": i, "pad": "x" * 40})
+    journal.close()
+    files = journal_files(tmp_path)
+    assert [f.name for f in files] == [f"{FILE_NAME}.2", f"{FILE_NAME}.1", FILE_NAME]
+    assert all(f.stat().st_size <= 1024 for f in files)
+    seqs = [r["seq"] for r in read_journal(tmp_path)]
+    assert seqs == sorted(seqs) and seqs[-1] == 199  # oldest first, nothing newer lost
+
+
+def test_torn_and_foreign_lines_are_skipped(tmp_path: Path) -> None:
+    (tmp_path / FILE_NAME).write_text('{"type":"request","time":1}\nnot json\n{"no":"time"}\n{"type":"cac')
+    assert [r["time"] for r in read_journal(tmp_path)] == [1]
+
+
+def test_parse_since() -> None:
+    assert parse_since("30m", now=10_000) == 10_000 - 1800
+    assert parse_since("7d", now=10**7) == 10**7 - 7 * 86400
+    assert parse_since("2026-11-01") > 0
+    with pytest.raises(ValueError, match="not a span"):
+        parse_since("yesterday")
+
+
+def test_percentiles_use_nearest_rank() -> None:
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None, "max": None}
+    values = [float(v) for v in range(1, 101)]
+    assert percentiles(values) == {"p50": 50.0, "p90": 90.0, "p99": 99.0, "max": 100.0}
+
+
+def _journal_records() -> list[dict[str, Any]]:
+    def request(t: float, kind: str, restored: int, ttft: float) -> dict[str, Any]:
+        return {"type": "request", "time": t, "restore_kind": kind, "restored_tokens": restored,
+                "prompt_tokens": 100, "lookup_ms": 1.0, "admission_ms": 2.0, "prefill_ms": ttft - 5,
+                "commit_ms": 1.0, "ttft_ms": ttft}
+
+    return [
+        {"type": "start", "time": 1.0, "pid": 1},
+        {"type": "budgets", "time": 1.0, "ram_used": 0, "anchor_bytes": 0, "disk_used": 0, "anchor_count": 0},
+        request(2.0, "cold", 0, 100.0),
+        {"type": "cache", "time": 2.0, "event": "pin", "entry_id": "a1", "bytes": 10, "detail": "captured"},
+        request(3.0, "anchor", 90, 20.0),
+        request(4.0, "anchor", 90, 30.0),
+        {"type": "cache", "time": 4.5, "event": "evict", "entry_id": "c1", "bytes": 500, "detail": "ram budget"},
+        {"type": "cache", "time": 4.6, "event": "disk_write", "entry_id": "a1", "bytes": 64},
+        {"type": "start", "time": 5.0, "pid": 2},
+        request(6.0, "disk", 80, 40.0),
+        {"type": "budgets", "time": 6.0, "ram_used": 700, "anchor_bytes": 10, "disk_used": 64, "anchor_count": 1},
+    ]
+
+
+def test_summary_splits_hits_by_kind_and_latency_by_phase() -> None:
+    s = summarize(_journal_records(), since=0, until=10)
+    assert s["window"]["server_starts"] == 2
+    assert s["requests"]["count"] == 4 and s["requests"]["hits"] == 3
+    assert s["requests"]["by_kind"]["anchor"] == {"requests": 2, "reused_tokens": 180, "prompt_tokens": 200}
+    assert s["requests"]["reused_tokens"] == 260 and s["requests"]["token_hit_rate"] == 260 / 400
+    assert s["latency_ms"]["ttft"]["max"] == 100.0 and s["latency_ms"]["ttft"]["p50"] == 30.0
+    assert s["evictions"] == {"count": 1, "bytes": 500, "by_reason": {"ram budget": 1}, "disk_deletes": {}}
+    assert s["disk"]["writes"] == 1 and s["anchors"]["pinned"] == 1 and s["anchors"]["pinned_now"] == 1
+    assert [t["ram_bytes"] for t in s["tiers"]] == [0, 700]
+
+
+def test_report_command_reads_a_journal_directory(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j")
+    for record in _journal_records():
+        journal.append(record)
+    journal.close()
+    result = CliRunner().invoke(main, ["report", "--journal", str(tmp_path / "j"), "--since", "1970-01-01", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["requests"]["count"] == 4
+    assert report(tmp_path / "j", since=3.5, until=10)["requests"]["count"] == 2
+    human = CliRunner().invoke(main, ["report", "--journal", str(tmp_path / "j"), "--since", "1970-01-01"])
+    assert "by restore kind" in human.output and "anchor" in human.output
+    missing = CliRunner().invoke(main, ["report", "--journal", str(tmp_path / "none")])
+    assert missing.exit_code == ExitStatus.NOT_FOUND
+    bad = CliRunner().invoke(main, ["report", "--journal", str(tmp_path / "j"), "--since", "soon"])
+    assert bad.exit_code == ExitStatus.USAGE
+
+
+# ------------------------------------------------------------------ rolling restart logic
+
+
+class FakeClient:
+    """Answers like a server whose PID changes once ``restart`` was run; counts the verbs."""
+
+    def __init__(self, in_flight: int, calls: list[str]) -> None:
+        self.in_flight = in_flight
+        self.calls = calls
+        self.pid = 100
+
+    def status(self) -> dict[str, Any]:
+        return {"server": {"pid": self.pid, "model": "m"}, "idle": {"in_flight": self.in_flight, "queued": 0},
+                "lineage": {"disk_path": "/d"}}
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "healthy"}
+
+    def anchors(self) -> list[dict[str, Any]]:
+        return [{"id": "pinned1", "pinned": True}, {"id": "probe", "pinned": True}]
+
+    def new_anchor(self, system: str) -> dict[str, Any]:
+        self.calls.append("new_anchor")
+        return {"anchor": {"id": "probe"}, "created": True}
+
+    def requests(self, since: int = 0, limit: int = 200) -> list[dict[str, Any]]:
+        if "chat" not in self.calls:
+            return []
+        return [{"seq": 1, "entry_id": "probe", "restore_kind": "disk", "restored_tokens": 40}]
+
+    def chat(self, messages: list, **params: Any) -> dict[str, Any]:
+        self.calls.append("chat")
+        return {}
+
+    def __getattr__(self, verb: str) -> Any:  # drain, undrain, flush, evict
+        def call(*args: Any, **kwargs: Any) -> dict[str, Any]:
+            self.calls.append(verb)
+            return {"complete": True}
+
+        return call
+
+
+class FakeTarget(Target):
+    def client(self, timeout: float = 10.0) -> Any:
+        return self.__dict__["fake"]
+
+
+def fake_target(in_flight: int, calls: list[str]) -> FakeTarget:
+    target = FakeTarget("svc", "http://x", None, ServerConfig("svc", supervisor="systemd", service="apc.service"))
+    object.__setattr__(target, "fake", FakeClient(in_flight, calls))
+    return target
+
+
+def test_restart_refuses_a_server_it_could_not_start_again_before_touching_anything() -> None:
+    steps: list[RestartStep] = []
+    target = Target("bare", "http://127.0.0.1:1", None, ServerConfig("bare"))
+    result = rolling_restart([target], on_progress=steps.append)
+    assert not result.ok and result.servers[0].phase == "failed"
+    assert "not started by 'apcctl serve'" in result.servers[0].message
+    assert [s.phase for s in steps] == ["failed"]
+
+
+def test_restart_waits_for_in_flight_requests_and_gives_up_without_force() -> None:
+    calls: list[str] = []
+    commands: list[list[str]] = []
+    steps: list[RestartStep] = []
+    result = rolling_restart([fake_target(2, calls)], on_progress=steps.append, timeout=0.2, poll_s=0.01,
+                             run_command=commands.append)
+    assert not result.ok and "2 requests still in flight" in result.servers[0].message
+    assert calls.count("drain") == 1 and calls[-1] == "undrain"  # the drain is lifted again
+    assert commands == []  # never stopped
+    assert all(s.in_flight == 2 for s in steps if s.phase == "waiting")
+
+
+def test_forced_restart_under_a_supervisor_probes_the_anchor_from_disk() -> None:
+    calls: list[str] = []
+    target = fake_target(1, calls)
+    fake = target.client()
+
+    def restart_service(argv: list[str]) -> None:
+        commands.append(argv)
+        fake.pid, fake.in_flight = 200, 0
+
+    commands: list[list[str]] = []
+    steps: list[RestartStep] = []
+    result = rolling_restart([target], on_progress=steps.append, timeout=0.1, poll_s=0.01, force=True,
+                             run_command=restart_service)
+    assert result.ok, result.servers[0].message
+    assert commands == [supervisor_command("systemd", "apc.service")]
+    server = result.servers[0]
+    assert (server.old_pid, server.new_pid) == (100, 200)
+    assert server.probe["restore_kind"] == "disk" and server.probe["missing_anchors"] == []
+    assert any("--force" in w for w in server.warnings)
+    phases = [s.phase for s in steps]
+    assert phases.index("draining") < phases.index("flushing") < phases.index("stopping") < phases.index("ready") \
+        < phases.index("probing") < phases.index("done")
+    assert calls[-1] == "evict"  # the probe anchor is removed again
+
+
+def test_launchd_restart_command_uses_kickstart() -> None:
+    assert supervisor_command("launchd", "com.x")[:3] == ["launchctl", "kickstart", "-k"]
+    assert supervisor_command("launchd", "com.x")[3] == f"gui/{os.getuid()}/com.x"
+
+
+def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path: Path) -> None:
+    ManagedServer("p1").save(build_spec("p1", model=str(tmp_path), port=unused_port()))
+    result = CliRunner().invoke(main, ["restart", "--server", "p1", "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["dry_run"] and out["ok"] and out["servers"][0]["phase"] == "plan"
+    assert "server_patch.launch" in out["servers"][0]["how"]
