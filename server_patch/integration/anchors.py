@@ -3,7 +3,11 @@
 The server renders the chat template on the leading system messages plus the tool list,
 without the generation prompt: that text is the prefix every session of an agent shares. It is
 tokenized once per distinct text and remembered; the generator later takes the common prefix
-of a prompt with it, minus two tokens of slack for BPE merges at the boundary.
+of a prompt with it, minus two tokens of slack for BPE merges at the boundary. No slack is
+needed when the prefix ends next to an added (special) token, such as GLM's ``<|user|>``: the
+tokenizer splits on those before BPE, so nothing can merge across them.
+
+The same wrapper feeds ``segments``, which finds every template boundary the same way.
 """
 
 from __future__ import annotations
@@ -32,16 +36,18 @@ class AnchorRegistry:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._texts: OrderedDict[str, tuple[np.ndarray, str]] = OrderedDict()
+        self._texts: OrderedDict[str, tuple[np.ndarray, str, frozenset[int]]] = OrderedDict()
 
-    def note(self, text: str, tokenize: Callable[[str], list[int]], label: str) -> None:
+    def note(self, text: str, tokenize: Callable[[str], list[int]], label: str,
+             hard_ids: frozenset[int] = frozenset()) -> None:
+        """Remember one prefix; ``hard_ids`` are the tokenizer's added tokens (BPE never merges them)."""
         with self._lock:
             if text in self._texts:
                 self._texts.move_to_end(text)
                 return
         ids = as_tokens(tokenize(text))  # outside the lock: tokenizing may take a while
         with self._lock:
-            self._texts[text] = (ids, label)
+            self._texts[text] = (ids, label, frozenset(hard_ids))
             while len(self._texts) > _MAX_TEXTS:
                 self._texts.popitem(last=False)
 
@@ -51,11 +57,14 @@ class AnchorRegistry:
         best: tuple[int, str] | None = None
         with self._lock:
             candidates = list(self._texts.values())
-        for ids, label in candidates:
+        for ids, label, hard in candidates:
             shared = common_prefix_len(prompt, ids)
             if shared < len(ids) - MATCH_TOLERANCE or shared - BPE_SLACK <= 0:
                 continue
             length = shared - BPE_SLACK
+            if shared == len(ids) and hard and (int(ids[-1]) in hard or (
+                    prompt.shape[0] > shared and int(prompt[shared]) in hard)):
+                length = shared  # the prefix ends at a special token: no merge to allow for
             if best is None or length > best[0]:
                 best = (length, label)
         return best
@@ -108,17 +117,23 @@ def note_request(apply: Callable[..., Any], processor: Any, config: Any, prompt:
     if not isinstance(text, str) or not text:
         return
     tokenizer = _tokenizer_of(processor)
-    REGISTRY.note(text, lambda t: tokenizer.encode(t, add_special_tokens=False), _label(system, tools))
+    from server_patch.integration.segments import FINDER
+
+    REGISTRY.note(text, lambda t: tokenizer.encode(t, add_special_tokens=False), _label(system, tools),
+                  FINDER.hard_ids(tokenizer))
 
 
 def wrap_apply_chat_template(apply: Callable[..., Any]) -> Callable[..., Any]:
-    """mlx-vlm's ``apply_chat_template``, also noting each request's anchor prefix."""
+    """mlx-vlm's ``apply_chat_template``, also noting each request's anchor prefix and segments."""
 
     @functools.wraps(apply)
     def wrapper(processor, config, prompt, *args, **kwargs):
         result = apply(processor, config, prompt, *args, **kwargs)
         if not args:
             note_request(apply, processor, config, prompt, kwargs)
+            from server_patch.integration import segments
+
+            segments.note_request(apply, processor, config, prompt, kwargs, result)
         return result
 
     return wrapper
