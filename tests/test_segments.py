@@ -412,7 +412,7 @@ def test_tiny_wrapper_notes_segments_and_the_coordinator_entry_point_finds_them(
 def test_segments_feed_plan_captures_as_segment_checkpoints_that_thin_first():
     """The coordinator's call, on the policy: captures ≥ the gap, thinned first, budgeted."""
     tok = FakeTokenizer(CHATML)
-    finder = SegmentFinder(SegmentSettings(fallback_stride=0))
+    finder = SegmentFinder(SegmentSettings(fallback_stride=0, max_new_renders=0))
     messages = [{"role": "system", "content": words(400, 30)}]
     for i in range(12):
         messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": words(140, 400 + i)})
