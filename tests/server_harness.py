@@ -20,8 +20,10 @@ if it is turned on, pointed at a private directory (never ``~/.cache``), Hub acc
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -164,14 +166,14 @@ class PatchedServer:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
     def request(
-        self, method: str, path: str, payload: Any = None, timeout: float = 120.0
+        self, method: str, path: str, payload: Any = None, timeout: float = 120.0,
+        headers: Mapping[str, str] | None = None,
     ) -> tuple[int, Any]:
         """(status, decoded JSON body or text); HTTP errors are returned, not raised."""
         data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(
-            self.base_url + path, data=data, method=method,
-            headers={"Content-Type": "application/json"} if data is not None else {},
-        )
+        all_headers = {"Content-Type": "application/json"} if data is not None else {}
+        all_headers.update(headers or {})
+        req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=all_headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 status, body = resp.status, resp.read()
@@ -189,14 +191,129 @@ class PatchedServer:
     def post_json(self, path: str, payload: Any) -> Any:
         return self._ok("POST", path, payload)
 
-    def _ok(self, method: str, path: str, payload: Any = None) -> Any:
-        status, body = self.request(method, path, payload)
+    def _ok(self, method: str, path: str, payload: Any = None,
+            headers: Mapping[str, str] | None = None) -> Any:
+        status, body = self.request(method, path, payload, headers=headers)
         if status != 200:
             raise ServerError(f"{method} {path} -> {status}: {body}")
         return body
 
-    def chat(self, messages: list[dict[str, Any]], **params: Any) -> dict[str, Any]:
-        """POST /v1/chat/completions; greedy unless ``temperature`` is given."""
+    def chat(self, messages: list[dict[str, Any]], *, tenant: str | None = None,
+             **params: Any) -> dict[str, Any]:
+        """POST /v1/chat/completions; greedy unless ``temperature`` is given.
+
+        ``tenant`` is sent as ``X-APC-Tenant`` (a different tenant never shares cache entries).
+        """
         payload = {"model": str(self.model_dir), "messages": messages, "temperature": 0.0}
         payload.update(params)
-        return self.post_json("/v1/chat/completions", payload)
+        headers = {"X-APC-Tenant": tenant} if tenant else None
+        return self._ok("POST", "/v1/chat/completions", payload, headers=headers)
+
+    def admin(self, method: str, path: str, payload: Any = None) -> tuple[int, Any]:
+        """(status, body) of an ``/admin`` call with the harness's bearer token."""
+        return self.request(method, "/admin" + path, payload,
+                            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+
+    def stream_and_drop(self, messages: list[dict[str, Any]], *, chunks: int = 3,
+                        tenant: str | None = None, **params: Any) -> list[str]:
+        """Open a streaming chat request, read ``chunks`` SSE data lines, then close the
+        connection mid-stream (a client that went away). Returns the data lines read."""
+        payload = {"model": str(self.model_dir), "messages": messages, "temperature": 0.0,
+                   "stream": True}
+        payload.update(params)
+        headers = {"Content-Type": "application/json"}
+        if tenant:
+            headers["X-APC-Tenant"] = tenant
+        conn = http.client.HTTPConnection(HOST, self.port, timeout=120)
+        got: list[str] = []
+        try:
+            conn.request("POST", "/v1/chat/completions", body=json.dumps(payload), headers=headers)
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise ServerError(f"stream -> {resp.status}: {resp.read()[:500]!r}")
+            while len(got) < chunks:
+                line = resp.readline()
+                if not line:
+                    break
+                text = line.decode("utf-8", errors="replace").strip()
+                if text.startswith("data:") and text != "data: [DONE]":
+                    got.append(text[5:].strip())
+        finally:
+            if conn.sock is not None:  # drop the TCP connection without reading the rest
+                conn.sock.close()
+            conn.close()
+        return got
+
+    def lineage_lines(self, what: str = "restore") -> list[dict[str, str]]:
+        """The ``apc_lineage <what> key=value ...`` log lines, parsed, oldest first."""
+        return parse_lineage_lines(self.log_text(), what)
+
+
+_LINEAGE_LINE = re.compile(r"apc_lineage (restore|timing) (.*)$")
+
+
+def parse_lineage_lines(text: str, what: str = "restore") -> list[dict[str, str]]:
+    """``apc_lineage restore|timing k=v ...`` lines of a server log as dicts."""
+    out = []
+    for line in text.splitlines():
+        match = _LINEAGE_LINE.search(line)
+        if match and match.group(1) == what:
+            out.append(dict(pair.split("=", 1) for pair in match.group(2).split() if "=" in pair))
+    return out
+
+
+# Words the tiny model's tokenizer was trained on: one token each (with its leading space).
+WORDS = (
+    "model token cache prompt prefix lineage snapshot layer attention linear sparse index pool "
+    "path line code python test assert return class import def self none true false yield async"
+).split()
+
+
+def words(count: int, seed: int) -> list[str]:
+    """``count`` deterministic pseudo-random words (about one token each on the tiny model)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.choice(WORDS) for _ in range(count)]
+
+
+def text(count: int, seed: int) -> str:
+    return " ".join(words(count, seed))
+
+
+def reply_tokens(answer: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """The generated tokens of a chat reply requested with ``logprobs``, as (text, bytes)."""
+    content = answer["choices"][0]["logprobs"]["content"]
+    return [(c["token"], tuple(c.get("bytes") or ())) for c in content]
+
+
+def first_top_logprobs(answer: dict[str, Any]) -> dict[str, float]:
+    """The first generated token's ``top_logprobs`` as {token text: logprob}."""
+    content = answer["choices"][0]["logprobs"]["content"]
+    return {t["token"]: float(t["logprob"]) for t in content[0]["top_logprobs"]}
+
+
+def assert_same_output(warm: dict[str, Any], cold: dict[str, Any], tol: float = 1e-3) -> None:
+    """Greedy tokens equal, and the first token's top logprobs equal within ``tol``.
+
+    Top-k membership may differ only for a candidate tied (within ``tol``) with the k-th one.
+    """
+    warm_tokens, cold_tokens = reply_tokens(warm), reply_tokens(cold)
+    assert warm_tokens, "no logprobs in the reply (is TOP_LOGPROBS_K set?)"
+    if warm_tokens != cold_tokens:
+        at = next(i for i, (a, b) in enumerate(zip(warm_tokens, cold_tokens)) if a != b)
+        w = warm["choices"][0]["logprobs"]["content"][at]
+        c = cold["choices"][0]["logprobs"]["content"][at]
+        raise AssertionError(
+            f"greedy tokens differ at position {at}: warm {w['token']!r} ({w['logprob']:.6f}) vs "
+            f"cold {c['token']!r} ({c['logprob']:.6f}); warm top {w['top_logprobs']}, "
+            f"cold top {c['top_logprobs']}")
+    warm_top, cold_top = first_top_logprobs(warm), first_top_logprobs(cold)
+    assert len(warm_top) == len(cold_top) > 0, (warm_top, cold_top)
+    floor = min(min(warm_top.values()), min(cold_top.values()))
+    for token in set(warm_top) | set(cold_top):
+        if token in warm_top and token in cold_top:
+            assert abs(warm_top[token] - cold_top[token]) <= tol, (token, warm_top, cold_top)
+        else:
+            value = warm_top.get(token, cold_top.get(token))
+            assert abs(value - floor) <= tol, f"top-k differs beyond a tie: {warm_top} vs {cold_top}"
