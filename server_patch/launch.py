@@ -34,11 +34,26 @@ def server_argv(args: list[str]) -> list[str]:
     return args
 
 
+def check_config() -> None:
+    """Reject a lineage configuration the server cannot honour before anything starts."""
+    from server_patch.lineage import LineageConfig
+
+    try:
+        config = LineageConfig.from_env()
+    except ValueError as exc:
+        raise SystemExit(f"server_patch.launch: {exc}") from None
+    if config.entry_offset != 1:
+        raise SystemExit(
+            "server_patch.launch: APC_LINEAGE_ENTRY_OFFSET must be 1 with mlx-vlm 0.7.10, which "
+            "prefills tokens [:n-1] and has no state at n (other values are for the simulator)")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if "--reload" in args:
         raise SystemExit("server_patch.launch: --reload is not supported (the reloader's child would run unpatched)")
     if lineage_enabled():
+        check_config()
         from server_patch.overlay import PatchError, install
 
         try:

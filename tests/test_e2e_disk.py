@@ -33,11 +33,6 @@ TENANT = "disk-suite"
 # entry.dirty *before* disk.write raises, so the entry is then never retried: a second flush
 # says queued=0, complete=true. Only writes started on the generation thread work (anchors,
 # written at once at commit, and RAM-budget evictions).
-CROSS_THREAD_WRITE_BUG = (
-    "DiskStore.write mx.eval()s lazy arrays built on the generation thread's stream from another "
-    "thread ('There is no Stream(cpu, 0) in current thread'): shutdown flush, /admin/flush and "
-    "idle write-behind write nothing (and the entry is marked clean anyway)"
-)
 
 
 def _send(server: PatchedServer, messages: list[dict], tenant: str = TENANT,
@@ -150,7 +145,6 @@ def test_entry_evicted_from_ram_is_restored_from_disk(tiny_model_dir: Path, tmp_
 
 
 @pytest.mark.server
-@pytest.mark.xfail(strict=True, reason=CROSS_THREAD_WRITE_BUG)
 def test_restart_continues_the_conversation_from_disk(tiny_model_dir: Path, tmp_path: Path) -> None:
     disk = tmp_path / "lineage-disk"
     system = {"role": "system", "content": text(300, 301)}
@@ -192,7 +186,6 @@ def test_restart_continues_the_conversation_from_disk(tiny_model_dir: Path, tmp_
 
 
 @pytest.mark.server
-@pytest.mark.xfail(strict=True, reason=CROSS_THREAD_WRITE_BUG)
 def test_admin_flush_writes_what_the_disk_lacks(tiny_model_dir: Path, tmp_path: Path) -> None:
     server = PatchedServer(tiny_model_dir, env=_env(tmp_path / "lineage-disk"), log_dir=tmp_path)
     try:
@@ -212,7 +205,6 @@ def test_admin_flush_writes_what_the_disk_lacks(tiny_model_dir: Path, tmp_path: 
 
 
 @pytest.mark.server
-@pytest.mark.xfail(strict=True, reason=CROSS_THREAD_WRITE_BUG)
 def test_idle_entries_are_written_behind(tiny_model_dir: Path, tmp_path: Path) -> None:
     server = PatchedServer(tiny_model_dir, log_dir=tmp_path,
                            env=_env(tmp_path / "lineage-disk", APC_LINEAGE_DISK_WRITE_DELAY_S="0.5"))

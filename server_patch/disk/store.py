@@ -156,10 +156,10 @@ class DiskStore:
 
     def write(self, entry: Entry, done: Callable[[Entry, DiskRecord | None], None]) -> None:
         """Queue a write; the references taken now are what gets written."""
-        checkpoints = list(entry.checkpoints)
-        # Evaluate on the caller's thread: the writer must only read memory, never compute.
-        mx.eval(entry.kv.arrays(), entry.head.arrays(), [c.state.arrays() for c in checkpoints])
-        self._queue.put((entry, entry.kv, entry.head, checkpoints, done))
+        # The handles' arrays were evaluated where they were made (CacheLayout.split): an
+        # unevaluated array could only be computed on its creator's thread, and this may be
+        # called from the idle ticker or an admin request.
+        self._queue.put((entry, entry.kv, entry.head, list(entry.checkpoints), done))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write finished; False on timeout."""

@@ -472,7 +472,12 @@ class LineageCache:
     def _write(self, entry: Entry) -> None:
         assert self.disk is not None
         entry.dirty = False
-        self.disk.write(entry, self._written)
+        try:
+            self.disk.write(entry, self._written)
+        except Exception as exc:  # stays dirty: the next tick or flush tries again
+            entry.dirty = True
+            self.stats["disk_write_failures"] += 1
+            self._emit(Event("disk_write_failed", entry.id, entry.length, 0, str(exc)))
 
     def _written(self, entry: Entry, record: DiskRecord | None) -> None:
         """Writer callback: index the file, delete what it supersedes, keep the disk cap."""

@@ -146,7 +146,12 @@ class CacheLayout:
                 layer_snaps.append(s)
             rows.append(layer_rows)
             snaps.append(layer_snaps)
-        return MlxKV(rows, length), MlxSnapshot(snaps, length)
+        kv, snapshot = MlxKV(rows, length), MlxSnapshot(snaps, length)
+        # Views are graph nodes on the caller's stream; evaluate them here, on the thread that
+        # built them, so the disk writer, the idle ticker and /admin/flush (other threads) only
+        # ever read memory. Evaluating a slice copies nothing.
+        mx.eval(kv.arrays(), snapshot.arrays())
+        return kv, snapshot
 
     def snapshot(self, caches: Sequence[Any], length: int) -> MlxSnapshot:
         """Only the snapshot part: what a checkpoint holds (its KV rows are the entry's)."""
