@@ -440,3 +440,21 @@ def test_anchor_adopts_segment_checkpoints_inside_the_system_prefix():
     plan = cache.lookup(variant)
     assert (plan.kind, plan.length, plan.entry) == (SEGMENT, tools_end, anchor)
 
+
+
+def test_a_failed_disk_write_keeps_the_entry_dirty_for_the_next_flush():
+    class FlakyDisk(FakeDisk):
+        fail = True
+
+        def write(self, entry, done):
+            if self.fail:
+                raise RuntimeError("disk full")
+            super().write(entry, done)
+
+    disk = FlakyDisk()
+    cache = LineageCache(LineageConfig(), disk=disk, clock=Clock())
+    _, _, entry = serve(cache, words(300, 230))
+    assert cache.flush() == 1
+    assert entry.dirty and cache.stats["disk_write_failures"] == 1 and not disk.files
+    disk.fail = False
+    assert cache.flush() == 1 and entry.id in disk.files and not entry.dirty
