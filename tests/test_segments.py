@@ -435,3 +435,46 @@ def test_segments_feed_plan_captures_as_segment_checkpoints_that_thin_first():
     restored = cache.lookup(other_ids)
     assert restored.kind == SEGMENT and restored.entry is entry
     assert restored.length == max(p for p in kept if p <= restored.shared)
+
+
+def test_a_short_trailing_system_message_stays_out_of_the_anchor():
+    """The time in its own system message: the anchor ends before it, shared by every minute."""
+    tok = FakeTokenizer(USER_LAST.replace("{%- if messages[-1].role != 'user' %}{{ raise_exception('must end with a user turn') }}{% endif %}\n", ""))
+    finder = SegmentFinder(SegmentSettings(fallback_stride=0))
+    system = {"role": "system", "content": words(400, 40)}
+    ids = {}
+    for minute in ("09:41", "09:42"):
+        messages = [system, {"role": "system", "content": f"Current time: 2026-11-30 {minute}"},
+                    {"role": "user", "content": words(20, 41)}]
+        ids[minute] = render(finder, tok, messages)
+    infos = {m: finder.boundaries(v) for m, v in ids.items()}
+    a, b = infos["09:41"], infos["09:42"]
+    assert a.anchor_len == b.anchor_len  # the same anchor every minute
+    ends = [p for p in a.segments if a.kinds[p] == SYSTEM]
+    assert len(ends) == 2 and a.anchor_len == ends[0]
+    assert np.array_equal(ids["09:41"][:a.anchor_len], ids["09:42"][:a.anchor_len])
+    # A long second system message is part of the anchor.
+    finder = SegmentFinder(SegmentSettings(fallback_stride=0, anchor_tail_tokens=4))
+    info = finder.boundaries(render(finder, tok, [system, {"role": "system", "content": words(30, 42)},
+                                                  {"role": "user", "content": words(20, 43)}]))
+    assert info.anchor_len == max(p for p in info.segments if info.kinds[p] == SYSTEM)
+
+
+def test_admin_views_show_segment_checkpoints_as_their_own_kind():
+    from server_patch.admin.views import entry_view
+
+    tok = FakeTokenizer(CHATML)
+    finder = SegmentFinder(SegmentSettings(fallback_stride=0, max_new_renders=0))
+    messages = [{"role": "system", "content": words(300, 50)}]
+    for i in range(6):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": words(300, 500 + i)})
+    ids = render(finder, tok, messages)
+    info = finder.boundaries(ids)
+    cache = LineageCache(LineageConfig(periodic_stride=0))
+    caps = cache.plan_captures(ids, cache.lookup(ids), anchor_len=info.anchor_len, segments=info.segments)
+    entry = cache.commit(ids, kv=SizedKV(10, len(ids) - 1), head=SizedSnapshot(100),
+                         captures={c.length: (c.kind, SizedSnapshot(100)) for c in caps})
+    view = entry_view(entry)
+    assert "segment" in {c["kind"] for c in view["checkpoints"]}
+    anchor = next(e for e in cache.entries() if e.is_anchor)
+    assert {c["kind"] for c in entry_view(anchor)["checkpoints"]} <= {"segment"}

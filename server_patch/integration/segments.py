@@ -105,6 +105,8 @@ class SegmentSettings:
     # Renders a request may add to the cache (a cold 200-message conversation renders the
     # newest ones); 0 means no limit.
     max_new_renders: int = 8
+    # Trailing leading-system messages shorter than this (in total) stay out of the anchor.
+    anchor_tail_tokens: int = 256
     max_notes: int = 64
     walk_candidates: int = 16
     render_cache_entries: int = 16_384
@@ -115,7 +117,7 @@ class SegmentSettings:
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
         for name, default in (("enabled", True), ("fallback_stride", 2048), ("tool_boundaries", False),
-                              ("max_new_renders", 8)):
+                              ("max_new_renders", 8), ("anchor_tail_tokens", 256)):
             key = "APC_SEGMENTS" if name == "enabled" else f"APC_SEGMENTS_{name.upper()}"
             if key not in env:
                 continue
@@ -238,7 +240,7 @@ class _Note:
 
     pieces: list[np.ndarray]
     kinds: list[str]  # kinds[j]: the boundary at the end of piece j (len(pieces) - 1 of them)
-    anchor_seam: int | None  # the seam that ends the system+tools prefix
+    anchor_seams: tuple[int, ...]  # seams ending each leading system message (or the tools alone)
     label: str
     hard_ids: frozenset[int]
     key: int = 0
@@ -255,7 +257,7 @@ class _Walk:
     note: _Note
     positions: list[tuple[int, str]]
     covered: int
-    anchor: int | None
+    anchors: list[int]  # token positions of the leading system message ends the walk reached
 
 
 class SegmentFinder:
@@ -302,12 +304,11 @@ class SegmentFinder:
             return _snap(_lcp(a, b), a, specials)
 
         budget = [self.settings.max_new_renders or 1 << 30]
-        candidates, anchor_offset = self._candidates(render, lcp, base, messages, prefix_kwargs, rendered,
-                                                     budget)
+        candidates, anchor_offsets = self._candidates(render, lcp, base, messages, prefix_kwargs, rendered,
+                                                      budget)
         offsets = self._verify(candidates, rendered)
-        if anchor_offset not in offsets:
-            anchor_offset = None
-        return self._store(tokenizer, rendered, offsets, anchor_offset, messages, prefix_kwargs)
+        anchor_offsets = [o for o in anchor_offsets if o in offsets]
+        return self._store(tokenizer, rendered, offsets, anchor_offsets, messages, prefix_kwargs)
 
     def _cached(self, key: bytes, make: Callable[[], tuple | None], budget: list[int]) -> tuple | None:
         with self._lock:
@@ -345,8 +346,8 @@ class SegmentFinder:
     def _candidates(self, render: Callable[..., str], lcp: Callable[[str, str], int], base: bytes,
                     messages: list[Any],
                     kwargs: Mapping[str, Any], full: str,
-                    budget: list[int]) -> tuple[list[_Candidate], int | None]:
-        """Candidate boundaries (to verify against ``full``) and the anchor's offset."""
+                    budget: list[int]) -> tuple[list[_Candidate], list[int]]:
+        """Candidate boundaries (to verify against ``full``) and the anchor's candidate offsets."""
         out: list[_Candidate] = []
 
         def add(point: tuple | None, kind: str, witness: bool = True) -> None:
@@ -417,13 +418,13 @@ class SegmentFinder:
             for cut, digest in (found or ((),))[0]:
                 out.append(_Candidate(cut, TOOL, digest))
 
-        anchor: int | None = None
-        if n_system and points.get(n_system) is not None:
-            anchor = points[n_system][0]
-        elif not n_system and tools and preamble_ok:
-            anchor = preamble[0]
-        elif not n_system and tools and role_probe is not None:
-            anchor = role_probe[0]
+        anchor: list[int] = []
+        if n_system:
+            anchor = [points[i][0] for i in range(1, n_system + 1) if points.get(i) is not None]
+        elif tools and preamble_ok:
+            anchor = [preamble[0]]
+        elif tools and role_probe is not None:
+            anchor = [role_probe[0]]
         return out, anchor
 
     def _probe(self, render: Callable[..., str], lcp: Callable[[str, str], int], variants: list[Any]) -> tuple:
@@ -465,7 +466,7 @@ class SegmentFinder:
             return {}
         return good
 
-    def _store(self, tokenizer: Any, full: str, offsets: dict[int, str], anchor_offset: int | None,
+    def _store(self, tokenizer: Any, full: str, offsets: dict[int, str], anchor_offsets: list[int],
                messages: list[Any], kwargs: Mapping[str, Any]) -> _Note | None:
         cuts = sorted(offsets)
         bounds = [0, *cuts, len(full)]
@@ -476,7 +477,7 @@ class SegmentFinder:
         tools = kwargs.get("tools")
         label = anchors._label(system, tools) if (system or tools) else ""
         note = _Note(pieces, [offsets[c] for c in cuts],
-                     cuts.index(anchor_offset) if anchor_offset is not None else None,
+                     tuple(cuts.index(o) for o in anchor_offsets),
                      label, self.hard_ids(tokenizer))
         note.key = hash(np.concatenate(pieces).tobytes())
         with self._lock:
@@ -559,12 +560,27 @@ class SegmentFinder:
         if best.covered < n - 1:  # the rest of the prompt is unknown to the template: stride
             for p in self._stride(n, best.covered):
                 kinds.setdefault(p, STRIDE)
-        if best.anchor is not None and 0 < best.anchor <= n:
-            anchor_len, label = best.anchor, best.note.label
+        anchor = self._anchor(best, n)
+        if anchor is not None:
+            anchor_len, label = anchor, best.note.label
         else:
             registered = anchors.REGISTRY.boundary(prompt)
             anchor_len, label = registered if registered else (None, "")
         return SegmentInfo(anchor_len, label, sorted(kinds), "template", kinds)
+
+    def _anchor(self, walk: _Walk, n: int) -> int | None:
+        """The end of the leading system messages, less trailing ones shorter than the anchor tail.
+
+        A short trailing system message (the time, a session id) would make every request's
+        anchor a new one and leave the system text before it without a restore point: the
+        policy skips a segment that close to the anchor. So the anchor ends before it.
+        """
+        if len(walk.anchors) != len(walk.note.anchor_seams) or not walk.anchors:
+            return None  # the walk stopped inside the system prefix
+        ends = walk.anchors
+        last = ends[-1]
+        chosen = next(e for e in ends if last - e < max(1, self.settings.anchor_tail_tokens))
+        return chosen if 0 < chosen <= n else None
 
     def _anchor_only(self, prompt: np.ndarray, segments: list[int], kind: str = STRIDE) -> SegmentInfo:
         registered = anchors.REGISTRY.boundary(prompt)
@@ -603,7 +619,7 @@ class SegmentFinder:
             return None
         hard = note.hard_ids
         positions: list[tuple[int, str]] = []
-        anchor: int | None = None
+        anchors_at: list[int] = []
         skip = 0  # head tokens of the current piece that a merge already consumed
         for j, ids in enumerate(pieces):
             body = ids[skip:]
@@ -624,7 +640,8 @@ class SegmentFinder:
                 found = self._resync(prompt, pos + agreed, nxt)
                 if found is None:
                     positions.append((at, note.kinds[j]))
-                    anchor = at if note.anchor_seam == j else anchor
+                    if j in note.anchor_seams:
+                        anchors_at.append(at)
                     pos += agreed
                     break
                 pos, skip = found
@@ -633,11 +650,11 @@ class SegmentFinder:
                 pos += agreed
                 break
             positions.append((at, note.kinds[j]))
-            if note.anchor_seam == j:
-                anchor = at
+            if j in note.anchor_seams:
+                anchors_at.append(at)
         if not positions:
             return None
-        return _Walk(note, positions, pos, anchor)
+        return _Walk(note, positions, pos, anchors_at)
 
     @staticmethod
     def _resync(prompt: np.ndarray, start: int, nxt: np.ndarray) -> tuple[int, int] | None:

@@ -1,0 +1,281 @@
+"""A trace of first-sight divergences: agent prompts that part from everything stored mid-prompt.
+
+``apcctl.sim.tracegen`` has one of each; this trace is made of them. Every actor has its own
+random stream (one actor's choices never shift another's). Prompts are laid out as GLM renders
+them: ``[gMASK]<sop><|system|>`` tools ``<|system|>`` system text [``<|system|>`` more system
+text] then one role token + content per message, then ``<|assistant|>``.
+
+* ``ops``: 12 tools (~9k tokens), a ~2.5k system text, and a trailing system message with the
+  time, re-rendered on *every* request (so every turn of a session diverges from the previous
+  turn inside the prompt, not at its end; the server's anchor ends before that message). Sessions of 4-9 turns; now and then the user edits
+  an earlier question (not the last one).
+* ``ops-mcp``: ``ops``'s tools plus two MCP tools appended, ``ops``'s system text: diverges
+  from ``ops`` at the end of its tools block.
+* ``ops-lite``: the first 6 of ``ops``'s tools plus 3 of its own, its own system text: diverges
+  from ``ops`` inside the tools block, after the 6th tool.
+* ``ops-helper``: a sub-agent of ``ops`` with ``ops``'s tools and its own system text.
+* ``ops-sub``: a sub-agent with ``ops``'s system text but its own 2 tools (with the tools
+  first, it shares nothing with ``ops`` but the template's first 3 tokens).
+* ``writer-a/b/c``: three system-prompt variants (6 paragraphs, the 4th differs), same tools;
+  ``writer-b`` and ``writer-c`` first appear after ``writer-a`` has run a while.
+* ``stamp``: a scheduled agent whose system text *starts* with the time (a new minute every
+  request), on ``writer``'s tools.
+
+Each request carries what the server computes on GLM's template (``server_patch.integration
+.segments``): ``anchor_len`` = the end of the leading system messages (exact: the next token is
+a role token, a special token BPE never merges; trailing system messages shorter than 256
+tokens left out), ``segments`` = the tools end (before the
+system message's ``<|system|>``), the system content start (after it), each system message end
+and each message start. With ``tool_boundaries=True`` also the end of each tool, 2 tokens early
+(the seam is plain JSON text, so the server applies its BPE slack). Lengths at ``--scale tiny``
+are divided by ~20.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from apcctl.sim.trace import Request, write_trace
+from server_patch.integration.segments import SegmentSettings
+from apcctl.sim.tracegen import (
+    ASSISTANT, CLOCK_BASE, DECODE_TOKENS_PER_S, GMASK, SCALES, SOP, SYSTEM, TIMESTAMP, USER, VOCAB,
+    Scale, _Actor,
+)
+
+TOOL_SLACK = 2  # a tool boundary is plain text: the server moves it 2 tokens early
+ANCHOR_TAIL_TOKENS = SegmentSettings().anchor_tail_tokens
+
+
+def clock_tokens(minute: int) -> np.ndarray:
+    """'Current time: 2026-11-30 09:41' as 7 tokens; the minute token changes every minute."""
+    when = CLOCK_BASE + dt.timedelta(minutes=minute)
+    return np.asarray([TIMESTAMP, 900, 901, 2000 + when.month * 40 + when.day, 3000 + when.hour,
+                       4000 + when.minute, 902], dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class Agent:
+    """Tools (one array each), a system text, and where the time is rendered, if anywhere."""
+
+    name: str
+    tools: tuple[np.ndarray, ...]
+    system: np.ndarray
+    clock_at: int | None = None  # the time inside the system text, at this offset
+    clock_message: bool = False  # the time as its own trailing system message
+
+    def prefix(self, minute: int, tool_boundaries: bool) -> tuple[np.ndarray, list[int], int]:
+        """(rendered system+tools prefix, its segment boundaries, the anchor length)."""
+        head = np.asarray([GMASK, SOP, SYSTEM], dtype=np.int32)
+        parts, bounds, pos = [head], [], len(head)
+        for tool in self.tools:
+            parts.append(tool)
+            pos += len(tool)
+            if tool_boundaries:
+                bounds.append(pos - TOOL_SLACK)
+        bounds += [pos, pos + 1]  # the tools end (before <|system|>), the content start (after)
+        system = self.system
+        if self.clock_at is not None:
+            stamp = clock_tokens(minute)
+            system = np.concatenate([system[:self.clock_at], stamp, system[self.clock_at:]])
+        parts += [np.asarray([SYSTEM], dtype=np.int32), system]
+        pos += 1 + len(system)
+        bounds.append(pos)
+        anchor = pos
+        if self.clock_message:
+            parts += [np.asarray([SYSTEM], dtype=np.int32), clock_tokens(minute)]
+            pos += 1 + len(clock_tokens(minute))
+            bounds.append(pos)
+            # The server leaves trailing system messages shorter than its anchor tail (256
+            # tokens) out of the anchor: a clock there would make a new anchor every minute.
+            if pos - anchor >= ANCHOR_TAIL_TOKENS:
+                anchor = pos
+        return np.concatenate(parts).astype(np.int32), bounds, anchor
+
+
+@dataclass
+class Session:
+    """Messages so far; renders the prompt a client would send (the whole conversation)."""
+
+    id: str
+    agent: Agent
+    tool_boundaries: bool
+    messages: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, role: int, content: np.ndarray) -> None:
+        self.messages.append(np.concatenate([[role], content]).astype(np.int32))
+
+    def request(self, t: float, kind: str) -> Request:
+        prefix, bounds, anchor = self.agent.prefix(int(t // 60), self.tool_boundaries)
+        pos = len(prefix)
+        starts = []
+        for message in self.messages[:-1]:
+            pos += len(message)
+            starts.append(pos)  # the end of one message is the start of the next
+        tokens = np.concatenate([prefix, *self.messages, [ASSISTANT]]).astype(np.int32)
+        return Request(conv=self.id, t=round(t, 3), tokens=tokens, anchor_len=anchor,
+                       segments=tuple(sorted(set(bounds + starts))), kind=kind,
+                       agent=self.agent.name.split("/")[0])
+
+
+def make_agents(seed: int, scale: Scale) -> dict[str, Agent]:
+    rng = np.random.default_rng([seed, 100])
+
+    def draw(low: float, high: float) -> np.ndarray:
+        return rng.integers(*VOCAB, size=scale.n(rng.uniform(low, high)), dtype=np.int32)
+
+    ops_tools = tuple(draw(450, 1050) for _ in range(12))
+    own_lite = tuple(draw(450, 900) for _ in range(3))
+    mcp = tuple(draw(500, 900) for _ in range(2))
+    sub_tools = tuple(draw(500, 800) for _ in range(2))
+    writer_tools = tuple(draw(600, 1000) for _ in range(8))
+    ops_system, lite_system, helper_system = draw(2200, 2800), draw(1500, 2000), draw(1200, 1600)
+    paragraphs = [draw(350, 550) for _ in range(6)]
+
+    def variant(k: int) -> np.ndarray:
+        body = list(paragraphs)
+        body[3] = np.random.default_rng([seed, 200, k]).integers(*VOCAB, size=len(paragraphs[3]),
+                                                                  dtype=np.int32)
+        return np.concatenate(body).astype(np.int32)
+
+    stamp_system = draw(1800, 2400)
+    return {
+        "ops": Agent("ops", ops_tools, ops_system, clock_message=True),
+        "ops-mcp": Agent("ops-mcp", ops_tools + mcp, ops_system),
+        "ops-lite": Agent("ops-lite", ops_tools[:6] + own_lite, lite_system),
+        "ops-helper": Agent("ops-helper", ops_tools, helper_system),
+        "ops-sub": Agent("ops-sub", sub_tools, ops_system),
+        "writer-a": Agent("writer-a", writer_tools, np.concatenate(paragraphs).astype(np.int32)),
+        "writer-b": Agent("writer-b", writer_tools, variant(1)),
+        "writer-c": Agent("writer-c", writer_tools, variant(2)),
+        "stamp": Agent("stamp", writer_tools, stamp_system, clock_at=0),
+    }
+
+
+class _Sessions(_Actor):
+    """Sessions of one or more agents; optional edits of an earlier question and sub-agents."""
+
+    def __init__(self, seed: int, stream: int, scale: Scale, horizon: float, tool_boundaries: bool) -> None:
+        super().__init__(seed, stream, scale, horizon)
+        self.tool_boundaries = tool_boundaries
+        self.count = 0
+
+    def session(self, agent: Agent, name: str) -> Session:
+        self.count += 1
+        return Session(f"{name}/s{self.count - 1}", agent, self.tool_boundaries)
+
+    def turns(self, sess: Session, t: float, n_turns: int, median: float, gap: tuple[float, float],
+              first_kind: str, edit_p: float = 0.0, spawn=None) -> float:
+        for turn in range(n_turns):
+            if t >= self.horizon:
+                break
+            sess.add(USER, self.question())
+            self.emit(sess, t, first_kind if turn == 0 else "turn")
+            if turn >= 3 and self.rng.uniform() < edit_p:
+                t = self._edit(sess, t)
+            t = self.answer(sess, t + 1.0, median) + self.pause(*gap)
+            if spawn is not None:
+                t = spawn(sess, turn, t)
+        return t
+
+    def _edit(self, sess: Session, t: float) -> float:
+        """The user rewrites an earlier question (the 2nd); the client re-sends the cut conversation."""
+        t += self.pause(10, 30)
+        keep = 3  # system prefix, then [user, assistant, user*]: the 2nd question is message 2
+        sess.messages = sess.messages[:keep - 1]
+        sess.add(USER, self.question())
+        self.emit(sess, t, "edit")
+        return t
+
+
+def generate(seed: int = 7, scale: str = "full", minutes: float = 30.0,
+             tool_boundaries: bool = False) -> tuple[list[Request], dict[str, Any]]:
+    """Requests in time order and the trace header's metadata."""
+    if scale not in SCALES:
+        raise ValueError(f"unknown scale {scale!r}; known: {', '.join(SCALES)}")
+    sc, horizon = SCALES[scale], minutes * 60.0
+    agents = make_agents(seed, sc)
+    out: list[Request] = []
+
+    # ops: sessions all along; helper and sub-agents spawned from it.
+    ops = _Sessions(seed, 11, sc, horizon, tool_boundaries)
+
+    def spawn(parent: Session, turn: int, t: float) -> float:
+        if turn not in (2, 5):
+            return t
+        for k, name in enumerate(("ops-helper", "ops-sub")):
+            sub = ops.session(agents[name], name)
+            ops.turns(sub, t + 0.5 * k, int(ops.rng.integers(2, 4)), 200, (3, 8), "subagent")
+        parent.add(USER, ops.tokens(sc.n(ops.rng.uniform(150, 300))))
+        return t + ops.pause(20, 40)
+
+    t = ops.pause(0, 20)
+    while t < horizon:
+        t = ops.turns(ops.session(agents["ops"], "ops"), t, int(ops.rng.integers(4, 10)), 350, (20, 60),
+                      "new_session", edit_p=0.25, spawn=spawn) + ops.pause(30, 90)
+    out += ops.out
+
+    # ops-mcp and ops-lite: first seen a few minutes in, then a session now and then.
+    for stream, name, start in ((12, "ops-mcp", 240.0), (13, "ops-lite", 360.0)):
+        actor = _Sessions(seed, stream, sc, horizon, tool_boundaries)
+        t = start + actor.pause(0, 30)
+        while t < horizon:
+            t = actor.turns(actor.session(agents[name], name), t, int(actor.rng.integers(2, 5)), 300,
+                            (15, 45), "new_session") + actor.pause(240, 420)
+        out += actor.out
+
+    # writer: variant a from the start, b after 8 minutes, c after 16; sessions rotate.
+    writer = _Sessions(seed, 14, sc, horizon, tool_boundaries)
+    t, k = writer.pause(10, 40), 0
+    while t < horizon:
+        available = [n for n, at in (("writer-a", 0), ("writer-b", 480), ("writer-c", 960)) if t >= at]
+        name = available[k % len(available)]
+        t = writer.turns(writer.session(agents[name], name), t, int(writer.rng.integers(3, 7)), 400,
+                         (20, 60), "new_session") + writer.pause(60, 150)
+        k += 1
+    out += writer.out
+
+    # stamp: a short session every 2-4 minutes, the time first in its system text.
+    stamp = _Sessions(seed, 15, sc, horizon, tool_boundaries)
+    t = 90 + stamp.pause(0, 30)
+    while t < horizon:
+        stamp.turns(stamp.session(agents["stamp"], "stamp"), t, int(stamp.rng.integers(1, 3)), 200,
+                    (10, 30), "scheduled")
+        t += stamp.pause(120, 240)
+    out += stamp.out
+
+    requests = sorted(out, key=lambda r: r.t)
+    for i, req in enumerate(requests):
+        req.index = i
+    meta = {
+        "generator": "apcctl.sim.tracegen_firstsight", "seed": seed, "scale": scale, "minutes": minutes,
+        "tool_boundaries": tool_boundaries,
+        "agents": {name: {"tools": [len(x) for x in a.tools], "system": len(a.system)}
+                   for name, a in agents.items()},
+    }
+    return requests, meta
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m apcctl.sim.tracegen_firstsight", description=__doc__.split("\n")[0])
+    parser.add_argument("out")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--scale", choices=sorted(SCALES), default="full")
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--tool-boundaries", action="store_true",
+                        help="segments include the end of each tool (the server's APC_SEGMENTS_TOOLS=1)")
+    args = parser.parse_args(argv)
+    requests, meta = generate(args.seed, args.scale, args.minutes, args.tool_boundaries)
+    write_trace(args.out, requests, meta)
+    print(f"{args.out}: {len(requests)} requests, {sum(r.n for r in requests):,} prompt tokens")
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["Agent", "Session", "clock_tokens", "generate", "make_agents", "DECODE_TOKENS_PER_S"]
