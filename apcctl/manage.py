@@ -179,6 +179,7 @@ class ManagedServer:
             process = subprocess.Popen(spec.argv, env=env, cwd=self.directory, stdin=subprocess.DEVNULL,
                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         _write_private(self.pid_path, f"{process.pid}\n")
+        _wait_exec(process)
         return process.pid
 
     def exec_foreground(self, spec: ServerSpec) -> NoReturn:
@@ -230,6 +231,19 @@ class ManagedServer:
                 os.replace(self.log_path, self.log_path.with_name(LOG_FILE + ".1"))
         except FileNotFoundError:
             pass
+
+
+def _wait_exec(process: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    """Return once the child has exec'd the launcher (before that, its command line is ours and
+    ``ManagedServer.process`` would not recognise it) or has exited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if "server_patch.launch" in " ".join(psutil.Process(process.pid).cmdline()):
+                return
+        except psutil.Error:
+            pass
+        time.sleep(0.01)
 
 
 def terminate(process: psutil.Process, grace: float) -> str:

@@ -13,6 +13,7 @@ dashboard can drive the same code.
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,8 +28,10 @@ from apcctl.manage import ManageError, terminate
 PHASES = ("plan", "draining", "waiting", "flushing", "stopping", "starting", "ready", "probing", "done", "failed")
 SUPERVISORS = ("none", "launchd", "systemd")
 # A system prompt no client sends: its anchor is created before the stop and must restore after.
-PROBE_SYSTEM = ("You are the apcctl restart probe. This system prompt exists so that a rolling restart can "
-                "check that a pinned anchor comes back from the disk tier. Answer in one word.")
+# The nonce comes first, so no entry left by an earlier probe shares more than the template's
+# opening with it, and the server captures a fresh anchor every time.
+PROBE_SYSTEM = ("[apcctl restart probe {nonce}] You are the apcctl restart probe. This system prompt exists so "
+                "that a rolling restart can check that a pinned anchor comes back from the disk tier.")
 PROBE_USER = "Ready?"
 RESTORED_KINDS = ("anchor", "disk")
 
@@ -213,9 +216,13 @@ class _OneServer:
     def _prepare_probe(self) -> dict[str, Any]:
         """Pin the probe anchor now; remember the pinned anchors that must come back."""
         before = sorted(a["id"] for a in self.client.anchors() if a.get("pinned")) if self._has_lineage() else []
-        made = self.client.new_anchor(PROBE_SYSTEM)
+        system = PROBE_SYSTEM.format(nonce=secrets.token_hex(4))
+        made = self.client.new_anchor(system)
+        if not made.get("created"):
+            raise RestartFailed(f"POST /admin/anchors answered with the existing anchor {made['anchor']['id']} "
+                                "instead of creating the probe's")
         lineage = self.client.status().get("lineage") or {}
-        return {"anchor_id": made["anchor"]["id"], "pinned_before": before,
+        return {"anchor_id": made["anchor"]["id"], "system": system, "pinned_before": before,
                 "disk": lineage.get("disk_path") is not None}
 
     def _has_lineage(self) -> bool:
@@ -315,7 +322,7 @@ class _OneServer:
         """The probe anchor restores (from disk), and every anchor pinned before is listed again."""
         anchor_id = probe["anchor_id"]
         seen = max((r["seq"] for r in self.client.requests()), default=0)
-        messages = [{"role": "system", "content": PROBE_SYSTEM}, {"role": "user", "content": PROBE_USER}]
+        messages = [{"role": "system", "content": probe["system"]}, {"role": "user", "content": PROBE_USER}]
         self.client.chat(messages, model=model, max_tokens=1, temperature=0.0, timeout=self.timeout)
         records = [r for r in self.client.requests(since=seen) if r.get("entry_id") == anchor_id]
         restored = next((r for r in records if r["restore_kind"] in RESTORED_KINDS and r["restored_tokens"]), None)

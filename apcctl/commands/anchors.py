@@ -9,7 +9,7 @@ import click
 
 from apcctl import render
 from apcctl.client import AdminClient
-from apcctl.commands.common import (EXIT_CODES_SHORT, for_each, json_option, one, server_options,
+from apcctl.commands.common import (EXIT_CODES_SHORT, Targets, for_each, json_option, one, server_options,
                                     talking_to)
 from apcctl.commands.entries import show_entries
 from apcctl.config import Target
@@ -29,14 +29,14 @@ def anchors() -> None:
 @server_options(allow_all=True)
 @click.option("--checkpoints", "-c", is_flag=True, help="A row per checkpoint under each anchor.")
 @json_option
-def list_(targets: list[Target], checkpoints: bool, as_json: bool) -> None:
+def list_(targets: Targets, checkpoints: bool, as_json: bool) -> None:
     """List anchors in RAM and on disk."""
 
     def action(target: Target) -> dict[str, Any]:
         return {"server": target.name, "url": target.url, "entries": target.client().anchors()}
 
-    for_each(targets, action, lambda results: show_entries(results, as_json=as_json, checkpoints=checkpoints,
-                                                           title="anchors"))
+    for_each(targets, action, lambda results: show_entries(targets, results, as_json=as_json,
+                                                           checkpoints=checkpoints, title="anchors"))
 
 
 def _verb(name: str, call: Callable[[AdminClient, str], dict[str, Any]], done: str, help_text: str) -> click.Command:

@@ -79,6 +79,22 @@ def talking_to(target: Target) -> Iterator[None]:
         raise CommandError(f"{target.name}: {exc}") from None
 
 
+class Targets(list[Target]):
+    """The selected servers. ``many`` (``--all``): results are a list, even of one server, and a
+    failing server is reported among them instead of ending the command."""
+
+    def __init__(self, targets: list[Target], many: bool = False) -> None:
+        super().__init__(targets)
+        self.many = many
+
+
+def emit_results(targets: Targets, results: list[Any], one: Callable[[Any], Any] = lambda r: r) -> None:
+    """JSON of per-server results: the list with ``--all``, else ``one(result)`` of the only server."""
+    from apcctl import render
+
+    render.emit_json(results if targets.many else one(results[0]))
+
+
 def server_options(*, allow_all: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Add ``--server``, ``--token``, ``--config`` (and ``--all``); pass ``targets`` instead."""
 
@@ -87,7 +103,7 @@ def server_options(*, allow_all: bool = False) -> Callable[[Callable[..., Any]],
         def wrapper(*args: Any, server: str | None, token: str | None, config_path: Path | None,
                     all_servers: bool = False, **kwargs: Any) -> Any:
             try:
-                targets = select(server, token, config_path, all_servers)
+                targets = Targets(select(server, token, config_path, all_servers), many=all_servers)
             except (ConfigError, ManageError) as exc:
                 raise click.UsageError(str(exc)) from None
             return fn(*args, targets=targets, **kwargs)
@@ -128,10 +144,10 @@ def managed(target: Target) -> ManagedServer:
     return target.managed
 
 
-def for_each(targets: list[Target], action: Callable[[Target], Any], show: Callable[[list[Any]], None]) -> None:
-    """Run ``action`` on every target and ``show`` the results; with several targets a failure
-    becomes ``{"server", "error", "exit_code"}`` in the results, and the first one's exit code
-    is the command's."""
+def for_each(targets: Targets, action: Callable[[Target], Any], show: Callable[[list[Any]], None]) -> None:
+    """Run ``action`` on every target and ``show`` the results; with ``--all`` a failure becomes
+    ``{"server", "error", "exit_code"}`` in the results, and the first one's exit code is the
+    command's."""
     results: list[Any] = []
     first_error: CommandError | None = None
     for target in targets:
@@ -139,7 +155,7 @@ def for_each(targets: list[Target], action: Callable[[Target], Any], show: Calla
             with talking_to(target):
                 results.append(action(target))
         except CommandError as exc:
-            if len(targets) == 1:
+            if not targets.many:
                 raise
             click.echo(f"Error: {exc.message}", err=True)
             results.append({"server": target.name, "url": target.url, "error": exc.message,

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from apcctl import render
-from apcctl.commands.common import EXIT_CODES_SHORT, for_each, json_option, server_options
+from apcctl.commands.common import EXIT_CODES_SHORT, Targets, emit_results, for_each, json_option, server_options
 from apcctl.config import Target
 
 COLUMNS = ("ID", "KIND", "PIN", "TIER", "TOKENS", "RAM", "DISK", "HITS", "LAST USED", "CKPTS", "LABEL")
@@ -34,10 +34,11 @@ def entry_rows(rows: list[dict[str, Any]], *, checkpoints: bool = False) -> list
     return out
 
 
-def show_entries(results: list[dict[str, Any]], *, as_json: bool, checkpoints: bool, title: str) -> None:
+def show_entries(targets: Targets, results: list[dict[str, Any]], *, as_json: bool, checkpoints: bool,
+                 title: str) -> None:
     """Print ``[{"server", "entries"}]``: JSON (one server: just its list) or one table per server."""
     if as_json:
-        render.emit_json(results[0]["entries"] if len(results) == 1 and "error" not in results[0] else results)
+        emit_results(targets, results, lambda r: r["entries"])
         return
     out = render.console()
     for result in results:
@@ -55,7 +56,7 @@ def show_entries(results: list[dict[str, Any]], *, as_json: bool, checkpoints: b
 @click.option("--kind", type=click.Choice(["conversation", "anchor", "all"]), default="all", show_default=True)
 @click.option("--checkpoints", "-c", is_flag=True, help="A row per checkpoint under each entry.")
 @json_option
-def entries(targets: list[Target], entry_id: str | None, tier: str, kind: str, checkpoints: bool,
+def entries(targets: Targets, entry_id: str | None, tier: str, kind: str, checkpoints: bool,
             as_json: bool) -> None:
     """List lineage entries and anchors (or show ENTRY_ID) with their checkpoints.
 
@@ -71,9 +72,9 @@ def entries(targets: list[Target], entry_id: str | None, tier: str, kind: str, c
         return {"server": target.name, "url": target.url, "entries": rows}
 
     def show(results: list[dict[str, Any]]) -> None:
-        if entry_id and as_json and len(results) == 1:
-            render.emit_json(results[0]["entries"][0])
+        if entry_id and as_json:
+            emit_results(targets, results, lambda r: r["entries"][0])
             return
-        show_entries(results, as_json=as_json, checkpoints=checkpoints or bool(entry_id), title="entries")
+        show_entries(targets, results, as_json=as_json, checkpoints=checkpoints or bool(entry_id), title="entries")
 
     for_each(targets, action, show)

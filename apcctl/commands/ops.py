@@ -8,7 +8,7 @@ import click
 
 from apcctl import render
 from apcctl.client import AdminClient
-from apcctl.commands.common import EXIT_CODES_SHORT, for_each, json_option, server_options
+from apcctl.commands.common import EXIT_CODES_SHORT, Targets, emit_results, for_each, json_option, server_options
 from apcctl.config import Target
 
 
@@ -18,7 +18,7 @@ def register(main: click.Group, bench: click.Group) -> None:
         main.add_command(command)
 
 
-def _run(targets: list[Target], as_json: bool, call: Callable[[AdminClient], dict[str, Any]],
+def _run(targets: Targets, as_json: bool, call: Callable[[AdminClient], dict[str, Any]],
          describe: Callable[[dict[str, Any]], str]) -> None:
     """Call every target; print the answers as JSON or one line per server."""
 
@@ -27,7 +27,7 @@ def _run(targets: list[Target], as_json: bool, call: Callable[[AdminClient], dic
 
     def show(results: list[dict[str, Any]]) -> None:
         if as_json:
-            render.emit_json(results if len(targets) > 1 else results[0])
+            emit_results(targets, results)
             return
         for result in results:
             if "error" not in result:
@@ -41,7 +41,7 @@ def _run(targets: list[Target], as_json: bool, call: Callable[[AdminClient], dic
 @click.option("--timeout", type=click.FloatRange(0, 3600, min_open=True), default=60.0, show_default=True,
               help="Seconds to wait for the disk writer.")
 @json_option
-def flush(targets: list[Target], timeout: float, as_json: bool) -> None:
+def flush(targets: Targets, timeout: float, as_json: bool) -> None:
     """Write every RAM entry the disk lacks, and wait for the writes."""
 
     def describe(r: dict[str, Any]) -> str:
@@ -57,7 +57,7 @@ def flush(targets: list[Target], timeout: float, as_json: bool) -> None:
 @click.option("--retry-after", type=click.IntRange(1, 3600), default=5, show_default=True,
               help="Seconds clients are told to wait (Retry-After on the 503).")
 @json_option
-def drain(targets: list[Target], retry_after: int, as_json: bool) -> None:
+def drain(targets: Targets, retry_after: int, as_json: bool) -> None:
     """Refuse new inference requests (503 + Retry-After); requests in flight finish."""
     _run(targets, as_json, lambda c: c.drain(retry_after),
          lambda r: f"draining, {r['in_flight']} in flight, clients retry after {r['retry_after_s']}s")
@@ -66,6 +66,6 @@ def drain(targets: list[Target], retry_after: int, as_json: bool) -> None:
 @click.command(epilog=EXIT_CODES_SHORT)
 @server_options(allow_all=True)
 @json_option
-def undrain(targets: list[Target], as_json: bool) -> None:
+def undrain(targets: Targets, as_json: bool) -> None:
     """Admit new inference requests again."""
     _run(targets, as_json, lambda c: c.undrain(), lambda r: f"admitting requests ({r['in_flight']} in flight)")

@@ -10,7 +10,7 @@ import click
 
 from apcctl import render
 from apcctl.config import DEFAULT_HOST, DEFAULT_PORT, ConfigError, Target, load_config
-from apcctl.commands.common import (EXIT_CODES_HELP, EXIT_CODES_SHORT, CommandError, ExitStatus, for_each, json_option, managed,
+from apcctl.commands.common import (EXIT_CODES_HELP, EXIT_CODES_SHORT, CommandError, ExitStatus, Targets, emit_results, for_each, json_option, managed,
                                     one, server_options, talking_to)
 from apcctl.manage import ManagedServer, ManageError, build_spec
 
@@ -109,7 +109,7 @@ def _port_busy(host: str, port: int) -> bool:
 @click.option("--grace", type=float, default=20.0, show_default=True,
               help="Seconds between SIGTERM (the server flushes its cache) and SIGKILL.")
 @json_option
-def stop(targets: list[Target], grace: float, as_json: bool) -> None:
+def stop(targets: Targets, grace: float, as_json: bool) -> None:
     """Stop a managed server: SIGTERM, then SIGKILL after the grace period."""
 
     def action(target: Target) -> dict:
@@ -118,7 +118,7 @@ def stop(targets: list[Target], grace: float, as_json: bool) -> None:
 
     def show(results: list[dict]) -> None:
         if as_json:
-            render.emit_json(results)
+            emit_results(targets, results)
             return
         for r in results:
             if "error" not in r:

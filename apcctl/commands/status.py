@@ -10,7 +10,7 @@ import click
 import psutil
 
 from apcctl import render
-from apcctl.commands.common import EXIT_CODES_SHORT, for_each, json_option, server_options
+from apcctl.commands.common import EXIT_CODES_SHORT, Targets, emit_results, for_each, json_option, server_options
 from apcctl.config import Target
 
 _LOCAL = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
@@ -56,12 +56,12 @@ def collect(target: Target) -> dict[str, Any]:
 @click.command(epilog=EXIT_CODES_SHORT)
 @server_options(allow_all=True)
 @json_option
-def status(targets: list[Target], as_json: bool) -> None:
+def status(targets: Targets, as_json: bool) -> None:
     """Server, process (RSS, CPU, uptime), traffic, cache budgets and hit rate."""
 
     def show(results: list[dict[str, Any]]) -> None:
         if as_json:
-            render.emit_json(results if len(targets) > 1 else results[0])
+            emit_results(targets, results)
             return
         out = render.console()
         for result in results:
