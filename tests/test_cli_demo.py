@@ -1,0 +1,47 @@
+"""``apcctl demo``: one command builds the tiny model, serves it, drives traffic, and cleans up."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from test_cli_server import cli_env, run  # noqa: F401 (cli_env is a fixture)
+
+pytestmark = pytest.mark.server
+
+
+def test_demo_without_dashboard_prints_live_lines_and_stops_the_server(cli_env: Path) -> None:
+    result = run("demo", "--no-dashboard", "--requests", "10", "--json")
+    summary = json.loads(result.stdout)
+    assert summary["sent"] == 10 and summary["failed"] == 0
+    hits = summary["hits"]
+    assert hits["requests"] >= 10 and hits["by_kind"].get("anchor", 0) >= 1  # shared system prompts hit
+    assert hits["by_kind"].get("cold", 0) < hits["requests"]
+    lines = result.stderr.splitlines()
+    assert any(line.split()[:1] == ["1"] for line in lines)  # request seq 1 was printed live
+    assert any(" cache " in line and "pin" in line for line in lines)
+    state = cli_env / "state" / "demo"
+    assert (state / "model" / "config.json").exists()
+    assert not (state / "server.pid").exists()
+    assert not any("server_patch.launch" in " ".join(p.info["cmdline"] or []) and str(state) in
+                   " ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))
+
+
+def test_demo_opens_the_dashboard_when_there_is_one(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+
+    def run_dashboard(url: str, token: str, client: Any) -> None:
+        seen.update(url=url, token=token, status=client.status())
+
+    fake = types.ModuleType("tui.app")
+    fake.run_dashboard = run_dashboard  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tui.app", fake)
+    result = run("demo", "--requests", "3", "--json")
+    assert seen["url"] == json.loads(result.stdout)["url"]
+    assert seen["token"] and seen["status"]["server"]["model"].endswith("model")
