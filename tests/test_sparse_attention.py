@@ -612,3 +612,12 @@ def test_patched_server_replies_like_stock_and_profiles_on_request(tmp_path: Pat
     records = [json.loads(line) for line in (tmp_path / "profile.jsonl").read_text().splitlines()]
     assert records and records[0]["chunk"] > 8  # the warm turn's suffix, then decode steps
     assert {"sparse_attention", "linear_attention", "moe"} <= set(records[0]["ms"])
+
+
+def test_switched_off_runs_stock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dispatch, "ENABLED", False)
+    layers = make_layers(shared=True)
+    stock = run_sequence(layers, 1, 150, 44, dispatch.stock_attend)
+    new = run_sequence(layers, 1, 150, 44, dispatch.attend)
+    for (old_out, _), (new_out, _) in zip(stock, new):
+        assert mx.array_equal(old_out, new_out).item()

@@ -19,10 +19,13 @@ rule here (measurements in docs/sparse-attention.md):
 * L > 512 on the CPU: gathered. Measured here the CPU fallback of the unabsorbed attention
   (it materialises per-head K/V for each query) is slower than the gather at every L and T,
   in sync or not.
+
+``APC_SPARSE_ATTENTION=0`` (read at import) sends every chunk to stock's ``_attend``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
@@ -32,10 +35,17 @@ from mlx_vlm.models.linear import DECODE_BLOCK_SIZE
 from server_patch.sparse.gathered import blocked_absorbed_attention
 from server_patch.sparse.projected import release, reusable_length, sync_projection
 
-DECODE_LOOP = "decode_loop"  # stock per-query loop (L <= 8), also training and unknown caches
+STOCK = "stock"  # stock's _attend as is: switched off, training, quantized latent caches
+DECODE_LOOP = "decode_loop"  # stock's per-query loop (L <= 8)
 GATHERED = "gathered"  # batched absorbed gather
 UNABSORBED = "unabsorbed"  # per-head projected K/V, kept in sync incrementally
 
+ENABLED = os.environ.get("APC_SPARSE_ATTENTION", "1").strip().lower() not in (
+    "0",
+    "false",
+    "no",
+    "off",
+)
 GATHER_ALWAYS_MAX = 512
 UNABSORBED_MIN_FRACTION = 0.2
 
@@ -71,9 +81,15 @@ def choose_path(
 
 
 def _path(layer: Any, latent: Any, kv_cache: Any, projected_cache: Any, length: int) -> str:
-    """``choose_path`` for this call; stock code for training and quantized latent caches."""
-    if layer.training or not isinstance(latent, mx.array) or hasattr(kv_cache, "bits"):
-        return DECODE_LOOP
+    """``choose_path`` for this call; stock code when switched off, for training and for
+    quantized latent caches."""
+    if (
+        not ENABLED
+        or layer.training
+        or not isinstance(latent, mx.array)
+        or hasattr(kv_cache, "bits")
+    ):
+        return STOCK
     context = latent.shape[2]
     path = choose_path(length, context, missing=context)
     if path == UNABSORBED:  # only now is it worth asking how much the projection lacks
@@ -107,7 +123,7 @@ def attend(
     """Drop-in for ``Glm5NextAttention._attend`` (same arguments and results)."""
     length = q.shape[2]
     path = _path(layer, latent, kv_cache, projected_cache, length)
-    if path == DECODE_LOOP:
+    if path in (STOCK, DECODE_LOOP):
         return stock_attend(
             layer, q, latent, new_latent, topk, kv_cache, projected_cache, last_only
         )

@@ -6,9 +6,11 @@ chunk at once. Its cost is independent of the context length T, which is why it 
 unabsorbed path that expands the whole latent context into per-head keys and values.
 
 Layout: every query is its own batch row and the heads are folded into query rows
-([B*L, 1, H, r] against one shared latent "head" [B*L, 1, K, r]). That is the same math as the
-stock per-query GQA call, and it avoids MLX 0.32.4's CPU crash for 64 query heads over one key
-head at large batch.
+([B*L, 1, H, r] against that query's latent rows [B*L, 1, K, r], keys = values). The
+attention is written out (matmul, masked precise softmax, matmul) rather than calling
+``mx.fast.scaled_dot_product_attention``: for 512-wide heads with an array mask MLX falls back
+to these same ops on Metal too, and on the CPU the fused call's GQA form (64 query heads over
+one key head) crashed at batch 44 in MLX 0.32.4.
 """
 
 from __future__ import annotations
@@ -49,8 +51,7 @@ def latent_attention(queries: mx.array, rows: mx.array, valid: mx.array, scale: 
 
     Keys and values are the same latent rows. The scores are formed as rows @ queries^T, the
     orientation the reference BLAS of MLX's CPU wheel runs about 2x faster than q @ k^T; the
-    rest is what MLX's SDPA fallback does (scaled query, min-value mask, precise softmax), and
-    MLX has no fused kernel for 512-wide heads on Metal either.
+    rest is what MLX's SDPA fallback does (scaled query, min-value mask, precise softmax).
     """
     scaled = queries * mx.array(scale, dtype=queries.dtype)
     scores = mx.contiguous((rows @ scaled.swapaxes(-1, -2)).swapaxes(-1, -2))
