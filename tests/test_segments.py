@@ -478,3 +478,40 @@ def test_admin_views_show_segment_checkpoints_as_their_own_kind():
     assert "segment" in {c["kind"] for c in view["checkpoints"]}
     anchor = next(e for e in cache.entries() if e.is_anchor)
     assert {c["kind"] for c in entry_view(anchor)["checkpoints"]} <= {"segment"}
+
+
+def test_system_paragraph_breaks_and_a_merged_clock_paragraph_out_of_the_anchor():
+    """mlx-vlm joins system messages with "\\n\\n": the last breaks are segments, and a short last
+    paragraph (the time) stays out of the anchor, so every minute shares it."""
+    tok = FakeTokenizer(CHATML)
+    finder = SegmentFinder(SegmentSettings(fallback_stride=0))
+    body = "\n\n".join(words(150, 60 + k) for k in range(4))
+    infos, ids = {}, {}
+    for minute in ("09:41", "09:42"):
+        messages = [{"role": "system", "content": body + f"\n\nCurrent time: 2026-11-30 {minute}"},
+                    {"role": "user", "content": words(20, 61)}]
+        ids[minute] = render(finder, tok, messages)
+        infos[minute] = finder.boundaries(ids[minute])
+    a = infos["09:41"]
+    paragraphs = [p for p in a.segments if a.kinds[p] == "paragraph"]
+    text = tok.decode(ids["09:41"].tolist())
+    starts = [m.end() for m in re.finditer("\n\n", text)]
+    expected = [position_of(tok, ids["09:41"], text[:s]) - BPE_SLACK for s in starts[-2:]]
+    assert paragraphs == expected  # the last two breaks, 2 tokens early (plain text)
+    assert a.anchor_len == expected[-1] == infos["09:42"].anchor_len
+    # all of them
+    every = SegmentFinder(SegmentSettings(fallback_stride=0, system_paragraphs=-1))
+    info = every.boundaries(render(every, tok, [{"role": "system", "content": body},
+                                                {"role": "user", "content": words(20, 62)}]))
+    assert len([p for p in info.segments if info.kinds[p] == "paragraph"]) == 3
+
+
+def test_settings_from_the_environment():
+    s = SegmentSettings.from_env({"APC_SEGMENTS_TOOLS": "1", "APC_SEGMENTS_SYSTEM_PARAGRAPHS": "-1",
+                                  "APC_SEGMENTS_FALLBACK_STRIDE": "0", "APC_SEGMENTS_ANCHOR_TAIL": "128"})
+    assert (s.tool_boundaries, s.system_paragraphs, s.fallback_stride, s.anchor_tail_tokens) == (True, -1, 0, 128)
+    assert not SegmentSettings.from_env({"APC_SEGMENTS": "0"}).enabled
+    with pytest.raises(ValueError, match="APC_SEGMENTS_TOOLS"):
+        SegmentSettings.from_env({"APC_SEGMENTS_TOOLS": "maybe"})
+    with pytest.raises(ValueError, match="APC_SEGMENTS_FALLBACK_STRIDE"):
+        SegmentSettings.from_env({"APC_SEGMENTS_FALLBACK_STRIDE": "-5"})

@@ -24,6 +24,8 @@ What-ifs (prototypes of policy changes; the policy itself lives in ``server_patc
   conversation asks for ~50). Segments inside the anchor's prefix are not capped: the anchor
   adopts and thins them.
 * ``gain64``: ``divergence_min_gain=64`` (a config field, no code change).
+* ``backward-gap``: a segment needs the minimum gap only from restore points before it.
+* ``periodic-yields``: a periodic capture does not count against a segment's gap.
 """
 
 from __future__ import annotations
@@ -78,6 +80,27 @@ class SpreadCappedCache(SpreadAnchorCache, CappedCapturesCache):
     """Both changes."""
 
 
+def _segment_picks(cache: LineageCache, tokens, plan, caps, segments, *, ignore: tuple[str, ...] = (),
+                   backward_only: bool = False):
+    """The policy's segment loop over ``caps`` (the other captures), with two knobs."""
+    from server_patch.lineage.model import Capture
+
+    cfg = cache.config
+    end = len(tokens) - cfg.entry_offset
+    start = plan.length
+    picks = {c.length: c.kind for c in caps}
+    taken = sorted({start, *(n for n, k in picks.items() if k not in ignore)}
+                   | (set() if backward_only else {end}))
+    for seg in sorted(set(int(x) for x in segments)):
+        if not start < seg < end or seg in picks:
+            continue
+        if all(abs(seg - other) >= cfg.segment_min_gap for other in taken
+               if not backward_only or other < seg):
+            picks[seg] = SEGMENT
+            taken = sorted({*taken, seg})
+    return [Capture(n, k) for n, k in sorted(picks.items()) if n >= cfg.min_tokens]
+
+
 class BackwardGapCache(LineageCache):
     """A segment needs ``segment_min_gap`` only from the restore points *before* it.
 
@@ -89,19 +112,24 @@ class BackwardGapCache(LineageCache):
 
     def plan_captures(self, tokens, plan, *, namespace="", anchor_len=None, segments=()):
         caps = super().plan_captures(tokens, plan, namespace=namespace, anchor_len=anchor_len, segments=())
-        cfg = self.config
-        end = len(tokens) - cfg.entry_offset
-        start = plan.length
-        picks = {c.length: c.kind for c in caps}
-        taken = sorted({start, *picks})
-        for seg in sorted(set(int(x) for x in segments)):
-            if not start < seg < end or seg in picks:
-                continue
-            if all(seg - other >= cfg.segment_min_gap for other in taken if other < seg):
-                picks[seg] = SEGMENT
-                taken = sorted({*taken, seg})
-        from server_patch.lineage.model import Capture
-        return [Capture(n, k) for n, k in sorted(picks.items()) if n >= cfg.min_tokens]
+        return _segment_picks(self, tokens, plan, caps, segments, backward_only=True)
+
+
+class PeriodicYieldsCache(LineageCache):
+    """A periodic capture does not count against a segment's gap (both are captured).
+
+    The periodic checkpoint is the fallback for structure the server does not know; a template
+    boundary 184 tokens after it (the tiny model's tools end after 2048) is the better restore
+    point, and thinning drops the periodic one before turn boundaries anyway.
+    """
+
+    def plan_captures(self, tokens, plan, *, namespace="", anchor_len=None, segments=()):
+        caps = super().plan_captures(tokens, plan, namespace=namespace, anchor_len=anchor_len, segments=())
+        return _segment_picks(self, tokens, plan, caps, segments, ignore=("periodic",))
+
+
+class SpreadYieldsCache(SpreadAnchorCache, PeriodicYieldsCache):
+    """Anchor spread thinning and periodic captures that do not block segments."""
 
 
 class SpreadBackwardCache(SpreadAnchorCache, BackwardGapCache):
@@ -141,6 +169,9 @@ VARIANTS: dict[str, tuple[Callable[[StateSizes], object], Callable[[list[Request
     "spread+cap": (lambda s: _lineage(s, cache_class=SpreadCappedCache), None),
     "gain64": (lambda s: _lineage(s, config=LineageConfig(divergence_min_gain=64)), None),
     "backward-gap": (lambda s: _lineage(s, cache_class=BackwardGapCache), None),
+    "periodic-yields": (lambda s: _lineage(s, cache_class=PeriodicYieldsCache), None),
+    "spread+yields+gain64": (lambda s: _lineage(s, cache_class=SpreadYieldsCache,
+                                                config=LineageConfig(divergence_min_gain=64)), None),
     "spread+backward": (lambda s: _lineage(s, cache_class=SpreadBackwardCache), None),
     "spread+backward+gain64": (lambda s: _lineage(s, cache_class=SpreadBackwardCache,
                                                   config=LineageConfig(divergence_min_gain=64)), None),

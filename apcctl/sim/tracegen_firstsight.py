@@ -1,13 +1,14 @@
 """A trace of first-sight divergences: agent prompts that part from everything stored mid-prompt.
 
 ``apcctl.sim.tracegen`` has one of each; this trace is made of them. Every actor has its own
-random stream (one actor's choices never shift another's). Prompts are laid out as GLM renders
-them: ``[gMASK]<sop><|system|>`` tools ``<|system|>`` system text [``<|system|>`` more system
-text] then one role token + content per message, then ``<|assistant|>``.
+random stream (one actor's choices never shift another's). Prompts are laid out as mlx-vlm
+0.7.10 renders them on GLM's template: ``[gMASK]<sop><|system|>`` tools ``<|system|>`` system
+text, then one role token + content per message, then ``<|assistant|>``. mlx-vlm joins every
+system message of a request into one, with "\n\n" (a paragraph token here) between them.
 
-* ``ops``: 12 tools (~9k tokens), a ~2.5k system text, and a trailing system message with the
+* ``ops``: 12 tools (~9k tokens), a ~2.5k system text, and a second system message with the
   time, re-rendered on *every* request (so every turn of a session diverges from the previous
-  turn inside the prompt, not at its end; the server's anchor ends before that message). Sessions of 4-9 turns; now and then the user edits
+  turn inside the prompt, not at its end). Sessions of 4-9 turns; now and then the user edits
   an earlier question (not the last one).
 * ``ops-mcp``: ``ops``'s tools plus two MCP tools appended, ``ops``'s system text: diverges
   from ``ops`` at the end of its tools block.
@@ -21,14 +22,13 @@ text] then one role token + content per message, then ``<|assistant|>``.
 * ``stamp``: a scheduled agent whose system text *starts* with the time (a new minute every
   request), on ``writer``'s tools.
 
-Each request carries what the server computes on GLM's template (``server_patch.integration
-.segments``): ``anchor_len`` = the end of the leading system messages (exact: the next token is
-a role token, a special token BPE never merges; trailing system messages shorter than 256
-tokens left out), ``segments`` = the tools end (before the
-system message's ``<|system|>``), the system content start (after it), each system message end
-and each message start. With ``tool_boundaries=True`` also the end of each tool, 2 tokens early
-(the seam is plain JSON text, so the server applies its BPE slack). Lengths at ``--scale tiny``
-are divided by ~20.
+Each request carries what ``server_patch.integration.segments`` computes for it: ``segments`` =
+the tools end (before the system message's ``<|system|>``: exact, next to a special token), the
+system content start (after it), the last ``paragraphs`` paragraph breaks of the system text
+(2 tokens early: a plain-text seam gets the BPE slack; -1: all of them), the system end and
+each message start; with ``tool_boundaries`` also the end of each tool (2 tokens early).
+``anchor_len`` = the system end, or the last paragraph break when what follows it is shorter
+than the anchor tail (256 tokens: the clock). Lengths at ``--scale tiny`` are divided by ~20.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ from apcctl.sim.tracegen import (
 )
 
 TOOL_SLACK = 2  # a tool boundary is plain text: the server moves it 2 tokens early
+PARAGRAPH_SLACK = 2  # so is a paragraph break ("\n\n" then text)
+PARAGRAPH = 16  # the "\n\n" token between paragraphs of a system text
 ANCHOR_TAIL_TOKENS = SegmentSettings().anchor_tail_tokens
 
 
@@ -60,15 +62,20 @@ def clock_tokens(minute: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Agent:
-    """Tools (one array each), a system text, and where the time is rendered, if anywhere."""
+    """Tools (one array each), system paragraphs, and where the time is rendered, if anywhere."""
 
     name: str
     tools: tuple[np.ndarray, ...]
-    system: np.ndarray
-    clock_at: int | None = None  # the time inside the system text, at this offset
-    clock_message: bool = False  # the time as its own trailing system message
+    paragraphs: tuple[np.ndarray, ...]
+    clock_at: int | None = None  # the time inside the first paragraph, at this offset
+    clock_message: bool = False  # the time as its own system message (mlx-vlm appends it as a paragraph)
 
-    def prefix(self, minute: int, tool_boundaries: bool) -> tuple[np.ndarray, list[int], int]:
+    @property
+    def system(self) -> np.ndarray:
+        return _join(list(self.paragraphs))
+
+    def prefix(self, minute: int, tool_boundaries: bool,
+               paragraphs: int = 2) -> tuple[np.ndarray, list[int], int]:
         """(rendered system+tools prefix, its segment boundaries, the anchor length)."""
         head = np.asarray([GMASK, SOP, SYSTEM], dtype=np.int32)
         parts, bounds, pos = [head], [], len(head)
@@ -78,23 +85,36 @@ class Agent:
             if tool_boundaries:
                 bounds.append(pos - TOOL_SLACK)
         bounds += [pos, pos + 1]  # the tools end (before <|system|>), the content start (after)
-        system = self.system
+        body = list(self.paragraphs)
         if self.clock_at is not None:
             stamp = clock_tokens(minute)
-            system = np.concatenate([system[:self.clock_at], stamp, system[self.clock_at:]])
-        parts += [np.asarray([SYSTEM], dtype=np.int32), system]
-        pos += 1 + len(system)
-        bounds.append(pos)
-        anchor = pos
+            body[0] = np.concatenate([body[0][:self.clock_at], stamp, body[0][self.clock_at:]])
         if self.clock_message:
-            parts += [np.asarray([SYSTEM], dtype=np.int32), clock_tokens(minute)]
-            pos += 1 + len(clock_tokens(minute))
-            bounds.append(pos)
-            # The server leaves trailing system messages shorter than its anchor tail (256
-            # tokens) out of the anchor: a clock there would make a new anchor every minute.
-            if pos - anchor >= ANCHOR_TAIL_TOKENS:
-                anchor = pos
+            body.append(clock_tokens(minute))
+        pos += 1  # <|system|>
+        breaks = []
+        for k, paragraph in enumerate(body):
+            if k:
+                pos += 1  # the "\n\n" between paragraphs
+                breaks.append(pos - PARAGRAPH_SLACK)
+            pos += len(paragraph)
+        if paragraphs >= 0:
+            breaks = breaks[len(breaks) - paragraphs:] if paragraphs else []
+        parts += [np.asarray([SYSTEM], dtype=np.int32), _join(body)]
+        bounds += breaks + [pos]
+        # The server's anchor leaves a trailing part shorter than its anchor tail (256 tokens)
+        # out: a clock there would make a new anchor every minute.
+        anchor = next(b for b in [*breaks, pos] if pos - b < ANCHOR_TAIL_TOKENS)
         return np.concatenate(parts).astype(np.int32), bounds, anchor
+
+
+def _join(paragraphs: list[np.ndarray]) -> np.ndarray:
+    out: list[np.ndarray] = []
+    for k, paragraph in enumerate(paragraphs):
+        if k:
+            out.append(np.asarray([PARAGRAPH], dtype=np.int32))
+        out.append(paragraph)
+    return np.concatenate(out).astype(np.int32)
 
 
 @dataclass
@@ -104,13 +124,14 @@ class Session:
     id: str
     agent: Agent
     tool_boundaries: bool
+    paragraphs: int = 2
     messages: list[np.ndarray] = field(default_factory=list)
 
     def add(self, role: int, content: np.ndarray) -> None:
         self.messages.append(np.concatenate([[role], content]).astype(np.int32))
 
     def request(self, t: float, kind: str) -> Request:
-        prefix, bounds, anchor = self.agent.prefix(int(t // 60), self.tool_boundaries)
+        prefix, bounds, anchor = self.agent.prefix(int(t // 60), self.tool_boundaries, self.paragraphs)
         pos = len(prefix)
         starts = []
         for message in self.messages[:-1]:
@@ -133,23 +154,23 @@ def make_agents(seed: int, scale: Scale) -> dict[str, Agent]:
     mcp = tuple(draw(500, 900) for _ in range(2))
     sub_tools = tuple(draw(500, 800) for _ in range(2))
     writer_tools = tuple(draw(600, 1000) for _ in range(8))
-    ops_system, lite_system, helper_system = draw(2200, 2800), draw(1500, 2000), draw(1200, 1600)
-    paragraphs = [draw(350, 550) for _ in range(6)]
+    ops_system, lite_system, helper_system = (draw(2200, 2800),), (draw(1500, 2000),), (draw(1200, 1600),)
+    paragraphs = tuple(draw(350, 550) for _ in range(6))
 
-    def variant(k: int) -> np.ndarray:
+    def variant(k: int) -> tuple[np.ndarray, ...]:
         body = list(paragraphs)
         body[3] = np.random.default_rng([seed, 200, k]).integers(*VOCAB, size=len(paragraphs[3]),
                                                                   dtype=np.int32)
-        return np.concatenate(body).astype(np.int32)
+        return tuple(body)
 
-    stamp_system = draw(1800, 2400)
+    stamp_system = (draw(1800, 2400),)
     return {
         "ops": Agent("ops", ops_tools, ops_system, clock_message=True),
         "ops-mcp": Agent("ops-mcp", ops_tools + mcp, ops_system),
         "ops-lite": Agent("ops-lite", ops_tools[:6] + own_lite, lite_system),
         "ops-helper": Agent("ops-helper", ops_tools, helper_system),
         "ops-sub": Agent("ops-sub", sub_tools, ops_system),
-        "writer-a": Agent("writer-a", writer_tools, np.concatenate(paragraphs).astype(np.int32)),
+        "writer-a": Agent("writer-a", writer_tools, paragraphs),
         "writer-b": Agent("writer-b", writer_tools, variant(1)),
         "writer-c": Agent("writer-c", writer_tools, variant(2)),
         "stamp": Agent("stamp", writer_tools, stamp_system, clock_at=0),
@@ -159,14 +180,16 @@ def make_agents(seed: int, scale: Scale) -> dict[str, Agent]:
 class _Sessions(_Actor):
     """Sessions of one or more agents; optional edits of an earlier question and sub-agents."""
 
-    def __init__(self, seed: int, stream: int, scale: Scale, horizon: float, tool_boundaries: bool) -> None:
+    def __init__(self, seed: int, stream: int, scale: Scale, horizon: float, tool_boundaries: bool,
+                 paragraphs: int = 2) -> None:
         super().__init__(seed, stream, scale, horizon)
         self.tool_boundaries = tool_boundaries
+        self.paragraphs = paragraphs
         self.count = 0
 
     def session(self, agent: Agent, name: str) -> Session:
         self.count += 1
-        return Session(f"{name}/s{self.count - 1}", agent, self.tool_boundaries)
+        return Session(f"{name}/s{self.count - 1}", agent, self.tool_boundaries, self.paragraphs)
 
     def turns(self, sess: Session, t: float, n_turns: int, median: float, gap: tuple[float, float],
               first_kind: str, edit_p: float = 0.0, spawn=None) -> float:
@@ -193,7 +216,7 @@ class _Sessions(_Actor):
 
 
 def generate(seed: int = 7, scale: str = "full", minutes: float = 30.0,
-             tool_boundaries: bool = False) -> tuple[list[Request], dict[str, Any]]:
+             tool_boundaries: bool = False, paragraphs: int = 2) -> tuple[list[Request], dict[str, Any]]:
     """Requests in time order and the trace header's metadata."""
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; known: {', '.join(SCALES)}")
@@ -202,7 +225,7 @@ def generate(seed: int = 7, scale: str = "full", minutes: float = 30.0,
     out: list[Request] = []
 
     # ops: sessions all along; helper and sub-agents spawned from it.
-    ops = _Sessions(seed, 11, sc, horizon, tool_boundaries)
+    ops = _Sessions(seed, 11, sc, horizon, tool_boundaries, paragraphs)
 
     def spawn(parent: Session, turn: int, t: float) -> float:
         if turn not in (2, 5):
@@ -221,7 +244,7 @@ def generate(seed: int = 7, scale: str = "full", minutes: float = 30.0,
 
     # ops-mcp and ops-lite: first seen a few minutes in, then a session now and then.
     for stream, name, start in ((12, "ops-mcp", 240.0), (13, "ops-lite", 360.0)):
-        actor = _Sessions(seed, stream, sc, horizon, tool_boundaries)
+        actor = _Sessions(seed, stream, sc, horizon, tool_boundaries, paragraphs)
         t = start + actor.pause(0, 30)
         while t < horizon:
             t = actor.turns(actor.session(agents[name], name), t, int(actor.rng.integers(2, 5)), 300,
@@ -229,7 +252,7 @@ def generate(seed: int = 7, scale: str = "full", minutes: float = 30.0,
         out += actor.out
 
     # writer: variant a from the start, b after 8 minutes, c after 16; sessions rotate.
-    writer = _Sessions(seed, 14, sc, horizon, tool_boundaries)
+    writer = _Sessions(seed, 14, sc, horizon, tool_boundaries, paragraphs)
     t, k = writer.pause(10, 40), 0
     while t < horizon:
         available = [n for n, at in (("writer-a", 0), ("writer-b", 480), ("writer-c", 960)) if t >= at]
@@ -240,7 +263,7 @@ def generate(seed: int = 7, scale: str = "full", minutes: float = 30.0,
     out += writer.out
 
     # stamp: a short session every 2-4 minutes, the time first in its system text.
-    stamp = _Sessions(seed, 15, sc, horizon, tool_boundaries)
+    stamp = _Sessions(seed, 15, sc, horizon, tool_boundaries, paragraphs)
     t = 90 + stamp.pause(0, 30)
     while t < horizon:
         stamp.turns(stamp.session(agents["stamp"], "stamp"), t, int(stamp.rng.integers(1, 3)), 200,
@@ -253,8 +276,8 @@ def generate(seed: int = 7, scale: str = "full", minutes: float = 30.0,
         req.index = i
     meta = {
         "generator": "apcctl.sim.tracegen_firstsight", "seed": seed, "scale": scale, "minutes": minutes,
-        "tool_boundaries": tool_boundaries,
-        "agents": {name: {"tools": [len(x) for x in a.tools], "system": len(a.system)}
+        "tool_boundaries": tool_boundaries, "paragraphs": paragraphs,
+        "agents": {name: {"tools": [len(x) for x in a.tools], "system": [len(p) for p in a.paragraphs]}
                    for name, a in agents.items()},
     }
     return requests, meta
@@ -268,8 +291,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--tool-boundaries", action="store_true",
                         help="segments include the end of each tool (the server's APC_SEGMENTS_TOOLS=1)")
+    parser.add_argument("--paragraphs", type=int, default=2,
+                        help="paragraph breaks per system text in the segments, the last ones (-1: all), "
+                             "as the server's APC_SEGMENTS_SYSTEM_PARAGRAPHS")
     args = parser.parse_args(argv)
-    requests, meta = generate(args.seed, args.scale, args.minutes, args.tool_boundaries)
+    requests, meta = generate(args.seed, args.scale, args.minutes, args.tool_boundaries, args.paragraphs)
     write_trace(args.out, requests, meta)
     print(f"{args.out}: {len(requests)} requests, {sum(r.n for r in requests):,} prompt tokens")
 

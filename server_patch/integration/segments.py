@@ -64,9 +64,11 @@ PREAMBLE = "tools"  # the tools block, or whatever the template renders before t
 TOOL = "tool"  # one tool inside the tools block (opt-in)
 CONTENT = "content"  # the header of the first message (its content starts here)
 SYSTEM = "system"  # a system/developer message
+PARAGRAPH = "paragraph"  # a paragraph break ("\n\n") inside a system message
 MESSAGE = "message"  # any other message: the next one starts here
 STRIDE = "stride"  # fallback: a multiple of the periodic stride
-_KIND_RANK = {SYSTEM: 0, PREAMBLE: 1, MESSAGE: 2, CONTENT: 3, TOOL: 4}
+_KIND_RANK = {SYSTEM: 0, PREAMBLE: 1, MESSAGE: 2, CONTENT: 3, PARAGRAPH: 4, TOOL: 5}
+_MIN_PARAGRAPH_SEARCH = 64  # a system text shorter than this is not searched for paragraphs
 
 _SYSTEM_ROLES = ("system", "developer")
 _MAX_BOS = 4  # tokens a tokenizer may put before the rendered text (BOS and the like)
@@ -102,6 +104,10 @@ class SegmentSettings:
     # Boundaries between tools inside the tools block. Off by default: with the current policy
     # they are adopted by the anchor and crowd out the tools end (docs/segments.md).
     tool_boundaries: bool = False
+    # Paragraph breaks reported per system message, the last ones (-1: all, 0: none). mlx-vlm
+    # 0.7.10 joins every system/developer message into one with "\n\n", so these are also where
+    # the client's system messages ended (a clock, a session note, a variant's last section).
+    system_paragraphs: int = 2
     # Renders a request may add to the cache (a cold 200-message conversation renders the
     # newest ones); 0 means no limit.
     max_new_renders: int = 8
@@ -114,24 +120,39 @@ class SegmentSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "SegmentSettings":
+        """``APC_SEGMENTS`` (on/off) and ``APC_SEGMENTS_<NAME>`` for the fields in ``ENV``."""
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
-        for name, default in (("enabled", True), ("fallback_stride", 2048), ("tool_boundaries", False),
-                              ("max_new_renders", 8), ("anchor_tail_tokens", 256)):
-            key = "APC_SEGMENTS" if name == "enabled" else f"APC_SEGMENTS_{name.upper()}"
+        defaults = cls()
+        for key, name in ENV.items():
             if key not in env:
                 continue
+            default = getattr(defaults, name)
             raw = env[key].strip().lower()
             if isinstance(default, bool):
                 if raw not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                     raise ValueError(f"{key}={env[key]!r} is not a boolean (use 1/0)")
                 values[name] = raw in ("1", "true", "yes", "on")
             else:
-                value = int(raw)
-                if value < 0:
+                try:
+                    value = int(raw)
+                except ValueError:
+                    raise ValueError(f"{key}={env[key]!r} is not an integer") from None
+                if value < (-1 if name == "system_paragraphs" else 0):
                     raise ValueError(f"{key} must be >= 0, got {value}")
                 values[name] = value
-        return replace(cls(), **values)
+        return replace(defaults, **values)
+
+
+# Environment variable -> SegmentSettings field.
+ENV = {
+    "APC_SEGMENTS": "enabled",
+    "APC_SEGMENTS_FALLBACK_STRIDE": "fallback_stride",
+    "APC_SEGMENTS_TOOLS": "tool_boundaries",
+    "APC_SEGMENTS_SYSTEM_PARAGRAPHS": "system_paragraphs",
+    "APC_SEGMENTS_ANCHOR_TAIL": "anchor_tail_tokens",
+    "APC_SEGMENTS_MAX_NEW_RENDERS": "max_new_renders",
+}
 
 
 # ---------------------------------------------------------------------------- small helpers
@@ -308,6 +329,8 @@ class SegmentFinder:
                                                       budget)
         offsets = self._verify(candidates, rendered)
         anchor_offsets = [o for o in anchor_offsets if o in offsets]
+        if offsets and self.settings.system_paragraphs:
+            anchor_offsets = self._paragraphs(messages, rendered, offsets, anchor_offsets)
         return self._store(tokenizer, rendered, offsets, anchor_offsets, messages, prefix_kwargs)
 
     def _cached(self, key: bytes, make: Callable[[], tuple | None], budget: list[int]) -> tuple | None:
@@ -433,6 +456,39 @@ class SegmentFinder:
         self.stats["renders"] += 2
         cut = lcp(a, b)
         return (cut, _text_digest(a[:cut]), cut, _text_digest(a[:cut]))
+
+    def _paragraphs(self, messages: list[Any], full: str, offsets: dict[int, str],
+                    anchor_offsets: list[int]) -> list[int]:
+        """Add the last paragraph breaks of each system message to ``offsets`` (found verbatim in
+        the prompt text, so no render is needed); those of the last leading system message become
+        anchor candidates too (the anchor may end before a short trailing paragraph)."""
+        keep = self.settings.system_paragraphs
+        n_system = _leading_system(messages)
+        search = 0
+        for i, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, dict) else None
+            if _role(message) not in _SYSTEM_ROLES or not isinstance(content, str) \
+                    or len(content) < _MIN_PARAGRAPH_SEARCH or "\n\n" not in content:
+                continue
+            at = full.find(content, search)
+            if at < 0:
+                continue
+            search = at + len(content)
+            breaks, j = [], content.find("\n\n")
+            while j >= 0:
+                stop = j + 2
+                while stop < len(content) and content[stop] == "\n":
+                    stop += 1
+                if 0 < j and stop < len(content):
+                    breaks.append(at + stop)  # where the next paragraph's text starts
+                j = content.find("\n\n", stop)
+            if keep > 0:
+                breaks = breaks[-keep:]
+            for b in breaks:
+                offsets.setdefault(b, PARAGRAPH)
+            if i == n_system - 1 and anchor_offsets:
+                anchor_offsets = sorted(set(anchor_offsets) | set(breaks))
+        return anchor_offsets
 
     def _tool_cuts(self, render: Callable[..., str], lcp: Callable[[str, str], int], context: list[Any],
                    tools: list[Any], full: str) -> tuple:
@@ -569,11 +625,12 @@ class SegmentFinder:
         return SegmentInfo(anchor_len, label, sorted(kinds), "template", kinds)
 
     def _anchor(self, walk: _Walk, n: int) -> int | None:
-        """The end of the leading system messages, less trailing ones shorter than the anchor tail.
+        """The end of the leading system messages, less a trailing part shorter than the anchor tail.
 
-        A short trailing system message (the time, a session id) would make every request's
-        anchor a new one and leave the system text before it without a restore point: the
-        policy skips a segment that close to the anchor. So the anchor ends before it.
+        A short trailing system message or paragraph (the time, a session id; mlx-vlm joins
+        system messages into one with "\n\n") would make every request's anchor a new one and
+        leave the system text before it without a restore point: the policy skips a segment
+        that close to the anchor. So the anchor ends before it.
         """
         if len(walk.anchors) != len(walk.note.anchor_seams) or not walk.anchors:
             return None  # the walk stopped inside the system prefix
