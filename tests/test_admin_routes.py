@@ -36,7 +36,8 @@ def call(server: PatchedServer, method: str, path: str, body: Any = None, *, tok
     except urllib.error.HTTPError as exc:
         status, headers, payload = exc.code, dict(exc.headers), exc.read()
     kind = headers.get("content-type", headers.get("Content-Type", ""))
-    return status, {k.lower(): v for k, v in headers.items()}, json.loads(payload) if "json" in kind else payload.decode()
+    decoded = json.loads(payload) if "json" in kind else payload.decode()
+    return status, {k.lower(): v for k, v in headers.items()}, decoded
 
 
 def chat(server: PatchedServer, user: str, system: str = SYSTEM, **params: Any) -> tuple[int, dict[str, str], Any]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.table import Table
 
 from apcctl import render
 from apcctl.commands.common import EXIT_CODES_SHORT, CommandError, ExitStatus, json_option, one, server_options
@@ -74,38 +75,51 @@ def _show(s: dict[str, Any]) -> None:
               f"{w['server_starts']} server starts")
     out.print(f"{req['count']:,} requests, hit rate {render.percent(req['hits'], req['count'])}, "
               f"{render.percent(req['reused_tokens'], req['prompt_tokens'])} of {req['prompt_tokens']:,} "
-              f"prompt tokens reused\n")
-    out.print(render.table(("KIND", "REQUESTS", "SHARE", "REUSED TOKENS", "PROMPT TOKENS"),
-                           [(k, f"{v['requests']:,}", render.percent(v["requests"], req["count"]),
-                             f"{v['reused_tokens']:,}", f"{v['prompt_tokens']:,}") for k, v in req["by_kind"].items()],
-                           numeric=("REQUESTS", "SHARE", "REUSED TOKENS", "PROMPT TOKENS"), title="by restore kind"))
-    out.print()
-    out.print(render.table(("PHASE ms", "p50", "p90", "p99", "max"),
-                           [(p, *(render.ms(s["latency_ms"][p][q]) for q in ("p50", "p90", "p99", "max")))
-                            for p in PHASES], numeric=("p50", "p90", "p99", "max"), title="time to first token"))
+              "prompt tokens reused")
+    for block in (_kinds(req), _latency(s["latency_ms"]), _events(s), _tiers(s["tiers"])):
+        if block is not None:
+            out.print()
+            out.print(block)
+
+
+def _kinds(req: dict[str, Any]) -> Table:
+    rows = [(kind, f"{v['requests']:,}", render.percent(v["requests"], req["count"]), f"{v['reused_tokens']:,}",
+             f"{v['prompt_tokens']:,}") for kind, v in req["by_kind"].items()]
+    columns = ("KIND", "REQUESTS", "SHARE", "REUSED TOKENS", "PROMPT TOKENS")
+    return render.table(columns, rows, numeric=columns[1:], title="by restore kind")
+
+
+def _latency(latency: dict[str, Any]) -> Table:
+    columns = ("PHASE ms", "p50", "p90", "p99", "max")
+    rows = [(phase, *(render.ms(latency[phase][q]) for q in columns[1:])) for phase in PHASES]
+    return render.table(columns, rows, numeric=columns[1:], title="time to first token")
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items()) or "-"
+
+
+def _events(s: dict[str, Any]) -> Table:
     ev, disk, anchors = s["evictions"], s["disk"], s["anchors"]
-    out.print()
-    out.print(render.key_values([
-        ("evictions", f"{ev['count']:,} ({render.human_bytes(ev['bytes'])}): "
-                      + (", ".join(f"{k} {v}" for k, v in ev["by_reason"].items()) or "-")),
-        ("disk", f"{disk['writes']:,} writes ({render.human_bytes(disk['bytes_written'])}), "
-                 f"{disk['promotes']:,} promoted to RAM, {disk['rejects']} rejected; deleted: "
-                 + (", ".join(f"{k} {v}" for k, v in ev["disk_deletes"].items()) or "-")),
-        ("anchors", f"{anchors['pinned']} pinned ("
-                    + (", ".join(f"{k} {v}" for k, v in anchors["by_source"].items()) or "-")
-                    + f"), {anchors['unpinned']} unpinned, {_or_dash(anchors['pinned_now'])} pinned at the last snapshot"),
-    ]))
-    if s["tiers"]:
-        out.print()
-        out.print(render.table(("TIME", "RAM", "ANCHORS", "DISK", "ENTRIES", "FILES"),
-                               [(_iso(t["time"]), render.human_bytes(t["ram_bytes"]), render.human_bytes(t["anchor_bytes"]),
-                                 render.human_bytes(t["disk_bytes"]), t["entries"], t["disk_files"]) for t in s["tiers"]],
-                               numeric=("RAM", "ANCHORS", "DISK", "ENTRIES", "FILES"), title="bytes per tier (max per interval)"))
+    pinned_now = "-" if anchors["pinned_now"] is None else anchors["pinned_now"]
+    return render.key_values([
+        ("evictions", f"{ev['count']:,} ({render.human_bytes(ev['bytes'])}): {_counts(ev['by_reason'])}"),
+        ("disk", f"{disk['writes']:,} writes ({render.human_bytes(disk['bytes_written'])}), {disk['promotes']:,} "
+                 f"promoted to RAM, {disk['rejects']} rejected; deleted: {_counts(ev['disk_deletes'])}"),
+        ("anchors", f"{anchors['pinned']} pinned ({_counts(anchors['by_source'])}), {anchors['unpinned']} unpinned, "
+                    f"{pinned_now} pinned at the last snapshot"),
+    ])
+
+
+def _tiers(tiers: list[dict[str, Any]]) -> Table | None:
+    if not tiers:
+        return None
+    columns = ("TIME", "RAM", "ANCHORS", "DISK", "ENTRIES", "FILES")
+    rows = [(_iso(t["time"]), render.human_bytes(t["ram_bytes"]), render.human_bytes(t["anchor_bytes"]),
+             render.human_bytes(t["disk_bytes"]), t["entries"], t["disk_files"]) for t in tiers]
+    return render.table(columns, rows, numeric=columns[1:], title="bytes per tier (max per interval)")
 
 
 def _iso(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
 
-
-def _or_dash(value: Any) -> str:
-    return "-" if value is None else str(value)

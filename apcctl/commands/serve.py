@@ -9,9 +9,9 @@ from pathlib import Path
 import click
 
 from apcctl import render
+from apcctl.commands.common import (EXIT_CODES_HELP, EXIT_CODES_SHORT, CommandError, ExitStatus, Targets,
+                                    emit_results, for_each, json_option, managed, one, server_options, talking_to)
 from apcctl.config import DEFAULT_HOST, DEFAULT_PORT, ConfigError, Target, load_config
-from apcctl.commands.common import (EXIT_CODES_HELP, EXIT_CODES_SHORT, CommandError, ExitStatus, Targets, emit_results, for_each, json_option, managed,
-                                    one, server_options, talking_to)
 from apcctl.manage import ManagedServer, ManageError, build_spec
 
 
@@ -122,7 +122,8 @@ def stop(targets: Targets, grace: float, as_json: bool) -> None:
             return
         for r in results:
             if "error" not in r:
-                click.echo(f"{r['server']}: " + ("not running" if r["pid"] is None else f"stopped pid {r['pid']} ({r['how']})"))
+                done = "not running" if r["pid"] is None else f"stopped pid {r['pid']} ({r['how']})"
+                click.echo(f"{r['server']}: {done}")
 
     for_each(targets, action, show)
 
@@ -137,7 +138,8 @@ def logs(targets: list[Target], lines: int, follow: bool) -> None:
     with talking_to(target):
         server = managed(target)
     if not server.log_path.exists():
-        raise CommandError(f"{target.name}: no log at {server.log_path}", ExitStatus.NOT_FOUND)
+        raise CommandError(f"{target.name}: no log at {server.log_path} (a --foreground server writes to its "
+                           "terminal or supervisor)", ExitStatus.NOT_FOUND)
     tail = server.log_tail(lines)
     if tail:
         click.echo(tail)
