@@ -48,6 +48,31 @@ def check_config() -> None:
             "prefills tokens [:n-1] and has no state at n (other values are for the simulator)")
 
 
+def _end_streams_on_shutdown() -> None:
+    """Tell /admin/events to end when uvicorn starts shutting down.
+
+    uvicorn waits for every open connection before the lifespan shutdown runs; an event stream
+    never ends by itself, so without this a SIGTERM would wait until SIGKILL and skip the
+    shutdown flush. This wraps uvicorn's signal handler (uvicorn, not mlx-vlm).
+    """
+    if not lineage_enabled():
+        return
+    import uvicorn
+
+    from server_patch.admin.traffic import TRAFFIC
+
+    original = uvicorn.Server.handle_exit
+    if getattr(original, "_apc_wrapped", False):
+        return
+
+    def handle_exit(self, sig, frame):  # type: ignore[no-untyped-def]
+        TRAFFIC.shutting_down.set()
+        return original(self, sig, frame)
+
+    handle_exit._apc_wrapped = True  # type: ignore[attr-defined]
+    uvicorn.Server.handle_exit = handle_exit
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if "--reload" in args:
@@ -68,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     else:
         print("server_patch.launch: APC_LINEAGE=0, running stock mlx-vlm", file=sys.stderr)
+    _end_streams_on_shutdown()
     sys.argv = ["mlx_vlm.server", *server_argv(args)]
     from mlx_vlm.server.cli import main as server_main
 

@@ -25,6 +25,7 @@ from server_patch.admin.internal import internal_chat
 from server_patch.admin.metrics import exposition
 from server_patch.admin.traffic import TRAFFIC, TrafficMiddleware
 from server_patch.integration import runtime as lineage_runtime
+from server_patch.integration.anchors import label as anchor_label
 from server_patch.lineage import CacheError
 
 log = logging.getLogger("server_patch.admin")
@@ -200,9 +201,13 @@ async def new_anchor(body: NewAnchorBody, request: Request) -> dict[str, Any]:
         raise HTTPException(422, detail=f"prefill failed: {answer}")
     anchors_now = [e for e in _lineage().cache.entries() if e.is_anchor]
     created = [e for e in anchors_now if e.id not in before]
-    chosen = created[0] if created else max(anchors_now, key=lambda e: e.last_used, default=None)
+    label = anchor_label([{"role": "system", "content": body.system}], body.tools)
+    same = [e for e in anchors_now if e.label == label]  # an anchor this prompt already had
+    chosen = created[0] if created else max(same, key=lambda e: e.last_used, default=None)
     if chosen is None:
-        raise HTTPException(422, detail="the prompt produced no anchor (no system/tools prefix found)")
+        raise HTTPException(422, detail=(
+            "no anchor was captured: a conversation entry already covers this system prompt, or "
+            "the chat template renders no separate system/tools prefix"))
     chosen.pinned = True
     return {"anchor": views.entry_view(chosen), "created": bool(created)}
 
@@ -219,7 +224,7 @@ async def events(request: Request, since: int = Query(0, ge=0)) -> StreamingResp
     async def stream():
         cache_seq, request_seq = since, 0
         yield ": apc admin event stream\n\n"
-        while not await request.is_disconnected():
+        while not TRAFFIC.shutting_down.is_set() and not await request.is_disconnected():
             current = lineage_runtime.current()
             if current is not None:
                 for seq, at, event in list(current.events):

@@ -25,6 +25,9 @@ class Traffic:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # Set when the server begins to shut down: long-lived streams (/admin/events) end, or
+        # uvicorn would wait for them forever and a stop would end in SIGKILL, skipping the flush.
+        self.shutting_down = threading.Event()
         self.in_flight = 0
         self.draining = False
         self.retry_after = 5

@@ -86,7 +86,8 @@ def _leading_system(messages: list[Any]) -> list[dict]:
     return out
 
 
-def _label(system: list[dict], tools: Any) -> str:
+def label(system: list[dict], tools: Any) -> str:
+    """How an anchor is shown to operators: its system text, shortened, and its tool count."""
     text = " ".join(str(m.get("content", "")) for m in system).strip().replace("\n", " ")
     tool_note = f" [+{len(tools)} tools]" if tools else ""
     return (text[:77] + "...") if len(text) > 80 else (text + tool_note)
@@ -119,7 +120,7 @@ def note_request(apply: Callable[..., Any], processor: Any, config: Any, prompt:
     tokenizer = _tokenizer_of(processor)
     from server_patch.integration.segments import FINDER
 
-    REGISTRY.note(text, lambda t: tokenizer.encode(t, add_special_tokens=False), _label(system, tools),
+    REGISTRY.note(text, lambda t: tokenizer.encode(t, add_special_tokens=False), label(system, tools),
                   FINDER.hard_ids(tokenizer))
 
 

@@ -531,7 +531,7 @@ class SegmentFinder:
         n_system = _leading_system(messages)
         system = [m for m in messages[:n_system] if isinstance(m, dict)]
         tools = kwargs.get("tools")
-        label = anchors._label(system, tools) if (system or tools) else ""
+        label = anchors.label(system, tools) if (system or tools) else ""
         note = _Note(pieces, [offsets[c] for c in cuts],
                      tuple(cuts.index(o) for o in anchor_offsets),
                      label, self.hard_ids(tokenizer))
