@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest

@@ -5,8 +5,6 @@ Token counts only (no wall clock). The bundled traces are replayed at glm5_next'
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 import pytest
 

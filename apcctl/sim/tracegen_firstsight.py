@@ -41,11 +41,11 @@ from typing import Any
 import numpy as np
 
 from apcctl.sim.trace import Request, write_trace
-from server_patch.integration.segments import SegmentSettings
 from apcctl.sim.tracegen import (
-    ASSISTANT, CLOCK_BASE, DECODE_TOKENS_PER_S, GMASK, SCALES, SOP, SYSTEM, TIMESTAMP, USER, VOCAB,
+    ASSISTANT, CLOCK_BASE, GMASK, SCALES, SOP, SYSTEM, TIMESTAMP, USER, VOCAB,
     Scale, _Actor,
 )
+from server_patch.integration.segments import SegmentSettings
 
 TOOL_SLACK = 2  # a tool boundary is plain text: the server moves it 2 tokens early
 PARAGRAPH_SLACK = 2  # so is a paragraph break ("\n\n" then text)
@@ -304,4 +304,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["Agent", "Session", "clock_tokens", "generate", "make_agents", "DECODE_TOKENS_PER_S"]
+__all__ = ["Agent", "Session", "clock_tokens", "generate", "make_agents"]
