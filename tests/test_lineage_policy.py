@@ -225,8 +225,8 @@ def test_second_system_prompt_variant_reuses_nearly_all_through_a_divergence_che
     assert plan.length >= 2996
 
 
-def test_divergence_needs_a_gain_of_256_tokens():
-    cache = make(periodic_stride=0)
+def test_divergence_needs_the_configured_minimum_gain():
+    cache = make(periodic_stride=0, divergence_min_gain=256)
     base = words(1000, 90)
     serve(cache, base)
     _, caps, _ = serve(cache, base[:200] + words(400, 91))

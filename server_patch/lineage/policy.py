@@ -236,10 +236,17 @@ class LineageCache:
             if start < periodic < end:
                 picks.setdefault(periodic, PERIODIC)
         taken = sorted({start, end, *picks})
+        past_anchor = 0
         for seg in sorted(set(int(s) for s in segments)):
             if not start < seg < end or seg in picks:
                 continue
             if all(abs(seg - other) >= cfg.segment_min_gap for other in taken):
+                # Past the anchor they belong to the conversation, whose thinning keeps at most
+                # max_checkpoints: asking for more would only hold states during a long prefill.
+                if anchor_len is None or seg >= anchor_len:
+                    past_anchor += 1
+                    if past_anchor > cfg.max_checkpoints:
+                        continue
                 picks[seg] = SEGMENT
                 taken = sorted({*taken, seg})
         return [Capture(length, kind) for length, kind in sorted(picks.items())
@@ -406,10 +413,29 @@ class LineageCache:
         for name in self.config.thin_order:
             members = [c for c in entry.checkpoints if klass(c) == name]
             if members:
-                if name == "segment":  # early boundaries are the ones other sessions share
-                    return max(members, key=lambda c: c.length)
+                if name == "segment":
+                    return self._segment_victim(entry, members)
                 return min(members, key=lambda c: (c.created, c.length))
         return None
+
+    @staticmethod
+    def _segment_victim(entry: Entry, segments: list[Checkpoint]) -> Checkpoint:
+        """Conversations drop their latest boundary (early ones are what other sessions share).
+
+        An anchor spreads its boundaries instead: it drops the one closest to the restore point
+        before it, and never its last one (the end of the tools block or of the system text),
+        so many tool boundaries cannot push out the one the next agent variant needs.
+        """
+        if not entry.is_anchor or len(segments) < 2:
+            return max(segments, key=lambda c: c.length)
+        points = sorted(c.length for c in entry.checkpoints)
+
+        def gap(cp: Checkpoint) -> int:
+            before = [p for p in points if p < cp.length]
+            return cp.length - (before[-1] if before else 0)
+
+        ordered = sorted(segments, key=lambda c: c.length)
+        return min(ordered[:-1], key=lambda c: (gap(c), c.length))
 
     # ------------------------------------------------------------------ budgets
 
