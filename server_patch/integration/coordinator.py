@@ -6,12 +6,20 @@ row has processed each length, and merges restored rows into the batch. We answe
 from the lineage policy:
 
 * ``lookup``: the policy's restore point, built as truncated views (no restore clone);
+* ``merge_rows``: the one copy of a warm turn, into batch buffers with room for the suffix
+  and a decode reserve (``server_patch.copyfree.merge``);
 * ``checkpoint_lengths``: the policy's captures (anchor, divergence, periodic, guard,
   segments) plus the prefill end n-1, where the entry is committed;
-* ``store_checkpoint``: a capture takes references to the snapshot layers only; the prefill
-  end extracts the row once and commits the entry (absorbing what it extends).
+* ``store_checkpoint``: a capture takes references to the snapshot layers only. At the
+  prefill end a row that shares its batch buffer with other rows is copied out once and
+  committed. A row alone in its batch is *deferred*: its snapshot is kept (references) and
+  its own KV buffer is adopted, truncated, once nothing writes it any more: when the request
+  leaves the decoding batch (``rows_leaving``) or its rows are concatenated into a shared
+  batch (``batches_joining``). A lookup that would restore from a deferred entry commits it
+  first, by a copy, so deferral never hides a restore point.
 
-Block-mode (pure attention) models keep stock behaviour.
+Block-mode (pure attention) models keep stock behaviour. ``APC_COPYFREE=0`` keeps the stock
+merge and commits every entry by an immediate copy.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -26,6 +35,9 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 from mlx_vlm.apc_coordinator import APCCoordinator
 
+from server_patch.copyfree import counter, pool
+from server_patch.copyfree import merge as copyfree_merge
+from server_patch.copyfree.settings import CopyFreeSettings
 from server_patch.integration.anchors import REGISTRY as ANCHORS
 from server_patch.integration.runtime import LineageRuntime, runtime_for
 from server_patch.lineage import ANCHOR, RestorePlan, as_tokens
@@ -53,6 +65,17 @@ class Pending:
     anchor_label: str = ""
 
 
+@dataclass
+class Deferred:
+    """An entry whose KV rows are still being written by their own request (one row)."""
+
+    pending: Pending
+    head: Any
+    caches: list[Any]
+    uid: Any
+    since: float
+
+
 class LineageCoordinator(APCCoordinator):
     """APCCoordinator whose checkpoint mode is the lineage cache."""
 
@@ -64,6 +87,15 @@ class LineageCoordinator(APCCoordinator):
             self.runtime = runtime_for(manager, language_model)
         self._pending: OrderedDict[tuple[int, int], Pending] = OrderedDict()
         self._pending_lock = threading.Lock()
+        self.copyfree: CopyFreeSettings = pool.configure()
+        if counter.requested():
+            counter.install()
+        self._generator: Callable[[], Any] | None = None
+        self._deferred: dict[Any, Deferred] = {}
+
+    def attach_generator(self, generator: Any) -> None:
+        """The batch generator this coordinator serves (weakly): who else is decoding."""
+        self._generator = weakref.ref(generator)
 
     # ------------------------------------------------------------------ admission
 
@@ -81,6 +113,8 @@ class LineageCoordinator(APCCoordinator):
         namespace = str(extra_hash)
         record = self.runtime.timings.open(key, int(prompt.shape[0]))
         plan = cache.lookup(prompt, namespace)
+        if self._deferred and self._surface_deferred(prompt, namespace, plan.length):
+            plan = cache.lookup(prompt, namespace)
         origin = plan
         if plan.tier == "disk" and self.runtime.disk is not None:
             loaded = self.runtime.disk.load(plan.record)
@@ -108,7 +142,11 @@ class LineageCoordinator(APCCoordinator):
     def merge_rows(self, picks: Sequence[Optional[dict]], prefix_lens: Sequence[int], *,
                    kv_quant_config: Optional[dict] = None):
         start = time.perf_counter()
-        result = super().merge_rows(picks, prefix_lens, kv_quant_config=kv_quant_config)
+        result = None
+        if self.runtime is not None and self.copyfree.enabled and kv_quant_config is None:
+            result = self._merge_copyfree(picks, prefix_lens)
+        if result is None:
+            result = super().merge_rows(picks, prefix_lens, kv_quant_config=kv_quant_config)
         if self.runtime is not None:
             merge_ms = (time.perf_counter() - start) * 1000
             for pick in picks:
@@ -118,6 +156,23 @@ class LineageCoordinator(APCCoordinator):
                 if record is not None:
                     record.admission_ms += merge_ms
         return result
+
+    def _merge_copyfree(self, picks: Sequence[Optional[dict]], prefix_lens: Sequence[int]):
+        """One copy per restored row, into buffers sized for prefix + suffix + reserve."""
+        memory = self.manager.memory_plan
+        if len(prefix_lens) == len(memory.lengths):
+            totals = list(memory.lengths)
+            self.prepare_prefill(totals, prefill_step_size=memory.chunk_size, prefix_lengths=prefix_lens)
+        else:  # cold rows' lengths unknown: they may regrow once, warm rows never do
+            totals = [len(p["full_input_ids"]) if p else n for p, n in zip(picks, prefix_lens)]
+        suffixes = [max(0, total - n) for total, n in zip(totals, prefix_lens)]
+        row_caches = [p["warm_cache"] if p is not None else self.fresh_cache() for p in picks]
+        caches = copyfree_merge.merge_rows(row_caches, prefix_lens, suffixes, self.copyfree.decode_reserve)
+        if caches is None:
+            return None
+        with self.manager.lock:
+            self.manager.stats.restored_tokens += sum(prefix_lens)
+        return caches, max(prefix_lens) if prefix_lens else 0
 
     def bind_rows(self, uids: Sequence[Any], metas: Sequence[Optional[dict]]) -> None:
         """Tie each row's timing record to the generator's uid (called when a batch is built)."""
@@ -175,20 +230,116 @@ class LineageCoordinator(APCCoordinator):
         start = time.perf_counter()
         runtime = self.runtime
         assert runtime is not None
-        kv, head = rows.extract(runtime.layout, prompt_cache, batch_idx, pending.final)
-        if pending.wanted.get(pending.final) == ANCHOR:
-            pending.taken[pending.final] = (ANCHOR, head)
-        entry = runtime.cache.commit(pending.tokens, kv=kv, head=head, captures=pending.taken,
-                                     namespace=pending.namespace, anchor_label=pending.anchor_label)
         key = prompt_key(pending.tokens)
         with self._pending_lock:
             self._pending.pop(key, None)
-        timings = runtime.timings
-        record = timings.by_uid(uid) if uid is not None else timings.by_key(key)
-        if record is not None:
-            record.commit_ms = (time.perf_counter() - start) * 1000
-            record.captures = [f"{kind}@{n}" for n, (kind, _) in sorted(pending.taken.items())]
+        if self._deferrable(prompt_cache, uid):
+            head = rows.capture(runtime.layout, prompt_cache, batch_idx, pending.final)
+            self._deferred[uid] = Deferred(pending, head, list(prompt_cache), uid, time.monotonic())
+            self._note_commit(pending, uid, start)
+            return True
+        kv, head = rows.extract(runtime.layout, prompt_cache, batch_idx, pending.final)
+        committed = self._store(pending, kv, head)
+        self._note_commit(pending, uid, start)
+        return committed
+
+    def _store(self, pending: Pending, kv: Any, head: Any) -> bool:
+        assert self.runtime is not None
+        if pending.wanted.get(pending.final) == ANCHOR:
+            pending.taken[pending.final] = (ANCHOR, head)
+        entry = self.runtime.cache.commit(pending.tokens, kv=kv, head=head, captures=pending.taken,
+                                          namespace=pending.namespace, anchor_label=pending.anchor_label)
         return entry is not None
+
+    def _note_commit(self, pending: Pending, uid: Any, start: float) -> None:
+        assert self.runtime is not None
+        timings = self.runtime.timings
+        record = timings.by_uid(uid) if uid is not None else timings.by_key(prompt_key(pending.tokens))
+        if record is not None:
+            record.commit_ms += (time.perf_counter() - start) * 1000
+            record.captures = [f"{kind}@{n}" for n, (kind, _) in sorted(pending.taken.items())]
+
+    # ------------------------------------------------------------------ deferred entries
+
+    def _deferrable(self, prompt_cache: Sequence[Any], uid: Any) -> bool:
+        """A lone row of a plain (non-speculative) batch: its buffer is its own to hand over."""
+        if not (self.copyfree.enabled and self.copyfree.adopt) or uid is None:
+            return False
+        generator = self._generator() if self._generator is not None else None
+        if generator is None or getattr(generator, "draft_model", None) is not None:
+            return False
+        return rows.batch_size(prompt_cache) == 1
+
+    def rows_leaving(self, batch: Any, keep: Sequence[int]) -> None:
+        """``GenerationBatch.filter``: rows not in ``keep`` stop writing their caches now."""
+        if not self._deferred:
+            return
+        kept = set(keep)
+        alone = len(batch.uids) == 1
+        for i, uid in enumerate(list(batch.uids)):
+            if i not in kept and uid in self._deferred:
+                self._resolve(self._deferred.pop(uid), list(batch.prompt_cache), i, adopt=alone,
+                              reason="end")
+
+    def batches_joining(self, existing: Any, incoming: Any) -> None:
+        """Before ``existing.extend(incoming)``: a lone row's buffer is about to be replaced by
+        the concatenation, so it can be adopted as it is."""
+        if not self._deferred or len(existing) == 0:
+            return
+        for batch in (existing, incoming):
+            alone = len(batch.uids) == 1
+            for i, uid in enumerate(list(batch.uids)):
+                if uid in self._deferred:
+                    self._resolve(self._deferred.pop(uid), list(batch.prompt_cache), i, adopt=alone,
+                                  reason="join")
+
+    def _surface_deferred(self, prompt: np.ndarray, namespace: str, restorable: int) -> bool:
+        """Commit deferred entries a lookup would restore from (or that nobody writes any more)."""
+        active = self._active_uids()
+        surfaced = False
+        for uid, deferred in list(self._deferred.items()):
+            orphan = active is not None and uid not in active
+            useful = deferred.pending.namespace == namespace and \
+                _best_restore(deferred.pending, prompt) > restorable
+            if orphan or useful:
+                del self._deferred[uid]
+                self._resolve(deferred, deferred.caches, 0, adopt=orphan,
+                              reason="orphan" if orphan else "lookup")
+                surfaced = surfaced or useful
+        return surfaced
+
+    def _active_uids(self) -> set[Any] | None:
+        generator = self._generator() if self._generator is not None else None
+        if generator is None:
+            return None
+        active = set(getattr(getattr(generator, "_generation_batch", None), "uids", ()) or ())
+        prompt_batch = getattr(generator, "_prompt_batch", None)
+        if prompt_batch is not None:
+            active.update(prompt_batch.uids)
+        return active
+
+    def _resolve(self, deferred: Deferred, caches: list[Any], idx: int, *, adopt: bool,
+                 reason: str) -> None:
+        """Commit a deferred entry: adopt the row's buffer (views) or copy the row."""
+        start = time.perf_counter()
+        runtime = self.runtime
+        assert runtime is not None
+        final = deferred.pending.final
+        capacity = rows.buffer_rows(caches)
+        adopt = adopt and self.copyfree.adoptable(final, capacity)
+        try:
+            kv = rows.kv_rows(runtime.layout, caches, idx, final, copy=not adopt)
+            self._store(deferred.pending, kv, deferred.head)
+        except Exception as exc:  # the row is gone (removed mid-prefill): no entry, never garbage
+            log.warning("apc_lineage deferred commit of %d tokens dropped (%s): %s", final, reason, exc)
+            return
+        elapsed = (time.perf_counter() - start) * 1000
+        record = runtime.timings.by_uid(deferred.uid)
+        if record is not None:
+            record.commit_ms += elapsed
+        log.info("apc_copyfree commit uid=%s mode=%s reason=%s tokens=%d kv_bytes=%d buffer_rows=%d "
+                 "deferred_s=%.2f ms=%.1f", deferred.uid, "adopt" if adopt else "copy", reason, final,
+                 kv.nbytes, capacity, time.monotonic() - deferred.since, elapsed)
 
     def commit(self, prompt_cache, token_ids, *, batch_idx=None, extra_hash=0,
                skip_first_n_tokens=0, blocks_in_use=()) -> bool:
@@ -226,6 +377,21 @@ class LineageCoordinator(APCCoordinator):
         return [p for p in candidates
                 if (length in p.wanted or length == p.final) and p.tokens.shape[0] >= length
                 and np.array_equal(p.tokens[:length], prefix)]
+
+
+def _best_restore(pending: Pending, prompt: np.ndarray) -> int:
+    """The longest restore point a deferred entry (head at ``final``, its captures) offers."""
+    common = _common_prefix(prompt, pending.tokens[:pending.final])
+    lengths = [pending.final, *pending.taken]
+    return max((n for n in lengths if n <= common and n < prompt.shape[0]), default=0)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(int(a.shape[0]), int(b.shape[0]))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
 
 
 def _cold(plan: RestorePlan) -> RestorePlan:

@@ -1,23 +1,34 @@
 """One row of a live (possibly batch-shaped) prompt cache, as single-row cache objects.
 
-A checkpoint needs only the snapshot layers, so ``kv=False`` skips the append-only rows and
-never touches the derived projected cache: no KV copy at all. The entry store (``kv=True``) is
-the one row extraction of a commit; derived children are still skipped.
+A checkpoint needs only the snapshot layers, so ``capture`` skips the append-only rows and
+never touches the derived projected cache: no KV copy at all. An entry needs the KV rows too:
+
+* ``extract``: rows and snapshot at once, the KV rows copied out of the live buffer (the one
+  copy of a commit made while the request keeps writing that buffer);
+* ``kv_rows(copy=False)``: the KV rows as views of the live buffer, truncated to the entry's
+  length, for a buffer nobody will write again (the request ended, or its rows moved to a
+  new batch buffer). The entry then holds the request's own buffer: no copy, and the rows
+  past the entry (decode tokens, spare capacity) are dead weight until the entry goes.
+
+Derived children are always skipped. KV rows of row ``idx`` start at its left padding.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+import mlx.core as mx
 from mlx_vlm.models.cache import (
     ArraysCache, BatchKVCache, BatchPoolingCache, CacheList, KVCache, PoolingCache,
 )
 
+from server_patch.copyfree import counter
 from server_patch.state.layout import CacheLayout, MlxKV, MlxSnapshot
 from server_patch.state.registry import DERIVED, ref
 
 
-def _row(cache: Any, idx: int | None, kv: bool) -> Any:
+def _snapshot_row(cache: Any, idx: int | None) -> Any:
+    """Row ``idx`` of a cache's snapshot part, by reference (KV children come back empty)."""
     kind = type(cache)
     if kind is KVCache or kind is PoolingCache:
         return cache  # already one row: the codec takes references
@@ -28,10 +39,8 @@ def _row(cache: Any, idx: int | None, kv: bool) -> Any:
         row.cache = [None if x is None else x[idx: idx + 1] for x in cache.cache]
         return row
     if kind is BatchKVCache:
-        return cache.extract(idx or 0) if kv else KVCache()
+        return KVCache()
     if kind is BatchPoolingCache:
-        if kv:
-            return cache.extract(idx or 0)
         i = idx or 0
         row = PoolingCache(cache.ratio)
         remainder = int(cache.remainder[i])
@@ -46,16 +55,64 @@ def _row(cache: Any, idx: int | None, kv: bool) -> Any:
     return cache
 
 
-def row_caches(layout: CacheLayout, caches: Sequence[Any], idx: int | None, *, kv: bool) -> list[Any]:
-    """Single-row cache objects for row ``idx`` (None: the caches are already one row)."""
+def _take(x: mx.array, index: tuple, copy: bool) -> mx.array:
+    view = x[index]
+    return mx.array(view) if copy else view  # mx.contiguous would share an already contiguous view
+
+
+def _kv_row(cache: Any, idx: int | None, length: int, copy: bool) -> Any:
+    """Row ``idx`` of an append-only cache, ``length`` tokens, as a single-row cache."""
+    kind = type(cache)
+    i = idx or 0
+    if kind is KVCache or kind is BatchKVCache:
+        row = KVCache()
+        if cache.keys is None or length <= 0:
+            return row
+        start = int(cache.left_padding[i].item()) if kind is BatchKVCache else 0
+        held = (int(cache._idx) if kind is BatchKVCache else int(cache.offset)) - start
+        if held < length:
+            raise ValueError(f"row {i} holds {held} KV rows, the entry needs {length}")
+        rows = slice(start, start + length)
+        batch = slice(i, i + 1) if kind is BatchKVCache else slice(None)
+        row.keys = _take(cache.keys, (batch, slice(None), rows), copy)
+        row.values = _take(cache.values, (batch, slice(None), rows), copy)
+        row.offset = length
+        return row
+    if kind is PoolingCache or kind is BatchPoolingCache:
+        row = PoolingCache(cache.ratio)
+        windows = length // int(cache.ratio)
+        if cache.pooled is not None and windows:
+            batch = slice(i, i + 1) if kind is BatchPoolingCache else slice(None)
+            if int(cache.pooled.shape[1]) < windows:
+                raise ValueError(f"row {i} holds fewer than {windows} pooled windows")
+            row.pooled = _take(cache.pooled, (batch, slice(0, windows)), copy)
+        return row
+    return cache
+
+
+def _kv_child(codec_name: str) -> bool:
+    return codec_name in ("kv", "pooling")
+
+
+def row_caches(layout: CacheLayout, caches: Sequence[Any], idx: int | None, *, kv: bool,
+               length: int = 0, copy: bool = True) -> list[Any]:
+    """Single-row cache objects for row ``idx`` (None: the caches are already one row).
+
+    ``kv=False``: the snapshot layers only. ``kv=True``: the append-only layers' first
+    ``length`` rows (copied, or views with ``copy=False``), snapshot layers by reference.
+    """
     out = []
     for layer, cache in zip(layout.layers, caches):
-        if layer.composite:
-            children = [KVCache() if codec is DERIVED else _row(child, idx, kv)
-                        for codec, child in zip(layer.codecs, cache.caches)]
-            out.append(CacheList(*children))
-        else:
-            out.append(_row(cache, idx, kv))
+        children = list(cache.caches) if layer.composite else [cache]
+        built = []
+        for codec, child in zip(layer.codecs, children):
+            if codec is DERIVED:
+                built.append(KVCache())
+            elif kv and _kv_child(codec.name):
+                built.append(_kv_row(child, idx, length, copy))
+            else:
+                built.append(_snapshot_row(child, idx))
+        out.append(CacheList(*built) if layer.composite else built[0])
     return out
 
 
@@ -64,13 +121,42 @@ def capture(layout: CacheLayout, caches: Sequence[Any], idx: int | None, length:
     return layout.snapshot(row_caches(layout, caches, idx, kv=False), length)
 
 
+def kv_rows(layout: CacheLayout, caches: Sequence[Any], idx: int | None, length: int, *,
+            copy: bool) -> MlxKV:
+    """The append-only rows of row ``idx``, ``length`` tokens: copies, or views (``copy=False``)."""
+    kv, _ = layout.split(row_caches(layout, caches, idx, kv=True, length=length, copy=copy), length)
+    if copy and counter.enabled():
+        counter.add("extract", kv.nbytes, kind="kv")
+    return kv
+
+
 def extract(layout: CacheLayout, caches: Sequence[Any], idx: int | None, length: int) -> tuple[MlxKV, MlxSnapshot]:
-    """KV rows and snapshot of row ``idx`` at ``length`` tokens (the commit's one copy)."""
-    kv, snapshot = layout.split(row_caches(layout, caches, idx, kv=True), length)
-    if kv.length and any(child.get("keys") is not None and int(child["keys"].shape[2]) < length
-                         for layer in kv.layers for child in layer):
-        raise ValueError(f"row {idx} holds fewer than {length} KV rows")
-    return kv, snapshot
+    """KV rows (copied) and snapshot of row ``idx`` at ``length`` tokens: a commit's one copy."""
+    return kv_rows(layout, caches, idx, length, copy=True), capture(layout, caches, idx, length)
 
 
-__all__ = ["capture", "extract", "ref", "row_caches"]
+def buffer_rows(caches: Sequence[Any]) -> int:
+    """Rows of the largest append-only buffer (the capacity an adopted entry would pin)."""
+    rows = 0
+    for cache in caches:
+        for child in (cache.caches if type(cache) is CacheList else (cache,)):
+            keys = getattr(child, "keys", None)
+            if isinstance(keys, mx.array) and type(child) in (KVCache, BatchKVCache):
+                rows = max(rows, int(keys.shape[2]))
+    return rows
+
+
+def batch_size(caches: Sequence[Any]) -> int:
+    """Rows of a live prompt cache (1 for single-sequence caches)."""
+    for cache in caches:
+        for child in (cache.caches if type(cache) is CacheList else (cache,)):
+            if type(child) is BatchKVCache:
+                return int(child.batch_size)
+            if type(child) is BatchPoolingCache:
+                return len(child.remainder)
+            if type(child) is ArraysCache and child.cache and child.cache[0] is not None:
+                return int(child.cache[0].shape[0])
+    return 1
+
+
+__all__ = ["batch_size", "buffer_rows", "capture", "extract", "kv_rows", "ref", "row_caches"]

@@ -1,0 +1,337 @@
+"""A debug counter of the bytes every cache copy moves (``APC_COPY_COUNTER=1``).
+
+Counting by timing would mix copies with page faults and compute; this counts bytes at the
+operations that copy, by wrapping them in the process (stock mlx-vlm and the patch alike):
+
+| op | what | wrapped |
+|---|---|---|
+| clone | stock's restore clone and store clone | ``apc._clone_prompt_cache_for_apc`` |
+| reserve | stock's capacity padding of a clone (``mx.concatenate``) | ``KVCache.prefix_cache_reserve`` |
+| merge | the copy into the batch layout | ``BatchKVCache.merge``, ``ArraysCache.merge``, ``BatchPoolingCache.merge``, ``copyfree.merge`` |
+| regrow | a cache outgrowing its buffer (``mx.concatenate``) | ``update_and_fetch`` of the KV and pooling caches |
+| cow | an in-place slice write that copied because another reference held the buffer | same, by comparing the buffer address before and after the write |
+| extract | a row copied out of a live cache | ``BatchKVCache/KVCache/BatchPoolingCache.extract``, ``state.rows`` |
+| extend, filter | rows joining or leaving a decoding batch | ``BatchKVCache.extend/filter`` |
+| anchor | an anchor's own copy of its prefix | ``MlxKV.prefix`` |
+
+Each op is split into ``kv`` (append-only rows: latent, index, pooled keys, projected) and
+``state`` (recurrent and conv state, pooling remainder buffers). The copy-on-write check
+evaluates the cache before and after every write and reads buffer addresses, so it is slow
+and for measurement only; it needs a backend whose arrays expose host memory (CPU, Metal).
+
+Totals: ``snapshot()`` in process; with ``APC_COPY_COUNTER_FILE`` set, a JSON file rewritten
+after every counted copy (``python -m server_patch.copyfree.counted`` starts a stock or patched
+server with the counter on, for ``apcctl bench ttft``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+
+log = logging.getLogger("server_patch.copyfree")
+
+ENV = "APC_COPY_COUNTER"
+ENV_FILE = "APC_COPY_COUNTER_FILE"
+
+_lock = threading.Lock()
+_totals: dict[str, int] = {}
+_installed = False
+_file: Path | None = None
+
+
+def requested(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    return env.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def enabled() -> bool:
+    return _installed
+
+
+def add(op: str, nbytes: int, *, kind: str = "kv") -> None:
+    if not _installed or nbytes <= 0:
+        return
+    key = f"{op}.{kind}"
+    with _lock:
+        _totals[key] = _totals.get(key, 0) + int(nbytes)
+        if _file is not None:
+            _write_locked()
+
+
+def snapshot() -> dict[str, int]:
+    with _lock:
+        return dict(_totals)
+
+
+def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def total(counts: dict[str, int], kind: str = "kv", ops: tuple[str, ...] | None = None) -> int:
+    """Bytes of ``kind`` in ``counts``, over ``ops`` (default: every op)."""
+    out = 0
+    for key, value in counts.items():
+        op, _, k = key.partition(".")
+        if k == kind and (ops is None or op in ops):
+            out += value
+    return out
+
+
+def reset() -> None:
+    with _lock:
+        _totals.clear()
+        if _file is not None:
+            _write_locked()
+
+
+def _write_locked() -> None:
+    assert _file is not None
+    tmp = _file.with_suffix(_file.suffix + ".tmp")
+    tmp.write_text(json.dumps(_totals, sort_keys=True))
+    os.replace(tmp, _file)
+
+
+# ---------------------------------------------------------------------------- byte accounting
+
+def _arr_bytes(x: Any) -> int:
+    return int(x.nbytes) if isinstance(x, mx.array) else 0
+
+
+def _used_bytes(x: Any, rows: int, axis: int = 2) -> int:
+    """Bytes of the first ``rows`` rows of ``x`` along ``axis``."""
+    if not isinstance(x, mx.array) or x.ndim <= axis or not x.shape[axis]:
+        return 0
+    return int(x.nbytes) // int(x.shape[axis]) * min(int(rows), int(x.shape[axis]))
+
+
+def cache_bytes(cache: Any) -> tuple[int, int]:
+    """(kv, state) bytes a cache object holds in use (KV rows up to its length)."""
+    name = type(cache).__name__
+    if name == "CacheList":
+        kv = state = 0
+        for child in cache.caches:
+            k, s = cache_bytes(child)
+            kv, state = kv + k, state + s
+        return kv, state
+    if hasattr(cache, "pooled") and hasattr(cache, "buf_kv"):
+        return _arr_bytes(cache.pooled), _arr_bytes(cache.buf_kv) + _arr_bytes(cache.buf_gate)
+    if hasattr(cache, "keys") and hasattr(cache, "values") and not hasattr(cache, "max_size"):
+        if cache.keys is None:
+            return 0, 0
+        rows = cache._idx if hasattr(cache, "_idx") else cache.offset
+        rows = int(rows) if not isinstance(rows, mx.array) else int(cache.keys.shape[2])
+        return _used_bytes(cache.keys, rows) + _used_bytes(cache.values, rows), 0
+    arrays: list[mx.array] = []
+    _collect(getattr(cache, "state", ()), arrays)
+    return 0, sum(int(a.nbytes) for a in arrays)
+
+
+def state_bytes(cache: Any) -> int:
+    return sum(cache_bytes(cache))
+
+
+def _collect(value: Any, out: list[mx.array]) -> None:
+    if isinstance(value, mx.array):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _collect(item, out)
+
+
+def _add_caches(op: str, caches: Any) -> None:
+    items = caches if isinstance(caches, (list, tuple)) else [caches]
+    kv = state = 0
+    for cache in items:
+        if cache is None:
+            continue
+        k, s = cache_bytes(cache)
+        kv, state = kv + k, state + s
+    add(op, kv, kind="kv")
+    add(op, state, kind="state")
+
+
+# ---------------------------------------------------------------------------- copy-on-write
+
+def _address(x: mx.array) -> int | None:
+    """Host address of ``x``'s first element (evaluates it); None where not readable."""
+    try:
+        import numpy as np
+
+        view = memoryview(x)
+        try:
+            return int(np.asarray(view).__array_interface__["data"][0])
+        except (TypeError, ValueError):  # e.g. bfloat16, which numpy cannot describe
+            if view.c_contiguous:
+                return int(np.frombuffer(view.cast("B"), np.uint8).__array_interface__["data"][0])
+    except Exception:
+        return None
+    return None
+
+
+def _probe(owner: Any, names: tuple[str, ...]) -> dict[str, tuple[tuple[int, ...], int | None, int]]:
+    """Shape, address and size of ``owner``'s arrays; holds no reference to them afterwards
+    (a held reference would itself force the copy-on-write this looks for)."""
+    out = {}
+    for name in names:
+        value = getattr(owner, name, None)
+        if isinstance(value, mx.array) and value.size:
+            mx.eval(value)
+            out[name] = (tuple(value.shape), _address(value), int(value.nbytes))
+    return out
+
+
+def _watched(method: Callable[..., Any], names: tuple[str, ...], kinds: dict[str, str]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        before = _probe(self, names)
+        result = method(self, *args, **kwargs)
+        if before:
+            after = _probe(self, tuple(before))
+            for name, (shape, address, nbytes) in before.items():
+                if name not in after:
+                    continue
+                new_shape, new_address, new_nbytes = after[name]
+                if new_shape != shape:
+                    add("regrow", nbytes, kind=kinds.get(name, "kv"))
+                elif address is not None and new_address is not None and new_address != address:
+                    add("cow", new_nbytes, kind=kinds.get(name, "kv"))
+        return result
+
+    return wrapper
+
+
+# ---------------------------------------------------------------------------- installation
+
+def _after(method: Callable[..., Any], op: str, *, is_class: bool = False) -> Callable[..., Any]:
+    """Count the caches ``method`` returns as copied by ``op``."""
+    func = method.__func__ if is_class else method
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        result = func(*args, **kwargs)
+        if result is not None:
+            _add_caches(op, result)
+        return result
+
+    return classmethod(wrapper) if is_class else wrapper
+
+
+_ROW_ATTRS = {"keys": "kv", "values": "kv", "pooled": "kv", "buf_kv": "state", "buf_gate": "state"}
+
+
+def _shares(x: mx.array, base: Any) -> bool:
+    """Whether ``x`` lies inside ``base``'s buffer (a view, not a copy)."""
+    if not isinstance(base, mx.array) or not base.size or not x.size:
+        return False
+    mx.eval(x, base)
+    lo, at = _address(base), _address(x)
+    return lo is not None and at is not None and lo <= at < lo + int(base.nbytes)
+
+
+def _extracted(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``extract``: count only the rows that were really copied (``mx.contiguous`` shares a
+    view that is already contiguous, e.g. row 0 of a one-row batch)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        for name, kind in _ROW_ATTRS.items():
+            value = getattr(result, name, None)
+            if isinstance(value, mx.array) and value.size and not _shares(value, getattr(self, name, None)):
+                add("extract", int(value.nbytes), kind=kind)
+        return result
+
+    return wrapper
+
+
+def _kv_rows_merged(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``BatchKVCache.merge``: the rows copied (not the zero padding)."""
+    func = method.__func__
+
+    @functools.wraps(func)
+    def wrapper(cls, caches, *args, **kwargs):
+        result = func(cls, caches, *args, **kwargs)
+        add("merge", sum(cache_bytes(c)[0] for c in caches), kind="kv")
+        return result
+
+    return classmethod(wrapper)
+
+
+def _reserve(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        if result:  # it padded: the used rows were copied into the bigger buffer
+            add("reserve", cache_bytes(self)[0], kind="kv")
+        return result
+
+    return wrapper
+
+
+def _batch_op(method: Callable[..., Any], op: str) -> Callable[..., Any]:
+    """``extend``/``filter``: count the live rows after the op when the buffer was rebuilt."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        before = _probe(self, ("keys",)).get("keys")
+        result = method(self, *args, **kwargs)
+        after = _probe(self, ("keys",)).get("keys")
+        if after is not None and (before is None or after[:2] != before[:2]):
+            add(op, cache_bytes(self)[0], kind="kv")
+        return result
+
+    return wrapper
+
+
+def install(file: str | os.PathLike[str] | None = None) -> None:
+    """Wrap the copying operations of mlx-vlm's caches and the patch (idempotent).
+
+    Install after the overlay (``server_patch.overlay.install``) when serving patched: this
+    imports ``mlx_vlm``.
+    """
+    global _installed, _file
+    path = file if file is not None else os.environ.get(ENV_FILE)
+    _file = Path(path) if path else None
+    if _installed:
+        return
+    from mlx_vlm import apc as apc_module
+    from mlx_vlm.models import cache as c
+
+    c.BatchKVCache.merge = _kv_rows_merged(c.BatchKVCache.__dict__["merge"])
+    c.BatchKVCache.extract = _extracted(c.BatchKVCache.extract)
+    c.KVCache.extract = _extracted(c.KVCache.extract)
+    c.KVCache.prefix_cache_reserve = _reserve(c.KVCache.prefix_cache_reserve)
+    c.BatchKVCache.extend = _batch_op(c.BatchKVCache.extend, "extend")
+    c.BatchKVCache.filter = _batch_op(c.BatchKVCache.filter, "filter")
+    kv_names, kv_kinds = ("keys", "values"), {"keys": "kv", "values": "kv"}
+    c.KVCache.update_and_fetch = _watched(c.KVCache.update_and_fetch, kv_names, kv_kinds)
+    c.BatchKVCache.update_and_fetch = _watched(c.BatchKVCache.update_and_fetch, kv_names, kv_kinds)
+    pool_kinds = {"pooled": "kv", "buf_kv": "state", "buf_gate": "state"}
+    c.PoolingCache.update_and_fetch = _watched(c.PoolingCache.update_and_fetch, ("pooled",), pool_kinds)
+    c.PoolingCache.accumulate_windows = _watched(
+        c.PoolingCache.accumulate_windows, ("buf_kv", "buf_gate"), pool_kinds)
+    c.BatchPoolingCache.update_and_fetch = _watched(
+        c.BatchPoolingCache.update_and_fetch, ("pooled",), pool_kinds)
+    c.BatchPoolingCache.merge = _after(c.BatchPoolingCache.__dict__["merge"], "merge", is_class=True)
+    c.BatchPoolingCache.extract = _extracted(c.BatchPoolingCache.extract)
+    c.ArraysCache.merge = _after(c.ArraysCache.__dict__["merge"], "merge", is_class=True)
+    apc_module._clone_prompt_cache_for_apc = _after(apc_module._clone_prompt_cache_for_apc, "clone")
+
+    from server_patch.state import layout
+
+    prefix = layout.MlxKV.prefix
+
+    @functools.wraps(prefix)
+    def counted_prefix(self, length):
+        result = prefix(self, length)
+        add("anchor", result.nbytes, kind="kv")
+        return result
+
+    layout.MlxKV.prefix = counted_prefix
+    _installed = True
+    log.info("apc_copyfree copy counter installed (file=%s)", _file)

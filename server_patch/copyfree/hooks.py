@@ -1,0 +1,64 @@
+"""The calls the patched mlx-vlm files make (``overlay/patches/copyfree.py``); none raises.
+
+* ``clear(site)``: stock's per-chunk, per-prompt-batch and per-request ``mx.clear_cache()``,
+  now opt-in (``server_patch.copyfree.pool``);
+* ``attach(generator)``: a ``BatchGenerator`` introduces itself to its APC coordinator;
+* ``joining(generator, gen_batch)``: before a finished prompt batch joins the decoding batch;
+* ``leaving(batch, keep)``: before ``GenerationBatch.filter`` drops the rows not in ``keep``.
+
+The last two let the lineage coordinator adopt a lone request's KV buffer at the moment
+nothing writes it any more (``LineageCoordinator.rows_leaving`` / ``batches_joining``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from server_patch.copyfree import pool
+
+log = logging.getLogger("server_patch.copyfree")
+
+_TAG = "_apc_copyfree_coordinator"
+
+
+def clear(site: str) -> None:
+    try:
+        pool.clear(site)
+    except Exception as exc:
+        log.warning("apc_copyfree pool clear at %s failed: %s", site, exc)
+
+
+def attach(generator: Any) -> None:
+    coordinator = getattr(generator, "apc", None)
+    attach_generator = getattr(coordinator, "attach_generator", None)
+    if callable(attach_generator):
+        try:
+            attach_generator(generator)
+        except Exception as exc:
+            log.warning("apc_copyfree attach failed: %s", exc)
+
+
+def joining(generator: Any, gen_batch: Any) -> None:
+    coordinator = getattr(generator, "apc", None)
+    if coordinator is None or not hasattr(coordinator, "batches_joining"):
+        return
+    try:
+        setattr(gen_batch, _TAG, coordinator)
+        existing = getattr(generator, "_generation_batch", None)
+        if existing is not None:
+            setattr(existing, _TAG, coordinator)
+            coordinator.batches_joining(existing, gen_batch)
+    except Exception as exc:
+        log.warning("apc_copyfree join hook failed: %s", exc)
+
+
+def leaving(batch: Any, keep: Sequence[int]) -> None:
+    pool.touch()
+    coordinator = getattr(batch, _TAG, None)
+    if coordinator is None:
+        return
+    try:
+        coordinator.rows_leaving(batch, keep)
+    except Exception as exc:
+        log.warning("apc_copyfree leave hook failed: %s", exc)

@@ -1,0 +1,125 @@
+"""The batch merge: the one copy of a warm turn, with room for what comes next.
+
+Stock ``BatchKVCache.merge`` (models/cache.py:1738-1766) allocates exactly the restored length,
+so the suffix's first forward regrows every KV layer by concatenation (cache.py:1583-1600): a
+second full copy before the first token. Here each append-only KV child is copied once into a
+buffer of ``capacity`` rows (prefix + the longest suffix + a decode reserve, rounded to a size
+bucket so that MLX's pool can hand the same buffer back a turn later). Snapshot children
+(recurrent state, pooling buffers) are small and use mlx-vlm's own merges.
+
+Only float ``KVCache`` rows (what the lineage restore builds, and fresh cold rows) take this
+path; anything else falls back to the stock merge.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+from mlx_vlm.apc_adapters import merge_cache_entries
+from mlx_vlm.models.cache import BatchKVCache, CacheList, KVCache
+
+from server_patch.copyfree import counter
+
+MIN_BUCKET = 256
+
+
+def capacity(needed: int) -> int:
+    """``needed`` rounded up to its size bucket: 256 rows, or 1/16 of the size (a power of
+    two) for long contexts, so consecutive turns of a conversation allocate equal sizes and
+    the dead rows past the prompt stay under ~6 %."""
+    bucket = MIN_BUCKET
+    while bucket * 32 <= needed:
+        bucket *= 2
+    return -(-max(needed, 1) // bucket) * bucket
+
+
+def merge_rows(row_caches: Sequence[Sequence[Any]], prefix_lens: Sequence[int],
+               suffix_lens: Sequence[int], reserve: int) -> Optional[list[Any]]:
+    """Batch caches of ``row_caches`` (one list of per-layer caches per row), or None."""
+    if not row_caches or len(row_caches) != len(prefix_lens):
+        return None
+    layers = len(row_caches[0])
+    if any(len(row) != layers for row in row_caches):
+        return None
+    rows_needed = max(prefix_lens) + max(suffix_lens, default=0) + reserve
+    cap = capacity(rows_needed)
+    out = []
+    for i in range(layers):
+        merged = _merge([row[i] for row in row_caches], prefix_lens, cap)
+        if merged is None:
+            return None
+        out.append(merged)
+    targets: list[mx.array] = []
+    for cache in out:
+        _collect(cache.state, targets)
+    mx.eval(targets)
+    return out
+
+
+def _merge(entries: list[Any], prefix_lens: Sequence[int], cap: int) -> Any:
+    if all(type(e) is KVCache for e in entries):
+        return merge_kv(entries, cap)
+    if all(type(e) is CacheList for e in entries):
+        children = [_merge([e.caches[j] for e in entries], prefix_lens, cap)
+                    for j in range(len(entries[0].caches))]
+        return None if any(c is None for c in children) else CacheList(*children)
+    return merge_cache_entries(entries, prefix_lens)  # small snapshot layers: stock merges
+
+
+def merge_kv(rows: Sequence[KVCache], cap: int) -> BatchKVCache:
+    """Single-row ``KVCache`` rows as one left-padded ``BatchKVCache`` of ``cap`` rows.
+
+    Same layout as ``BatchKVCache.merge`` (row i right-aligned at the longest prefix, offset
+    = its own length), but with ``cap - longest`` spare rows after ``_idx``.
+    """
+    lengths = [0 if r.keys is None else int(r.offset) for r in rows]
+    longest = max(lengths)
+    if longest == 0:
+        return BatchKVCache([0] * len(rows))
+    template = next(r for r in rows if r.keys is not None)
+    batch, heads = len(rows), int(template.keys.shape[1])
+    dk, dv, dtype = int(template.keys.shape[3]), int(template.values.shape[3]), template.keys.dtype
+    cap = max(cap, longest)
+    padding = [longest - n for n in lengths]
+    if batch == 1:
+        keys = _padded(template.keys[..., :longest, :], cap - longest)
+        values = _padded(template.values[..., :longest, :], cap - longest)
+    else:
+        keys = mx.zeros((batch, heads, cap, dk), dtype=dtype)
+        values = mx.zeros((batch, heads, cap, dv), dtype=dtype)
+        for i, (pad, n, row) in enumerate(zip(padding, lengths, rows)):
+            if n:
+                keys[i: i + 1, :, pad: pad + n] = row.keys[..., :n, :]
+                values[i: i + 1, :, pad: pad + n] = row.values[..., :n, :]
+    cache = BatchKVCache(padding)
+    cache.keys, cache.values = keys, values
+    cache.offset += longest
+    cache._idx = longest
+    if counter.enabled():
+        row_bytes = sum(_row_bytes(r) * n for r, n in zip(rows, lengths))
+        counter.add("merge", row_bytes, kind="kv")
+    return cache
+
+
+def _padded(rows: mx.array, spare: int) -> mx.array:
+    """One allocation: the rows copied, then ``spare`` zero rows."""
+    if spare <= 0:
+        return mx.array(rows)  # a copy: mx.contiguous shares an already contiguous view
+    shape = (*rows.shape[:2], spare, rows.shape[3])
+    return mx.concatenate([rows, mx.zeros(shape, dtype=rows.dtype)], axis=2)
+
+
+def _row_bytes(row: KVCache) -> int:
+    if row.keys is None:
+        return 0
+    rows = int(row.keys.shape[2]) or 1
+    return (int(row.keys.nbytes) + int(row.values.nbytes)) // rows
+
+
+def _collect(value: Any, out: list[mx.array]) -> None:
+    if isinstance(value, mx.array):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _collect(item, out)

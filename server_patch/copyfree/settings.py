@@ -1,0 +1,76 @@
+"""The copy-free knobs, read once from the environment (``APC_COPYFREE*``, ``APC_POOL_*``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Mapping
+
+_ENV = {
+    "enabled": "APC_COPYFREE",
+    "adopt": "APC_COPYFREE_ADOPT",
+    "decode_reserve": "APC_COPYFREE_DECODE_RESERVE",
+    "adopt_dead_fraction": "APC_COPYFREE_ADOPT_DEAD_FRACTION",
+    "adopt_dead_min": "APC_COPYFREE_ADOPT_DEAD_MIN",
+    "pool_clear": "APC_POOL_CLEAR",
+    "pool_limit_gb": "APC_POOL_LIMIT_GB",
+    "pool_idle_s": "APC_POOL_IDLE_S",
+}
+
+
+@dataclass(frozen=True)
+class CopyFreeSettings:
+    """What a warm turn may copy, and how long MLX's buffer pool is kept."""
+
+    # Capacity-reserving batch merge and deferred adoption; 0 gives the stock merge and an
+    # immediate row copy at every commit (for A/B measurements).
+    enabled: bool = True
+    # Adopt a lone request's own KV buffer at its end instead of copying its row at prefill end.
+    adopt: bool = True
+    # Tokens of decode headroom the merge allocates past prompt end (stock regrows in 256 steps).
+    decode_reserve: int = 256
+    # Adopt only while the rows past the entry (decode, headroom) are at most this fraction of
+    # it, or this many rows; a longer reply is compacted by one copy instead.
+    adopt_dead_fraction: float = 0.25
+    adopt_dead_min: int = 2048
+    # Stock clears MLX's pool after every prefill chunk and prompt batch; opt-in here.
+    pool_clear: bool = False
+    # mx.set_cache_limit: the most freed memory MLX keeps for reuse.
+    pool_limit_gb: float = 16.0
+    # Release the pool after this many seconds without prefill work (0: never).
+    pool_idle_s: float = 60.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "CopyFreeSettings":
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = env.get(_ENV[f.name])
+            if raw is None or raw.strip() == "":
+                continue
+            values[f.name] = _parse(_ENV[f.name], raw, f.default)
+        settings = replace(cls(), **values)
+        if settings.decode_reserve < 0 or settings.adopt_dead_min < 0 or settings.adopt_dead_fraction < 0:
+            raise ValueError("copy-free reserves and adoption limits must be >= 0")
+        if settings.pool_limit_gb < 0 or settings.pool_idle_s < 0:
+            raise ValueError("APC_POOL_LIMIT_GB and APC_POOL_IDLE_S must be >= 0")
+        return settings
+
+    def adoptable(self, length: int, capacity: int) -> bool:
+        """Whether a buffer of ``capacity`` rows may back an entry of ``length`` rows."""
+        dead = max(0, capacity - length)
+        return dead <= max(self.adopt_dead_min, int(self.adopt_dead_fraction * length))
+
+
+def _parse(key: str, raw: str, default: object) -> object:
+    value = raw.strip().lower()
+    if isinstance(default, bool):
+        if value in ("1", "true", "yes", "on"):
+            return True
+        if value in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{key}={raw!r} is not a boolean (use 1/0)")
+    try:
+        return type(default)(value)
+    except ValueError as exc:
+        raise ValueError(f"{key}={raw!r} is not a number") from exc

@@ -1,0 +1,288 @@
+"""Copy-free admission and commit through the real batched path (mlx-vlm's ResponseGenerator,
+in-process with the overlay, the copy counter on, tiny model).
+
+A subprocess per configuration: the overlay must be installed before mlx-vlm is imported,
+and the counter wraps mlx-vlm's cache classes for the whole process. It prints one JSON
+object; the assertions are here. No wall-clock thresholds: copies are counted in bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+KV_OPS = ("clone", "reserve", "merge", "regrow", "cow", "extract")
+
+SCRIPT = textwrap.dedent(r"""
+    import json, logging, sys, threading, time
+    from queue import Queue
+    from server_patch.overlay import install
+    install()
+    from server_patch.copyfree import counter, pool
+    counter.install()
+    import mlx.core as mx
+    import numpy as np
+    from mlx_vlm import apc as _apc
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.server.generation import GenerationArguments, ResponseGenerator
+    from server_patch.integration.runtime import current
+
+    commits = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if message.startswith("apc_copyfree commit"):
+                commits.append(dict(kv.split("=", 1) for kv in message.split()[2:]))
+
+    logging.getLogger("server_patch.lineage").addHandler(Grab())
+    logging.getLogger("server_patch.lineage").setLevel(logging.INFO)
+
+    class GatedQueue(Queue):
+        # Holds puts until `expect` requests are queued, then releases them at once, so the
+        # generator admits them into one prompt batch.
+        expect, held = 0, []
+
+        def put(self, item, block=True, timeout=None):
+            if self.expect and item is not None:
+                self.held.append(item)
+                if len(self.held) < self.expect:
+                    return
+                with self.mutex:
+                    for held in self.held:
+                        self._put(held)
+                    self.unfinished_tasks += len(self.held)
+                    self.not_empty.notify_all()
+                self.expect, self.held = 0, []
+                return
+            super().put(item, block, timeout)
+
+    model_dir, mode = sys.argv[1], sys.argv[2]
+    rg = ResponseGenerator(model_path=model_dir,
+                           apc_manager=None if mode == "cold" else _apc.from_env(model_namespace="t"))
+    model, processor, config = rg.wait_until_ready()
+    rg.requests = GatedQueue()
+    eos = sorted(int(t) for t in rg.stop_tokens)
+
+    def text(n, seed):
+        rng = np.random.RandomState(seed)
+        words = "apple banana cherry delta echo fox golf hotel india juliet kilo lima".split()
+        return " ".join(words[i] + str(int(j)) for i, j in zip(rng.randint(0, 12, n), rng.randint(0, 99, n)))
+
+    def ask(messages, max_tokens=6, on_first=None, no_eos=False):
+        prompt = apply_chat_template(processor, config, messages)
+        args = GenerationArguments(max_tokens=max_tokens, temperature=0.0,
+                                   logit_bias={t: -1000.0 for t in eos} if no_eos else None)
+        ctx, it = rg.generate(prompt=prompt, args=args)
+        out = ""
+        for tok in it:
+            if on_first is not None:
+                on_first.set()
+                on_first = None
+            out += tok.text
+            if tok.finish_reason:
+                break
+        return {"prompt": ctx.prompt_tokens, "text": out}
+
+    def record_of(prompt_tokens):
+        for r in reversed(list(current().timings.all())):
+            if r.prompt_tokens == prompt_tokens:
+                return {"kind": r.restore_kind, "restored": r.restored_tokens}
+        return None
+
+    def kv_per_token():
+        entries = [e for e in current().cache.entries() if e.length]
+        return max(e.kv.nbytes / e.length for e in entries)
+
+    result = {}
+
+    # A: one conversation, every request alone in its batch.
+    convo = [{"role": "system", "content": text(60, 1)}, {"role": "user", "content": text(150, 2)}]
+    turns, held = [], None
+    for turn in range(4):
+        before = counter.snapshot()
+        answer = ask(convo)
+        time.sleep(0.2)
+        answer["copies"] = counter.delta(counter.snapshot(), before)
+        answer["messages"] = list(convo)
+        if mode != "cold":
+            answer["record"] = record_of(answer["prompt"])
+            if turn == 0:
+                entry = current().cache.entries()[-1]
+                held = (entry.kv, entry.head, [np.array(a) for a in entry.kv.arrays() + entry.head.arrays()])
+        turns.append(answer)
+        convo = convo + [{"role": "assistant", "content": answer["text"] or "ok"},
+                         {"role": "user", "content": text(12, 10 + turn)}]
+    result["alone"] = turns
+    if mode == "cold":
+        print(json.dumps(result))
+        rg.stop_and_join()
+        sys.exit(0)
+    kv, head, arrays = held
+    result["first_entry_unchanged"] = all(
+        np.array_equal(a, np.array(b)) for a, b in zip(arrays, kv.arrays() + head.arrays()))
+    result["first_entry_absorbed"] = all(e.kv is not kv for e in current().cache.entries())
+    result["kv_per_token"] = kv_per_token()
+    result["commits_alone"] = list(commits)
+
+    # B: two warm turns admitted together (one prompt batch of two rows).
+    pair = [[{"role": "system", "content": text(50, 20 + i)}, {"role": "user", "content": text(140, 30 + i)}]
+            for i in range(2)]
+    first = [ask(m) for m in pair]
+    pair = [m + [{"role": "assistant", "content": a["text"] or "ok"}, {"role": "user", "content": text(12, 40 + i)}]
+            for i, (m, a) in enumerate(zip(pair, first))]
+    commits.clear()
+    rg.requests.expect = 2
+    before = counter.snapshot()
+    out = [None, None]
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, ask(pair[i]))) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    time.sleep(0.2)
+    result["pair"] = {"copies": counter.delta(counter.snapshot(), before),
+                      "records": [record_of(a["prompt"]) for a in out], "commits": list(commits),
+                      "next": [record_of(ask(m + [{"role": "assistant", "content": a["text"] or "ok"},
+                                                  {"role": "user", "content": "go on"}])["prompt"])
+                               for m, a in zip(pair, out)],
+                      "prompts": [a["prompt"] for a in out]}
+
+    # C: a warm turn joins a batch that is decoding another conversation.
+    long_convo = [{"role": "system", "content": text(40, 50)}, {"role": "user", "content": text(100, 51)}]
+    decoding = threading.Event()
+    commits.clear()
+    long_thread = threading.Thread(target=lambda: result.__setitem__(
+        "long", ask(long_convo, max_tokens=400, on_first=decoding, no_eos=True)))
+    long_thread.start()
+    decoding.wait(120)
+    before = counter.snapshot()
+    joined = ask(convo)
+    joined["copies"] = counter.delta(counter.snapshot(), before)
+    joined["record"] = record_of(joined["prompt"])
+    long_thread.join(300)
+    time.sleep(0.2)
+    joined["commits"] = list(commits)
+    follow = long_convo + [{"role": "assistant", "content": result["long"]["text"]}, {"role": "user", "content": "ok"}]
+    joined["long_next"] = record_of(ask(follow)["prompt"])
+    joined["long_prompt"] = result.pop("long")["prompt"]
+    result["join"] = joined
+
+    # D: a resend while the first copy of the request is still decoding.
+    resend = [{"role": "system", "content": text(40, 60)}, {"role": "user", "content": text(120, 61)}]
+    decoding = threading.Event()
+    commits.clear()
+    t = threading.Thread(target=lambda: ask(resend, max_tokens=400, on_first=decoding, no_eos=True))
+    t.start()
+    decoding.wait(120)
+    again = ask(resend, max_tokens=4)
+    t.join(300)
+    time.sleep(0.2)
+    result["resend"] = {"prompt": again["prompt"], "record": record_of(again["prompt"]), "commits": list(commits)}
+
+    result["pool"] = pool.stats()
+    print(json.dumps(result))
+    rg.stop_and_join()
+""")
+
+
+def run(model_dir: Path, tmp_path: Path, mode: str, **env: str) -> dict:
+    full_env = dict(os.environ, APC_ENABLED="1", APC_DISK_ENABLED="0", APC_LINEAGE_DISK="0",
+                    HF_HUB_OFFLINE="1", APC_STATE_DIR=str(tmp_path / f"state-{mode}"),
+                    PYTHONPATH=str(REPO), **env)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir), mode], env=full_env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def kv_copied(copies: dict[str, int]) -> int:
+    return sum(v for k, v in copies.items() if k.endswith(".kv") and k.split(".")[0] in KV_OPS)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("copyfree")
+    return {
+        "copyfree": run(tiny_model_dir, tmp, "copyfree"),
+        "stock_merge": run(tiny_model_dir, tmp, "stock_merge", APC_COPYFREE="0", APC_POOL_CLEAR="1"),
+        "cold": run(tiny_model_dir, tmp, "cold"),
+    }
+
+
+def test_a_lone_warm_turn_copies_the_kv_once(runs):
+    result = runs["copyfree"]
+    per_token = result["kv_per_token"]
+    for turn in result["alone"][1:]:
+        assert turn["record"]["kind"] == "entry", turn["record"]
+        one_copy = per_token * turn["record"]["restored"]
+        copied = kv_copied(turn["copies"])
+        assert copied <= 1.1 * one_copy, (copied / one_copy, turn["copies"])
+        assert turn["copies"].get("merge.kv", 0) >= 0.99 * one_copy  # the one copy is the merge
+        for op in ("cow", "extract", "clone", "reserve"):
+            assert turn["copies"].get(f"{op}.kv", 0) == 0, turn["copies"]
+    # Every entry was committed by adopting the request's own buffer when it ended.
+    assert [c["mode"] for c in result["commits_alone"]] == ["adopt"] * 4
+    assert {c["reason"] for c in result["commits_alone"]} == {"end"}
+
+
+def test_without_copyfree_the_same_turns_copy_more(runs):
+    """The A/B baseline (APC_COPYFREE=0): merge, regrow and a row extraction per warm turn."""
+    result = runs["stock_merge"]
+    per_token = result["kv_per_token"]
+    for turn in result["alone"][1:]:
+        one_copy = per_token * turn["record"]["restored"]
+        assert kv_copied(turn["copies"]) >= 2.5 * one_copy, turn["copies"]
+    assert result["pool"]["cleared"].get("prefill_chunk", 0) > 0  # APC_POOL_CLEAR=1 is stock
+    assert runs["copyfree"]["pool"]["cleared"] == {}
+    assert runs["copyfree"]["pool"]["skipped"]["prefill_chunk"] > 0
+    assert runs["copyfree"]["pool"]["skipped"]["prompt_batch"] > 0
+
+
+def test_stored_entry_is_unchanged_after_a_warm_turn_extends_it(runs):
+    result = runs["copyfree"]
+    assert result["first_entry_absorbed"]  # later turns extended (and absorbed) it
+    assert result["first_entry_unchanged"]  # yet every array it held is bit-identical
+
+
+def test_greedy_output_warm_equals_cold(runs):
+    cold = [t["text"] for t in runs["cold"]["alone"]]
+    assert [t["text"] for t in runs["copyfree"]["alone"]] == cold
+    assert [t["text"] for t in runs["stock_merge"]["alone"]] == cold
+    assert [t["prompt"] for t in runs["copyfree"]["alone"]] == [t["prompt"] for t in runs["cold"]["alone"]]
+
+
+def test_rows_sharing_a_batch_copy_twice_at_most(runs):
+    pair = runs["copyfree"]["pair"]
+    per_token = runs["copyfree"]["kv_per_token"]
+    assert [r["kind"] for r in pair["records"]] == ["entry", "entry"], pair["records"]
+    # One copy of the KV = the entries these turns store (n - 1 tokens each): the merge copies
+    # the restored rows (fewer), the commit copies the stored rows.
+    one_copy = per_token * sum(n - 1 for n in pair["prompts"])
+    copied = kv_copied(pair["copies"])
+    assert copied <= 2.1 * one_copy, (copied / one_copy, pair["copies"])
+    assert pair["commits"] == []  # two rows share the prompt batch: committed by one copy each
+    assert pair["copies"].get("extract.kv", 0) > 0
+    # And both entries serve their next turns.
+    assert [(r["kind"], r["restored"]) for r in pair["next"]] == [("entry", n - 1) for n in pair["prompts"]]
+
+
+def test_a_row_joining_a_decoding_batch_is_adopted_not_copied(runs):
+    joined = runs["copyfree"]["join"]
+    assert joined["record"]["kind"] == "entry"
+    assert {(c["mode"], c["reason"]) for c in joined["commits"]} == {("adopt", "join")}, joined["commits"]
+    assert len(joined["commits"]) == 2  # the decoding request's entry and the joining one's
+    for op in ("cow", "extract", "clone", "reserve"):
+        assert joined["copies"].get(f"{op}.kv", 0) == 0, joined["copies"]
+    assert joined["long_next"] == {"kind": "entry", "restored": joined["long_prompt"] - 1}
+
+
+def test_a_resend_during_decode_restores_the_deferred_entry(runs):
+    resend = runs["copyfree"]["resend"]
+    assert resend["record"] == {"kind": "entry", "restored": resend["prompt"] - 1}
+    assert ("copy", "lookup") in {(c["mode"], c["reason"]) for c in resend["commits"]}
