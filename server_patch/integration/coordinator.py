@@ -38,7 +38,7 @@ from mlx_vlm.apc_coordinator import APCCoordinator
 from server_patch.copyfree import counter, pool
 from server_patch.copyfree import merge as copyfree_merge
 from server_patch.copyfree.settings import CopyFreeSettings
-from server_patch.integration.anchors import REGISTRY as ANCHORS
+from server_patch.integration import segments as SEGMENTS
 from server_patch.integration.runtime import LineageRuntime, runtime_for
 from server_patch.lineage import ANCHOR, RestorePlan, as_tokens
 from server_patch.state import rows
@@ -195,11 +195,10 @@ class LineageCoordinator(APCCoordinator):
         pending.final = final
         if media_token_ids and np.isin(prompt, list(media_token_ids)).any():
             return [final]  # checkpoints inside media regions are not text-aligned: final only
-        boundary = ANCHORS.boundary(prompt)
-        anchor_len = boundary[0] if boundary else None
-        pending.anchor_label = boundary[1] if boundary else ""
+        info = SEGMENTS.boundaries(prompt)  # anchor + chat-template segment boundaries
+        pending.anchor_label = info.anchor_label
         captures = self.runtime.cache.plan_captures(prompt, pending.plan, namespace=pending.namespace,
-                                                    anchor_len=anchor_len)
+                                                    anchor_len=info.anchor_len, segments=info.segments)
         pending.wanted = {c.length: c.kind for c in captures if c.length <= final}
         return sorted({*pending.wanted, final})
 
