@@ -1,0 +1,45 @@
+"""``apcctl top``: the Textual dashboard, for people (scripts use ``status``/``requests --json``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from apcctl.commands.common import EXIT_CODES_SHORT, one, server_options
+from apcctl.config import Target
+
+
+def register(main: click.Group, bench: click.Group) -> None:
+    del bench
+    main.add_command(top)
+
+
+@click.command(epilog=EXIT_CODES_SHORT)
+@server_options()
+@click.option("--read-only", is_flag=True, help="Hide every key that changes the server: pin, unpin, evict, "
+                                                "new anchor, restart.")
+@click.option("--replay", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Open a recording (python -m tui.recorded URL TOKEN FILE) instead of a server.")
+def top(targets: list[Target], read_only: bool, replay: Path | None) -> None:
+    """Live dashboard of one server: requests, hit ratio and TTFT, budgets,
+    lineage entries with their checkpoints, anchors, and the rolling restart.
+
+    It keeps running while the server restarts and reconnects by itself.
+    Press ? inside for the keys.
+
+    \b
+    Examples:
+      apcctl top
+      apcctl top --server http://127.0.0.1:8080 --read-only
+    """
+    if replay is not None:
+        from tui.app import make_app
+        from tui.recorded import RecordedSource
+
+        make_app(RecordedSource.load(replay), read_only=read_only).run()
+        return
+    from tui.app import run_dashboard
+
+    target = one(targets)
+    run_dashboard(target.client(), read_only=read_only, restart_targets=[target])

@@ -1,0 +1,214 @@
+"""The dashboard driven by keys against a recorded server: dialogs, filters, sort, pause, read-only, restart.
+
+No server here (see test_tui_server.py for that): ``RecordedSource`` answers the verbs on its
+own copy and lists them in ``calls``, so each test checks what would have reached the server.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tui.app import DashboardApp, make_app
+from tui.recorded import RecordedSource
+from tui.screens.confirm import ConfirmScreen
+from tui.testing import ScriptedRestarter, settle, sync, text_of, wait_for
+
+RECORDING = Path(__file__).parent / "snapshots" / "recording-tiny.json"
+SIZE = (140, 40)
+
+
+@pytest.fixture
+def source() -> RecordedSource:
+    return RecordedSource.load(RECORDING)
+
+
+def entries_table(app: DashboardApp):
+    return app.query_one("#pane-lineages").table
+
+
+def first(source: RecordedSource, **match) -> str:
+    return next(e["id"] for e in source.recording["entries"] if all(e.get(k) == v for k, v in match.items()))
+
+
+@sync
+async def test_pin_asks_first_and_cancel_changes_nothing(source: RecordedSource) -> None:
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("2")
+        target = first(source, kind="conversation", tier="ram+disk")
+        assert entries_table(app).select_key(target)
+        await pilot.press("p")
+        assert isinstance(app.screen, ConfirmScreen)
+        assert "anchor budget" in app.screen.impact.body
+        await pilot.press("n")
+        assert not isinstance(app.screen, ConfirmScreen)
+        await pilot.press("p", "enter")  # enter presses the focused button: Cancel
+        assert source.calls == []
+        await pilot.press("p", "y")
+        await wait_for(pilot, lambda: source.calls == [("pin", target)])
+        await wait_for(pilot, lambda: app.state.entry(target)["pinned"])
+        assert entries_table(app).selected_key == target  # the cursor stayed on its entry
+
+
+@sync
+async def test_evict_from_the_anchors_tab_removes_the_row(source: RecordedSource) -> None:
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("3")
+        anchors = app.query_one("#pane-anchors").table
+        before = anchors.row_count
+        victim = anchors.selected_key
+        await pilot.press("x")
+        assert "Frees an anchor slot" in app.screen.impact.body
+        await pilot.press("y")
+        await wait_for(pilot, lambda: anchors.row_count == before - 1)
+        assert source.calls == [("evict", victim)]
+
+
+@sync
+async def test_read_only_offers_no_verbs(source: RecordedSource) -> None:
+    app = make_app(source, read_only=True, restarter=ScriptedRestarter())
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("2", "p", "x", "u", "3", "n", "4", "R")
+        await pilot.pause()
+        assert not isinstance(app.screen, ConfirmScreen)
+        assert source.calls == []
+        assert "READ-ONLY" in text_of(app.query_one("#header"))
+
+
+@sync
+async def test_new_anchor_from_a_json_file(source: RecordedSource, tmp_path: Path) -> None:
+    path = tmp_path / "agent.json"
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
+    path.write_text(json.dumps({"system": "You are a careful reviewer.", "tools": tools}))
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("3", "n")
+        await pilot.press(*"/does/not/exist", "enter")
+        assert "not a file: /does/not/exist" in text_of(app.screen.query_one("#anchor-error"))
+        app.screen.query_one("#anchor-path").value = str(path)
+        await pilot.press("enter")
+        assert isinstance(app.screen, ConfirmScreen)
+        assert "27 characters, 1 tool)" in app.screen.impact.body
+        await pilot.press("y")
+        await wait_for(pilot, lambda: bool(source.calls))
+        assert source.calls == [("new_anchor", {"system": "You are a careful reviewer.", "tools": tools})]
+
+
+@sync
+async def test_filter_narrows_inverts_and_escape_clears(source: RecordedSource) -> None:
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("2")
+        table = entries_table(app)
+        total = table.row_count
+        anchors = sum(e["kind"] == "anchor" for e in source.recording["entries"])
+        await pilot.press("slash", *"anchor")
+        assert table.row_count == anchors
+        await pilot.press("enter")  # keep the filter, back to the table
+        assert table.has_focus and table.row_count == anchors
+        await pilot.press("slash", "home", "!", "enter")
+        assert table.filter_text == "!anchor" and table.row_count == total - anchors
+        await pilot.press("escape")
+        assert table.row_count == total and table.filter_text == ""
+
+
+@sync
+async def test_sort_keeps_the_cursor_on_its_entry(source: RecordedSource) -> None:
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("2", "down", "down")
+        table = entries_table(app)
+        chosen = table.selected_key
+        await pilot.press("s")
+        assert table.sort_column == "label"  # the column after LAST USED
+        assert table.selected_key == chosen
+        table.sort_by("length", reverse=True)
+        lengths = [int(table.get_row_at(i)[3].plain.replace(",", "")) for i in range(table.row_count)]
+        assert lengths == sorted(lengths, reverse=True)
+        assert table.selected_key == chosen
+
+
+@sync
+async def test_pause_holds_the_screen_and_resume_catches_up(source: RecordedSource) -> None:
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        requests = app.query_one("#requests")
+        shown = requests.row_count
+        newest = max(r.data["seq"] for r in app.state.requests)
+        await pilot.press("space")
+        source.push("request", {**app.state.requests[-1].data, "seq": newest + 1})
+        await wait_for(pilot, lambda: len(app.state.requests) == shown + 1)
+        await settle(pilot)
+        assert requests.row_count == shown  # held still
+        await pilot.press("space")
+        assert requests.row_count == shown + 1
+
+
+@sync
+async def test_a_lost_server_is_retried_until_it_answers(source: RecordedSource) -> None:
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        source.failing = "cannot reach http://127.0.0.1:1: connection refused"
+        polls = app.polls
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.polls > polls)
+        assert app.state.connection.state == "lost"
+        assert "✕ lost" in text_of(app.query_one("#header"))
+        source.failing = None
+        await wait_for(pilot, lambda: app.state.connection.state == "live")  # the backoff timer polls again
+        assert app.state.connection.reconnects == 1
+
+
+@sync
+async def test_restart_runs_to_done_after_a_confirmation(source: RecordedSource) -> None:
+    restarter = ScriptedRestarter(servers=("main",))
+    app = make_app(source, restarter=restarter)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        pane = app.query_one("#pane-restart")
+        await pilot.press("4")
+        await wait_for(pilot, lambda: bool(pane.plan))
+        await pilot.press("R")
+        assert isinstance(app.screen, ConfirmScreen) and "wait until nothing is in flight" in app.screen.impact.body
+        await pilot.press("n")
+        assert restarter.runs == 0
+        await pilot.press("R", "y")
+        await wait_for(pilot, lambda: pane.result is not None)
+        assert pane.result.ok and [s.phase for s in pane.steps if s.phase != "plan"][-1] == "done"
+        await pilot.pause()
+        assert "restarted 1 server(s): main pid 4141 -> 4242" in text_of(app.query_one("#restart-progress"))
+
+
+@sync
+async def test_the_request_table_follows_the_newest_until_the_cursor_moves(source: RecordedSource) -> None:
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        requests = app.query_one("#requests")
+        newest = max(r.data["seq"] for r in app.state.requests)
+        pid = app.state.server.pid
+        latest = app.state.requests[-1].data
+
+        async def arrive(seq: int) -> None:
+            source.push("request", {**latest, "seq": seq, "started": latest["started"] + seq - newest})
+            await wait_for(pilot, lambda: app.state.requests[-1].data["seq"] == seq)
+            await settle(pilot)
+
+        await arrive(newest + 1)
+        assert requests.cursor_row == 0 and requests.selected_key == f"{pid}:{newest + 1}"
+        await pilot.press("down")
+        held = requests.selected_key
+        await arrive(newest + 2)
+        assert requests.selected_key == held and requests.cursor_row == 2

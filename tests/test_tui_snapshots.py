@@ -1,0 +1,92 @@
+"""SVG snapshots of the dashboard's screens, from a recorded server so every pixel is deterministic.
+
+The recording (tests/snapshots/recording-tiny.json) is 64 requests of agent-like traffic on the
+tiny model, taken with ``tui.recorded.record``. Update after a deliberate change with
+``pytest tests/test_tui_snapshots.py --snapshot-update`` and look at the SVGs before committing.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tui.app import DashboardApp, make_app
+from tui.recorded import RecordedSource
+from tui.testing import ScriptedRestarter, settle, wait_for
+
+RECORDING = Path(__file__).parent / "snapshots" / "recording-tiny.json"
+SIZE = (140, 40)
+
+
+@pytest.fixture(autouse=True)
+def utc(monkeypatch: pytest.MonkeyPatch):
+    """Clock columns are local time: pin the zone so the snapshots match everywhere."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def recorded_app(**kwargs) -> DashboardApp:
+    return make_app(RecordedSource.load(RECORDING), **kwargs)
+
+
+def after(*keys: str):
+    async def run_before(pilot) -> None:
+        await settle(pilot)
+        for key in keys:
+            await pilot.press(key)
+            await pilot.pause()
+        await settle(pilot)
+
+    return run_before
+
+
+def test_live_tab(snap_compare) -> None:
+    """Header, budgets, sparklines, the request table, counters and cache events."""
+    assert snap_compare(recorded_app(), terminal_size=SIZE, run_before=after())
+
+
+def test_lineages_tab_with_a_checkpoint_timeline(snap_compare) -> None:
+    """The entry table sorted by last use, and the selected entry's checkpoints on its token axis."""
+    assert snap_compare(recorded_app(), terminal_size=SIZE, run_before=after("2", "down"))
+
+
+def test_anchors_tab_evict_dialog(snap_compare) -> None:
+    """The confirmation says what an eviction frees before anything happens."""
+    assert snap_compare(recorded_app(), terminal_size=SIZE, run_before=after("3", "x"))
+
+
+def test_lineages_filtered(snap_compare) -> None:
+    """``/`` filters the table as you type; the title says how many rows match."""
+    assert snap_compare(recorded_app(), terminal_size=SIZE, run_before=after("2", "slash", "a", "n", "c"))
+
+
+def test_read_only_mode_hides_the_verbs(snap_compare) -> None:
+    """No pin/unpin/evict in the footer, a READ-ONLY badge in the header."""
+    assert snap_compare(recorded_app(read_only=True), terminal_size=SIZE, run_before=after("2"))
+
+
+def test_restart_tab_waiting_for_requests_in_flight(snap_compare) -> None:
+    """The roll, held while it waits for two requests in flight."""
+    restarter = ScriptedRestarter(servers=("main", "backup"), hold_at=2)
+
+    async def run_before(pilot) -> None:
+        restarter.abandon = pilot.app.closing  # the screenshot closes the app while the roll is held
+        await after("4")(pilot)
+        await pilot.press("R")
+        await pilot.pause()
+        await pilot.press("y")
+        await wait_for(pilot, restarter.held.is_set)
+        pane = pilot.app.query_one("#pane-restart")
+        await wait_for(pilot, lambda: bool(pane.steps) and pane.steps[-1].phase == "waiting")
+        await pilot.pause()
+
+    assert snap_compare(recorded_app(restarter=restarter), terminal_size=SIZE, run_before=run_before)
+
+
+def test_help_screen(snap_compare) -> None:
+    assert snap_compare(recorded_app(), terminal_size=SIZE, run_before=after("question_mark"))

@@ -1,0 +1,137 @@
+"""The dashboard's pure parts: state (dedupe across reconnects and restarts), dialog texts, filters, the axis."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+from apcctl.client import AdminClient
+from tui import impact
+from tui.app import run_dashboard
+from tui.source import Snapshot
+from tui.state import DashboardState, hit_ratio, percentile
+from tui.widgets.gauge import gauge_text
+from tui.widgets.keyed_table import matches
+from tui.widgets.timeline import axis, column_of
+
+
+def status(pid: int, started: float) -> dict:
+    return {"server": {"pid": pid, "started": started}, "idle": {}, "pool": {}, "lineage": None}
+
+
+def request(seq: int, restored: int = 0) -> dict:
+    return {"seq": seq, "prompt_tokens": 100, "restored_tokens": restored, "ttft_ms": float(seq)}
+
+
+def test_a_reconnect_replays_the_ring_and_nothing_is_counted_twice() -> None:
+    state = DashboardState()
+    state.apply_event("hello", {"pid": 1, "started": 10.0})
+    assert [state.apply_event("request", request(n)) for n in (1, 2)] == ["request", "request"]
+    state.apply_event("hello", {"pid": 1, "started": 10.0})  # same process: the stream reconnected
+    assert [state.apply_event("request", request(n)) for n in (1, 2, 3)] == [None, None, "request"]
+    assert [r.key for r in state.requests] == ["1:1", "1:2", "1:3"]
+    assert state.restarts_seen == 0
+
+
+def test_a_restarted_server_starts_its_sequence_again_and_keeps_the_old_rows() -> None:
+    state = DashboardState()
+    state.apply_snapshot(Snapshot(status(1, 10.0), [], None, 11.0))
+    for n in (1, 2):
+        state.apply_event("request", request(n))
+    state.apply_event("hello", {"pid": 2, "started": 20.0})
+    assert state.apply_event("request", request(1)) == "request"
+    assert [r.key for r in state.requests] == ["1:1", "1:2", "2:1"]
+    assert state.restarts_seen == 1
+    state.apply_snapshot(Snapshot(status(2, 20.0), [], None, 21.0))  # the poll agrees: no second reset
+    assert state.apply_event("request", request(1)) is None
+
+
+def test_lost_and_back_counts_one_reconnect() -> None:
+    state = DashboardState()
+    state.poll_failed("refused")
+    assert state.connection.state == "connecting"  # never reached yet
+    state.apply_snapshot(Snapshot(status(1, 10.0), [], None, 11.0))
+    state.poll_failed("refused")
+    state.poll_failed("refused")
+    assert (state.connection.state, state.connection.failures) == ("lost", 2)
+    state.apply_snapshot(Snapshot(status(1, 10.0), [], None, 12.0))
+    assert (state.connection.state, state.connection.reconnects, state.connection.failures) == ("live", 1, 0)
+
+
+def test_request_metrics() -> None:
+    assert hit_ratio([request(1, 0), request(2, 50), request(3, 99), request(4, 0)]) == 0.5
+    assert hit_ratio([]) is None
+    assert percentile([5, 1, 3, 2, 4], 50) == 3
+    assert percentile([5, 1, 3, 2, 4], 95) == 5
+    assert percentile([], 50) is None
+
+
+BUDGETS = {"ram_used": 1000, "ram_limit": 10_000, "conversation_bytes": 800, "anchor_bytes": 200,
+           "anchor_bytes_limit": 1000, "anchor_count": 2, "anchor_count_limit": 2}
+
+
+def entry(**fields) -> dict:
+    return {"id": "e1", "kind": "conversation", "pinned": False, "length": 300, "bytes": 400, "disk_bytes": 500,
+            "tier": "ram+disk", "checkpoints": [{"length": 100, "kind": "final"}], **fields}
+
+
+def test_pin_says_what_it_holds_and_warns_over_a_cap() -> None:
+    said = impact.pin(entry(), BUDGETS)
+    assert said.possible
+    assert "Holds 400 B of RAM on the anchor budget: 200 B -> 600 B of 1000 B; anchors 2 -> 3 of 2" in said.body
+    assert "Over an anchor cap" in said.body
+    assert not impact.pin(entry(tier="disk"), BUDGETS).possible
+    assert not impact.pin(entry(pinned=True, kind="anchor"), BUDGETS).possible
+
+
+def test_evict_says_what_it_frees() -> None:
+    said = impact.evict(entry(), BUDGETS)
+    assert "Frees 400 B of RAM (1000 B -> 600 B of 9.8 KiB) and 500 B of disk." in said.body
+    assert "anchor slot" not in said.body
+    assert "Frees an anchor slot (2 -> 1 of 2)" in impact.evict(entry(pinned=True, kind="anchor"), BUDGETS).body
+
+
+def test_unpin_moves_the_bytes_between_budgets() -> None:
+    said = impact.unpin(entry(pinned=True, kind="anchor"), BUDGETS)
+    assert "Frees 400 B of the anchor budget" in said.body and "800 B -> 1.2 KiB" in said.body
+    assert not impact.unpin(entry(), BUDGETS).possible
+
+
+def test_anchor_files_are_text_or_json() -> None:
+    assert impact.read_anchor_file("You are terse.\n") == ("You are terse.\n", None)
+    tools = [{"type": "function", "function": {"name": "grep"}}]
+    assert impact.read_anchor_file(json.dumps({"system": "S", "tools": tools})) == ("S", tools)
+    assert impact.read_anchor_file("{not json") == ("{not json", None)
+    said = impact.new_anchor("p.json", "x" * 400, tools, BUDGETS, [entry(pinned=True, kind="anchor")])
+    assert "400 characters, 1 tool)" in said.body and "anchors 2 -> 3 of 2" not in said.body
+    assert "(2 -> 3 of 2)" in said.body and "Over the anchor count cap" in said.body
+
+
+def test_filter_is_a_substring_and_bang_inverts() -> None:
+    assert matches("abc anchor ram", "ANCH")
+    assert not matches("abc conversation", "anch")
+    assert matches("abc conversation", "!anch")
+    assert matches("anything", "  ")
+
+
+def test_checkpoints_land_on_their_token_positions() -> None:
+    assert [column_of(p, 100, 11) for p in (0, 50, 100)] == [0, 5, 10]
+    line, labels = axis({"length": 400, "checkpoints": [{"length": 100, "kind": "final"},
+                                                        {"length": 300, "kind": "guard"}]}, 60)
+    assert line.plain.startswith("0 ├") and line.plain.endswith("▶┤ 400")
+    assert "◆" in line.plain and "◇" in line.plain
+    assert labels.plain.split() == ["100", "300"]
+
+
+def test_gauge_turns_red_past_ninety_percent() -> None:
+    text = gauge_text("disk", 95, 100, 40, unit="count")
+    assert text.plain.endswith("95 / 100")
+    assert any(span.style == "red" for span in text.spans)
+
+
+def test_run_dashboard_signature_is_the_one_the_demo_calls() -> None:
+    params = inspect.signature(run_dashboard).parameters
+    assert list(params) == ["client", "read_only", "restart_targets"]
+    assert params["client"].annotation in (AdminClient, "AdminClient")
+    assert params["read_only"].kind is inspect.Parameter.KEYWORD_ONLY and params["read_only"].default is False
+    assert params["restart_targets"].default is None

@@ -1,0 +1,81 @@
+"""How each record becomes a table row: the requests, lineage and anchor tables' columns."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from rich.text import Text
+
+from apcctl import render
+from tui.state import Keyed, reuse_fraction
+from tui.widgets.keyed_table import Column
+
+KIND_STYLES = {"cold": "red", "entry": "green", "anchor": "cyan", "disk": "blue", "final": "green",
+               "divergence": "magenta", "periodic": "blue", "segment": "cyan", "guard": "yellow"}
+
+
+def kind_text(kind: str) -> Text:
+    return Text(kind, style=KIND_STYLES.get(kind, ""))
+
+
+def tokens(n: int | None) -> str:
+    return "-" if n is None else f"{int(n):,}"
+
+
+def clip(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def short_id(entry_id: str | None) -> str:
+    return entry_id or "-"
+
+
+def request_columns() -> list[Column[Keyed]]:
+    """Time to first token split where an operator can act on it: lookup, admission, prefill, commit."""
+
+    def field(name: str) -> Callable[[Keyed], Any]:
+        return lambda r: r.data.get(name)
+
+    def ms(name: str) -> Column[Keyed]:
+        label = name.removesuffix("_ms").replace("admission", "admit").upper()
+        return Column(name, f"{label} ms" if name == "ttft_ms" else label,
+                      lambda r: render.ms(r.data.get(name)), field(name), numeric=True)
+
+    return [
+        Column("started", "TIME", lambda r: render.clock(r.data.get("started")), field("started")),
+        Column("entry_id", "ENTRY", lambda r: short_id(r.data.get("entry_id")), field("entry_id")),
+        Column("prompt_tokens", "PROMPT", lambda r: tokens(r.data.get("prompt_tokens")), field("prompt_tokens"),
+               numeric=True),
+        Column("restored_tokens", "RESTORED", lambda r: tokens(r.data.get("restored_tokens")),
+               field("restored_tokens"), numeric=True),
+        Column("reuse", "REUSE", lambda r: f"{100 * reuse_fraction(r.data):.0f}%", lambda r: reuse_fraction(r.data),
+               numeric=True),
+        Column("restore_kind", "KIND", lambda r: kind_text(r.data.get("restore_kind", "?")), field("restore_kind")),
+        ms("lookup_ms"), ms("admission_ms"), ms("prefill_ms"), ms("commit_ms"), ms("ttft_ms"),
+    ]
+
+
+def entry_columns(now: Callable[[], float]) -> list[Column[dict[str, Any]]]:
+    """Lineage entries and anchors: what they hold, where, and how recently they paid off."""
+
+    def get(name: str) -> Callable[[dict[str, Any]], Any]:
+        return lambda e: e.get(name)
+
+    return [
+        Column("id", "ID", get("id"), get("id")),
+        Column("kind", "KIND", lambda e: kind_text(e.get("kind", "?")), get("kind")),
+        Column("pinned", "PIN", lambda e: Text("●", style="bold cyan") if e.get("pinned") else "",
+               lambda e: bool(e.get("pinned"))),
+        Column("length", "TOKENS", lambda e: tokens(e.get("length")), get("length"), numeric=True),
+        Column("bytes", "RAM", lambda e: render.human_bytes(e.get("bytes")) if e.get("bytes") else "-", get("bytes"),
+               numeric=True),
+        Column("disk_bytes", "DISK", lambda e: render.human_bytes(e.get("disk_bytes")) if e.get("disk_bytes") else "-",
+               get("disk_bytes"), numeric=True),
+        Column("tier", "TIER", get("tier"), get("tier")),
+        Column("checkpoints", "CKPTS", lambda e: str(len(e.get("checkpoints") or [])),
+               lambda e: len(e.get("checkpoints") or []), numeric=True),
+        Column("hits", "HITS", lambda e: str(e.get("hits", 0)), get("hits"), numeric=True),
+        Column("last_used", "LAST USED", lambda e: render.ago(e.get("last_used"), now()), get("last_used")),
+        Column("label", "LABEL", lambda e: clip(e.get("label") or "", 32), get("label")),
+    ]

@@ -1,0 +1,114 @@
+"""What an operator's verb will free or hold, in words, for the confirmation dialogs.
+
+Computed from the last poll (entry sizes and the budgets), so the dialog says it before the
+server does it. Pure functions: tested without a screen.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from apcctl import render
+
+
+@dataclass(frozen=True)
+class Impact:
+    """A dialog's title, body and confirm button; ``possible`` False means the server would refuse."""
+
+    title: str
+    body: str
+    confirm: str
+    possible: bool = True
+
+
+def _bytes(n: int | None) -> str:
+    return render.human_bytes(n or 0)
+
+
+def _name(entry: dict[str, Any]) -> str:
+    return f"{entry.get('kind', 'entry')} {entry['id']} ({int(entry.get('length') or 0):,} tokens)"
+
+
+def pin(entry: dict[str, Any], budgets: dict[str, int]) -> Impact:
+    size = entry.get("bytes") or 0
+    if entry.get("tier") == "disk":
+        return Impact(f"Pin {entry['id']}", f"{_name(entry)} is only on disk; the server pins entries held in RAM. "
+                      "A request that restores it brings it back to RAM.", "Pin", possible=False)
+    if entry.get("pinned"):
+        return Impact(f"Pin {entry['id']}", f"{_name(entry)} is already a pinned anchor.", "Pin", possible=False)
+    count, count_cap = budgets.get("anchor_count", 0), budgets.get("anchor_count_limit", 0)
+    held, held_cap = budgets.get("anchor_bytes", 0), budgets.get("anchor_bytes_limit", 0)
+    lines = [f"Pin {_name(entry)} as an anchor: LRU eviction no longer touches it.",
+             f"Holds {_bytes(size)} of RAM on the anchor budget: {_bytes(held)} -> {_bytes(held + size)} "
+             f"of {_bytes(held_cap)}; anchors {count} -> {count + 1} of {count_cap}.",
+             f"Frees {_bytes(size)} of the conversation budget (it stops counting there)."]
+    if (count_cap and count + 1 > count_cap) or (held_cap and held + size > held_cap):
+        lines.append("Over an anchor cap: the least recently used anchor leaves RAM (it stays on disk if written).")
+    return Impact(f"Pin {entry['id']}", "\n".join(lines), "Pin")
+
+
+def unpin(entry: dict[str, Any], budgets: dict[str, int]) -> Impact:
+    if not entry.get("pinned"):
+        return Impact(f"Unpin {entry['id']}", f"{_name(entry)} is not pinned.", "Unpin", possible=False)
+    if entry.get("tier") == "disk":
+        return Impact(f"Unpin {entry['id']}", f"{_name(entry)} is only on disk; the server unpins entries held "
+                      "in RAM.", "Unpin", possible=False)
+    size = entry.get("bytes") or 0
+    count, held = budgets.get("anchor_count", 0), budgets.get("anchor_bytes", 0)
+    body = (f"Unpin {_name(entry)}: it joins the conversation LRU and may be evicted like any conversation.\n"
+            f"Frees {_bytes(size)} of the anchor budget ({_bytes(held)} -> {_bytes(max(0, held - size))}; "
+            f"anchors {count} -> {max(0, count - 1)}) and holds it on the conversation budget "
+            f"({_bytes(budgets.get('conversation_bytes'))} -> {_bytes((budgets.get('conversation_bytes') or 0) + size)}"
+            f" of {_bytes(budgets.get('ram_limit'))} RAM).")
+    return Impact(f"Unpin {entry['id']}", body, "Unpin")
+
+
+def evict(entry: dict[str, Any], budgets: dict[str, int]) -> Impact:
+    ram, disk = entry.get("bytes") or 0, entry.get("disk_bytes") or 0
+    checkpoints = len(entry.get("checkpoints") or [])
+    held = f"with its {checkpoints} checkpoint{'s' if checkpoints != 1 else ''}" if checkpoints else "(no checkpoints)"
+    lines = [f"Evict {_name(entry)} {held} from RAM and disk."]
+    if entry.get("pinned"):
+        lines.append("Sessions sharing this system prompt prefill it again until it is captured again.")
+    else:
+        lines.append("The conversation's next request prefills from its anchor, or from the start.")
+    lines.append(f"Frees {_bytes(ram)} of RAM ({_bytes(budgets.get('ram_used'))} -> "
+                 f"{_bytes(max(0, (budgets.get('ram_used') or 0) - ram))} of {_bytes(budgets.get('ram_limit'))}) "
+                 f"and {_bytes(disk)} of disk.")
+    if entry.get("pinned"):
+        lines.append(f"Frees an anchor slot ({budgets.get('anchor_count', 0)} -> "
+                     f"{max(0, budgets.get('anchor_count', 0) - 1)} of {budgets.get('anchor_count_limit', 0)}).")
+    return Impact(f"Evict {entry['id']}", "\n".join(lines), "Evict")
+
+
+def new_anchor(path: str, system: str, tools: list[dict[str, Any]] | None, budgets: dict[str, int],
+               anchors: list[dict[str, Any]]) -> Impact:
+    pinned = [a for a in anchors if a.get("pinned") and a.get("bytes")]
+    per_token = sum(a["bytes"] for a in pinned) / max(1, sum(a.get("length") or 0 for a in pinned)) if pinned else 0
+    count, count_cap = budgets.get("anchor_count", 0), budgets.get("anchor_count_limit", 0)
+    lines = [f"Prefill the system prompt in {path} ({len(system):,} characters"
+             f"{f', {len(tools)} tool' + ('s' if len(tools) != 1 else '') if tools else ''}) now, "
+             "and pin the result as an anchor.",
+             f"Holds one anchor slot ({count} -> {count + 1} of {count_cap}) and its state in RAM"
+             + (f": about {_bytes(per_token * len(system) / 4)} at the current anchors' "
+                f"{_bytes(per_token)} per token (~4 characters a token)." if per_token else "."),
+             "The prefill runs as one request on the server, beside live traffic."]
+    if count_cap and count + 1 > count_cap:
+        lines.append("Over the anchor count cap: the least recently used anchor leaves RAM.")
+    return Impact("Pin a new anchor", "\n".join(lines), "Prefill and pin")
+
+
+def read_anchor_file(text: str) -> tuple[str, list[dict[str, Any]] | None]:
+    """A file is the system prompt, or JSON ``{"system": ..., "tools": [...]}``."""
+    stripped = text.strip()
+    if stripped.startswith("{"):
+        try:
+            data = json.loads(stripped)
+        except ValueError:
+            return text, None
+        if isinstance(data, dict) and isinstance(data.get("system"), str):
+            tools = data.get("tools")
+            return data["system"], tools if isinstance(tools, list) else None
+    return text, None

@@ -1,0 +1,147 @@
+"""The Live tab: budgets and counters on the left; hit ratio, TTFT, requests and cache events on the right."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Sparkline, Static
+
+from apcctl import render
+from apcctl.commands.status import hit_summary
+from tui.columns import kind_text, request_columns
+from tui.panes.base import Pane
+from tui.state import DashboardState, Keyed, hit_ratio, percentile, reuse_fraction
+from tui.widgets.gauge import Gauge
+from tui.widgets.keyed_table import KeyedTable
+
+SPARK_POINTS = 120  # requests drawn in the sparklines
+TABLE_ROWS = 100  # requests listed
+EVENT_LINES = 9  # cache events shown (the box is that tall in dashboard.tcss)
+GAUGES = (  # id, label, unit
+    ("ram", "RAM total", "bytes"),
+    ("conversations", "conversations", "bytes"),
+    ("anchor-count", "anchors", "count"),
+    ("anchor-bytes", "anchor RAM", "bytes"),
+    ("disk", "disk", "bytes"),
+    ("pool", "MLX active", "bytes"),
+)
+
+
+def update_gauges(pane: "LivePane", state: DashboardState) -> None:
+    budgets = state.budgets
+    pool = (state.status or {}).get("pool") or {}
+    values: dict[str, tuple[Any, Any, str]] = {
+        "ram": (budgets.get("ram_used"), budgets.get("ram_limit"), f"{budgets.get('entries', 0)} entries"),
+        "conversations": (budgets.get("conversation_bytes"), budgets.get("ram_limit"), ""),
+        "anchor-count": (budgets.get("anchor_count"), budgets.get("anchor_count_limit"), ""),
+        "anchor-bytes": (budgets.get("anchor_bytes"), budgets.get("anchor_bytes_limit"), ""),
+        "disk": (budgets.get("disk_used"), budgets.get("disk_limit"), f"{budgets.get('disk_files', 0)} files"),
+        "pool": (pool.get("active_bytes"), pool.get("peak_bytes"),
+                 f"peak, +{render.human_bytes(pool.get('cache_bytes') or 0)} cached"),
+    }
+    for gauge_id, (used, limit, detail) in values.items():
+        pane.query_one(f"#gauge-{gauge_id}", Gauge).set(used, limit, detail)
+
+
+def counters(state: DashboardState, now: float) -> Table:
+    """Cumulative counters since the server started, and the idle state a restart waits on."""
+    stats, idle = state.stats, (state.status or {}).get("idle") or {}
+    hits = hit_summary(stats)
+    by_kind = Text()
+    for kind, count in sorted(hits["by_kind"].items(), key=lambda kv: -kv[1]):
+        by_kind.append_text(kind_text(kind))
+        by_kind.append(f" {count:,}  ")
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(style="grey62", no_wrap=True)
+    grid.add_column()
+    rows = [
+        ("requests", f"{hits['requests']:,}  hit rate {render.percent(hits['hits'], hits['requests'])}"),
+        ("hits by kind", by_kind),
+        ("reused tokens", f"{hits['reused_tokens']:,}  "
+                          f"({render.percent(hits['reused_tokens'], hits['reused_tokens'] + hits['prefill_tokens'])})"),
+        ("prefilled", f"{hits['prefill_tokens']:,}"),
+        ("evictions", f"{stats.get('evictions', 0):,} budget · {stats.get('operator_evictions', 0):,} operator"),
+        ("stores", f"{stats.get('stores', 0):,} · absorbs {stats.get('absorbs', 0):,} · "
+                   f"thinned {stats.get('thinned', 0):,}"),
+        ("disk writes", f"{stats.get('disk_writes', 0):,} ({render.human_bytes(stats.get('disk_bytes_written', 0))})"
+                        f" · failed {stats.get('disk_write_failures', 0):,}"),
+        ("in flight", f"{idle.get('in_flight', 0)} · queued {idle.get('queued', 0)} · idle "
+                      f"{render.human_duration(idle.get('since_last_finished_s'))}"),
+    ]
+    for name, value in rows:
+        grid.add_row(name, value)
+    return grid
+
+
+def cache_events(events: list[Keyed], limit: int) -> Text:
+    """Newest first: what the cache did (store, absorb, checkpoint, thin, evict, pin, disk writes)."""
+    text = Text()
+    for item in reversed(events[-limit:]):
+        e = item.data
+        size = f" {render.human_bytes(e['bytes'])}" if e.get("bytes") else ""
+        text.append(f"{render.clock(e.get('time'))} ", style="grey62")
+        text.append(f"{e.get('event', '?'):<12}", style="bold")
+        text.append(f" {e.get('entry_id', '-')} @{e.get('length', 0):,}{size}")
+        if e.get("detail"):
+            text.append(f"  {e['detail']}", style="grey62")
+        text.append("\n")
+    text.rstrip()
+    return text or Text("No cache events yet.", style="grey62")
+
+
+class LivePane(Pane):
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="live-top"):
+            with Vertical(id="budgets", classes="box"):
+                for gauge_id, label, unit in GAUGES:
+                    yield Gauge(f"{label:<13}", unit=unit, id=f"gauge-{gauge_id}")
+            with Vertical(id="sparks"):
+                with Horizontal(classes="spark-row box", id="hits-row"):
+                    yield Static("hit ratio\n[dim]reused share[/]", classes="spark-label")
+                    yield Sparkline([], summary_function=lambda v: sum(v) / len(v), id="spark-hits")
+                    yield Static(id="hits-summary", classes="spark-summary")
+                with Horizontal(classes="spark-row box", id="ttft-row"):
+                    yield Static("TTFT\n[dim]ms[/]", classes="spark-label")
+                    yield Sparkline([], summary_function=max, id="spark-ttft")
+                    yield Static(id="ttft-summary", classes="spark-summary")
+        yield KeyedTable(request_columns(), lambda r: r.key, sort="started", reverse=True,
+                         title="Requests", follow=True, id="requests")
+        with Horizontal(id="live-bottom"):
+            yield Static(id="counters", classes="box")
+            yield Static(id="events", classes="box")
+
+    def on_mount(self) -> None:
+        self.query_one("#budgets").border_title = "Budgets"
+        self.query_one("#counters").border_title = "Counters since the server started"
+        self.query_one("#events").border_title = "Cache events"
+
+    @property
+    def table(self) -> KeyedTable:
+        return self.query_one("#requests", KeyedTable)
+
+    def update_view(self, state: DashboardState, now: float) -> None:
+        update_gauges(self, state)
+        self.query_one("#counters", Static).update(counters(state, now))
+        self.update_stream(state)
+
+    def update_stream(self, state: DashboardState) -> None:
+        """What the event stream feeds: sparklines, the request table, cache events."""
+        records = [r.data for r in list(state.requests)[-SPARK_POINTS:]]
+        self.query_one("#spark-hits", Sparkline).data = [reuse_fraction(r) for r in records] or [0.0]
+        ttfts = [float(r.get("ttft_ms") or 0.0) for r in records]
+        self.query_one("#spark-ttft", Sparkline).data = ttfts or [0.0]
+        ratio = hit_ratio(records)
+        reused = sum(r.get("restored_tokens") or 0 for r in records)
+        prompt = sum(r.get("prompt_tokens") or 0 for r in records)
+        self.query_one("#hits-summary", Static).update(
+            f"hits {render.percent(ratio or 0, 1) if ratio is not None else '-'} · "
+            f"tokens {render.percent(reused, prompt)}\nlast {len(records)} requests")
+        self.query_one("#ttft-summary", Static).update(
+            f"p50 {render.ms(percentile(ttfts, 50))} · p95 {render.ms(percentile(ttfts, 95))} ms\n"
+            f"last {render.ms(ttfts[-1]) if ttfts else '-'} ms")
+        self.table.show(list(state.requests)[-TABLE_ROWS:])
+        self.query_one("#events", Static).update(cache_events(list(state.cache_events), EVENT_LINES))

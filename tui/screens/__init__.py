@@ -1,0 +1,1 @@
+"""Modal screens: confirmations, the anchor file prompt, help."""

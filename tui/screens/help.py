@@ -1,0 +1,71 @@
+"""``?``: every key, and what each tab is for."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("Anywhere", (
+        ("1 2 3 4", "Live, Lineages, Anchors, Restart tabs"),
+        ("/", "filter the tab's table (substring; !text hides matches); enter keeps it, escape clears"),
+        ("space", "pause: data keeps coming, the screen holds still; space again catches up"),
+        ("r", "refresh now"),
+        ("+ -", "refresh interval (0.5 s to 10 s)"),
+        ("ctrl+p", "command palette"),
+        ("?", "this help"),
+        ("q", "quit"),
+    )),
+    ("Tables", (
+        ("up down pgup pgdn", "move the cursor (it stays on its entry while data refreshes)"),
+        ("s / S", "sort by the next column / reverse; or click a column header"),
+    )),
+    ("Lineages and Anchors (not in read-only mode)", (
+        ("p", "pin the selected entry as an anchor"),
+        ("u", "unpin the selected anchor"),
+        ("x / delete", "evict the selected entry from RAM and disk"),
+        ("n", "pin a new anchor from a file (Anchors tab)"),
+    )),
+    ("Restart (not in read-only mode)", (
+        ("R", "start the idle-checked rolling restart"),
+    )),
+)
+
+TABS = (
+    ("Live", "budgets (conversation RAM, anchors, disk, buffer pool), counters, hit ratio and time-to-first-token "
+             "sparklines, the latest requests with where their time went, and cache events."),
+    ("Lineages", "every entry: conversations and anchors, in RAM or on disk. The selected one's checkpoints sit "
+                 "on its token axis: a restore starts at one of them or at the end."),
+    ("Anchors", "pinned system-prompt-and-tools prefixes shared across sessions, against their caps."),
+    ("Restart", "drain, wait for in-flight requests, flush to disk, restart, wait ready, probe an anchor."),
+)
+
+
+def _section(title: str, rows: Iterable[tuple[str, str]]) -> Group:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold cyan", no_wrap=True, width=18)
+    grid.add_column()
+    for key, what in rows:
+        grid.add_row(key, what)
+    return Group(Text(title, style="bold underline"), grid, Text(""))
+
+
+def help_text() -> Group:
+    return Group(*(_section(title, rows) for title, rows in KEYS), _section("Tabs", TABS))
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,question_mark,q", "dismiss", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(classes="dialog help"):
+            yield Static("apcctl top: keys", classes="dialog-title")
+            yield Static(help_text())

@@ -1,0 +1,157 @@
+"""Everything the dashboard knows, as plain data updated on the UI thread.
+
+Snapshots (polled) replace status and entries; events (streamed) append requests and cache
+events. Sequence numbers dedupe events, because every reconnect replays the server's ring.
+A server restart starts those numbers at 1 again: the ``hello`` event (and the status's pid and
+start time) tell a restart from a reconnect, and reset the dedupe. Panes render from this
+object and never from the source.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from tui.source import ProcessInfo, Snapshot
+
+HISTORY = 600  # requests and cache events kept for tables and sparklines
+
+
+@dataclass
+class Connection:
+    """How the dashboard is doing at reaching the server."""
+
+    state: str = "connecting"  # connecting | live | lost
+    error: str = ""
+    failures: int = 0  # consecutive failed polls
+    reconnects: int = 0  # times it was lost and came back
+    stream: str = "connecting"  # the event stream: connecting | live | lost
+    stream_error: str = ""
+
+
+@dataclass(frozen=True)
+class ServerIdentity:
+    """One server process: a restart changes the pid and the start time."""
+
+    pid: int | None
+    started: float | None
+
+    @classmethod
+    def of(cls, server: dict[str, Any]) -> "ServerIdentity":
+        started = server.get("started")
+        return cls(server.get("pid"), None if started is None else round(float(started), 3))
+
+
+@dataclass(frozen=True)
+class Keyed:
+    """A streamed record and the row key it keeps for its whole life (pid and sequence number)."""
+
+    key: str
+    data: dict[str, Any]
+
+
+@dataclass
+class DashboardState:
+    history: int = HISTORY
+    status: dict[str, Any] | None = None
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    process: ProcessInfo | None = None
+    taken: float | None = None
+    connection: Connection = field(default_factory=Connection)
+    server: ServerIdentity | None = None
+    restarts_seen: int = 0
+
+    def __post_init__(self) -> None:
+        self.requests: deque[Keyed] = deque(maxlen=self.history)
+        self.cache_events: deque[Keyed] = deque(maxlen=self.history)
+        self._seen = {"request": 0, "cache": 0}
+
+    # ------------------------------------------------------------------ inputs
+
+    def apply_snapshot(self, snapshot: Snapshot) -> None:
+        self.identify(ServerIdentity.of(snapshot.status.get("server") or {}))
+        self.status, self.entries = snapshot.status, snapshot.entries
+        self.process, self.taken = snapshot.process, snapshot.taken
+        if self.connection.state == "lost":
+            self.connection.reconnects += 1
+        self.connection.state, self.connection.error, self.connection.failures = "live", "", 0
+
+    def poll_failed(self, error: str) -> None:
+        self.connection.state = "lost" if self.connection.state != "connecting" else "connecting"
+        self.connection.error = error
+        self.connection.failures += 1
+
+    def stream_state(self, state: str, error: str = "") -> None:
+        self.connection.stream, self.connection.stream_error = state, error
+
+    def apply_event(self, name: str, data: dict[str, Any]) -> str | None:
+        """Take one streamed event; returns ``"request"``/``"cache"`` when something new was added."""
+        if name == "hello":
+            self.identify(ServerIdentity(data.get("pid"), None if data.get("started") is None
+                                         else round(float(data["started"]), 3)))
+            self.stream_state("live")
+            return None
+        if name not in self._seen:
+            return None
+        seq = int(data.get("seq", 0))
+        if seq <= self._seen[name]:
+            return None
+        self._seen[name] = seq
+        pid = self.server.pid if self.server else None
+        target = self.requests if name == "request" else self.cache_events
+        target.append(Keyed(f"{pid}:{seq}", data))
+        return name
+
+    def identify(self, server: ServerIdentity) -> None:
+        """A different process than before: its sequence numbers start again."""
+        if server == self.server:
+            return
+        if self.server is not None:
+            self.restarts_seen += 1
+        self.server = server
+        self._seen = {"request": 0, "cache": 0}
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def lineage(self) -> dict[str, Any]:
+        return (self.status or {}).get("lineage") or {}
+
+    @property
+    def budgets(self) -> dict[str, int]:
+        return self.lineage.get("budgets") or {}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.lineage.get("stats") or {}
+
+    def anchors(self) -> list[dict[str, Any]]:
+        return [e for e in self.entries if e.get("kind") == "anchor"]
+
+    def entry(self, entry_id: str) -> dict[str, Any] | None:
+        return next((e for e in self.entries if e.get("id") == entry_id), None)
+
+
+# ---------------------------------------------------------------------- request metrics
+
+
+def reuse_fraction(record: dict[str, Any]) -> float:
+    """Share of the prompt restored from the cache instead of prefilled."""
+    prompt = record.get("prompt_tokens") or 0
+    return (record.get("restored_tokens") or 0) / prompt if prompt else 0.0
+
+
+def hit_ratio(records: Iterable[dict[str, Any]]) -> float | None:
+    """Share of requests that restored anything."""
+    flags = [bool(r.get("restored_tokens")) for r in records]
+    return sum(flags) / len(flags) if flags else None
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """Nearest-rank percentile; ``None`` for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[index]

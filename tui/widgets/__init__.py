@@ -1,0 +1,1 @@
+"""Reusable dashboard widgets: each renders plain data handed to it and never fetches."""

@@ -1,0 +1,48 @@
+"""A labelled bar of used against limit, for the cache budgets and the buffer pool."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from apcctl import render
+
+BAR = "━"
+
+
+def gauge_text(label: str, used: float | None, limit: float | None, width: int, *, detail: str = "",
+               unit: str = "bytes") -> Text:
+    """``label ━━━━━━──── used / limit``: green, yellow past 75 %, red past 90 %."""
+    fmt = render.human_bytes if unit == "bytes" else (lambda n: "-" if n is None else f"{int(n):,}")
+    numbers = f"{fmt(used)} / {fmt(limit)}" if limit else fmt(used)
+    if detail:
+        numbers += f"  {detail}"
+    bar_width = max(4, width - len(label) - len(numbers) - 3)
+    share = min(1.0, (used or 0) / limit) if limit else 0.0
+    filled = round(share * bar_width)
+    colour = "red" if share > 0.9 else "yellow" if share > 0.75 else "green"
+    text = Text(f"{label} ", style="bold")
+    text.append(BAR * filled, style=colour)
+    text.append(BAR * (bar_width - filled), style="grey30")
+    text.append(f" {numbers}")
+    return text
+
+
+class Gauge(Static):
+    """One budget line; ``set`` redraws it at the widget's current width."""
+
+    DEFAULT_CSS = "Gauge { height: 1; }"
+
+    def __init__(self, label: str, *, unit: str = "bytes", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.label = label
+        self.unit = unit
+        self.values: tuple[float | None, float | None, str] = (None, None, "")
+
+    def set(self, used: float | None, limit: float | None, detail: str = "") -> None:
+        self.values = (used, limit, detail)
+        self.refresh()
+
+    def render(self) -> Text:
+        used, limit, detail = self.values
+        return gauge_text(self.label, used, limit, self.size.width or 40, detail=detail, unit=self.unit)
