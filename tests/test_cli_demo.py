@@ -36,8 +36,9 @@ def test_demo_without_dashboard_prints_live_lines_and_stops_the_server(cli_env: 
 def test_demo_opens_the_dashboard_when_there_is_one(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, Any] = {}
 
-    def run_dashboard(url: str, token: str, client: Any) -> None:
-        seen.update(url=url, token=token, status=client.status())
+    def run_dashboard(client: Any, *, read_only: bool = False, restart_targets: Any = None) -> None:
+        seen.update(url=client.base_url, token=client.token, status=client.status(),
+                    targets=restart_targets, read_only=read_only)
 
     fake = types.ModuleType("tui.app")
     fake.run_dashboard = run_dashboard  # type: ignore[attr-defined]
@@ -45,3 +46,4 @@ def test_demo_opens_the_dashboard_when_there_is_one(cli_env: Path, monkeypatch: 
     result = run("demo", "--requests", "3", "--json")
     assert seen["url"] == json.loads(result.stdout)["url"]
     assert seen["token"] and seen["status"]["server"]["model"].endswith("model")
+    assert not seen["read_only"] and [t.url for t in seen["targets"]] == [seen["url"]]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import queue
 import socket
 import threading
@@ -44,11 +43,8 @@ def _dashboard() -> Callable[..., Any] | None:
 
 
 def _open_dashboard(run_dashboard: Callable[..., Any], target: Target) -> None:
-    """Pass the dashboard whichever of these it asks for by name."""
-    offers = {"client": target.client(), "url": target.url, "base_url": target.url, "token": target.token,
-              "name": target.name, "server": target.name, "target": target, "targets": [target]}
-    params = inspect.signature(run_dashboard).parameters
-    run_dashboard(**{k: v for k, v in offers.items() if k in params})
+    """The dashboard on the demo server, with its Restart tab able to roll it."""
+    run_dashboard(target.client(), restart_targets=[target])
 
 
 def _print_live(target: Target, traffic: AgentTraffic, err: bool) -> None:
