@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Mapping
+
+from server_patch.envconfig import env_values
 
 _ENV = {
     "enabled": "APC_COPYFREE",
@@ -43,12 +45,7 @@ class CopyFreeSettings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "CopyFreeSettings":
         env = os.environ if env is None else env
-        values: dict[str, object] = {}
-        for f in fields(cls):
-            raw = env.get(_ENV[f.name])
-            if raw is None or raw.strip() == "":
-                continue
-            values[f.name] = _parse(_ENV[f.name], raw, f.default)
+        values = env_values(cls, _ENV, env)
         settings = replace(cls(), **values)
         if settings.decode_reserve < 0 or settings.adopt_dead_min < 0 or settings.adopt_dead_fraction < 0:
             raise ValueError("copy-free reserves and adoption limits must be >= 0")
@@ -61,16 +58,3 @@ class CopyFreeSettings:
         dead = max(0, capacity - length)
         return dead <= max(self.adopt_dead_min, int(self.adopt_dead_fraction * length))
 
-
-def _parse(key: str, raw: str, default: object) -> object:
-    value = raw.strip().lower()
-    if isinstance(default, bool):
-        if value in ("1", "true", "yes", "on"):
-            return True
-        if value in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{key}={raw!r} is not a boolean (use 1/0)")
-    try:
-        return type(default)(value)
-    except ValueError as exc:
-        raise ValueError(f"{key}={raw!r} is not a number") from exc

@@ -51,6 +51,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from server_patch.envconfig import env_values
 from server_patch.integration import anchors
 from server_patch.lineage.lookup import common_prefix_len
 from server_patch.lineage.model import as_tokens
@@ -122,26 +123,12 @@ class SegmentSettings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> "SegmentSettings":
         """``APC_SEGMENTS`` (on/off) and ``APC_SEGMENTS_<NAME>`` for the fields in ``ENV``."""
         env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        defaults = cls()
-        for key, name in ENV.items():
-            if key not in env:
-                continue
-            default = getattr(defaults, name)
-            raw = env[key].strip().lower()
-            if isinstance(default, bool):
-                if raw not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-                    raise ValueError(f"{key}={env[key]!r} is not a boolean (use 1/0)")
-                values[name] = raw in ("1", "true", "yes", "on")
-            else:
-                try:
-                    value = int(raw)
-                except ValueError:
-                    raise ValueError(f"{key}={env[key]!r} is not an integer") from None
-                if value < (-1 if name == "system_paragraphs" else 0):
-                    raise ValueError(f"{key} must be >= 0, got {value}")
-                values[name] = value
-        return replace(defaults, **values)
+        values = env_values(cls, {name: key for key, name in ENV.items()}, env)
+        for name, value in values.items():
+            if not isinstance(value, bool) and value < (-1 if name == "system_paragraphs" else 0):
+                key = next(k for k, n in ENV.items() if n == name)
+                raise ValueError(f"{key} must be >= 0, got {value}")
+        return replace(cls(), **values)
 
 
 # Environment variable -> SegmentSettings field.

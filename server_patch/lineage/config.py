@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Mapping
 
+from server_patch.envconfig import env_values
+
 GB = 1 << 30
 
 # Thinning classes, first dropped first. "stale_guard" is every guard but the newest one.
@@ -45,15 +47,8 @@ class LineageConfig:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "LineageConfig":
         """Build from ``APC_LINEAGE`` (on/off) and ``APC_LINEAGE_<FIELD>`` variables, then overrides."""
         env = os.environ if env is None else env
-        values: dict[str, object] = {}
-        if "APC_LINEAGE" in env:
-            values["enabled"] = _parse_bool("APC_LINEAGE", env["APC_LINEAGE"])
-        for f in fields(cls):
-            key = f"APC_LINEAGE_{f.name.upper()}"
-            if key in env:
-                values[f.name] = _parse_field(key, env[key], f.default)
-        values.update(overrides)
-        config = replace(cls(), **values)
+        names = {f.name: f"APC_LINEAGE_{f.name.upper()}" for f in fields(cls)} | {"enabled": "APC_LINEAGE"}
+        config = replace(cls(), **(env_values(cls, names, env) | overrides))
         config.validate()
         return config
 
@@ -70,34 +65,3 @@ class LineageConfig:
         if unknown:
             raise ValueError(f"unknown thinning classes {sorted(unknown)}; known: {DEFAULT_THIN_ORDER}")
 
-
-def _parse_bool(key: str, raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{key}={raw!r} is not a boolean (use 1/0)")
-
-
-def _parse_field(key: str, raw: str, default: object) -> object:
-    try:
-        if isinstance(default, bool):
-            return _parse_bool(key, raw)
-        if isinstance(default, tuple):
-            return tuple(part.strip() for part in raw.split(",") if part.strip())
-        if key.endswith("_BYTES"):
-            return _parse_bytes(raw)
-        if isinstance(default, float):
-            return float(raw)
-        return int(raw)
-    except ValueError as exc:
-        raise ValueError(f"{key}={raw!r}: {exc}") from None
-
-
-def _parse_bytes(raw: str) -> int:
-    """Plain integers are bytes; a G/M/K suffix is binary units (``48G``)."""
-    text = raw.strip().upper().rstrip("B")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": GB, "T": 1 << 40}.get(text[-1:], 1)
-    number = text[:-1] if scale != 1 else text
-    return int(float(number) * scale)
