@@ -24,17 +24,20 @@ _COORDINATOR_FACTORY = (
     "    return LineageCoordinator(manager, model)\n"
 )
 
+# ar.py and dispatch.py both import apc the same way; the factory goes right after it.
+COORDINATOR_FACTORY = Edit(
+    name="lineage.coordinator_factory",
+    old="from .. import apc as _apc\n",
+    new="from .. import apc as _apc\n" + _COORDINATOR_FACTORY,
+)
+
 FILE_PATCHES = (
     FilePatch(
         module="mlx_vlm.generate.ar",
         relpath="mlx_vlm/generate/ar.py",
         sha256=AR_SHA256,
         edits=(
-            Edit(
-                name="lineage.coordinator_factory",
-                old="from .. import apc as _apc\n",
-                new="from .. import apc as _apc\n" + _COORDINATOR_FACTORY,
-            ),
+            COORDINATOR_FACTORY,
             Edit(
                 name="lineage.batch_coordinator",
                 old="            _apc.APCCoordinator(apc_manager, model) if apc_manager is not None else None\n",
@@ -74,11 +77,7 @@ FILE_PATCHES = (
         relpath="mlx_vlm/generate/dispatch.py",
         sha256=DISPATCH_SHA256,
         edits=(
-            Edit(
-                name="lineage.coordinator_factory",
-                old="from .. import apc as _apc\n",
-                new="from .. import apc as _apc\n" + _COORDINATOR_FACTORY,
-            ),
+            COORDINATOR_FACTORY,
             Edit(
                 name="lineage.single_coordinator",
                 old="        apc_coordinator = _apc.APCCoordinator(apc_manager, model.language_model)\n",
