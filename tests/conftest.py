@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -13,3 +14,42 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from apcctl.tiny_model import build_model
 
     return build_model(tmp_path_factory.mktemp("tiny-model") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The in-process kilobyte-sized glm5_next language model of ``fake_model``."""
+    from fake_model import tiny_language_model
+
+    return tiny_language_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def layout(model):
+    """The cache layout of ``model``."""
+    from server_patch.state.layout import CacheLayout
+
+    return CacheLayout.from_model(model)
+
+
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A private state dir and config dir for the module; managed servers are stopped at the end."""
+    root = tmp_path_factory.mktemp("cli")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("APC_STATE_DIR", str(root / "state"))
+    patch.setenv("XDG_CONFIG_HOME", str(root / "xdg"))
+    patch.setenv("HF_HUB_OFFLINE", "1")
+    patch.setenv("APC_JOURNAL_SNAPSHOT_S", "0")  # a budget snapshot with every event: report has a series
+    for key in ("APCCTL_SERVER", "APCCTL_TOKEN", "APCCTL_CONFIG", "APC_ADMIN_TOKEN", "APC_ADMIN_TOKEN_FILE",
+                "APC_LINEAGE_DISK_PATH", "APC_JOURNAL_DIR"):
+        patch.delenv(key, raising=False)
+    try:
+        yield root
+    finally:
+        from click.testing import CliRunner
+
+        from apcctl.cli import main
+
+        CliRunner().invoke(main, ["stop", "--all", "--grace", "10"])
+        patch.undo()

@@ -8,7 +8,6 @@ shared-indexer layer (CacheList of 2). Random weights, float32, deterministic by
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_vlm.models.glm5_next.config import TextConfig
@@ -62,3 +61,8 @@ def prefill(model: LanguageModel, cache: list, tokens: np.ndarray, step: int = 6
         logits = model(chunk, cache=cache).logits[:, -1]
         mx.eval(logits, [c.state for c in cache])
     return logits
+
+
+def random_tokens(n: int, seed: int = 1) -> np.ndarray:
+    """``n`` deterministic token ids inside the tiny vocabulary."""
+    return np.random.RandomState(seed).randint(1, 500, n).astype(np.int32)

@@ -11,7 +11,7 @@ from typing import Any
 import psutil
 import pytest
 
-from test_cli_server import cli_env, run  # noqa: F401 (cli_env is a fixture)
+from test_cli_server import run
 
 pytestmark = pytest.mark.server
 

@@ -20,7 +20,7 @@ import pytest
 from apcctl.client import AdminClient, AdminError
 from apcctl.config import select
 from apcctl.restart import RestartStep, rolling_restart
-from test_cli_server import chat, cli_env, run, run_json, serve  # noqa: F401 (cli_env is a fixture)
+from test_cli_server import chat, run, run_json, serve
 
 pytestmark = pytest.mark.server
 

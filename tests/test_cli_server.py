@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import socket
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -37,25 +37,6 @@ def unused_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def cli_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A private state dir and config dir for the module; managed servers are stopped at the end."""
-    root = tmp_path_factory.mktemp("cli")
-    patch = pytest.MonkeyPatch()
-    patch.setenv("APC_STATE_DIR", str(root / "state"))
-    patch.setenv("XDG_CONFIG_HOME", str(root / "xdg"))
-    patch.setenv("HF_HUB_OFFLINE", "1")
-    patch.setenv("APC_JOURNAL_SNAPSHOT_S", "0")  # a budget snapshot with every event: report has a series
-    for key in ("APCCTL_SERVER", "APCCTL_TOKEN", "APCCTL_CONFIG", "APC_ADMIN_TOKEN", "APC_ADMIN_TOKEN_FILE",
-                "APC_LINEAGE_DISK_PATH", "APC_JOURNAL_DIR"):
-        patch.delenv(key, raising=False)
-    try:
-        yield root
-    finally:
-        CliRunner().invoke(main, ["stop", "--all", "--grace", "10"])
-        patch.undo()
 
 
 def serve(name: str, model: Path) -> dict[str, Any]:

@@ -10,27 +10,12 @@ import pytest
 from mlx_vlm.apc import make_warm_batch_exact_cache_multi
 from mlx_vlm.models.cache import BatchKVCache, KVCache
 
-from fake_model import prefill, tiny_language_model
+from fake_model import prefill, random_tokens as tokens
 from server_patch.copyfree import pool
 from server_patch.copyfree.counter import _address
 from server_patch.copyfree.merge import capacity, merge_kv, merge_rows
 from server_patch.copyfree.settings import CopyFreeSettings
 from server_patch.state import rows
-from server_patch.state.layout import CacheLayout
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_language_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def layout(model):
-    return CacheLayout.from_model(model)
-
-
-def tokens(n: int, seed: int = 1) -> np.ndarray:
-    return np.random.RandomState(seed).randint(1, 500, n).astype(np.int32)
 
 
 def kv_row(n: int, seed: int, heads: int = 1, dim: int = 8) -> KVCache:

@@ -6,24 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from fake_model import prefill, tiny_language_model
+from fake_model import prefill, random_tokens as tokens
 from server_patch.lineage import LineageCache, LineageConfig
-from server_patch.state.layout import CacheLayout
 from server_patch.state.registry import UnsupportedCacheError, codec_for
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_language_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def layout(model):
-    return CacheLayout.from_model(model)
-
-
-def tokens(n: int, seed: int = 1) -> np.ndarray:
-    return np.random.RandomState(seed).randint(1, 500, n).astype(np.int32)
 
 
 def test_layout_classifies_every_glm5_next_cache_kind(layout):

@@ -14,7 +14,7 @@ import pytest
 from apcctl.client import AdminClient
 from apcctl.config import select
 from server_harness import ADMIN_TOKEN, PatchedServer
-from test_cli_server import cli_env, serve  # noqa: F401 (cli_env is a fixture: private state and config dirs)
+from test_cli_server import serve
 from tui.app import DashboardApp, make_app, restarter_for
 from tui.screens.confirm import ConfirmScreen
 from tui.source import LiveSource

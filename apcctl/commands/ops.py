@@ -6,7 +6,6 @@ from typing import Any, Callable
 
 import click
 
-from apcctl import render
 from apcctl.client import AdminClient
 from apcctl.commands.common import EXIT_CODES_SHORT, Targets, emit_results, for_each, json_option, server_options
 from apcctl.config import Target

@@ -184,7 +184,7 @@ def run(requests: list[Request], name: str, make: Callable[[StateSizes], object]
         transform: Callable[[list[Request]], list[Request]] | None = None) -> Outcome:
     policy = make(sizes)
     reqs = transform(requests) if transform else requests
-    reused, peak, max_caps, sources = [], 0, 0, {}
+    reused, peak, sources = [], 0, {}
     cache = getattr(policy, "cache", None)
     original = cache.plan_captures if cache is not None else None
     counted = [0]
