@@ -235,11 +235,13 @@ def forward_times(model_dir: Path, cold: list[dict[str, str]], warm: list[dict[s
     ids come from the chat template and tokenizer the server uses, so the suffix is the first
     warm turn's (MoE routing, hence cost, depends on the tokens). The cache of the cold prompt's
     first n - 1 tokens (the lineage entry) is built with stock attention (the patched sparse path
-    is slow for long chunks on a CPU; the state differs by float rounding only), split into
-    lineage handles and restored like a warm turn: views, then the copy-free merge, neither
-    timed. Timed: one forward of the suffix, and the two forwards 0.7.10 runs (suffix - 1
-    prompt tokens, then the last one), each evaluated with the cache; with the patched sparse
-    attention (what the patched server runs) and with stock's (``stock_*``).
+    is slow for long chunks on a CPU; the state differs by float rounding only). Each path then
+    restores it the way its server does (``*restore_ms``, not part of the forward): patched,
+    lineage views and the copy-free merge; stock, its clone of the whole snapshot (projected
+    cache included) and its merge. Timed: one forward of the suffix, and the two forwards 0.7.10
+    runs (suffix - 1 prompt tokens, then the last one), each evaluated with the cache; patched
+    sparse attention with the patched server's pool limit, stock attention with MLX's default
+    limit (``stock_*``), as each server runs.
     """
     from server_patch.overlay import install
 
@@ -250,7 +252,10 @@ def forward_times(model_dir: Path, cold: list[dict[str, str]], warm: list[dict[s
     from mlx_vlm.prompt_utils import apply_chat_template
     from mlx_vlm.utils import prepare_inputs
 
+    from mlx_vlm.apc import _clone_prompt_cache_for_apc, make_warm_batch_exact_cache_multi
+
     from server_patch.copyfree.merge import merge_rows
+    from server_patch.copyfree.settings import CopyFreeSettings
     from server_patch.state.layout import CacheLayout
 
     model, processor = load(str(model_dir))
@@ -273,36 +278,51 @@ def forward_times(model_dir: Path, cold: list[dict[str, str]], warm: list[dict[s
     finally:
         language.Glm5NextAttention._attend = patched
     layout = CacheLayout.from_model(lm)
-    kv, snapshot = layout.split(cache, context)
-    del cache
+    kv, snapshot = layout.split(cache, context)  # views of ``cache``, which is not written again
 
-    def restored() -> tuple[list[Any], float]:
+    def patched_restore() -> list[Any]:
+        # the lineage restore: views, then the one copy (the copy-free merge)
+        return merge_rows([layout.build(kv, snapshot, context)], [context], [suffix], 256)
+
+    def stock_restore() -> list[Any]:
+        # stock 0.7.10's: a clone of the whole snapshot (projected cache included, so stock's
+        # attention finds it in sync), then its merge
+        clone = _clone_prompt_cache_for_apc(cache, min_capacity_tokens=len(tokens))
+        merged, _ = make_warm_batch_exact_cache_multi([clone], [context])
+        return merged
+
+    def run(restore: Any, chunks: list[int]) -> tuple[float, float]:
         start = time.perf_counter()
-        merged = merge_rows([layout.build(kv, snapshot, context)], [context], [suffix], 256)
-        return merged, (time.perf_counter() - start) * 1000
-
-    def run(chunks: list[int]) -> tuple[float, float]:
-        caches, merge_ms = restored()
+        caches = restore()
+        restore_ms = (time.perf_counter() - start) * 1000
         start, at = time.perf_counter(), context
         for n in chunks:
             out = lm(mx.array(tokens[at:at + n])[None], cache=caches)
             mx.eval(out.logits, [c.state for c in caches])
             at += n
-        return (time.perf_counter() - start) * 1000, merge_ms
+        return (time.perf_counter() - start) * 1000, restore_ms
 
+    # Each path under its own server's pool setting: the patched server raises MLX's cache limit
+    # (on the CPU backend the default keeps 32 MB, so every large temporary is page-faulted in
+    # afresh); the stock server keeps the default.
+    default_limit = mx.set_cache_limit(0)
+    mx.set_cache_limit(default_limit)
     results: dict[str, list[float]] = {}
-    for attention, attend in (("", patched), ("stock_", language.Glm5NextAttention._stock_attend)):
-        language.Glm5NextAttention._attend = attend
-        try:
-            for i in range(repeat + 1):  # the first round warms up (and fills MLX's pool)
-                one, merge_ms = run([suffix])
-                split, _ = run([suffix - 1, 1])
-                if i:
-                    results.setdefault(f"{attention}one_forward_ms", []).append(one)
-                    results.setdefault(f"{attention}split_forwards_ms", []).append(split)
-                    results.setdefault("merge_ms", []).append(merge_ms)
-        finally:
-            language.Glm5NextAttention._attend = patched
+    paths = (("stock_", language.Glm5NextAttention._stock_attend, default_limit, stock_restore),
+             ("", patched, int(CopyFreeSettings.from_env().pool_limit_gb * (1 << 30)), patched_restore))
+    for i in range(repeat + 1):  # the first round warms up (and fills MLX's pool)
+        for attention, attend, limit, restore in paths:  # interleaved: host load hits both alike
+            language.Glm5NextAttention._attend = attend
+            mx.set_cache_limit(limit)
+            try:
+                one, restore_ms = run(restore, [suffix])
+                split, _ = run(restore, [suffix - 1, 1])
+            finally:
+                language.Glm5NextAttention._attend = patched
+            if i:
+                results.setdefault(f"{attention}one_forward_ms", []).append(one)
+                results.setdefault(f"{attention}split_forwards_ms", []).append(split)
+                results.setdefault(f"{attention}restore_ms", []).append(restore_ms)
     out = {k: round(statistics.median(v), 1) for k, v in results.items()}
     out.update(context=context, suffix=suffix, kv_bytes=int(kv.nbytes))
     return out
@@ -340,6 +360,9 @@ def summarize(turns: list[Turn]) -> dict[str, Any]:
         "new_tokens": median([t.new_tokens for t in warm]),
         "ttft_ms": median([t.ttft_ms for t in warm]),
         "ttft_ms_min": min(t.ttft_ms for t in warm),
+        # after two warm turns MLX's pool holds a buffer of the merge's size (a turn frees the
+        # buffer of the entry two turns back), so these no longer page-fault a fresh one
+        "ttft_ms_steady": median([t.ttft_ms for t in warm[2:]]) if len(warm) > 2 else None,
         "kv_copied_bytes": median([t.kv_copied() for t in warm]),
         "restored_tokens": median([t.cached_tokens for t in warm]),
         "commit_modes": sorted({t.commit_mode or "immediate" for t in warm}),
@@ -377,6 +400,7 @@ def render(result: dict[str, Any]) -> str:
     row("warm turns (new tokens, median)", lambda x: f"{x['warm_turns']} ({x['new_tokens']:.0f})")
     row("prompt tokens (last turn)", lambda x: f"{x['prompt_tokens']:,}")
     row("TTFT, client (median)", lambda x: _fmt_ms(x.get("ttft_ms")))
+    row("TTFT, client, from the 3rd warm turn", lambda x: _fmt_ms(x.get("ttft_ms_steady")))
     row("  server: lookup", lambda x: _fmt_ms(x.get("lookup_ms")))
     row("  server: admission (lookup + merge)", lambda x: _fmt_ms(x.get("admission_ms")))
     row("  server: prefill (suffix forwards)", lambda x: _fmt_ms(x.get("prefill_ms", x.get("prefill_elapsed_ms"))))
@@ -385,6 +409,9 @@ def render(result: dict[str, Any]) -> str:
     rows.append(("suffix forward, in-process", *(_fmt_ms(_forward_ms(forward, m)) for m in result["modes"])))
     rows.append(("TTFT / suffix forward", *(f"{s[m]['ttft_ms'] / _forward_ms(forward, m):.2f}x"
                                              for m in result["modes"])))
+    rows.append(("  from the 3rd warm turn", *(
+        f"{s[m]['ttft_ms_steady'] / _forward_ms(forward, m):.2f}x" if s[m].get("ttft_ms_steady") else "-"
+        for m in result["modes"])))
     per_token = kv_one / forward["context"]  # latent + index bytes per token (one KV copy)
     row("KV copied per warm turn", lambda x: f"{x['kv_copied_bytes'] / 1e6:,.0f} MB "
         f"({x['kv_copied_bytes'] / (per_token * x['restored_tokens']):.2f}x KV)")
@@ -396,9 +423,10 @@ def render(result: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"suffix forward in-process ({forward['suffix']} tokens over {forward['context']:,}): "
                  f"patched attention {forward['one_forward_ms']:,.0f} ms in one forward, "
-                 f"{forward['split_forwards_ms']:,.0f} ms as {forward['suffix'] - 1} + 1; stock attention "
-                 f"{forward['stock_one_forward_ms']:,.0f} / {forward['stock_split_forwards_ms']:,.0f} ms; "
-                 f"copy-free merge {forward['merge_ms']:,.0f} ms (one KV copy = {kv_one / 1e6:,.0f} MB)")
+                 f"{forward['split_forwards_ms']:,.0f} ms as {forward['suffix'] - 1} + 1 (16 GB pool); stock "
+                 f"attention {forward['stock_one_forward_ms']:,.0f} / {forward['stock_split_forwards_ms']:,.0f} ms "
+                 f"(MLX's default pool); restore before it: copy-free merge {forward['restore_ms']:,.0f} ms, "
+                 f"stock clone + merge {forward['stock_restore_ms']:,.0f} ms (one KV copy = {kv_one / 1e6:,.0f} MB)")
     for mode in result["modes"]:
         ops = ", ".join(f"{k} {v / 1e6:,.1f}" for k, v in s[mode]["copies_by_op"].items() if v)
         lines.append(f"{mode} copies per warm turn, MB by op: {ops or 'none'}")
@@ -412,7 +440,7 @@ def render(result: dict[str, Any]) -> str:
 @click.option("--questions", default=6, show_default=True, help="Warm turns after the cold one.")
 @click.option("--max-tokens", default=4, show_default=True, help="Reply length of every turn.")
 @click.option("--modes", default="stock,patched", show_default=True, help="Servers to run, in order.")
-@click.option("--repeat", default=3, show_default=True, help="Timed suffix forwards (median).")
+@click.option("--repeat", default=5, show_default=True, help="Timed suffix forwards (median).")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep the server logs and counter files here (default: a temp dir).")
 @click.option("--startup-timeout", default=300.0, show_default=True)
