@@ -621,3 +621,18 @@ def test_switched_off_runs_stock(monkeypatch: pytest.MonkeyPatch) -> None:
     new = run_sequence(layers, 1, 150, 44, dispatch.attend)
     for (old_out, _), (new_out, _) in zip(stock, new):
         assert mx.array_equal(old_out, new_out).item()
+
+
+def test_model_proportions_overrule_the_measured_rule_only_when_far_off():
+    """glm5_next's dimensions never switch; a latent far wider than its heads does, when cold."""
+    from types import SimpleNamespace
+
+    from server_patch.sparse.dispatch import ABSORBED_MAX_PENALTY, absorbed_penalty
+
+    glm = SimpleNamespace(kv_lora_rank=512, qk_nope_head_dim=256, v_head_dim=256)
+    for length in (9, 44, 128, 512, 2048):
+        for missing in (0, length, 20_000):
+            assert absorbed_penalty(glm, 2063, length, missing) < ABSORBED_MAX_PENALTY
+    wide = SimpleNamespace(kv_lora_rank=2048, qk_nope_head_dim=16, v_head_dim=16)  # the bench model
+    assert absorbed_penalty(wide, 527, 2048, 2048) >= ABSORBED_MAX_PENALTY  # cold chunk, in sync
+    assert absorbed_penalty(wide, 527, 22, 4096) < ABSORBED_MAX_PENALTY  # warm, projection stale

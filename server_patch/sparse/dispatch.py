@@ -48,6 +48,8 @@ ENABLED = os.environ.get("APC_SPARSE_ATTENTION", "1").strip().lower() not in (
 )
 GATHER_ALWAYS_MAX = 512
 UNABSORBED_MIN_FRACTION = 0.2
+# Above this absorbed/per-head cost ratio the model's proportions overrule the measured rule.
+ABSORBED_MAX_PENALTY = 8.0
 
 # The class's own _attend before any patch; an overlay that renames it keeps it reachable as
 # _stock_attend.
@@ -80,7 +82,8 @@ def choose_path(
     return UNABSORBED if length >= UNABSORBED_MIN_FRACTION * missing else GATHERED
 
 
-def _path(layer: Any, latent: Any, kv_cache: Any, projected_cache: Any, length: int) -> str:
+def _path(layer: Any, latent: Any, kv_cache: Any, projected_cache: Any, length: int,
+          selected: int) -> str:
     """``choose_path`` for this call; stock code when switched off, for training and for
     quantized latent caches."""
     if (
@@ -92,10 +95,32 @@ def _path(layer: Any, latent: Any, kv_cache: Any, projected_cache: Any, length: 
         return STOCK
     context = latent.shape[2]
     path = choose_path(length, context, missing=context)
+    if path == GATHERED and length > DECODE_BLOCK_SIZE and projected_cache is not None:
+        # The measured rule assumes glm5_next's proportions (latent 512, heads 256 + 256 wide).
+        # A model whose latent is far wider than its heads makes the absorbed form the
+        # expensive one; then the per-head path wins wherever its projection is mostly there.
+        have = reusable_length(projected_cache, kv_cache, context, length)
+        if absorbed_penalty(layer, min(selected, context), length, context - have) >= ABSORBED_MAX_PENALTY:
+            return UNABSORBED
     if path == UNABSORBED:  # only now is it worth asking how much the projection lacks
         have = reusable_length(projected_cache, kv_cache, context, length)
         path = choose_path(length, context, missing=context - have)
     return path
+
+
+def absorbed_penalty(layer: Any, keys: int, length: int, missing: int) -> float:
+    """How many times the absorbed form's multiply-adds exceed the per-head path's, per head.
+
+    absorbed: each query attends over ``keys`` latent rows of width r (scores and values) and
+    is embedded/unembedded (r x (d_k + d_v)); per-head: each query attends over ``keys``
+    per-head rows (d_k + d_v), and ``missing`` latent rows must be projected first.
+    At glm5_next's dimensions this never exceeds ~2.3, so the measured rule stands there.
+    """
+    r = int(layer.kv_lora_rank)
+    d = int(layer.qk_nope_head_dim) + int(layer.v_head_dim)
+    absorbed = length * (2 * keys * r + r * d)
+    per_head = length * keys * d + missing * r * d
+    return absorbed / max(1, per_head)
 
 
 def stock_attend(layer: Any, *args: Any, **kwargs: Any) -> tuple[mx.array, mx.array]:
@@ -122,7 +147,7 @@ def attend(
 ) -> tuple[mx.array, mx.array]:
     """Drop-in for ``Glm5NextAttention._attend`` (same arguments and results)."""
     length = q.shape[2]
-    path = _path(layer, latent, kv_cache, projected_cache, length)
+    path = _path(layer, latent, kv_cache, projected_cache, length, topk.shape[-1])
     if path in (STOCK, DECODE_LOOP):
         return stock_attend(
             layer, q, latent, new_latent, topk, kv_cache, projected_cache, last_only
