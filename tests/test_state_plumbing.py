@@ -115,3 +115,15 @@ def test_kv_bytes_count_used_rows_not_buffer_capacity(model, layout):
     assert kv.nbytes < 2 * 40 * row_bytes * 3  # far below three 256-row buffers
     anchor = kv.prefix(20)
     assert anchor.length == 20 and 0 < anchor.nbytes < kv.nbytes
+
+
+def test_anchor_prefix_owns_its_rows(model, layout):
+    """An anchor must not keep its conversation's buffer alive (or share it with a live cache)."""
+    from server_patch.copyfree.counter import _address
+
+    live = model.make_cache()
+    prefill(model, live, tokens(120, seed=11), step=120)
+    kv, _ = layout.split(live, 120)
+    anchor = kv.prefix(60)
+    source = {_address(a) for a in kv.arrays()}
+    assert all(_address(a) not in source for a in anchor.arrays())

@@ -68,7 +68,9 @@ class MlxKV:
                 for key, value in _row_arrays(child):
                     index = [slice(None)] * value.ndim
                     index[_ROW_AXIS[key]] = slice(0, _kept_rows(key, child, length))
-                    copied[key] = mx.contiguous(value[tuple(index)])
+                    # mx.array copies; mx.contiguous would return a contiguous view as is,
+                    # and the anchor would keep the whole conversation buffer alive.
+                    copied[key] = mx.array(value[tuple(index)])
                 out.append(copied)
             layers.append(out)
         result = MlxKV(layers, length)
