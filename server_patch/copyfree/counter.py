@@ -129,7 +129,7 @@ def cache_bytes(cache: Any) -> tuple[int, int]:
         rows = int(rows) if not isinstance(rows, mx.array) else int(cache.keys.shape[2])
         return _used_bytes(cache.keys, rows) + _used_bytes(cache.values, rows), 0
     arrays: list[mx.array] = []
-    _collect(getattr(cache, "state", ()), arrays)
+    collect_arrays(getattr(cache, "state", ()), arrays)
     return 0, sum(int(a.nbytes) for a in arrays)
 
 
@@ -137,12 +137,13 @@ def state_bytes(cache: Any) -> int:
     return sum(cache_bytes(cache))
 
 
-def _collect(value: Any, out: list[mx.array]) -> None:
+def collect_arrays(value: Any, out: list[mx.array]) -> None:
+    """Every mx.array in a (nested) cache state, appended to ``out``."""
     if isinstance(value, mx.array):
         out.append(value)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            _collect(item, out)
+            collect_arrays(item, out)
 
 
 def _add_caches(op: str, caches: Any) -> None:

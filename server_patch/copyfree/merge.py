@@ -52,7 +52,7 @@ def merge_rows(row_caches: Sequence[Sequence[Any]], prefix_lens: Sequence[int],
         out.append(merged)
     targets: list[mx.array] = []
     for cache in out:
-        _collect(cache.state, targets)
+        counter.collect_arrays(cache.state, targets)
     mx.eval(targets)
     return out
 
@@ -115,11 +115,3 @@ def _row_bytes(row: KVCache) -> int:
         return 0
     rows = int(row.keys.shape[2]) or 1
     return (int(row.keys.nbytes) + int(row.values.nbytes)) // rows
-
-
-def _collect(value: Any, out: list[mx.array]) -> None:
-    if isinstance(value, mx.array):
-        out.append(value)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _collect(item, out)
