@@ -169,20 +169,22 @@ def anchors() -> dict[str, Any]:
     return {"anchors": entries(tier="all", kind="anchor")["entries"]}
 
 
-@router.post("/anchors/{entry_id}/pin", summary="Pin an entry as an anchor")
-def pin(entry_id: str) -> dict[str, Any]:
+def _in_ram(verb: Any, entry_id: str) -> dict[str, Any]:
+    """Apply a cache verb that needs the entry in RAM; an unknown id is a 404."""
     try:
-        return views.entry_view(_lineage().cache.pin(entry_id))
+        return views.entry_view(verb(entry_id))
     except CacheError:
         raise HTTPException(404, detail=f"no entry {entry_id!r} in RAM") from None
+
+
+@router.post("/anchors/{entry_id}/pin", summary="Pin an entry as an anchor")
+def pin(entry_id: str) -> dict[str, Any]:
+    return _in_ram(_lineage().cache.pin, entry_id)
 
 
 @router.post("/anchors/{entry_id}/unpin", summary="Unpin an anchor (it joins the conversation LRU)")
 def unpin(entry_id: str) -> dict[str, Any]:
-    try:
-        return views.entry_view(_lineage().cache.unpin(entry_id))
-    except CacheError:
-        raise HTTPException(404, detail=f"no entry {entry_id!r} in RAM") from None
+    return _in_ram(_lineage().cache.unpin, entry_id)
 
 
 @router.post("/anchors", summary="Prefill a system prompt + tools now and pin it")

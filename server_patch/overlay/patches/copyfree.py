@@ -13,10 +13,9 @@ tells the lineage coordinator when a request's KV buffer stops being written.
 
 from __future__ import annotations
 
-from server_patch.overlay.edits import Edit, FilePatch
+from server_patch.overlay.edits import Edit
+from server_patch.overlay.pristine import patch_of
 
-AR_SHA256 = "315787385813c879db31e7856b69b92123f8c7e7be06070d24587d3834f86b80"
-OPENAI_SHA256 = "260c92eb24fdb54edd243b4687a150c587d23d1d36bd8eace783c688499c0ae1"
 
 _OPENAI_CLEAR = (
     "                from server_patch.copyfree import hooks as _apc_copyfree\n"
@@ -26,117 +25,109 @@ _OPENAI_CLEAR = (
 )
 
 FILE_PATCHES = (
-    FilePatch(
-        module="mlx_vlm.generate.ar",
-        relpath="mlx_vlm/generate/ar.py",
-        sha256=AR_SHA256,
-        edits=(
-            Edit(
-                name="copyfree.hooks_import",
-                old="from ..models import cache\n",
-                new="from ..models import cache\nfrom server_patch.copyfree import hooks as _apc_copyfree\n",
+    patch_of(
+        "mlx_vlm.generate.ar",
+        Edit(
+            name="copyfree.hooks_import",
+            old="from ..models import cache\n",
+            new="from ..models import cache\nfrom server_patch.copyfree import hooks as _apc_copyfree\n",
+        ),
+        Edit(
+            name="copyfree.prefill_chunk_clear",
+            old="        mx.clear_cache()\n        return n\n",
+            new="        _apc_copyfree.clear(\"prefill_chunk\")\n        return n\n",
+        ),
+        Edit(
+            name="copyfree.prompt_batch_clear",
+            old=(
+                "            self._prompt_batch = None\n"
+                "            mx.clear_cache()\n"
+                "            return prompt_responses, generation_responses\n"
             ),
-            Edit(
-                name="copyfree.prefill_chunk_clear",
-                old="        mx.clear_cache()\n        return n\n",
-                new="        _apc_copyfree.clear(\"prefill_chunk\")\n        return n\n",
+            new=(
+                "            self._prompt_batch = None\n"
+                "            _apc_copyfree.clear(\"prompt_batch\")\n"
+                "            return prompt_responses, generation_responses\n"
             ),
-            Edit(
-                name="copyfree.prompt_batch_clear",
-                old=(
-                    "            self._prompt_batch = None\n"
-                    "            mx.clear_cache()\n"
-                    "            return prompt_responses, generation_responses\n"
-                ),
-                new=(
-                    "            self._prompt_batch = None\n"
-                    "            _apc_copyfree.clear(\"prompt_batch\")\n"
-                    "            return prompt_responses, generation_responses\n"
-                ),
+        ),
+        Edit(
+            name="copyfree.single_prompt_batch_clear",
+            old="                    self._prompt_batch = None\n                    mx.clear_cache()\n",
+            new=(
+                "                    self._prompt_batch = None\n"
+                "                    _apc_copyfree.clear(\"prompt_batch\")\n"
             ),
-            Edit(
-                name="copyfree.single_prompt_batch_clear",
-                old="                    self._prompt_batch = None\n                    mx.clear_cache()\n",
-                new=(
-                    "                    self._prompt_batch = None\n"
-                    "                    _apc_copyfree.clear(\"prompt_batch\")\n"
-                ),
+        ),
+        Edit(
+            name="copyfree.cold_prompt_batch_clear",
+            old=(
+                "                self._prompt_batch = None\n"
+                "                mx.clear_cache()\n"
+                "\n"
+                "            return prompt_responses, generation_responses\n"
             ),
-            Edit(
-                name="copyfree.cold_prompt_batch_clear",
-                old=(
-                    "                self._prompt_batch = None\n"
-                    "                mx.clear_cache()\n"
-                    "\n"
-                    "            return prompt_responses, generation_responses\n"
-                ),
-                new=(
-                    "                self._prompt_batch = None\n"
-                    "                _apc_copyfree.clear(\"prompt_batch\")\n"
-                    "\n"
-                    "            return prompt_responses, generation_responses\n"
-                ),
+            new=(
+                "                self._prompt_batch = None\n"
+                "                _apc_copyfree.clear(\"prompt_batch\")\n"
+                "\n"
+                "            return prompt_responses, generation_responses\n"
             ),
-            Edit(
-                name="copyfree.rows_leaving",
-                old=(
-                    "        if len(keep) < len(self.uids):\n"
-                    "            self._eval_pending_state()\n"
-                    "\n"
-                    "        self.uids = [self.uids[idx] for idx in keep]\n"
-                ),
-                new=(
-                    "        if len(keep) < len(self.uids):\n"
-                    "            self._eval_pending_state()\n"
-                    "        _apc_copyfree.leaving(self, keep)\n"
-                    "\n"
-                    "        self.uids = [self.uids[idx] for idx in keep]\n"
-                ),
+        ),
+        Edit(
+            name="copyfree.rows_leaving",
+            old=(
+                "        if len(keep) < len(self.uids):\n"
+                "            self._eval_pending_state()\n"
+                "\n"
+                "        self.uids = [self.uids[idx] for idx in keep]\n"
             ),
-            Edit(
-                name="copyfree.batches_joining",
-                old="    def _extend_generation_batch(self, gen_batch) -> None:\n",
-                new=(
-                    "    def _extend_generation_batch(self, gen_batch) -> None:\n"
-                    "        _apc_copyfree.joining(self, gen_batch)\n"
-                ),
+            new=(
+                "        if len(keep) < len(self.uids):\n"
+                "            self._eval_pending_state()\n"
+                "        _apc_copyfree.leaving(self, keep)\n"
+                "\n"
+                "        self.uids = [self.uids[idx] for idx in keep]\n"
             ),
-            Edit(
-                name="copyfree.attach_generator",
-                old="        self.apc_mode = self.apc.legacy_mode if self.apc is not None else None\n",
-                new=(
-                    "        self.apc_mode = self.apc.legacy_mode if self.apc is not None else None\n"
-                    "        _apc_copyfree.attach(self)\n"
-                ),
+        ),
+        Edit(
+            name="copyfree.batches_joining",
+            old="    def _extend_generation_batch(self, gen_batch) -> None:\n",
+            new=(
+                "    def _extend_generation_batch(self, gen_batch) -> None:\n"
+                "        _apc_copyfree.joining(self, gen_batch)\n"
+            ),
+        ),
+        Edit(
+            name="copyfree.attach_generator",
+            old="        self.apc_mode = self.apc.legacy_mode if self.apc is not None else None\n",
+            new=(
+                "        self.apc_mode = self.apc.legacy_mode if self.apc is not None else None\n"
+                "        _apc_copyfree.attach(self)\n"
             ),
         ),
     ),
-    FilePatch(
-        module="mlx_vlm.server.openai",
-        relpath="mlx_vlm/server/openai.py",
-        sha256=OPENAI_SHA256,
-        edits=(
-            Edit(
-                name="copyfree.chat_request_clear",
-                old=(
-                    "                mx.clear_cache()\n"
-                    "                gc.collect()\n"
-                    "\n"
-                    "                reasoning, content = _split_thinking(\n"
-                ),
-                new=_OPENAI_CLEAR.format(site="request") + "\n                reasoning, content = _split_thinking(\n",
+    patch_of(
+        "mlx_vlm.server.openai",
+        Edit(
+            name="copyfree.chat_request_clear",
+            old=(
+                "                mx.clear_cache()\n"
+                "                gc.collect()\n"
+                "\n"
+                "                reasoning, content = _split_thinking(\n"
             ),
-            Edit(
-                name="copyfree.responses_request_clear",
-                old=(
-                    "                mx.clear_cache()\n"
-                    "                gc.collect()\n"
-                    "\n"
-                    "                output_items, content, reasoning, output_finish_reason = (\n"
-                ),
-                new=_OPENAI_CLEAR.format(site="request")
-                + "\n                output_items, content, reasoning, output_finish_reason = (\n",
+            new=_OPENAI_CLEAR.format(site="request") + "\n                reasoning, content = _split_thinking(\n",
+        ),
+        Edit(
+            name="copyfree.responses_request_clear",
+            old=(
+                "                mx.clear_cache()\n"
+                "                gc.collect()\n"
+                "\n"
+                "                output_items, content, reasoning, output_finish_reason = (\n"
             ),
+            new=_OPENAI_CLEAR.format(site="request")
+            + "\n                output_items, content, reasoning, output_finish_reason = (\n",
         ),
     ),
 )

@@ -5,33 +5,29 @@ Harmless on purpose: it is how a test or an operator tells a patched server from
 
 from __future__ import annotations
 
-from server_patch.overlay.edits import Edit, FilePatch
+from server_patch.overlay.edits import Edit
+from server_patch.overlay.pristine import patch_of
 
-APP_SHA256 = "b5a37930a826db5c053c04bf5dfd084fa036adebbedb1f3be502f92359847c3a"  # 0.7.10 server/app.py
 
 FILE_PATCHES = (
-    FilePatch(
-        module="mlx_vlm.server.app",
-        relpath="mlx_vlm/server/app.py",
-        sha256=APP_SHA256,
-        edits=(
-            Edit(
-                name="identity.import",
-                old='@app.get("/health")\nasync def health_check(request: Request):\n',
-                new=(
-                    "from server_patch.overlay.patches.identity import health_fields as _apc_health_fields\n"
-                    "\n\n"
-                    '@app.get("/health")\nasync def health_check(request: Request):\n'
-                ),
+    patch_of(
+        "mlx_vlm.server.app",
+        Edit(
+            name="identity.import",
+            old='@app.get("/health")\nasync def health_check(request: Request):\n',
+            new=(
+                "from server_patch.overlay.patches.identity import health_fields as _apc_health_fields\n"
+                "\n\n"
+                '@app.get("/health")\nasync def health_check(request: Request):\n'
             ),
-            Edit(
-                name="identity.health_field",
-                old='        "apc_enabled": runtime["apc"]["enabled"],\n    }\n',
-                new=(
-                    '        "apc_enabled": runtime["apc"]["enabled"],\n'
-                    "        **_apc_health_fields(),\n"
-                    "    }\n"
-                ),
+        ),
+        Edit(
+            name="identity.health_field",
+            old='        "apc_enabled": runtime["apc"]["enabled"],\n    }\n',
+            new=(
+                '        "apc_enabled": runtime["apc"]["enabled"],\n'
+                "        **_apc_health_fields(),\n"
+                "    }\n"
             ),
         ),
     ),

@@ -9,13 +9,9 @@
 
 from __future__ import annotations
 
-from server_patch.overlay.edits import Edit, FilePatch
+from server_patch.overlay.edits import Edit
+from server_patch.overlay.pristine import patch_of
 
-AR_SHA256 = "315787385813c879db31e7856b69b92123f8c7e7be06070d24587d3834f86b80"
-DISPATCH_SHA256 = "1712d8f00f292d4b0bed6d313e025db5c81b7e8c03fb2946813e67d96ba1050d"
-SERVER_INIT_SHA256 = "dc1ae2a78cf2fd68e6135c296c8cd4373f29b29341a56970401147d39c46f05a"
-GENERATION_SHA256 = "248187bb4e405e9c89acad5d6d5e4adc4f9138e267f67f747ac32418d3c917e4"
-APP_SHA256 = "b5a37930a826db5c053c04bf5dfd084fa036adebbedb1f3be502f92359847c3a"
 
 _COORDINATOR_FACTORY = (
     "\n\ndef _apc_lineage_coordinator(manager, model):\n"
@@ -32,132 +28,112 @@ COORDINATOR_FACTORY = Edit(
 )
 
 FILE_PATCHES = (
-    FilePatch(
-        module="mlx_vlm.generate.ar",
-        relpath="mlx_vlm/generate/ar.py",
-        sha256=AR_SHA256,
-        edits=(
-            COORDINATOR_FACTORY,
-            Edit(
-                name="lineage.batch_coordinator",
-                old="            _apc.APCCoordinator(apc_manager, model) if apc_manager is not None else None\n",
-                new="            _apc_lineage_coordinator(apc_manager, model) if apc_manager is not None else None\n",
+    patch_of(
+        "mlx_vlm.generate.ar",
+        COORDINATOR_FACTORY,
+        Edit(
+            name="lineage.batch_coordinator",
+            old="            _apc.APCCoordinator(apc_manager, model) if apc_manager is not None else None\n",
+            new="            _apc_lineage_coordinator(apc_manager, model) if apc_manager is not None else None\n",
+        ),
+        Edit(
+            name="lineage.store_uid",
+            old=(
+                "                    self.prompt_cache,\n"
+                "                    batch_idx=batch_idx,\n"
+                "                    extra_hash=meta.get(\"extra_hash\", 0),\n"
+                "                )\n"
+                "            else:\n"
             ),
-            Edit(
-                name="lineage.store_uid",
-                old=(
-                    "                    self.prompt_cache,\n"
-                    "                    batch_idx=batch_idx,\n"
-                    "                    extra_hash=meta.get(\"extra_hash\", 0),\n"
-                    "                )\n"
-                    "            else:\n"
-                ),
-                new=(
-                    "                    self.prompt_cache,\n"
-                    "                    batch_idx=batch_idx,\n"
-                    "                    extra_hash=meta.get(\"extra_hash\", 0),\n"
-                    "                    uid=self.uids[batch_idx],\n"
-                    "                )\n"
-                    "            else:\n"
-                ),
+            new=(
+                "                    self.prompt_cache,\n"
+                "                    batch_idx=batch_idx,\n"
+                "                    extra_hash=meta.get(\"extra_hash\", 0),\n"
+                "                    uid=self.uids[batch_idx],\n"
+                "                )\n"
+                "            else:\n"
             ),
-            Edit(
-                name="lineage.bind_rows",
-                old="        self._apc_coordinator = apc_coordinator\n        self._apc_mode = apc_mode\n",
-                new=(
-                    "        self._apc_coordinator = apc_coordinator\n        self._apc_mode = apc_mode\n"
-                    "        if apc_coordinator is not None and hasattr(apc_coordinator, \"bind_rows\"):\n"
-                    "            apc_coordinator.bind_rows(self.uids, self._apc_meta)\n"
-                ),
+        ),
+        Edit(
+            name="lineage.bind_rows",
+            old="        self._apc_coordinator = apc_coordinator\n        self._apc_mode = apc_mode\n",
+            new=(
+                "        self._apc_coordinator = apc_coordinator\n        self._apc_mode = apc_mode\n"
+                "        if apc_coordinator is not None and hasattr(apc_coordinator, \"bind_rows\"):\n"
+                "            apc_coordinator.bind_rows(self.uids, self._apc_meta)\n"
             ),
         ),
     ),
-    FilePatch(
-        module="mlx_vlm.generate.dispatch",
-        relpath="mlx_vlm/generate/dispatch.py",
-        sha256=DISPATCH_SHA256,
-        edits=(
-            COORDINATOR_FACTORY,
-            Edit(
-                name="lineage.single_coordinator",
-                old="        apc_coordinator = _apc.APCCoordinator(apc_manager, model.language_model)\n",
-                new="        apc_coordinator = _apc_lineage_coordinator(apc_manager, model.language_model)\n",
+    patch_of(
+        "mlx_vlm.generate.dispatch",
+        COORDINATOR_FACTORY,
+        Edit(
+            name="lineage.single_coordinator",
+            old="        apc_coordinator = _apc.APCCoordinator(apc_manager, model.language_model)\n",
+            new="        apc_coordinator = _apc_lineage_coordinator(apc_manager, model.language_model)\n",
+        ),
+    ),
+    patch_of(
+        "mlx_vlm.server",
+        Edit(
+            name="lineage.anchor_prefix",
+            old="from ..prompt_utils import apply_chat_template, extract_text_from_content\n",
+            new=(
+                "from ..prompt_utils import apply_chat_template, extract_text_from_content\n"
+                "from server_patch.integration.anchors import wrap_apply_chat_template as _apc_wrap\n"
+                "\n"
+                "apply_chat_template = _apc_wrap(apply_chat_template)\n"
             ),
         ),
     ),
-    FilePatch(
-        module="mlx_vlm.server",
-        relpath="mlx_vlm/server/__init__.py",
-        sha256=SERVER_INIT_SHA256,
-        edits=(
-            Edit(
-                name="lineage.anchor_prefix",
-                old="from ..prompt_utils import apply_chat_template, extract_text_from_content\n",
-                new=(
-                    "from ..prompt_utils import apply_chat_template, extract_text_from_content\n"
-                    "from server_patch.integration.anchors import wrap_apply_chat_template as _apc_wrap\n"
-                    "\n"
-                    "apply_chat_template = _apc_wrap(apply_chat_template)\n"
-                ),
+    patch_of(
+        "mlx_vlm.server.generation",
+        Edit(
+            name="lineage.hooks_import",
+            old="from ..utils import ThinkingBudgetCriteria, load, prepare_inputs, resolve_eos_token_ids\n",
+            new=(
+                "from ..utils import ThinkingBudgetCriteria, load, prepare_inputs, resolve_eos_token_ids\n"
+                "from server_patch.integration import hooks as _apc_lineage_hooks\n"
+            ),
+        ),
+        Edit(
+            name="lineage.prefill_completed",
+            old='        info["prefill_processed"] = prompt_tokens\n',
+            new=(
+                '        info["prefill_processed"] = prompt_tokens\n'
+                "        _apc_lineage_hooks.prefill_completed(uid, info, prompt_time)\n"
+            ),
+        ),
+        Edit(
+            name="lineage.first_token",
+            old="                max(0.0, now - queued_at),\n            )\n",
+            new=(
+                "                max(0.0, now - queued_at),\n            )\n"
+                "            _apc_lineage_hooks.first_token(uid, request_id, max(0.0, now - queued_at))\n"
             ),
         ),
     ),
-    FilePatch(
-        module="mlx_vlm.server.generation",
-        relpath="mlx_vlm/server/generation.py",
-        sha256=GENERATION_SHA256,
-        edits=(
-            Edit(
-                name="lineage.hooks_import",
-                old="from ..utils import ThinkingBudgetCriteria, load, prepare_inputs, resolve_eos_token_ids\n",
-                new=(
-                    "from ..utils import ThinkingBudgetCriteria, load, prepare_inputs, resolve_eos_token_ids\n"
-                    "from server_patch.integration import hooks as _apc_lineage_hooks\n"
-                ),
-            ),
-            Edit(
-                name="lineage.prefill_completed",
-                old='        info["prefill_processed"] = prompt_tokens\n',
-                new=(
-                    '        info["prefill_processed"] = prompt_tokens\n'
-                    "        _apc_lineage_hooks.prefill_completed(uid, info, prompt_time)\n"
-                ),
-            ),
-            Edit(
-                name="lineage.first_token",
-                old="                max(0.0, now - queued_at),\n            )\n",
-                new=(
-                    "                max(0.0, now - queued_at),\n            )\n"
-                    "            _apc_lineage_hooks.first_token(uid, request_id, max(0.0, now - queued_at))\n"
-                ),
+    patch_of(
+        "mlx_vlm.server.app",
+        Edit(
+            name="lineage.admin",
+            old="    lifespan=lifespan,\n)\n",
+            new=(
+                "    lifespan=lifespan,\n)\n"
+                "from server_patch.admin.api import install as _apc_admin_install\n"
+                "\n"
+                "_apc_admin_install(app)\n"
             ),
         ),
-    ),
-    FilePatch(
-        module="mlx_vlm.server.app",
-        relpath="mlx_vlm/server/app.py",
-        sha256=APP_SHA256,
-        edits=(
-            Edit(
-                name="lineage.admin",
-                old="    lifespan=lifespan,\n)\n",
-                new=(
-                    "    lifespan=lifespan,\n)\n"
-                    "from server_patch.admin.api import install as _apc_admin_install\n"
-                    "\n"
-                    "_apc_admin_install(app)\n"
-                ),
-            ),
-            Edit(
-                name="lineage.shutdown_flush",
-                old="    try:\n        yield\n    finally:\n        if runtime.audio_queue is not None:\n",
-                new=(
-                    "    try:\n        yield\n    finally:\n"
-                    "        from server_patch.integration import hooks as _apc_lineage_hooks\n"
-                    "\n"
-                    "        _apc_lineage_hooks.shutdown()\n"
-                    "        if runtime.audio_queue is not None:\n"
-                ),
+        Edit(
+            name="lineage.shutdown_flush",
+            old="    try:\n        yield\n    finally:\n        if runtime.audio_queue is not None:\n",
+            new=(
+                "    try:\n        yield\n    finally:\n"
+                "        from server_patch.integration import hooks as _apc_lineage_hooks\n"
+                "\n"
+                "        _apc_lineage_hooks.shutdown()\n"
+                "        if runtime.audio_queue is not None:\n"
             ),
         ),
     ),

@@ -1,0 +1,32 @@
+"""The pristine mlx-vlm 0.7.10 files the overlay edits, pinned by sha256 (from the wheel's RECORD).
+
+Every topic builds its ``FilePatch`` through ``patch_of``, so a file's hash is written once.
+"""
+
+from __future__ import annotations
+
+from server_patch.overlay.edits import Edit, FilePatch
+
+# module -> (path inside site-packages, sha256 of the pristine 0.7.10 file)
+PRISTINE: dict[str, tuple[str, str]] = {
+    "mlx_vlm.generate.ar": (
+        "mlx_vlm/generate/ar.py", "315787385813c879db31e7856b69b92123f8c7e7be06070d24587d3834f86b80"),
+    "mlx_vlm.generate.dispatch": (
+        "mlx_vlm/generate/dispatch.py", "1712d8f00f292d4b0bed6d313e025db5c81b7e8c03fb2946813e67d96ba1050d"),
+    "mlx_vlm.server": (
+        "mlx_vlm/server/__init__.py", "dc1ae2a78cf2fd68e6135c296c8cd4373f29b29341a56970401147d39c46f05a"),
+    "mlx_vlm.server.app": (
+        "mlx_vlm/server/app.py", "b5a37930a826db5c053c04bf5dfd084fa036adebbedb1f3be502f92359847c3a"),
+    "mlx_vlm.server.generation": (
+        "mlx_vlm/server/generation.py", "248187bb4e405e9c89acad5d6d5e4adc4f9138e267f67f747ac32418d3c917e4"),
+    "mlx_vlm.server.openai": (
+        "mlx_vlm/server/openai.py", "260c92eb24fdb54edd243b4687a150c587d23d1d36bd8eace783c688499c0ae1"),
+    "mlx_vlm.models.glm5_next.language": (
+        "mlx_vlm/models/glm5_next/language.py", "478b285c862e09a6c2c9289af702e5644f50445a2aea3a1c5de086455f1c0d9c"),
+}
+
+
+def patch_of(module: str, *edits: Edit) -> FilePatch:
+    """A ``FilePatch`` of ``module``'s pinned pristine file."""
+    relpath, sha256 = PRISTINE[module]
+    return FilePatch(module=module, relpath=relpath, sha256=sha256, edits=tuple(edits))
