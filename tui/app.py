@@ -132,6 +132,8 @@ class DashboardApp(App[None]):
         worker = event.worker
         if worker.group != "poll" or event.state not in (WorkerState.SUCCESS, WorkerState.ERROR):
             return
+        if not self._screen_is_up():  # a poll that finished while the app was shutting down
+            return
         if event.state == WorkerState.SUCCESS:
             self.state.apply_snapshot(worker.result)
             self._backoff = 0.5
@@ -177,6 +179,8 @@ class DashboardApp(App[None]):
 
     def on_events_arrived(self, _: EventsArrived) -> None:
         self._woken.clear()
+        if not self._screen_is_up():
+            return
         fresh = False
         while True:
             try:
@@ -194,6 +198,10 @@ class DashboardApp(App[None]):
                 self.query_one(LivePane).update_stream(self.state)
 
     # ------------------------------------------------------------------ rendering
+
+    def _screen_is_up(self) -> bool:
+        """False once the app is closing and its widgets are gone (messages may still arrive)."""
+        return not self.closing.is_set() and bool(self.query(ServerHeader))
 
     def _render_header(self) -> None:
         mode = Mode(paused=self.paused, read_only=self.read_only, refresh_s=self.refresh_s)
