@@ -317,3 +317,16 @@ def assert_same_output(warm: dict[str, Any], cold: dict[str, Any], tol: float = 
         else:
             value = warm_top.get(token, cold_top.get(token))
             assert abs(value - floor) <= tol, f"top-k differs beyond a tie: {warm_top} vs {cold_top}"
+
+
+def reply_text(answer: dict[str, Any]) -> str:
+    """The assistant's reply, as the next turn re-sends it (never empty)."""
+    return answer["choices"][0]["message"]["content"] or "."
+
+
+def cached_tokens(answer: dict[str, Any]) -> int:
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def prompt_tokens(answer: dict[str, Any]) -> int:
+    return int(answer["usage"]["prompt_tokens"])

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from server_harness import PatchedServer, text
+from server_harness import cached_tokens, PatchedServer, prompt_tokens, reply_text, text
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +28,6 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     srv.start()
     yield srv
     srv.stop()
-
-
-def _reply(answer: dict[str, Any]) -> str:
-    return answer["choices"][0]["message"]["content"] or "."
-
-
-def _cached(answer: dict[str, Any]) -> int:
-    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-
-def _prompt(answer: dict[str, Any]) -> int:
-    return int(answer["usage"]["prompt_tokens"])
 
 
 def _last_restore(server: PatchedServer, before: int) -> dict[str, str]:
@@ -78,12 +66,12 @@ def test_multi_turn_hits_its_lineage_and_keeps_one_entry(server: PatchedServer) 
     prompts, cached, kinds = [], [], []
     for turn in range(4):
         answer, line = _chat_logged(server, messages, tenant=tenant, max_tokens=4)
-        prompts.append(_prompt(answer))
-        cached.append(_cached(answer))
+        prompts.append(prompt_tokens(answer))
+        cached.append(cached_tokens(answer))
         kinds.append(line["kind"])
         assert int(line["prompt"]) == prompts[-1]
         assert int(line["restored"]) == cached[-1]
-        messages += [{"role": "assistant", "content": _reply(answer)},
+        messages += [{"role": "assistant", "content": reply_text(answer)},
                      {"role": "user", "content": text(60, 10 + turn)}]
 
     # Every later turn restores the previous turn's entry, which sits at n - 1.
@@ -107,31 +95,31 @@ def test_edit_regenerate_and_dropped_stream_retry_are_warm(server: PatchedServer
     system = {"role": "system", "content": text(250, 21)}
     turn0 = [system, {"role": "user", "content": text(150, 22)}]
     first, _ = _chat_logged(server, turn0, tenant=tenant, max_tokens=4)
-    turn1 = turn0 + [{"role": "assistant", "content": _reply(first)},
+    turn1 = turn0 + [{"role": "assistant", "content": reply_text(first)},
                      {"role": "user", "content": text(150, 23)}]
     second, line = _chat_logged(server, turn1, tenant=tenant, max_tokens=4)
-    assert line["kind"] == "entry" and _cached(second) == _prompt(first) - 1
+    assert line["kind"] == "entry" and cached_tokens(second) == prompt_tokens(first) - 1
 
     # An edited last message: the previous turn boundary (a final checkpoint) or later.
     edited = turn1[:-1] + [{"role": "user", "content": text(150, 24)}]
     answer, line = _chat_logged(server, edited, tenant=tenant, max_tokens=4)
     assert line["kind"] in ("final", "divergence", "guard", "periodic"), line
-    assert _cached(answer) >= _prompt(first) - 1, (line, _prompt(first))
+    assert cached_tokens(answer) >= prompt_tokens(first) - 1, (line, prompt_tokens(first))
 
     # An edit of the last words only: still at least the turn boundary.
     tail_edit = turn1[:-1] + [{"role": "user", "content": text(146, 23) + " apple banana orange water"}]
     answer, line = _chat_logged(server, tail_edit, tenant=tenant, max_tokens=4)
-    assert line["kind"] != "cold" and _cached(answer) >= _prompt(first) - 1, line
+    assert line["kind"] != "cold" and cached_tokens(answer) >= prompt_tokens(first) - 1, line
 
     # A regenerate (identical resend): the entry at n - 1, and the same greedy reply.
     again, line = _chat_logged(server, turn1, tenant=tenant, max_tokens=4)
     assert line["kind"] == "entry", line
-    assert _cached(again) == _prompt(second) - 1
-    assert _reply(again) == _reply(second)
+    assert cached_tokens(again) == prompt_tokens(second) - 1
+    assert reply_text(again) == reply_text(second)
 
     # A retry after a dropped stream: the dropped request committed its entry at the end of
     # prefill (before its first token), so the retry restores it at n - 1.
-    turn2 = turn1 + [{"role": "assistant", "content": _reply(second)},
+    turn2 = turn1 + [{"role": "assistant", "content": reply_text(second)},
                      {"role": "user", "content": text(120, 25)}]
     before = len(server.lineage_lines("restore"))
     chunks = server.stream_and_drop(turn2, chunks=2, tenant=tenant, max_tokens=200)
@@ -140,15 +128,15 @@ def test_edit_regenerate_and_dropped_stream_retry_are_warm(server: PatchedServer
     lines = server.lineage_lines("restore")
     assert len(lines) == before + 2, server.log_tail()
     dropped_line, retry_line = lines[-2], lines[-1]
-    assert dropped_line["kind"] == "entry" and int(dropped_line["restored"]) == _prompt(second) - 1
+    assert dropped_line["kind"] == "entry" and int(dropped_line["restored"]) == prompt_tokens(second) - 1
     assert retry_line["kind"] == "entry", retry_line
-    assert _cached(retry) == _prompt(retry) - 1
+    assert cached_tokens(retry) == prompt_tokens(retry) - 1
 
     # The server is still healthy and the lineage continues.
-    turn3 = turn2 + [{"role": "assistant", "content": _reply(retry)},
+    turn3 = turn2 + [{"role": "assistant", "content": reply_text(retry)},
                      {"role": "user", "content": text(40, 26)}]
     answer, line = _chat_logged(server, turn3, tenant=tenant, max_tokens=4)
-    assert line["kind"] == "entry" and _cached(answer) == _prompt(retry) - 1
+    assert line["kind"] == "entry" and cached_tokens(answer) == prompt_tokens(retry) - 1
 
 
 def _run_concurrently(calls: list) -> list[Any]:
@@ -197,9 +185,9 @@ def test_parallel_conversations_hit_their_lineages(server: PatchedServer) -> Non
         ])
         for i, answer in enumerate(answers):
             if previous[i] is not None:
-                assert _cached(answer) == _prompt(previous[i]) - 1, (turn, i, answer["usage"])
+                assert cached_tokens(answer) == prompt_tokens(previous[i]) - 1, (turn, i, answer["usage"])
             previous[i] = answer
-            convs[i] = convs[i] + [{"role": "assistant", "content": _reply(answer)},
+            convs[i] = convs[i] + [{"role": "assistant", "content": reply_text(answer)},
                                    {"role": "user", "content": text(50, 40 + 2 * turn + i)}]
     assert _max_in_flight(server, mark) >= 2, "the two conversations never overlapped"
 
@@ -220,15 +208,15 @@ def test_shared_prefix_requests_in_flight_together(server: PatchedServer) -> Non
 
     # Identical prompts in flight together (two clients regenerating at once) also succeed.
     twins = _run_concurrently([(lambda: server.chat(convs[0], tenant=tenant, max_tokens=6))] * 2)
-    assert _reply(twins[0]) == _reply(twins[1])
+    assert reply_text(twins[0]) == reply_text(twins[1])
 
     # The next turn of each lineage restores its own entry.
     for conv, answer in zip(convs, answers):
-        follow = conv + [{"role": "assistant", "content": _reply(answer)},
+        follow = conv + [{"role": "assistant", "content": reply_text(answer)},
                          {"role": "user", "content": text(30, 54)}]
         nxt, line = _chat_logged(server, follow, tenant=tenant, max_tokens=4)
         assert line["kind"] == "entry", line
-        assert _cached(nxt) == _prompt(answer) - 1
+        assert cached_tokens(nxt) == prompt_tokens(answer) - 1
 
 
 @pytest.mark.server

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import pytest
 
-from server_harness import PatchedServer, assert_same_output, text, words
+from server_harness import assert_same_output, PatchedServer, reply_text, text, words
 
 MAX_TOKENS = 8
 PARAMS = {"max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 5}
@@ -56,10 +56,6 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
             server.stop()
 
 
-def _reply(answer: dict[str, Any]) -> str:
-    return answer["choices"][0]["message"]["content"] or "."
-
-
 def _send(server: PatchedServer, messages: list[dict], tenant: str, **extra: Any) -> tuple[dict, dict]:
     before = len(server.lineage_lines("restore"))
     answer = server.chat(messages, tenant=tenant, **PARAMS, **extra)
@@ -77,7 +73,7 @@ def _entry(servers, tenant):
     server = servers["default"]
     turn0 = [{"role": "system", "content": text(300, 201)}, {"role": "user", "content": text(200, 202)}]
     first, _ = _send(server, turn0, tenant)
-    return "default", turn0 + [{"role": "assistant", "content": _reply(first)},
+    return "default", turn0 + [{"role": "assistant", "content": reply_text(first)},
                                {"role": "user", "content": text(80, 203)}], {}
 
 
@@ -85,7 +81,7 @@ def _final(servers, tenant):
     server = servers["default"]
     turn0 = [{"role": "system", "content": text(300, 211)}, {"role": "user", "content": text(200, 212)}]
     first, _ = _send(server, turn0, tenant)
-    turn1 = turn0 + [{"role": "assistant", "content": _reply(first)}]
+    turn1 = turn0 + [{"role": "assistant", "content": reply_text(first)}]
     _send(server, turn1 + [{"role": "user", "content": text(80, 213)}], tenant)
     return "default", turn1 + [{"role": "user", "content": text(80, 214)}], {}
 

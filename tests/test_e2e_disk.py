@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from server_harness import PatchedServer, assert_same_output, text
+from server_harness import assert_same_output, cached_tokens, PatchedServer, prompt_tokens, reply_text, text
 
 PARAMS = {"max_tokens": 8, "logprobs": True, "top_logprobs": 5}
 TENANT = "disk-suite"
@@ -48,18 +48,6 @@ def _cold(server: PatchedServer, messages: list[dict], **extra: Any) -> dict:
     answer, line = _send(server, messages, tenant=f"cold-{uuid.uuid4().hex[:8]}", **extra)
     assert line["kind"] == "cold", line
     return answer
-
-
-def _reply(answer: dict[str, Any]) -> str:
-    return answer["choices"][0]["message"]["content"] or "."
-
-
-def _cached(answer: dict[str, Any]) -> int:
-    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-
-def _prompt(answer: dict[str, Any]) -> int:
-    return int(answer["usage"]["prompt_tokens"])
 
 
 def _files(root: Path) -> list[Path]:
@@ -111,7 +99,7 @@ def test_anchor_is_written_at_once_and_serves_a_restarted_server(tiny_model_dir:
         session = [system, {"role": "user", "content": text(100, 313)}]
         warm, line = _send(second, session)
         assert line["kind"] == "disk", line
-        assert _cached(warm) == anchors[0]["length"]
+        assert cached_tokens(warm) == anchors[0]["length"]
         assert_same_output(warm, _cold(second, session))
         # Promoted: the next session of that system prompt is a RAM anchor hit.
         _, line = _send(second, [system, {"role": "user", "content": text(100, 314)}])
@@ -131,14 +119,14 @@ def test_entry_evicted_from_ram_is_restored_from_disk(tiny_model_dir: Path, tmp_
         conv_a = [{"role": "user", "content": text(600, 321)}]
         a0, _ = _send(server, conv_a)
         _send(server, [{"role": "user", "content": text(600, 322)}])  # evicts A (LRU)
-        _wait_for(lambda: any(e["length"] == _prompt(a0) - 1 for e in _entries(server, "tier=disk")),
+        _wait_for(lambda: any(e["length"] == prompt_tokens(a0) - 1 for e in _entries(server, "tier=disk")),
                   "the evicted entry's disk write", server)
 
-        turn1 = conv_a + [{"role": "assistant", "content": _reply(a0)},
+        turn1 = conv_a + [{"role": "assistant", "content": reply_text(a0)},
                           {"role": "user", "content": text(50, 323)}]
         warm, line = _send(server, turn1)
         assert line["kind"] == "disk", line
-        assert _cached(warm) == _prompt(a0) - 1
+        assert cached_tokens(warm) == prompt_tokens(a0) - 1
         assert_same_output(warm, _cold(server, turn1))
     finally:
         server.stop()
@@ -154,7 +142,7 @@ def test_restart_continues_the_conversation_from_disk(tiny_model_dir: Path, tmp_
     try:
         first.start()
         a0, _ = _send(first, turn0)
-        turn1 = turn0 + [{"role": "assistant", "content": _reply(a0)},
+        turn1 = turn0 + [{"role": "assistant", "content": reply_text(a0)},
                          {"role": "user", "content": text(100, 303)}]
         a1, line = _send(first, turn1)
         assert line["kind"] == "entry"
@@ -169,18 +157,18 @@ def test_restart_continues_the_conversation_from_disk(tiny_model_dir: Path, tmp_
     second = PatchedServer(tiny_model_dir, env=_env(disk), log_dir=tmp_path / "two")
     try:
         second.start()
-        turn2 = turn1 + [{"role": "assistant", "content": _reply(a1)},
+        turn2 = turn1 + [{"role": "assistant", "content": reply_text(a1)},
                          {"role": "user", "content": text(60, 304)}]
         warm, line = _send(second, turn2)
         assert line["kind"] == "disk", line
-        assert _cached(warm) == _prompt(a1) - 1, (line, a1["usage"])
+        assert cached_tokens(warm) == prompt_tokens(a1) - 1, (line, a1["usage"])
         assert_same_output(warm, _cold(second, turn2))
 
         # Promoted into RAM: the next turn is an ordinary entry hit.
-        turn3 = turn2 + [{"role": "assistant", "content": _reply(warm)},
+        turn3 = turn2 + [{"role": "assistant", "content": reply_text(warm)},
                          {"role": "user", "content": text(30, 305)}]
         nxt, line = _send(second, turn3)
-        assert line["kind"] == "entry" and _cached(nxt) == _prompt(warm) - 1
+        assert line["kind"] == "entry" and cached_tokens(nxt) == prompt_tokens(warm) - 1
     finally:
         second.stop()
 

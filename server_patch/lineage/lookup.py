@@ -21,11 +21,3 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
         start = stop
     return limit
 
-
-def best_point(points: list[int], limit: int) -> int:
-    """Index of the longest length in ``points`` that is <= ``limit``, or -1."""
-    best, best_len = -1, -1
-    for i, length in enumerate(points):
-        if best_len < length <= limit:
-            best, best_len = i, length
-    return best
