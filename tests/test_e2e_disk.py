@@ -88,7 +88,12 @@ def test_anchor_is_written_at_once_and_serves_a_restarted_server(tiny_model_dir:
     try:
         first.start()
         _send(first, [system, {"role": "user", "content": text(100, 312)}])
+        # The write is queued when the anchor is stored and finishes on the writer thread.
+        deadline = time.monotonic() + 30
         anchors = _entries(first, "kind=anchor")
+        while anchors and anchors[0]["tier"] != "ram+disk" and time.monotonic() < deadline:
+            time.sleep(0.1)
+            anchors = _entries(first, "kind=anchor")
         assert len(anchors) == 1 and anchors[0]["tier"] == "ram+disk", anchors
     finally:
         _stop_gracefully(first)
