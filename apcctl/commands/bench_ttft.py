@@ -181,6 +181,8 @@ def _server_split(server: BenchServer, seen: dict[str, int]) -> tuple[dict[str, 
     firsts = re.findall(r"time_to_first_token=([\d.]+)s", text)
     if len(firsts) > seen.get("first", 0):
         split["server_ttft_ms"] = float(firsts[-1]) * 1000
+    if len(restores) > seen.get("restore", 0):
+        split["kv_lent"] = 1.0 if restores[-1].get("kv") == "lent" else 0.0
     commits = _lines(text, "apc_copyfree commit ")
     mode = commits[-1].get("mode", "") if len(commits) > seen.get("commit", 0) else ""
     seen.update(restore=len(restores), timing=len(timings), prefill=len(prefills), first=len(firsts),
@@ -366,6 +368,8 @@ def summarize(turns: list[Turn]) -> dict[str, Any]:
         "kv_copied_bytes": median([t.kv_copied() for t in warm]),
         "restored_tokens": median([t.cached_tokens for t in warm]),
         "commit_modes": sorted({t.commit_mode or "immediate" for t in warm}),
+        # warm turns whose restored KV was the entry's own buffer, lent (no merge copy)
+        "lent_turns": sum(1 for t in warm if t.server.get("kv_lent")),
     }
     for key in ("lookup_ms", "admission_ms", "prefill_ms", "commit_ms", "prefill_elapsed_ms", "server_ttft_ms"):
         values = [t.server[key] for t in warm if key in t.server]
@@ -415,6 +419,7 @@ def render(result: dict[str, Any]) -> str:
     per_token = kv_one / forward["context"]  # latent + index bytes per token (one KV copy)
     row("KV copied per warm turn", lambda x: f"{x['kv_copied_bytes'] / 1e6:,.0f} MB "
         f"({x['kv_copied_bytes'] / (per_token * x['restored_tokens']):.2f}x KV)")
+    row("warm turns lent the entry's buffer", lambda x: f"{x.get('lent_turns', 0)} of {x['warm_turns']}")
     row("commit", lambda x: ", ".join(x.get("commit_modes", [])))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))

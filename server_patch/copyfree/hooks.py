@@ -4,10 +4,12 @@
   now opt-in (``server_patch.copyfree.pool``);
 * ``attach(generator)``: a ``BatchGenerator`` introduces itself to its APC coordinator;
 * ``joining(generator, gen_batch)``: before a finished prompt batch joins the decoding batch;
-* ``leaving(batch, keep)``: before ``GenerationBatch.filter`` drops the rows not in ``keep``.
+* ``leaving(batch, keep)``: before ``GenerationBatch.filter`` drops the rows not in ``keep``;
+* ``removing(generator, uid)``: before a cancelled request's row leaves the prompt batch.
 
-The last two let the lineage coordinator adopt a lone request's KV buffer at the moment
-nothing writes it any more (``LineageCoordinator.rows_leaving`` / ``batches_joining``).
+These let the lineage coordinator adopt a lone request's KV buffer at the moment nothing
+writes it any more (``LineageCoordinator.rows_leaving`` / ``batches_joining``), and end a
+buffer loan when its borrower goes (``request_removed``).
 """
 
 from __future__ import annotations
@@ -62,3 +64,14 @@ def leaving(batch: Any, keep: Sequence[int]) -> None:
         coordinator.rows_leaving(batch, keep)
     except Exception as exc:
         log.warning("apc_copyfree leave hook failed: %s", exc)
+
+
+def removing(generator: Any, uid: Any) -> None:
+    coordinator = getattr(generator, "apc", None)
+    request_removed = getattr(coordinator, "request_removed", None)
+    if not callable(request_removed):
+        return
+    try:
+        request_removed(uid)
+    except Exception as exc:
+        log.warning("apc_copyfree remove hook failed: %s", exc)

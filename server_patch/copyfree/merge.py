@@ -35,21 +35,30 @@ def capacity(needed: int) -> int:
 
 
 def merge_rows(row_caches: Sequence[Sequence[Any]], prefix_lens: Sequence[int],
-               suffix_lens: Sequence[int], reserve: int) -> Optional[list[Any]]:
-    """Batch caches of ``row_caches`` (one list of per-layer caches per row), or None."""
+               suffix_lens: Sequence[int], reserve: int, *, headroom: int = 0,
+               lend: bool = False) -> Optional[list[Any]]:
+    """Batch caches of ``row_caches`` (one list of per-layer caches per row), or None.
+
+    ``headroom``: rows allocated past ``reserve`` (room for later turns of a lone request).
+    ``lend``: a lone row whose KV caches hold a lent buffer with room for the suffix and the
+    reserve becomes the batch cache around that very buffer: no copy, appends in place.
+    """
     if not row_caches or len(row_caches) != len(prefix_lens):
         return None
     layers = len(row_caches[0])
     if any(len(row) != layers for row in row_caches):
         return None
     rows_needed = max(prefix_lens) + max(suffix_lens, default=0) + reserve
-    cap = capacity(rows_needed)
+    cap = capacity(rows_needed + headroom)
+    in_place = rows_needed if lend and len(row_caches) == 1 else 0
     out = []
     for i in range(layers):
-        merged = _merge([row[i] for row in row_caches], prefix_lens, cap)
+        merged = _merge([row[i] for row in row_caches], prefix_lens, cap, in_place)
         if merged is None:
             return None
         out.append(merged)
+    if in_place:
+        _release_kv(row_caches[0])  # the batch caches are now the buffers' only holders
     targets: list[mx.array] = []
     for cache in out:
         counter.collect_arrays(cache.state, targets)
@@ -57,11 +66,20 @@ def merge_rows(row_caches: Sequence[Sequence[Any]], prefix_lens: Sequence[int],
     return out
 
 
-def _merge(entries: list[Any], prefix_lens: Sequence[int], cap: int) -> Any:
+def _release_kv(caches: Sequence[Any]) -> None:
+    for cache in caches:
+        for child in (cache.caches if type(cache) is CacheList else (cache,)):
+            if type(child) is KVCache:
+                child.keys = child.values = None
+
+
+def _merge(entries: list[Any], prefix_lens: Sequence[int], cap: int, in_place: int) -> Any:
     if all(type(e) is KVCache for e in entries):
+        if in_place and entries[0].keys is not None and int(entries[0].keys.shape[2]) >= in_place:
+            return adopt_kv(entries[0])
         return merge_kv(entries, cap)
     if all(type(e) is CacheList for e in entries):
-        children = [_merge([e.caches[j] for e in entries], prefix_lens, cap)
+        children = [_merge([e.caches[j] for e in entries], prefix_lens, cap, in_place)
                     for j in range(len(entries[0].caches))]
         return None if any(c is None for c in children) else CacheList(*children)
     return merge_cache_entries(entries, prefix_lens)  # small snapshot layers: stock merges
@@ -99,6 +117,18 @@ def merge_kv(rows: Sequence[KVCache], cap: int) -> BatchKVCache:
     if counter.enabled():
         row_bytes = sum(_row_bytes(r) * n for r, n in zip(rows, lengths))
         counter.add("merge", row_bytes, kind="kv")
+    return cache
+
+
+def adopt_kv(row: KVCache) -> BatchKVCache:
+    """A one-row ``BatchKVCache`` around ``row``'s own buffers: the suffix is written into
+    the spare rows in place, as long as nothing else references them (``merge_rows`` takes
+    them from the row once every layer merged)."""
+    length = int(row.offset)
+    cache = BatchKVCache([0])
+    cache.keys, cache.values = row.keys, row.values
+    cache.offset += length
+    cache._idx = length
     return cache
 
 

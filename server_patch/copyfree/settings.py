@@ -11,6 +11,8 @@ from server_patch.envconfig import env_values
 _ENV = {
     "enabled": "APC_COPYFREE",
     "adopt": "APC_COPYFREE_ADOPT",
+    "lend": "APC_COPYFREE_LEND",
+    "lend_headroom": "APC_COPYFREE_LEND_HEADROOM",
     "decode_reserve": "APC_COPYFREE_DECODE_RESERVE",
     "adopt_dead_fraction": "APC_COPYFREE_ADOPT_DEAD_FRACTION",
     "adopt_dead_min": "APC_COPYFREE_ADOPT_DEAD_MIN",
@@ -29,8 +31,15 @@ class CopyFreeSettings:
     enabled: bool = True
     # Adopt a lone request's own KV buffer at its end instead of copying its row at prefill end.
     adopt: bool = True
+    # Lend an entry's own buffer to the lone request that extends it: the request appends in
+    # place and the warm turn copies no KV at all (needs ``adopt``: only adopted buffers have
+    # room past the entry).
+    lend: bool = True
     # Tokens of decode headroom the merge allocates past prompt end (stock regrows in 256 steps).
     decode_reserve: int = 256
+    # Extra rows a lone request's merge allocates, so the next turns of its conversation fit
+    # in the adopted buffer and are lent it instead of copying it.
+    lend_headroom: int = 512
     # Adopt only while the rows past the entry (decode, headroom) are at most this fraction of
     # it, or this many rows; a longer reply is compacted by one copy instead.
     adopt_dead_fraction: float = 0.25
@@ -47,11 +56,15 @@ class CopyFreeSettings:
         env = os.environ if env is None else env
         values = env_values(cls, _ENV, env)
         settings = replace(cls(), **values)
-        if settings.decode_reserve < 0 or settings.adopt_dead_min < 0 or settings.adopt_dead_fraction < 0:
+        if min(settings.decode_reserve, settings.lend_headroom, settings.adopt_dead_min) < 0 or settings.adopt_dead_fraction < 0:
             raise ValueError("copy-free reserves and adoption limits must be >= 0")
         if settings.pool_limit_gb < 0 or settings.pool_idle_s < 0:
             raise ValueError("APC_POOL_LIMIT_GB and APC_POOL_IDLE_S must be >= 0")
         return settings
+
+    @property
+    def lending(self) -> bool:
+        return self.enabled and self.adopt and self.lend
 
     def adoptable(self, length: int, capacity: int) -> bool:
         """Whether a buffer of ``capacity`` rows may back an entry of ``length`` rows."""

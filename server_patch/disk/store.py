@@ -206,7 +206,9 @@ class DiskStore:
             "pinned": "1" if entry.pinned else "0",
             "label": entry.label,
             "checkpoints": json.dumps([[c.length, c.kind] for c in checkpoints]),
-            "kv_meta": json.dumps(_flatten("kv", kv.layers, tensors)),
+            # Rows past the entry (an adopted buffer's spare room) are not state: cut them.
+            # Raises while the rows are lent to a running request (the entry stays dirty).
+            "kv_meta": json.dumps(_flatten("kv", kv.trimmed_layers(), tensors)),
             "head_meta": json.dumps(_flatten("head", head.layers, tensors)),
             "cp_meta": json.dumps([_flatten(f"cp{i}", c.state.layers, tensors)
                                    for i, c in enumerate(checkpoints)]),

@@ -7,7 +7,9 @@ from the lineage policy:
 
 * ``lookup``: the policy's restore point, built as truncated views (no restore clone);
 * ``merge_rows``: the one copy of a warm turn, into batch buffers with room for the suffix
-  and a decode reserve (``server_patch.copyfree.merge``);
+  and a decode reserve (``server_patch.copyfree.merge``); or no copy at all when a lone
+  request extends an entry whose adopted buffer has room: the entry lends it the buffer
+  (``server_patch.copyfree.lease``) and gets it back, or is absorbed, when the request ends;
 * ``checkpoint_lengths``: the policy's captures (anchor, divergence, periodic, guard,
   segments) plus the prefill end n-1, where the entry is committed;
 * ``store_checkpoint``: a capture takes references to the snapshot layers only. At the
@@ -36,7 +38,9 @@ import numpy as np
 from mlx_vlm.apc_coordinator import APCCoordinator
 
 from server_patch.copyfree import counter, pool
+from server_patch.copyfree import lease as lending
 from server_patch.copyfree import merge as copyfree_merge
+from server_patch.copyfree.lease import Lease
 from server_patch.copyfree.settings import CopyFreeSettings
 from server_patch.integration import segments as SEGMENTS
 from server_patch.integration.runtime import LineageRuntime, runtime_for
@@ -92,6 +96,7 @@ class LineageCoordinator(APCCoordinator):
             counter.install()
         self._generator: Callable[[], Any] | None = None
         self._deferred: dict[Any, Deferred] = {}
+        self._leases: dict[tuple[int, int], Lease] = {}
 
     def attach_generator(self, generator: Any) -> None:
         """The batch generator this coordinator serves (weakly): who else is decoding."""
@@ -115,15 +120,24 @@ class LineageCoordinator(APCCoordinator):
         plan = cache.lookup(prompt, namespace)
         if self._deferred and self._surface_deferred(prompt, namespace, plan.length):
             plan = cache.lookup(prompt, namespace)
+        reclaimed: set[str] = set()
+        if self._leases and self._sweep_leases(plan, reclaimed):
+            plan = cache.lookup(prompt, namespace)  # an entry was dropped: plan again
         origin = plan
         if plan.tier == "disk" and self.runtime.disk is not None:
             loaded = self.runtime.disk.load(plan.record)
             cache.promote(plan.record, loaded)
             plan = cache.lookup(prompt, namespace)
         warm = None
+        lent = False
         if plan.hit and plan.length >= safe_lookup_min and suffix_is_text_only(plan.length):
             try:
-                warm = layout.build(plan.entry.kv, plan.state, plan.length)
+                if key not in self._leases and plan.entry.id not in reclaimed and self._may_lend(plan):
+                    warm = lending.lend(layout, plan.entry.kv, plan.state, plan.length)
+                    self._leases[key] = Lease(plan.entry, key, list(warm))
+                    lent = True
+                else:
+                    warm = layout.build(plan.entry.kv, plan.state, plan.length)
             except Exception as exc:  # fail closed: a cold prefill, never garbage
                 log.warning("apc_lineage restore of %s at %d failed: %s", plan.entry.id, plan.length, exc)
         self._remember(key, Pending(prompt, namespace, plan if warm is not None else _cold(plan)))
@@ -135,6 +149,7 @@ class LineageCoordinator(APCCoordinator):
         record.restore_kind = "disk" if origin.tier == "disk" else plan.kind
         record.restored_tokens = plan.length
         record.entry_id = plan.entry.id
+        record.kv_admission = "lent" if lent else "copied"
         record.admission_ms = record.lookup_ms
         return {"matched_blocks": [], "warm_cache": warm, "prefix_len": plan.length,
                 "extra_hash": extra_hash, "full_input_ids": list(token_ids), "cache_plan": self.plan}
@@ -167,9 +182,20 @@ class LineageCoordinator(APCCoordinator):
             totals = [len(p["full_input_ids"]) if p else n for p, n in zip(picks, prefix_lens)]
         suffixes = [max(0, total - n) for total, n in zip(totals, prefix_lens)]
         row_caches = [p["warm_cache"] if p is not None else self.fresh_cache() for p in picks]
-        caches = copyfree_merge.merge_rows(row_caches, prefix_lens, suffixes, self.copyfree.decode_reserve)
+        leases = [self._leases.get(prompt_key(as_tokens(p["full_input_ids"]))) if p else None for p in picks]
+        lone = leases[0] if len(picks) == 1 else None
+        for lease in leases:
+            if lease is not None and lease is not lone:  # rows sharing a batch: the merge copies
+                self._end_lease(lease, reason="batch")
+        headroom = self.copyfree.lend_headroom if len(picks) == 1 and self.copyfree.lending else 0
+        caches = copyfree_merge.merge_rows(row_caches, prefix_lens, suffixes, self.copyfree.decode_reserve,
+                                           headroom=headroom, lend=lone is not None)
         if caches is None:
+            if lone is not None:
+                self._end_lease(lone, reason="fallback")
             return None
+        if lone is not None:
+            lone.holder, lone.merged = list(caches), True
         with self.manager.lock:
             self.manager.stats.restored_tokens += sum(prefix_lens)
         return caches, max(prefix_lens) if prefix_lens else 0
@@ -180,7 +206,11 @@ class LineageCoordinator(APCCoordinator):
             return
         for uid, meta in zip(uids, metas):
             if meta is not None and "full_input_ids" in meta:
-                self.runtime.timings.bind(uid, prompt_key(as_tokens(meta["full_input_ids"])))
+                key = prompt_key(as_tokens(meta["full_input_ids"]))
+                self.runtime.timings.bind(uid, key)
+                lease = self._leases.get(key)
+                if lease is not None and lease.uid is None:
+                    lease.uid = uid
 
     # ------------------------------------------------------------------ captures
 
@@ -248,6 +278,8 @@ class LineageCoordinator(APCCoordinator):
             pending.taken[pending.final] = (ANCHOR, head)
         entry = self.runtime.cache.commit(pending.tokens, kv=kv, head=head, captures=pending.taken,
                                           namespace=pending.namespace, anchor_label=pending.anchor_label)
+        if self._leases:
+            self._settle_leases()
         return entry is not None
 
     def _note_commit(self, pending: Pending, uid: Any, start: float) -> None:
@@ -271,7 +303,7 @@ class LineageCoordinator(APCCoordinator):
 
     def rows_leaving(self, batch: Any, keep: Sequence[int]) -> None:
         """``GenerationBatch.filter``: rows not in ``keep`` stop writing their caches now."""
-        if not self._deferred:
+        if not self._deferred and not self._leases:
             return
         kept = set(keep)
         alone = len(batch.uids) == 1
@@ -279,11 +311,13 @@ class LineageCoordinator(APCCoordinator):
             if i not in kept and uid in self._deferred:
                 self._resolve(self._deferred.pop(uid), list(batch.prompt_cache), i, adopt=alone,
                               reason="end")
+            if i not in kept:
+                self._end_lease_of(uid, batch.prompt_cache if alone else None, reason="end")
 
     def batches_joining(self, existing: Any, incoming: Any) -> None:
         """Before ``existing.extend(incoming)``: a lone row's buffer is about to be replaced by
         the concatenation, so it can be adopted as it is."""
-        if not self._deferred or len(existing) == 0:
+        if (not self._deferred and not self._leases) or len(existing) == 0:
             return
         for batch in (existing, incoming):
             alone = len(batch.uids) == 1
@@ -291,6 +325,11 @@ class LineageCoordinator(APCCoordinator):
                 if uid in self._deferred:
                     self._resolve(self._deferred.pop(uid), list(batch.prompt_cache), i, adopt=alone,
                                   reason="join")
+                self._end_lease_of(uid, batch.prompt_cache if alone else None, reason="join")
+
+    def request_removed(self, uid: Any) -> None:
+        """A request is taken out of the prompt batch mid-prefill: its loan ends now."""
+        self._end_lease_of(uid, None, reason="removed")
 
     def _surface_deferred(self, prompt: np.ndarray, namespace: str, restorable: int) -> bool:
         """Commit deferred entries a lookup would restore from (or that nobody writes any more)."""
@@ -339,6 +378,66 @@ class LineageCoordinator(APCCoordinator):
         log.info("apc_copyfree commit uid=%s mode=%s reason=%s tokens=%d kv_bytes=%d buffer_rows=%d "
                  "deferred_s=%.2f ms=%.1f", deferred.uid, "adopt" if adopt else "copy", reason, final,
                  kv.nbytes, capacity, time.monotonic() - deferred.since, elapsed)
+
+    # ------------------------------------------------------------------ lent buffers
+
+    def _may_lend(self, plan: RestorePlan) -> bool:
+        """A lone-request loan is possible: a RAM entry restored at its own head, whose
+        adopted buffer already has room for the suffix and the decode reserve."""
+        if not self.copyfree.lending or plan.checkpoint is not None or plan.entry is None:
+            return False
+        if plan.entry.is_anchor or plan.length != plan.entry.length:
+            return False
+        generator = self._generator() if self._generator is not None else None
+        if generator is None or getattr(generator, "draft_model", None) is not None:
+            return False
+        rows_needed = plan.prompt_len + self.copyfree.decode_reserve
+        return lending.lendable(plan.entry.kv, plan.length, rows_needed)
+
+    def _sweep_leases(self, plan: RestorePlan, reclaimed: set[str]) -> bool:
+        """Before a lookup builds anything: end loans whose rows this prompt needs, loans
+        whose borrower is gone, and loans never merged (their batch was not a lone row).
+        Returns True if an entry had to be dropped."""
+        active = self._active_uids()
+        dropped = False
+        for lease in list(self._leases.values()):
+            if plan.entry is lease.entry:
+                reason = "shared"
+                reclaimed.add(lease.entry.id)
+            elif not lease.merged:
+                reason = "unmerged"
+            elif active is not None and lease.uid is not None and lease.uid not in active:
+                reason = "orphan"
+            else:
+                continue
+            dropped = not self._end_lease(lease, reason=reason) or dropped
+        return dropped
+
+    def _end_lease_of(self, uid: Any, caches: Optional[Sequence[Any]], *, reason: str) -> None:
+        for lease in list(self._leases.values()):
+            if lease.uid == uid and uid is not None:
+                self._end_lease(lease, caches, reason=reason)
+
+    def _end_lease(self, lease: Lease, caches: Optional[Sequence[Any]] = None, *, reason: str) -> bool:
+        """Give the lent rows back to their entry (or drop the entry if they are gone)."""
+        assert self.runtime is not None
+        self._leases.pop(lease.key, None)
+        cache = self.runtime.cache
+        kept = lending.give_back(self.runtime.layout, lease, caches, still_stored=cache.holds)
+        if not kept:
+            cache.drop(lease.entry.id, "lent rows lost")
+        log.info("apc_copyfree loan of entry %s ended: %s%s", lease.entry.id, reason,
+                 "" if kept else " (entry dropped)")
+        return kept
+
+    def _settle_leases(self) -> None:
+        """Loans whose entry was absorbed (by the borrower's own entry) or evicted are over:
+        the buffer belongs to whoever writes it now."""
+        assert self.runtime is not None
+        for lease in list(self._leases.values()):
+            if not self.runtime.cache.holds(lease.entry):
+                del self._leases[lease.key]
+                log.info("apc_copyfree loan of entry %s ended: absorbed", lease.entry.id)
 
     def commit(self, prompt_cache, token_ids, *, batch_idx=None, extra_hash=0,
                skip_first_n_tokens=0, blocks_in_use=()) -> bool:

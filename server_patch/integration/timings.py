@@ -30,6 +30,9 @@ class RequestTiming:
     restore_kind: str = "cold"
     restored_tokens: int = 0
     entry_id: str = ""
+    # How the restored KV reached the batch: "lent" (the entry's own buffer, no copy),
+    # "copied" (the one merge copy), "" (cold).
+    kv_admission: str = ""
     lookup_ms: float = 0.0
     admission_ms: float = 0.0
     prefill_ms: float = 0.0
@@ -96,7 +99,7 @@ class TimingBook:
         log.info("apc_lineage restore %s", _fmt(
             request=record.request_id, kind=record.restore_kind, restored=record.restored_tokens,
             prompt=record.prompt_tokens, lookup_ms=record.lookup_ms,
-            admission_ms=record.admission_ms, entry=record.entry_id or "-"))
+            admission_ms=record.admission_ms, kv=record.kv_admission or "-", entry=record.entry_id or "-"))
 
     def first_token(self, uid: Any, request_id: str, ttft_s: float) -> None:
         with self._lock:

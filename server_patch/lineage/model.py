@@ -83,6 +83,12 @@ class Entry:
         return int(self.kv.nbytes) + int(self.head.nbytes) + sum(c.nbytes for c in self.checkpoints)
 
     @property
+    def lent(self) -> bool:
+        """Its KV rows are lent to the running request that extends them: not evictable nor
+        writable until the request ends (its own entry then absorbs this one)."""
+        return bool(getattr(self.kv, "lent", False))
+
+    @property
     def checkpoint_bytes(self) -> int:
         return sum(c.nbytes for c in self.checkpoints)
 

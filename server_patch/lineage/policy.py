@@ -455,8 +455,9 @@ class LineageCache:
             self._evict_ram(victim, "ram budget")
 
     def _lru_victim(self, keep: Entry | None) -> Entry | None:
-        ordinary = [e for e in self._entries.values() if not (e.is_anchor and e.pinned)]
-        pinned = [e for e in self._entries.values() if e.is_anchor and e.pinned]
+        candidates = [e for e in self._entries.values() if not e.lent]
+        ordinary = [e for e in candidates if not (e.is_anchor and e.pinned)]
+        pinned = [e for e in candidates if e.is_anchor and e.pinned]
         for group in (ordinary, pinned):
             others = [e for e in group if e is not keep]
             if others:
@@ -480,7 +481,7 @@ class LineageCache:
         with self.lock:
             now = self.clock() if now is None else now
             idle = [e for e in self._entries.values()
-                    if e.dirty and now - e.last_used >= self.config.disk_write_delay_s]
+                    if e.dirty and not e.lent and now - e.last_used >= self.config.disk_write_delay_s]
             for entry in idle:
                 self._write(entry)
             return len(idle)
@@ -490,7 +491,7 @@ class LineageCache:
         if self.disk is None:
             return 0
         with self.lock:
-            dirty = [e for e in self._entries.values() if e.dirty]
+            dirty = [e for e in self._entries.values() if e.dirty and not e.lent]
             for entry in dirty:
                 self._write(entry)
             return len(dirty)
@@ -623,6 +624,22 @@ class LineageCache:
             self.stats["operator_evictions"] += 1
             self._emit(Event("evict", entry_id, (entry or record).length, freed, "operator"))
             return freed
+
+    def drop(self, entry_id: str, reason: str) -> bool:
+        """Forget a RAM entry whose state can no longer be trusted; its disk file, if any,
+        holds an older valid state and stays. Returns whether it was there."""
+        with self.lock:
+            entry = self._entries.pop(entry_id, None)
+            if entry is None:
+                return False
+            self.stats["dropped"] += 1
+            self._emit(Event("evict", entry.id, entry.length, entry.nbytes, reason))
+            return True
+
+    def holds(self, entry: Entry) -> bool:
+        """Whether ``entry`` (this very object) is still one of the stored entries."""
+        with self.lock:
+            return self._entries.get(entry.id) is entry
 
     def clear(self) -> None:
         """Forget RAM entries (disk files stay); mlx-vlm's /cache/reset semantics."""

@@ -9,12 +9,12 @@ so holding references never lets a later write change a stored state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import mlx.core as mx
 
-from server_patch.state.registry import DERIVED, Arrays, Codec, codec_for, is_composite
+from server_patch.state.registry import DERIVED, Arrays, Codec, codec_for, is_composite, ref
 
 
 @dataclass(frozen=True)
@@ -41,14 +41,26 @@ def _row_arrays(child: Arrays) -> list[tuple[str, mx.array]]:
 
 @dataclass
 class MlxKV:
-    """KV handle: per layer, per child, the append-only arrays (views up to ``length``)."""
+    """KV handle: per layer, per child, the append-only arrays.
+
+    An array may hold more rows than ``length`` (an adopted request buffer keeps its spare
+    capacity, so a later turn can be lent the buffer and write past ``length`` in place);
+    rows past ``length`` are not part of the state. While the buffer is lent (``lend``) the
+    handle holds no arrays at all: a held reference would turn the borrower's in-place
+    writes into copies.
+    """
 
     layers: list[list[Arrays]]
     length: int
+    lent: bool = False
+    _lent_nbytes: int = 0
+    _lent_keys: list[list[frozenset[str]]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the used rows only, not of the buffers behind the views."""
+        if self.lent:
+            return self._lent_nbytes
         total = 0
         for layer in self.layers:
             for child in layer:
@@ -79,6 +91,68 @@ class MlxKV:
 
     def arrays(self) -> list[mx.array]:
         return [v for layer in self.layers for child in layer for _, v in _row_arrays(child)]
+
+    def capacity(self, key: str = "keys") -> int:
+        """Rows every ``key`` array can hold (0 if there is none): the lendable room."""
+        rows = [int(child[key].shape[_ROW_AXIS[key]]) for layer in self.layers for child in layer
+                if isinstance(child.get(key), mx.array)]
+        return min(rows) if rows else 0
+
+    def trimmed_layers(self) -> list[list[Arrays]]:
+        """The layers with every array cut to ``length`` rows (what a disk file holds)."""
+        # Another thread (the disk writer) may call this while the generation thread lends or
+        # takes back the rows: read the layers once, and trust them only if no loan began or
+        # ended meanwhile (``lend`` raises the flag before it swaps, ``give_back`` after).
+        layers = self.layers
+        if self.lent or self.layers is not layers:
+            raise RuntimeError("KV rows are lent to a running request")
+        out = []
+        for layer in layers:
+            out_layer = []
+            for child in layer:
+                cut = dict(child)
+                for key, value in _row_arrays(child):
+                    keep = _kept_rows(key, child, self.length)
+                    if int(value.shape[_ROW_AXIS[key]]) > keep:
+                        index = [slice(None)] * value.ndim
+                        index[_ROW_AXIS[key]] = slice(0, keep)
+                        cut[key] = value[tuple(index)]
+                out_layer.append(cut)
+            out.append(out_layer)
+        return out
+
+    def lend(self, keys: tuple[str, ...] = ("keys", "values")) -> list[list[Arrays]]:
+        """Hand the ``keys`` arrays over and forget them; ``give_back`` ends the loan.
+
+        Returned are fresh array objects over the same buffers, evaluated here (call on the
+        thread that will write them). Other arrays (pooled windows) stay in the handle.
+        """
+        nbytes = self.nbytes
+        taken: list[list[Arrays]] = []
+        kept: list[list[Arrays]] = []
+        for layer in self.layers:
+            taken_layer, kept_layer = [], []
+            for child in layer:
+                taken_layer.append({k: ref(v) for k, v in child.items() if k in keys and isinstance(v, mx.array)})
+                kept_layer.append({k: v for k, v in child.items() if k not in keys})
+            taken.append(taken_layer)
+            kept.append(kept_layer)
+        mx.eval([v for layer in taken for child in layer for v in child.values()])
+        self._lent_keys = [[frozenset(child) for child in layer] for layer in taken]
+        self._lent_nbytes, self.lent = nbytes, True
+        self.layers = kept  # after the flag: a reader holds the old lists or sees the loan
+        return taken
+
+    def give_back(self, taken: list[list[Arrays]]) -> None:
+        """End a loan: ``taken`` (same structure ``lend`` returned) joins the kept arrays."""
+        if not self.lent:
+            raise RuntimeError("these KV rows are not lent")
+        if [[frozenset(child) for child in layer] for layer in taken] != self._lent_keys:
+            raise ValueError("the returned KV rows do not match what was lent")
+        merged = [[{**kept, **back} for kept, back in zip(kept_layer, back_layer)]
+                  for kept_layer, back_layer in zip(self.layers, taken)]
+        mx.eval([v for layer in taken for child in layer for v in child.values()])
+        self.layers, self.lent, self._lent_nbytes, self._lent_keys = merged, False, 0, []
 
 
 @dataclass
@@ -175,6 +249,45 @@ class CacheLayout:
             else:
                 caches.append(built[0])
         return caches
+
+
+    def build_lent(self, kv: MlxKV, lent: list[list[Arrays]], snapshot: MlxSnapshot,
+                   length: int) -> list[Any]:
+        """Like ``build``, but every KV child gets the lent buffers themselves (``MlxKV.lend``),
+        spare rows included, so the request appends at ``length`` in place. ``lent`` is
+        consumed: the caches are then the buffers' only holders."""
+        if kv.lent is False or length != kv.length:
+            raise ValueError("a lent build restores a lent entry at its own length")
+        if any(int(child["keys"].shape[2]) < length for layer in lent for child in layer if "keys" in child):
+            raise ValueError("a lent buffer is shorter than its entry")
+        caches = self.build(kv, snapshot, length)
+        for cache, layer, taken_layer in zip(caches, self.layers, lent):
+            children = list(cache.caches) if layer.composite else [cache]
+            for codec, child, taken in zip(layer.codecs, children, taken_layer):
+                if codec.name == "kv" and "keys" in taken:
+                    child.keys, child.values = taken.pop("keys"), taken.pop("values")
+                    child.offset = length
+        return caches
+
+    def lent_rows(self, caches: Sequence[Any], length: int) -> list[list[Arrays]]:
+        """The inverse of ``build_lent``: references to the KV buffers one-row ``caches`` hold
+        now (restored ``KVCache`` rows, or the lone row of a ``BatchKVCache``), in the shape
+        ``MlxKV.give_back`` takes. Raises if a buffer no longer holds ``length`` rows at row 0."""
+        out = []
+        for layer in self._children(caches):
+            out_layer: list[Arrays] = []
+            for codec, child in layer:
+                keys = getattr(child, "keys", None) if codec.name == "kv" else None
+                if keys is None:
+                    out_layer.append({})
+                    continue
+                padding = getattr(child, "left_padding", None)
+                if int(keys.shape[0]) != 1 or int(keys.shape[2]) < length or \
+                        (padding is not None and int(padding[0].item()) != 0):
+                    raise ValueError("the lent buffer's rows moved (batch shape changed)")
+                out_layer.append({"keys": ref(keys), "values": ref(child.values)})
+            out.append(out_layer)
+        return out
 
 
 def derived_children(language_model: Any) -> dict[int, set[int]]:

@@ -5,10 +5,11 @@ never touches the derived projected cache: no KV copy at all. An entry needs the
 
 * ``extract``: rows and snapshot at once, the KV rows copied out of the live buffer (the one
   copy of a commit made while the request keeps writing that buffer);
-* ``kv_rows(copy=False)``: the KV rows as views of the live buffer, truncated to the entry's
-  length, for a buffer nobody will write again (the request ended, or its rows moved to a
-  new batch buffer). The entry then holds the request's own buffer: no copy, and the rows
-  past the entry (decode tokens, spare capacity) are dead weight until the entry goes.
+* ``kv_rows(copy=False)``: the KV rows as views of the live buffer, for a buffer nobody will
+  write again (the request ended, or its rows moved to a new batch buffer). The entry then
+  holds the request's own buffer: no copy. A lone row keeps the whole buffer, so the rows
+  past the entry (decode tokens, spare capacity) are room the next turn can be lent
+  (``server_patch.copyfree.lease``); until then they are dead weight.
 
 Derived children are always skipped. KV rows of row ``idx`` start at its left padding.
 """
@@ -72,6 +73,13 @@ def _kv_row(cache: Any, idx: int | None, length: int, copy: bool) -> Any:
         held = (int(cache._idx) if kind is BatchKVCache else int(cache.offset)) - start
         if held < length:
             raise ValueError(f"row {i} holds {held} KV rows, the entry needs {length}")
+        if not copy and start == 0 and int(cache.keys.shape[0]) == 1:
+            # The row is the whole buffer: keep all of it, spare rows included, so the turn
+            # that extends this entry can be lent the buffer and append in place. The codec
+            # keeps ``offset`` rows; the entry's own length is the handle's.
+            row.keys, row.values = cache.keys, cache.values
+            row.offset = int(cache.keys.shape[2])
+            return row
         rows = slice(start, start + length)
         batch = slice(i, i + 1) if kind is BatchKVCache else slice(None)
         row.keys = _take(cache.keys, (batch, slice(None), rows), copy)

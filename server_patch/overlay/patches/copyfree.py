@@ -5,8 +5,9 @@ tells the lineage coordinator when a request's KV buffer stops being written.
   after every prompt batch joins decode (three places in ``_next``) call
   ``server_patch.copyfree.hooks.clear``, which clears only with ``APC_POOL_CLEAR=1``;
   ``BatchGenerator`` attaches itself to its coordinator, calls ``joining`` before a prompt
-  batch extends the decoding batch, and ``GenerationBatch.filter`` calls ``leaving`` before
-  rows are dropped.
+  batch extends the decoding batch, ``GenerationBatch.filter`` calls ``leaving`` before
+  rows are dropped, and ``BatchGenerator.remove`` calls ``removing`` before a row is taken
+  out of the prompt batch mid-prefill (a cancelled request).
 * server/openai.py: the clear after every non-streaming chat completion and response goes
   through the same opt-in (error paths keep their clears).
 """
@@ -95,6 +96,18 @@ FILE_PATCHES = (
             new=(
                 "    def _extend_generation_batch(self, gen_batch) -> None:\n"
                 "        _apc_copyfree.joining(self, gen_batch)\n"
+            ),
+        ),
+        Edit(
+            name="copyfree.prompt_row_removed",
+            old=(
+                "            if self._prompt_batch is not None and uid in self._prompt_batch.uids:\n"
+                "                self._prompt_batch.remove(uid)\n"
+            ),
+            new=(
+                "            if self._prompt_batch is not None and uid in self._prompt_batch.uids:\n"
+                "                _apc_copyfree.removing(self, uid)\n"
+                "                self._prompt_batch.remove(uid)\n"
             ),
         ),
         Edit(
