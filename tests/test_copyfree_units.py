@@ -98,6 +98,13 @@ def test_settings_from_env_and_adoption_limit():
     assert CopyFreeSettings.from_env({}) == CopyFreeSettings()
     with pytest.raises(ValueError, match="APC_POOL_CLEAR"):
         CopyFreeSettings.from_env({"APC_POOL_CLEAR": "maybe"})
+    # Loans need adopted buffers: off with APC_COPYFREE_LEND=0, APC_COPYFREE_ADOPT=0 or APC_COPYFREE=0.
+    assert s.lend and not s.lending and CopyFreeSettings().lending
+    assert not CopyFreeSettings.from_env({"APC_COPYFREE_LEND": "0"}).lending
+    assert not CopyFreeSettings.from_env({"APC_COPYFREE": "0"}).lending
+    assert CopyFreeSettings.from_env({"APC_COPYFREE_LEND_HEADROOM": "2048"}).lend_headroom == 2048
+    with pytest.raises(ValueError, match=">= 0"):
+        CopyFreeSettings.from_env({"APC_COPYFREE_LEND_HEADROOM": "-1"})
     d = CopyFreeSettings()
     assert d.adoptable(16_000, 16_000 + 2_048) and not d.adoptable(1_000, 1_000 + 2_049)
     assert d.adoptable(40_000, 50_000) and not d.adoptable(40_000, 50_001)

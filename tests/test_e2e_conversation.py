@@ -63,12 +63,13 @@ def test_multi_turn_hits_its_lineage_and_keeps_one_entry(server: PatchedServer) 
     tenant = "conv-multi-turn"
     messages = [{"role": "system", "content": text(300, 1)},
                 {"role": "user", "content": text(120, 2)}]
-    prompts, cached, kinds = [], [], []
+    prompts, cached, kinds, admissions = [], [], [], []
     for turn in range(4):
         answer, line = _chat_logged(server, messages, tenant=tenant, max_tokens=4)
         prompts.append(prompt_tokens(answer))
         cached.append(cached_tokens(answer))
         kinds.append(line["kind"])
+        admissions.append(line["kv"])
         assert int(line["prompt"]) == prompts[-1]
         assert int(line["restored"]) == cached[-1]
         messages += [{"role": "assistant", "content": reply_text(answer)},
@@ -78,6 +79,9 @@ def test_multi_turn_hits_its_lineage_and_keeps_one_entry(server: PatchedServer) 
     assert kinds[1:] == ["entry"] * 3, kinds
     assert cached[1:] == [n - 1 for n in prompts[:-1]], (prompts, cached)
     assert kinds[0] == "cold" and cached[0] == 0
+    # The first warm turn copies the entry once, into a buffer with room; the next turns are
+    # lent the previous entry's own buffer and append in place.
+    assert admissions == ["-", "copied", "lent", "lent"], admissions
 
     # RAM: one conversation entry for this lineage, its earlier turn boundaries as checkpoints.
     namespace = _namespace_of(server, prompts[-1] - 1)

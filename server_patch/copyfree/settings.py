@@ -56,7 +56,8 @@ class CopyFreeSettings:
         env = os.environ if env is None else env
         values = env_values(cls, _ENV, env)
         settings = replace(cls(), **values)
-        if min(settings.decode_reserve, settings.lend_headroom, settings.adopt_dead_min) < 0 or settings.adopt_dead_fraction < 0:
+        rows = (settings.decode_reserve, settings.lend_headroom, settings.adopt_dead_min)
+        if min(rows) < 0 or settings.adopt_dead_fraction < 0:
             raise ValueError("copy-free reserves and adoption limits must be >= 0")
         if settings.pool_limit_gb < 0 or settings.pool_idle_s < 0:
             raise ValueError("APC_POOL_LIMIT_GB and APC_POOL_IDLE_S must be >= 0")

@@ -133,7 +133,8 @@ class MlxKV:
         for layer in self.layers:
             taken_layer, kept_layer = [], []
             for child in layer:
-                taken_layer.append({k: ref(v) for k, v in child.items() if k in keys and isinstance(v, mx.array)})
+                taken_layer.append({k: ref(v) for k, v in child.items()
+                                    if k in keys and isinstance(v, mx.array)})
                 kept_layer.append({k: v for k, v in child.items() if k not in keys})
             taken.append(taken_layer)
             kept.append(kept_layer)
