@@ -48,8 +48,12 @@ def cold_logits(model, n: int) -> mx.array:
 
 
 def test_adopted_entry_keeps_its_buffer_and_is_lendable_only_with_room(model, layout):
-    kv, _ = adopted_entry(model, layout)
+    kv, head = adopted_entry(model, layout)
     assert kv.length == N and kv.capacity() >= N + 300
+    # The spare rows cost memory: the RAM budget counts the whole buffers, not the used rows.
+    assert kv.held_nbytes == sum(a.nbytes for a in kv.arrays()) > kv.nbytes
+    entry = LineageCache(LineageConfig()).commit(PROMPT[:N + 1], kv=kv, head=head)
+    assert entry.nbytes == kv.held_nbytes + head.nbytes
     assert lending.lendable(kv, N, N + SUFFIX + 256)
     assert not lending.lendable(kv, N, kv.capacity() + 1)  # no room: the merge copies instead
     assert not lending.lendable(kv, N - 1, N + SUFFIX)  # only at the entry's own head
@@ -61,8 +65,9 @@ def test_a_lent_buffer_is_extended_in_place_with_cold_logits(model, layout):
     nbytes = kv.nbytes
     buffer = _address(kv.layers[2][0]["keys"])
 
+    held = kv.held_nbytes
     warm = lending.lend(layout, kv, head, N)
-    assert kv.lent and kv.nbytes == nbytes
+    assert kv.lent and kv.nbytes == nbytes and kv.held_nbytes == held
     assert not any("keys" in child for layer in kv.layers for child in layer)  # no reference kept
     with pytest.raises(RuntimeError):
         kv.trimmed_layers()  # the disk writer cannot read lent rows

@@ -79,8 +79,10 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: used KV rows once, the head state, and every checkpoint's state."""
-        return int(self.kv.nbytes) + int(self.head.nbytes) + sum(c.nbytes for c in self.checkpoints)
+        """Bytes held: the KV once (its whole buffers where a handle knows them, spare rows
+        included), the head state, and every checkpoint's state."""
+        kv = int(getattr(self.kv, "held_nbytes", self.kv.nbytes))
+        return kv + int(self.head.nbytes) + sum(c.nbytes for c in self.checkpoints)
 
     @property
     def lent(self) -> bool:

@@ -54,6 +54,7 @@ class MlxKV:
     length: int
     lent: bool = False
     _lent_nbytes: int = 0
+    _lent_held: int = 0
     _lent_keys: list[list[frozenset[str]]] = field(default_factory=list)
 
     @property
@@ -88,6 +89,14 @@ class MlxKV:
         result = MlxKV(layers, length)
         mx.eval(result.arrays())
         return result
+
+    @property
+    def held_nbytes(self) -> int:
+        """Bytes of the buffers behind the rows, spare rows included: what holding them costs
+        (an adopted buffer carries the reply and the room left for later turns)."""
+        if self.lent:
+            return self._lent_held
+        return sum(int(v.nbytes) for v in self.arrays())
 
     def arrays(self) -> list[mx.array]:
         return [v for layer in self.layers for child in layer for _, v in _row_arrays(child)]
@@ -127,7 +136,7 @@ class MlxKV:
         Returned are fresh array objects over the same buffers, evaluated here (call on the
         thread that will write them). Other arrays (pooled windows) stay in the handle.
         """
-        nbytes = self.nbytes
+        nbytes, held = self.nbytes, self.held_nbytes
         taken: list[list[Arrays]] = []
         kept: list[list[Arrays]] = []
         for layer in self.layers:
@@ -140,7 +149,7 @@ class MlxKV:
             kept.append(kept_layer)
         mx.eval([v for layer in taken for child in layer for v in child.values()])
         self._lent_keys = [[frozenset(child) for child in layer] for layer in taken]
-        self._lent_nbytes, self.lent = nbytes, True
+        self._lent_nbytes, self._lent_held, self.lent = nbytes, held, True
         self.layers = kept  # after the flag: a reader holds the old lists or sees the loan
         return taken
 
@@ -153,7 +162,7 @@ class MlxKV:
         merged = [[{**kept, **back} for kept, back in zip(kept_layer, back_layer)]
                   for kept_layer, back_layer in zip(self.layers, taken)]
         mx.eval([v for layer in taken for child in layer for v in child.values()])
-        self.layers, self.lent, self._lent_nbytes, self._lent_keys = merged, False, 0, []
+        self.layers, self.lent, self._lent_nbytes, self._lent_held, self._lent_keys = merged, False, 0, 0, []
 
 
 @dataclass
