@@ -63,6 +63,13 @@ def ms(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
+def restore_label(record: dict[str, Any]) -> str:
+    """A request's restore kind; ``entry/lent`` when the entry lent it its own KV buffer (the
+    warm turn copied no KV)."""
+    kind = str(record.get("restore_kind", "?"))
+    return kind + ("/lent" if record.get("kv_admission") == "lent" else "")
+
+
 def console() -> Console:
     """A console on click's stdout; wide in pipes, so tables are never cut to fit 80 columns."""
     width = None if sys.stdout.isatty() else max(PIPE_WIDTH, int(os.environ.get("COLUMNS", "0") or 0))

@@ -182,6 +182,23 @@ def test_human_sizes_and_durations() -> None:
     assert render.percent(1, 4) == "25.0%" and render.percent(1, 0) == "-"
 
 
+def test_restore_label_says_when_the_entry_lent_its_buffer() -> None:
+    from apcctl.commands.requests import format_request
+    from tui.columns import request_columns
+    from tui.state import Keyed
+
+    lent = {"seq": 3, "started": 0.0, "restore_kind": "entry", "kv_admission": "lent", "prompt_tokens": 900,
+            "restored_tokens": 899, "lookup_ms": 1.0, "admission_ms": 2.0, "prefill_ms": 3.0, "commit_ms": 0.0,
+            "ttft_ms": 9.0, "entry_id": "abc"}
+    copied = dict(lent, kv_admission="copied")
+    assert render.restore_label(lent) == "entry/lent" and render.restore_label(copied) == "entry"
+    assert render.restore_label({"restore_kind": "cold"}) == "cold"
+    assert " entry/lent " in format_request(lent) and " entry " in format_request(copied)
+    kind = next(c for c in request_columns() if c.key == "restore_kind")
+    cell = kind.cell(Keyed("3", lent))
+    assert cell.plain == "entry/lent" and str(cell.style) == "green"
+
+
 # ------------------------------------------------------------------ journal and report
 
 

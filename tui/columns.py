@@ -14,8 +14,8 @@ KIND_STYLES = {"cold": "red", "entry": "green", "anchor": "cyan", "disk": "blue"
                "divergence": "magenta", "periodic": "blue", "segment": "cyan", "guard": "yellow"}
 
 
-def kind_text(kind: str) -> Text:
-    return Text(kind, style=KIND_STYLES.get(kind, ""))
+def kind_text(kind: str, label: str | None = None) -> Text:
+    return Text(label or kind, style=KIND_STYLES.get(kind, ""))
 
 
 def tokens(n: int | None) -> str:
@@ -51,7 +51,8 @@ def request_columns() -> list[Column[Keyed]]:
                field("restored_tokens"), numeric=True),
         Column("reuse", "REUSE", lambda r: f"{100 * reuse_fraction(r.data):.0f}%", lambda r: reuse_fraction(r.data),
                numeric=True),
-        Column("restore_kind", "KIND", lambda r: kind_text(r.data.get("restore_kind", "?")), field("restore_kind")),
+        Column("restore_kind", "KIND", lambda r: kind_text(r.data.get("restore_kind", "?"), render.restore_label(r.data)),
+               field("restore_kind")),
         ms("lookup_ms"), ms("admission_ms"), ms("prefill_ms"), ms("commit_ms"), ms("ttft_ms"),
     ]
 

@@ -22,13 +22,8 @@ def register(main: click.Group, bench: click.Group) -> None:
     main.add_command(requests)
 
 
-def kind(r: dict[str, Any]) -> str:
-    """The restore kind; ``entry/lent`` when the entry's own buffer was lent (no KV copy)."""
-    return r["restore_kind"] + ("/lent" if r.get("kv_admission") == "lent" else "")
-
-
 def row(r: dict[str, Any]) -> tuple[Any, ...]:
-    return (r["seq"], render.clock(r.get("started")), kind(r), f"{r['prompt_tokens']:,}",
+    return (r["seq"], render.clock(r.get("started")), render.restore_label(r), f"{r['prompt_tokens']:,}",
             f"{r['restored_tokens']:,}", render.ms(r["lookup_ms"]), render.ms(r["admission_ms"]),
             render.ms(r["prefill_ms"]), render.ms(r["commit_ms"]), render.ms(r["ttft_ms"]), r.get("entry_id") or "-")
 
