@@ -49,6 +49,16 @@ def _conversation_entries(server: PatchedServer, namespace: str) -> list[dict]:
     return [e for e in body["entries"] if e["namespace"] == namespace]
 
 
+def _kv_admissions(server: PatchedServer) -> dict[str, float]:
+    """``apc_lineage_kv_admissions_total`` by mode, from the Prometheus exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text_body = server.admin("GET", "/metrics")
+    assert status == 200, text_body
+    return {s.labels["mode"]: s.value for family in text_string_to_metric_families(text_body)
+            if family.name == "apc_lineage_kv_admissions" for s in family.samples if s.name.endswith("_total")}
+
+
 def _namespace_of(server: PatchedServer, length: int) -> str:
     """The namespace of the conversation entry of exactly ``length`` tokens (tenants are hashed)."""
     status, body = server.admin("GET", "/entries?kind=conversation&tier=ram")
@@ -64,6 +74,7 @@ def test_multi_turn_hits_its_lineage_and_keeps_one_entry(server: PatchedServer) 
     messages = [{"role": "system", "content": text(300, 1)},
                 {"role": "user", "content": text(120, 2)}]
     prompts, cached, kinds, admissions = [], [], [], []
+    counted = _kv_admissions(server)
     for turn in range(4):
         answer, line = _chat_logged(server, messages, tenant=tenant, max_tokens=4)
         prompts.append(prompt_tokens(answer))
@@ -82,6 +93,8 @@ def test_multi_turn_hits_its_lineage_and_keeps_one_entry(server: PatchedServer) 
     # The first warm turn copies the entry once, into a buffer with room; the next turns are
     # lent the previous entry's own buffer and append in place.
     assert admissions == ["-", "copied", "lent", "lent"], admissions
+    after = _kv_admissions(server)
+    assert {m: after[m] - counted.get(m, 0) for m in ("lent", "copied")} == {"lent": 2, "copied": 1}
 
     # RAM: one conversation entry for this lineage, its earlier turn boundaries as checkpoints.
     namespace = _namespace_of(server, prompts[-1] - 1)

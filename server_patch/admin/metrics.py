@@ -37,6 +37,13 @@ class LineageCollector(Collector):
         for kind in (*RESTORE_KINDS, "disk"):
             hits.add_metric([kind], stats.get(f"hits_{kind}", 0))
         yield hits
+        admissions = CounterMetricFamily("apc_lineage_kv_admissions",
+                                         "Warm requests by how their KV reached the batch: lent (the "
+                                         "entry's own buffer, no copy) or copied (one merge copy)",
+                                         labels=["mode"])
+        for mode in ("lent", "copied"):
+            admissions.add_metric([mode], stats.get(f"kv_{mode}", 0))
+        yield admissions
         for name, key, doc in (
             ("apc_lineage_reused_tokens", "reused_tokens", "Prompt tokens restored instead of computed"),
             ("apc_lineage_prefill_tokens", "prefill_tokens", "Prompt tokens computed"),

@@ -145,7 +145,7 @@ class LineageCoordinator(APCCoordinator):
         if warm is None:
             cache.note_cold(plan)
             return None
-        cache.note_restore(plan)
+        cache.note_restore(plan, "lent" if lent else "copied")
         record.restore_kind = "disk" if origin.tier == "disk" else plan.kind
         record.restored_tokens = plan.length
         record.entry_id = plan.entry.id

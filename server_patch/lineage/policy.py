@@ -177,11 +177,14 @@ class LineageCache:
                 return _Candidate(length, kind, record=record)
         return None
 
-    def note_restore(self, plan: RestorePlan) -> None:
-        """Count a restore that really happened (the plumbing calls this once it succeeded)."""
+    def note_restore(self, plan: RestorePlan, admission: str = "") -> None:
+        """Count a restore that really happened (the plumbing calls this once it succeeded);
+        ``admission`` says how its KV reached the batch ("lent", "copied")."""
         with self.lock:
             now = self.clock()
             self.stats[f"hits_{plan.log_kind}"] += 1
+            if admission:
+                self.stats[f"kv_{admission}"] += 1
             self.stats["reused_tokens"] += plan.length
             self.stats["prefill_tokens"] += max(0, plan.prompt_len - plan.length)
             if plan.entry is not None and plan.entry.id in self._entries:
