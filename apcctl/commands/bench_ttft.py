@@ -430,7 +430,8 @@ def render(result: dict[str, Any]) -> str:
                  f"patched attention {forward['one_forward_ms']:,.0f} ms in one forward, "
                  f"{forward['split_forwards_ms']:,.0f} ms as {forward['suffix'] - 1} + 1 (16 GB pool); stock "
                  f"attention {forward['stock_one_forward_ms']:,.0f} / {forward['stock_split_forwards_ms']:,.0f} ms "
-                 f"(MLX's default pool); restore before it: copy-free merge {forward['restore_ms']:,.0f} ms, "
+                 f"(MLX's default pool); restore before it: the one merge copy {forward['restore_ms']:,.0f} ms "
+                 f"(a warm turn lent its entry's buffer skips it), "
                  f"stock clone + merge {forward['stock_restore_ms']:,.0f} ms (one KV copy = {kv_one / 1e6:,.0f} MB)")
     for mode in result["modes"]:
         ops = ", ".join(f"{k} {v / 1e6:,.1f}" for k, v in s[mode]["copies_by_op"].items() if v)
