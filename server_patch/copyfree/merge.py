@@ -20,6 +20,7 @@ from mlx_vlm.apc_adapters import merge_cache_entries
 from mlx_vlm.models.cache import BatchKVCache, CacheList, KVCache
 
 from server_patch.copyfree import counter
+from server_patch.state.rows import leaf_caches
 
 MIN_BUCKET = 256
 
@@ -67,10 +68,9 @@ def merge_rows(row_caches: Sequence[Sequence[Any]], prefix_lens: Sequence[int],
 
 
 def _release_kv(caches: Sequence[Any]) -> None:
-    for cache in caches:
-        for child in (cache.caches if type(cache) is CacheList else (cache,)):
-            if type(child) is KVCache:
-                child.keys = child.values = None
+    for child in leaf_caches(caches):
+        if type(child) is KVCache:
+            child.keys = child.values = None
 
 
 def _merge(entries: list[Any], prefix_lens: Sequence[int], cap: int, in_place: int) -> Any:

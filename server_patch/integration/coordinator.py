@@ -145,11 +145,12 @@ class LineageCoordinator(APCCoordinator):
         if warm is None:
             cache.note_cold(plan)
             return None
-        cache.note_restore(plan, "lent" if lent else "copied")
+        admission = "lent" if lent else "copied"
+        cache.note_restore(plan, admission)
         record.restore_kind = "disk" if origin.tier == "disk" else plan.kind
         record.restored_tokens = plan.length
         record.entry_id = plan.entry.id
-        record.kv_admission = "lent" if lent else "copied"
+        record.kv_admission = admission
         record.admission_ms = record.lookup_ms
         return {"matched_blocks": [], "warm_cache": warm, "prefix_len": plan.length,
                 "extra_hash": extra_hash, "full_input_ids": list(token_ids), "cache_plan": self.plan}
@@ -414,9 +415,10 @@ class LineageCoordinator(APCCoordinator):
         return dropped
 
     def _end_lease_of(self, uid: Any, caches: Optional[Sequence[Any]], *, reason: str) -> None:
-        for lease in list(self._leases.values()):
-            if lease.uid == uid and uid is not None:
-                self._end_lease(lease, caches, reason=reason)
+        if uid is None:
+            return
+        for lease in [lease for lease in self._leases.values() if lease.uid == uid]:
+            self._end_lease(lease, caches, reason=reason)
 
     def _end_lease(self, lease: Lease, caches: Optional[Sequence[Any]] = None, *, reason: str) -> bool:
         """Give the lent rows back to their entry (or drop the entry if they are gone)."""

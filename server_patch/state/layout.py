@@ -39,6 +39,23 @@ def _row_arrays(child: Arrays) -> list[tuple[str, mx.array]]:
     return [(k, v) for k, v in child.items() if isinstance(v, mx.array)]
 
 
+def _head_rows(key: str, child: Arrays, value: mx.array, length: int) -> mx.array:
+    """A view of the rows of ``value`` (``child[key]``) that belong to the first ``length`` tokens."""
+    index = [slice(None)] * value.ndim
+    index[_ROW_AXIS[key]] = slice(0, _kept_rows(key, child, length))
+    return value[tuple(index)]
+
+
+def _map_rows(layers: list[list[Arrays]], fn: Any) -> list[list[Arrays]]:
+    """A copy of ``layers`` with ``fn(key, child, value)`` in place of every row array."""
+    return [[{**child, **{k: fn(k, child, v) for k, v in _row_arrays(child)}} for child in layer]
+            for layer in layers]
+
+
+def _layer_arrays(layers: list[list[Arrays]]) -> list[mx.array]:
+    return [v for layer in layers for child in layer for v in child.values() if isinstance(v, mx.array)]
+
+
 @dataclass
 class MlxKV:
     """KV handle: per layer, per child, the append-only arrays.
@@ -73,20 +90,9 @@ class MlxKV:
 
     def prefix(self, length: int) -> "MlxKV":
         """An independent copy of rows [:length], so an anchor outlives its lineage's buffers."""
-        layers = []
-        for layer in self.layers:
-            out = []
-            for child in layer:
-                copied = dict(child)
-                for key, value in _row_arrays(child):
-                    index = [slice(None)] * value.ndim
-                    index[_ROW_AXIS[key]] = slice(0, _kept_rows(key, child, length))
-                    # mx.array copies; mx.contiguous would return a contiguous view as is,
-                    # and the anchor would keep the whole conversation buffer alive.
-                    copied[key] = mx.array(value[tuple(index)])
-                out.append(copied)
-            layers.append(out)
-        result = MlxKV(layers, length)
+        # mx.array copies; mx.contiguous would return a contiguous view as is, and the anchor
+        # would keep the whole conversation buffer alive.
+        result = MlxKV(_map_rows(self.layers, lambda k, c, v: mx.array(_head_rows(k, c, v, length))), length)
         mx.eval(result.arrays())
         return result
 
@@ -115,20 +121,7 @@ class MlxKV:
         layers = self.layers
         if self.lent or self.layers is not layers:
             raise RuntimeError("KV rows are lent to a running request")
-        out = []
-        for layer in layers:
-            out_layer = []
-            for child in layer:
-                cut = dict(child)
-                for key, value in _row_arrays(child):
-                    keep = _kept_rows(key, child, self.length)
-                    if int(value.shape[_ROW_AXIS[key]]) > keep:
-                        index = [slice(None)] * value.ndim
-                        index[_ROW_AXIS[key]] = slice(0, keep)
-                        cut[key] = value[tuple(index)]
-                out_layer.append(cut)
-            out.append(out_layer)
-        return out
+        return _map_rows(layers, lambda k, c, v: _head_rows(k, c, v, self.length))
 
     def lend(self, keys: tuple[str, ...] = ("keys", "values")) -> list[list[Arrays]]:
         """Hand the ``keys`` arrays over and forget them; ``give_back`` ends the loan.
@@ -147,7 +140,7 @@ class MlxKV:
                 kept_layer.append({k: v for k, v in child.items() if k not in keys})
             taken.append(taken_layer)
             kept.append(kept_layer)
-        mx.eval([v for layer in taken for child in layer for v in child.values()])
+        mx.eval(_layer_arrays(taken))
         self._lent_keys = [[frozenset(child) for child in layer] for layer in taken]
         self._lent_nbytes, self._lent_held, self.lent = nbytes, held, True
         self.layers = kept  # after the flag: a reader holds the old lists or sees the loan
@@ -161,8 +154,9 @@ class MlxKV:
             raise ValueError("the returned KV rows do not match what was lent")
         merged = [[{**kept, **back} for kept, back in zip(kept_layer, back_layer)]
                   for kept_layer, back_layer in zip(self.layers, taken)]
-        mx.eval([v for layer in taken for child in layer for v in child.values()])
-        self.layers, self.lent, self._lent_nbytes, self._lent_held, self._lent_keys = merged, False, 0, 0, []
+        mx.eval(_layer_arrays(taken))
+        self.layers = merged  # before the flag: see ``trimmed_layers``
+        self.lent, self._lent_nbytes, self._lent_held, self._lent_keys = False, 0, 0, []
 
 
 @dataclass
@@ -177,8 +171,7 @@ class MlxSnapshot:
         return sum(_nbytes(child) for layer in self.layers for child in layer)
 
     def arrays(self) -> list[mx.array]:
-        return [v for layer in self.layers for child in layer for v in child.values()
-                if isinstance(v, mx.array)]
+        return _layer_arrays(self.layers)
 
 
 class CacheLayout:
@@ -260,13 +253,12 @@ class CacheLayout:
                 caches.append(built[0])
         return caches
 
-
     def build_lent(self, kv: MlxKV, lent: list[list[Arrays]], snapshot: MlxSnapshot,
                    length: int) -> list[Any]:
         """Like ``build``, but every KV child gets the lent buffers themselves (``MlxKV.lend``),
         spare rows included, so the request appends at ``length`` in place. ``lent`` is
         consumed: the caches are then the buffers' only holders."""
-        if kv.lent is False or length != kv.length:
+        if not kv.lent or length != kv.length:
             raise ValueError("a lent build restores a lent entry at its own length")
         if any(int(child["keys"].shape[2]) < length for layer in lent for child in layer if "keys" in child):
             raise ValueError("a lent buffer is shorter than its entry")

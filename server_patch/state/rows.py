@@ -16,7 +16,7 @@ Derived children are always skipped. KV rows of row ``idx`` start at its left pa
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 from mlx_vlm.models.cache import (
@@ -143,28 +143,32 @@ def extract(layout: CacheLayout, caches: Sequence[Any], idx: int | None, length:
     return kv_rows(layout, caches, idx, length, copy=True), capture(layout, caches, idx, length)
 
 
+def leaf_caches(caches: Sequence[Any]) -> Iterator[Any]:
+    """Every per-layer cache, with the children of ``CacheList`` layers in place of the list."""
+    for cache in caches:
+        yield from (cache.caches if type(cache) is CacheList else (cache,))
+
+
 def buffer_rows(caches: Sequence[Any]) -> int:
     """Rows of the largest append-only buffer (the capacity an adopted entry would pin)."""
     rows = 0
-    for cache in caches:
-        for child in (cache.caches if type(cache) is CacheList else (cache,)):
-            keys = getattr(child, "keys", None)
-            if isinstance(keys, mx.array) and type(child) in (KVCache, BatchKVCache):
-                rows = max(rows, int(keys.shape[2]))
+    for child in leaf_caches(caches):
+        keys = getattr(child, "keys", None)
+        if isinstance(keys, mx.array) and type(child) in (KVCache, BatchKVCache):
+            rows = max(rows, int(keys.shape[2]))
     return rows
 
 
 def batch_size(caches: Sequence[Any]) -> int:
     """Rows of a live prompt cache (1 for single-sequence caches)."""
-    for cache in caches:
-        for child in (cache.caches if type(cache) is CacheList else (cache,)):
-            if type(child) is BatchKVCache:
-                return int(child.batch_size)
-            if type(child) is BatchPoolingCache:
-                return len(child.remainder)
-            if type(child) is ArraysCache and child.cache and child.cache[0] is not None:
-                return int(child.cache[0].shape[0])
+    for child in leaf_caches(caches):
+        if type(child) is BatchKVCache:
+            return int(child.batch_size)
+        if type(child) is BatchPoolingCache:
+            return len(child.remainder)
+        if type(child) is ArraysCache and child.cache and child.cache[0] is not None:
+            return int(child.cache[0].shape[0])
     return 1
 
 
-__all__ = ["batch_size", "buffer_rows", "capture", "extract", "kv_rows", "ref", "row_caches"]
+__all__ = ["batch_size", "buffer_rows", "capture", "extract", "kv_rows", "leaf_caches", "ref", "row_caches"]
