@@ -1,7 +1,9 @@
 """``/admin``: what the lineage cache holds, and the verbs an operator needs.
 
 Every route needs ``Authorization: Bearer <token>``. Bad input is a 4xx with a JSON message;
-the handlers never let an exception become a 500 with a traceback.
+the handlers never let an exception become a 500 with a traceback. ``guard.py`` stands in front:
+no CORS here or on mlx-vlm's management routes (which it also puts behind the token), body
+and event-stream caps.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import asdict
 from typing import Any, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
@@ -20,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server_patch import MLX_VLM_VERSION, PATCH_VERSION
 from server_patch.admin import views
-from server_patch.admin.auth import load_or_create_token, token_matches
+from server_patch.admin.auth import TokenError, load_or_create_token, token_matches
+from server_patch.admin.guard import STREAMS, AdminLimits, install_outermost
 from server_patch.admin.internal import internal_chat
 from server_patch.admin.metrics import exposition
 from server_patch.admin.traffic import TRAFFIC, TrafficMiddleware
@@ -112,6 +116,7 @@ def status() -> dict[str, Any]:
                    "fingerprint": current.fingerprint if current else None},
         "idle": {**TRAFFIC.snapshot(), "queued": _queued()},
         "pool": _pool(),
+        "admin": {"event_streams": STREAMS.open, **asdict(router.limits)},
         "lineage": None,
     }
     if current is not None:
@@ -280,9 +285,20 @@ def openapi(request: Request) -> dict[str, Any]:
 
 
 def install(app: FastAPI) -> None:
-    """Mount /admin, the traffic middleware and the token on mlx-vlm's app."""
+    """Mount /admin, the traffic middleware, the guard and the token on mlx-vlm's app.
+
+    Runs while mlx-vlm's app module is imported, before uvicorn serves anything: a blank or
+    unusable token, or a bad limit, stops the server here with a message.
+    """
+    try:
+        token = load_or_create_token()
+        limits = AdminLimits.from_env()
+    except (TokenError, ValueError, OSError) as exc:
+        raise SystemExit(f"server_patch: cannot start the admin endpoint: {exc}") from None
     router.started = time.time()
-    app.state.apc_admin_token = load_or_create_token()
+    router.limits = limits
+    app.state.apc_admin_token = token
     app.state.apc_inner_app = app  # pinning prefills through the real route, counted like any request
     app.include_router(router)
     app.add_middleware(TrafficMiddleware)
+    install_outermost(app, token=token, limits=limits)

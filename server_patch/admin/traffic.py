@@ -2,8 +2,9 @@
 
 A request is in flight from its first byte until the last byte of its response body, which
 for streamed completions is the end of the stream: exactly what a restart must wait for.
-While draining, new inference requests get 503 with ``Retry-After``; admin, health and metrics
-routes keep answering so operators and supervisors can watch the drain.
+While draining, new inference requests get 503 with ``Retry-After`` (a websocket is closed
+with 1013, try again later, before its endpoint runs); admin, health and metrics routes keep
+answering so operators and supervisors can watch the drain.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
+DRAINING_MESSAGE = "server is draining for a restart; retry shortly"
 _ALWAYS_OPEN = ("/admin", "/health", "/metrics", "/v1/metrics", "/docs", "/openapi.json", "/redoc")
 
 
@@ -70,14 +72,12 @@ class TrafficMiddleware:
         if scope.get("type") not in ("http", "websocket") or not counted(scope.get("path", "")):
             await self.app(scope, receive, send)
             return
-        if self.traffic.draining and scope["type"] == "http":
+        if self.traffic.draining:
             self.traffic.rejected += 1
-            body = json.dumps({"error": {"message": "server is draining for a restart; retry shortly",
-                                         "type": "server_draining"}}).encode()
-            await send({"type": "http.response.start", "status": 503, "headers": [
-                (b"content-type", b"application/json"),
-                (b"retry-after", str(self.traffic.retry_after).encode())]})
-            await send({"type": "http.response.body", "body": body})
+            if scope["type"] == "http":
+                await self._refuse_http(send)
+            else:
+                await self._refuse_websocket(receive, send)
             return
         self.traffic.start()
         finished = False
@@ -95,3 +95,25 @@ class TrafficMiddleware:
         finally:
             if not finished:
                 self.traffic.finish()
+
+    async def _refuse_http(self, send: Send) -> None:
+        body = json.dumps({"error": {"message": DRAINING_MESSAGE, "type": "server_draining"}}).encode()
+        await send({"type": "http.response.start", "status": 503, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"retry-after", str(self.traffic.retry_after).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _refuse_websocket(self, receive: Receive, send: Send) -> None:
+        """A websocket never reaches its endpoint while draining: it is closed at once with 1013
+        (try again later) and the reason, as mlx-vlm's own realtime route does when busy.
+
+        It is accepted first because a close code only reaches the client on an open socket; a
+        handshake denial (HTTP 503) would carry ``Retry-After`` but browsers hide it, and
+        uvicorn logs an error for every denial.
+        """
+        message = await receive()
+        if message.get("type") != "websocket.connect":
+            return  # the client went away first
+        await send({"type": "websocket.accept"})
+        await send({"type": "websocket.close", "code": 1013,
+                    "reason": f"{DRAINING_MESSAGE} (retry after {self.traffic.retry_after} s)"})

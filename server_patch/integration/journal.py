@@ -4,7 +4,8 @@ The ring buffers behind ``/admin/requests`` and ``/admin/events`` forget on rest
 journal does not. It is a size-capped set of rotating files in the server's state directory
 (``journal.jsonl`` is the newest, ``journal.jsonl.1`` the one before, ...), read back by
 ``apcctl report``. Each line is flushed to the OS as it is written, so a restart (even a
-SIGKILL) loses at most a torn last line, which the reader skips.
+SIGKILL) loses at most a torn last line, which the reader skips. Lines hold users' token
+ids, so the files are 0600 in a 0700 directory whatever the umask.
 
 Settings (environment): ``APC_JOURNAL=0`` turns it off; ``APC_JOURNAL_DIR`` (default
 ``<state dir>/journal``); ``APC_JOURNAL_MAX_BYTES`` per file (64 MB); ``APC_JOURNAL_FILES``
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from server_patch.admin.private import open_private, tighten_dir
 from server_patch.paths import state_dir
 
 log = logging.getLogger("server_patch.lineage")
@@ -52,7 +54,12 @@ class Journal:
         self.max_bytes = max_bytes
         self.files = files
         self._lock = threading.Lock()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        tighten_dir(self.directory)  # the journal's own directory: owner-only
+        for older in journal_files(self.directory):  # files an earlier version left readable
+            try:
+                os.chmod(older, 0o600)
+            except OSError:
+                pass
         self._file: IO[bytes] | None = None
         self._size = 0
         self._open()
@@ -62,8 +69,9 @@ class Journal:
         return self.directory / FILE_NAME
 
     def _open(self) -> None:
-        self._file = self.path.open("ab")
-        self._size = self._file.tell()
+        fd = open_private(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        self._file = os.fdopen(fd, "ab")
+        self._size = self._file.seek(0, os.SEEK_END)
 
     def append(self, record: dict[str, Any]) -> None:
         """Write one record as a line; rotate first if it would not fit in the live file."""
