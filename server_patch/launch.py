@@ -8,7 +8,9 @@ The arguments are mlx-vlm 0.7.10's own (``mlx_vlm.server --help``). Differences 
   and the edit;
 * ``--host`` defaults to 127.0.0.1 instead of mlx-vlm's 0.0.0.0;
 * ``--reload`` is refused: uvicorn's reloader serves from a child process that would import
-  mlx-vlm without the hook.
+  mlx-vlm without the hook;
+* with the lineage disk tier on, the disk directory is locked for the life of the process, so
+  a second server on the same directory exits here with a message naming the holder's PID.
 
 It works because ``mlx_vlm.server.cli.main`` parses ``sys.argv`` and then runs
 ``uvicorn.run("mlx_vlm.server:app", workers=1)`` in this same process, where the hook applies.
@@ -18,8 +20,15 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from server_patch.disk.lock import DiskLock
 
 DEFAULT_HOST = "127.0.0.1"
+
+# Held until the process exits (the kernel drops the flock then, kill -9 included).
+_DISK_LOCK: "DiskLock | None" = None
 
 
 def lineage_enabled(environ: os._Environ[str] | dict[str, str] = os.environ) -> bool:
@@ -46,6 +55,31 @@ def check_config() -> None:
         raise SystemExit(
             "server_patch.launch: APC_LINEAGE_ENTRY_OFFSET must be 1 with mlx-vlm 0.7.10, which "
             "prefills tokens [:n-1] and has no state at n (other values are for the simulator)")
+
+
+def lock_disk_root(environ: os._Environ[str] | dict[str, str] = os.environ) -> "DiskLock | None":
+    """Hold the lineage disk directory for this process (None when the disk tier is off).
+
+    Light imports only: this runs before the overlay is installed, i.e. before mlx-vlm loads.
+    """
+    from server_patch.disk.lock import DiskInUse, DiskLock
+    from server_patch.disk.paths import default_disk_root, disk_enabled
+    from server_patch.disk.space import min_free_from_env
+
+    if not disk_enabled(environ):
+        return None
+    root = default_disk_root(environ)
+    try:
+        min_free_from_env(environ)
+        lock = DiskLock(root).acquire()
+        for path in lock.remove_leftovers():
+            print(f"server_patch.launch: removed {path} (temp file left by an interrupted write)",
+                  file=sys.stderr)
+        return lock
+    except (DiskInUse, ValueError) as exc:
+        raise SystemExit(f"server_patch.launch: {exc}") from None
+    except OSError as exc:
+        raise SystemExit(f"server_patch.launch: cannot lock lineage disk directory {root}: {exc}") from None
 
 
 def _end_streams_on_shutdown() -> None:
@@ -79,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("server_patch.launch: --reload is not supported (the reloader's child would run unpatched)")
     if lineage_enabled():
         check_config()
+        global _DISK_LOCK
+        _DISK_LOCK = lock_disk_root()
         from server_patch.overlay import PatchError, install
 
         try:

@@ -40,11 +40,12 @@ TOOLS = [{"type": "function", "function": {
 def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log_dir = tmp_path_factory.mktemp("e2e-correctness")
     base = {"TOP_LOGPROBS_K": "5"}
+    # Each server its own directory: two lineage servers may not share a disk directory.
     started = {
-        "default": PatchedServer(tiny_model_dir, env=base, log_dir=log_dir),
-        "periodic": PatchedServer(tiny_model_dir, log_dir=log_dir, env={
+        "default": PatchedServer(tiny_model_dir, env=base, log_dir=log_dir / "default"),
+        "periodic": PatchedServer(tiny_model_dir, log_dir=log_dir / "periodic", env={
             **base, "APC_LINEAGE_PERIODIC_STRIDE": "256", "APC_LINEAGE_GUARD_TOKENS": "16"}),
-        "apc_off": PatchedServer(tiny_model_dir, log_dir=log_dir, env={
+        "apc_off": PatchedServer(tiny_model_dir, log_dir=log_dir / "apc_off", env={
             **base, "APC_LINEAGE": "0", "APC_ENABLED": "0"}),
     }
     try:

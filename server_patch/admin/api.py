@@ -127,6 +127,7 @@ def status() -> dict[str, Any]:
             "layout": current.layout.describe(),
             "disk_path": str(current.disk.root) if current.disk else None,
             "disk_pending_writes": current.disk.pending if current.disk else 0,
+            "disk": current.disk.health() if current.disk else None,
             "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()},
         }
     return body

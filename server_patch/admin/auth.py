@@ -14,8 +14,7 @@ import os
 import secrets
 from pathlib import Path
 
-from server_patch.admin.private import (FILE_MODE, durable_fsync, fsync_dir, open_private,
-                                        private_dir)
+from server_patch.private_files import FILE_MODE, fsync_dir, fsync_fd, open_private, private_dir
 from server_patch.paths import state_dir
 
 log = logging.getLogger("server_patch.admin")
@@ -74,12 +73,12 @@ def load_or_create_token(path: Path | None = None) -> str:
 
 def _write_new(path: Path, token: str) -> Path:
     """A durable temporary file next to ``path`` holding ``token``."""
-    private_dir(path.parent)
+    private_dir(path.parent, tighten=False)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         os.write(fd, (token + "\n").encode("ascii"))
-        durable_fsync(fd)  # the token is on disk before any name points at it
+        fsync_fd(fd)  # the token is on disk before any name points at it
     finally:
         os.close(fd)
     return tmp

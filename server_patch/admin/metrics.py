@@ -55,6 +55,8 @@ class LineageCollector(Collector):
             counter = CounterMetricFamily(name, doc)
             counter.add_metric([], stats.get(key, 0))
             yield counter
+        if runtime.disk is not None:
+            yield from _disk_metrics(runtime.disk.health())
         budgets = runtime.cache.budgets()
         tier = GaugeMetricFamily("apc_lineage_bytes", "Bytes held by tier", labels=["tier"])
         tier.add_metric(["ram_conversations"], budgets["conversation_bytes"])
@@ -65,6 +67,25 @@ class LineageCollector(Collector):
         entries.add_metric(["ram"], budgets["entries"])
         entries.add_metric(["disk"], budgets["disk_files"])
         yield entries
+
+
+def _disk_metrics(health: dict) -> Iterable[Any]:
+    rejects = CounterMetricFamily("apc_lineage_disk_rejects", "Disk files removed because they could not "
+                                  "be trusted (the request prefilled cold), by reason", labels=["reason"])
+    for reason, count in sorted(health["rejects"].items()):
+        rejects.add_metric([reason], count)
+    yield rejects
+    failures = CounterMetricFamily("apc_lineage_disk_write_failures", "Disk writes that failed or were "
+                                   "refused (backoff, free-space floor)")
+    failures.add_metric([], health["writes"].get("failures", 0) + health["writes"].get("deferred", 0))
+    yield failures
+    backoff = GaugeMetricFamily("apc_lineage_disk_backoff_seconds", "Current pause between disk write "
+                                "attempts after a failure (0: none)")
+    backoff.add_metric([], health["backoff_s"])
+    yield backoff
+    free = GaugeMetricFamily("apc_lineage_disk_free_bytes", "Free bytes on the disk tier's volume")
+    free.add_metric([], health["free_bytes"])
+    yield free
 
 
 def exposition(runtime_getter: Callable[[], Any], traffic: Any) -> bytes:

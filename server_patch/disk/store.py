@@ -1,47 +1,55 @@
 """The disk tier: one safetensors file per lineage entry, written atomically in the background.
 
 A file holds the entry's KV rows once, its head snapshot, and each checkpoint's snapshot. The
-header carries a format version, the model fingerprint (config + weights hash), the cache
-layout, token ids and checkpoint lengths, so the index is rebuilt at start from headers alone.
-Loading validates everything; a file that fails is deleted and the request prefills cold.
+header carries the format, the model fingerprint (config, weights, KV dtype, software versions),
+the versions themselves, the cache layout, token ids, checkpoint lengths and two digests
+(``integrity``), so the index is rebuilt at start from headers alone. Nothing from a file is
+trusted until its digests match: a file that fails any check is removed, counted in
+``rejects`` by reason, and the request prefills cold.
+
+Writes are stalled neither by a full disk nor by a failing one: ``space.WriteGuard`` keeps a
+free-space floor and backs off after a failure, and ``write`` then fails at once (the policy
+keeps the entry dirty and counts it).
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
 import queue
-import struct
+import shutil
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import mlx.core as mx
 import numpy as np
 
+from server_patch.disk import faults
+from server_patch.private_files import create_private, fsync_dir, fsync_fd, private_dir
+from server_patch.disk.integrity import (
+    ARRAY, FORMAT, HASH_HEX, HEADER, IO, SUFFIX, Expected, InvalidFile, TableRow, build_header,
+    check_identity, contents, data_hasher, encode_tokens, is_temp, numpy_buffer, read_header,
+    stream_tensors, temp_name, temp_pid,
+)
+from server_patch.disk.space import WriteGuard, min_free_from_env
 from server_patch.lineage.model import Checkpoint, DiskRecord, Entry
+from server_patch.state.fingerprint import software_identity
 from server_patch.state.layout import CacheLayout, MlxKV, MlxSnapshot
 
 log = logging.getLogger("server_patch.disk")
 
-FORMAT = "apc-lineage-v1"
-_SUFFIX = ".safetensors"
-_TMP_MARK = ".tmp"
+__all__ = ["DiskStore", "FORMAT", "InvalidFile"]
 
-
-class InvalidFile(ValueError):
-    """A file that must not be restored from."""
-
-
-def _encode_tokens(tokens: np.ndarray) -> str:
-    return base64.b64encode(np.asarray(tokens, dtype="<i4").tobytes()).decode("ascii")
-
-
-def _decode_tokens(text: str) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(text), dtype="<i4").astype(np.int32)
+_CODE = {mx.bool_: "BOOL", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16",
+         mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32", mx.int32: "I32",
+         mx.float32: "F32", mx.uint64: "U64", mx.int64: "I64", mx.complex64: "C64"}
+if hasattr(mx, "float64"):
+    _CODE[mx.float64] = "F64"
+_DTYPE = {code: dtype for dtype, code in _CODE.items()}
 
 
 def _flatten(prefix: str, layers: list[list[dict]], tensors: dict[str, mx.array]) -> list:
@@ -54,7 +62,7 @@ def _flatten(prefix: str, layers: list[list[dict]], tensors: dict[str, mx.array]
             for key, value in child.items():
                 if isinstance(value, mx.array):
                     tensors[f"{prefix}.{li}.{ci}.{key}"] = value
-                    child_meta[key] = "@array"
+                    child_meta[key] = ARRAY
                 else:
                     child_meta[key] = value
             layer_meta.append(child_meta)
@@ -63,56 +71,50 @@ def _flatten(prefix: str, layers: list[list[dict]], tensors: dict[str, mx.array]
 
 
 def _unflatten(prefix: str, meta: list, tensors: dict[str, mx.array]) -> list[list[dict]]:
-    layers = []
-    for li, layer_meta in enumerate(meta):
-        layer = []
-        for ci, child_meta in enumerate(layer_meta):
-            child = {}
-            for key, value in child_meta.items():
-                if value == "@array":
-                    name = f"{prefix}.{li}.{ci}.{key}"
-                    if name not in tensors:
-                        raise InvalidFile(f"missing tensor {name}")
-                    child[key] = tensors[name]
-                else:
-                    child[key] = value
-            layer.append(child)
-        layers.append(layer)
-    return layers
+    # integrity.contents checked that every placeholder names a tensor of the file.
+    return [[{key: tensors[f"{prefix}.{li}.{ci}.{key}"] if value == ARRAY else value
+              for key, value in child_meta.items()}
+             for ci, child_meta in enumerate(layer_meta)]
+            for li, layer_meta in enumerate(meta)]
 
 
-def read_header(path: Path) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors file, without reading any tensor."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise InvalidFile("truncated header")
-        (size,) = struct.unpack("<Q", raw)
-        if size <= 0 or size > 64 << 20:
-            raise InvalidFile("implausible header size")
-        body = f.read(size)
-        if len(body) != size:
-            raise InvalidFile("truncated header")
-        f.seek(0, os.SEEK_END)
-        file_size = f.tell()
-    header = json.loads(body)
-    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + size + end != file_size:
-        raise InvalidFile(f"file is {file_size} bytes, header describes {8 + size + end}")
-    meta = header.get("__metadata__") or {}
-    if meta.get("format") != FORMAT:
-        raise InvalidFile(f"format {meta.get('format')!r} is not {FORMAT}")
-    return meta
+def _as_bytes(array: mx.array) -> memoryview:
+    """The array's bytes, C order (a contiguous copy only if it is a strided view)."""
+    flat = array.reshape(-1).view(mx.uint8) if array.size else mx.zeros((0,), mx.uint8)
+    mx.eval(flat)
+    return memoryview(flat)
+
+
+def _mlx_buffer(nbytes: int) -> tuple[mx.array | np.ndarray, memoryview]:
+    """A fresh, evaluated MLX byte array and a writable view of its memory (MLX documents
+    ``np.array(a, copy=False)`` as sharing it): the file is read straight into the array that
+    will hold the tensor, with no second copy (``mx.array(numpy)`` costs one, and 4x the time).
+    Where MLX does not share a plain buffer, a numpy one (converted by ``_as_mlx``)."""
+    owner = mx.zeros((nbytes,), mx.uint8)
+    mx.eval(owner)
+    view = np.array(owner, copy=False)
+    if view.flags.writeable and view.strides == (1,):
+        return owner, memoryview(view)
+    return numpy_buffer(nbytes)
+
+
+def _as_mlx(raw: mx.array | np.ndarray) -> mx.array:
+    return raw if isinstance(raw, mx.array) else mx.array(raw)
 
 
 class DiskStore:
     """The policy's ``DiskTier`` over a directory, with one background writer thread."""
 
-    def __init__(self, root: Path | str, *, fingerprint: str, layout: CacheLayout) -> None:
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+    def __init__(self, root: Path | str, *, fingerprint: str, layout: CacheLayout,
+                 min_free: float | None = None) -> None:
+        self.root = private_dir(Path(root))
         self.fingerprint = fingerprint
         self.layout = layout
+        self.expected = Expected(identity=software_identity(), fingerprint=fingerprint,
+                                 layout=layout.describe())
+        self.guard = WriteGuard(self.root, min_free_from_env() if min_free is None else min_free)
+        # Files removed because they could not be trusted, by reason (integrity.* constants).
+        self.rejects: Counter[str] = Counter()
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._run, name="apc-lineage-disk", daemon=True)
         self._writer.start()
@@ -120,42 +122,52 @@ class DiskStore:
     # ------------------------------------------------------------------ index
 
     def path_of(self, record_id: str) -> Path:
-        return self.root / f"{record_id}{_SUFFIX}"
+        return self.root / f"{record_id}{SUFFIX}"
 
     def records(self) -> Iterable[DiskRecord]:
-        """Rebuild the index from headers; stray temp files and invalid files are removed."""
+        """Rebuild the index from headers (called once, at start): files that cannot be
+        validated are removed, and so are temp files of other processes (a killed one: no live
+        one writes here, the server holds the directory lock). Never raises for a file's content."""
         out = []
-        for path in sorted(self.root.glob(f"*{_SUFFIX}")):
-            if _TMP_MARK in path.name:
-                _unlink(path, "leftover temp file")
+        for path in sorted(self.root.glob(f"*{SUFFIX}")):
+            if is_temp(path):
+                if temp_pid(path) != os.getpid():
+                    _unlink(path, "temp file left by an interrupted write")
                 continue
             try:
                 out.append(self._record_from_header(path))
-            except (InvalidFile, OSError, ValueError, KeyError) as exc:
-                _unlink(path, f"invalid header: {exc}")
+            except InvalidFile as exc:
+                self._reject(path, exc.reason, exc.detail)
+            except OSError as exc:
+                self._reject(path, IO, str(exc))
+            except Exception as exc:  # a check we did not foresee: still never trusted
+                self._reject(path, HEADER, f"{type(exc).__name__}: {exc}")
         return out
 
     def _record_from_header(self, path: Path) -> DiskRecord:
-        meta = read_header(path)
-        if meta.get("fingerprint") != self.fingerprint:
-            raise InvalidFile("model fingerprint differs")
-        if meta.get("layout") != self.layout.describe():
-            raise InvalidFile("cache layout differs")
-        tokens = _decode_tokens(meta["tokens"])
-        if len(tokens) != int(meta["length"]):
-            raise InvalidFile("token count does not match length")
-        checkpoints = tuple((int(n), str(k)) for n, k in json.loads(meta["checkpoints"]))
-        if any(not 0 < n < len(tokens) for n, _ in checkpoints):
-            raise InvalidFile("checkpoint outside the entry")
-        return DiskRecord(id=path.name[: -len(_SUFFIX)], tokens=tokens, namespace=meta.get("namespace", ""),
-                          checkpoints=checkpoints, nbytes=path.stat().st_size,
-                          last_used=path.stat().st_mtime, is_anchor=meta.get("is_anchor") == "1",
-                          pinned=meta.get("pinned") == "1", label=meta.get("label", ""))
+        header = read_header(path)
+        found = contents(header)
+        check_identity(header, found, self.expected)
+        stat = path.stat()
+        return DiskRecord(id=path.name[: -len(SUFFIX)], tokens=found.tokens, namespace=found.namespace,
+                          checkpoints=found.checkpoints, nbytes=stat.st_size, last_used=stat.st_mtime,
+                          is_anchor=found.is_anchor, pinned=found.pinned, label=found.label)
+
+    def _reject(self, path: Path, reason: str, detail: str) -> None:
+        self.rejects[reason] += 1
+        log.warning("lineage disk: rejected %s reason=%s: %s (removed; requests prefill cold)",
+                    path.name, reason, detail)
+        _unlink(path, None)
 
     # ------------------------------------------------------------------ write
 
     def write(self, entry: Entry, done: Callable[[Entry, DiskRecord | None], None]) -> None:
-        """Queue a write; the references taken now are what gets written."""
+        """Queue a write; the references taken now are what gets written.
+
+        Raises ``space.DiskUnavailable`` at once while writes back off after a failure or the
+        volume is below the free-space floor: the caller keeps the entry and tries later.
+        """
+        self.guard.admit()
         # The handles' arrays were evaluated where they were made (CacheLayout.split): an
         # unevaluated array could only be computed on its creator's thread, and this may be
         # called from the idle ticker or an admin request.
@@ -177,13 +189,25 @@ class DiskStore:
     def pending(self) -> int:
         return self._queue.unfinished_tasks
 
+    def health(self) -> dict[str, Any]:
+        """What an operator needs to see of the tier: rejected files by reason, write attempts,
+        failures and the current backoff, and the volume's free space against the floor."""
+        try:
+            total, _, free = shutil.disk_usage(self.root)
+        except OSError:
+            total = free = 0
+        return {"rejects": dict(self.rejects), "writes": dict(self.guard.stats),
+                "backoff_s": self.guard.delay_s, "retry_in_s": self.guard.retry_in(),
+                "last_error": self.guard.last_error, "min_free": self.guard.min_free,
+                "volume_bytes": total, "free_bytes": free}
+
     def _run(self) -> None:
         # MLX streams are per thread; the writer gets its own on the CPU.
         mx.set_default_stream(mx.new_stream(mx.cpu))
         while True:
             entry, kv, head, checkpoints, done = self._queue.get()
             try:
-                record = self._write_now(entry, kv, head, checkpoints)
+                record = self._write_guarded(entry, kv, head, checkpoints)
             except Exception as exc:  # a failed write must not kill the writer
                 log.warning("lineage disk write of %s failed: %s", entry.id, exc)
                 record = None
@@ -192,16 +216,29 @@ class DiskStore:
             finally:
                 self._queue.task_done()
 
-    def _write_now(self, entry: Entry, kv: MlxKV, head: MlxSnapshot,
-                   checkpoints: list[Checkpoint]) -> DiskRecord:
+    def _write_guarded(self, entry: Entry, kv: MlxKV, head: MlxSnapshot,
+                       checkpoints: list[Checkpoint]) -> DiskRecord:
         tensors: dict[str, mx.array] = {}
-        meta = {
-            "format": FORMAT,
+        meta = self._meta(entry, kv, head, checkpoints, tensors)
+        self.guard.admit(sum(int(a.nbytes) for a in tensors.values()))
+        self.guard.attempted()
+        try:
+            record = self._write_now(entry, meta, tensors, checkpoints)
+        except OSError as exc:
+            self.guard.failed(exc)
+            raise
+        self.guard.succeeded()
+        return record
+
+    def _meta(self, entry: Entry, kv: MlxKV, head: MlxSnapshot, checkpoints: list[Checkpoint],
+              tensors: dict[str, mx.array]) -> dict[str, str]:
+        return {
             "fingerprint": self.fingerprint,
-            "layout": self.layout.describe(),
+            "identity": json.dumps(self.expected.identity, sort_keys=True),
+            "layout": self.expected.layout or "",
             "namespace": entry.namespace,
             "length": str(entry.length),
-            "tokens": _encode_tokens(entry.tokens),
+            "tokens": encode_tokens(entry.tokens),
             "is_anchor": "1" if entry.is_anchor else "0",
             "pinned": "1" if entry.pinned else "0",
             "label": entry.label,
@@ -213,14 +250,36 @@ class DiskStore:
             "cp_meta": json.dumps([_flatten(f"cp{i}", c.state.layers, tensors)
                                    for i, c in enumerate(checkpoints)]),
         }
+
+    def _write_now(self, entry: Entry, meta: dict[str, str], tensors: dict[str, mx.array],
+                   checkpoints: list[Checkpoint]) -> DiskRecord:
+        """Header (placeholder digests), each tensor hashed as it is written, the header again
+        with the digests, fsync, rename, fsync of the directory."""
+        names = sorted(tensors)
+        table = [TableRow(n, _CODE[tensors[n].dtype], tuple(tensors[n].shape), int(tensors[n].nbytes))
+                 for n in names]
+        placeholder = build_header(meta, table, "0" * HASH_HEX)
         final = self.path_of(entry.id)
-        tmp = self.root / f".{entry.id}.{os.getpid()}{_TMP_MARK}{_SUFFIX}"
+        tmp = self.root / temp_name(entry.id, threading.get_ident())
+        fd = create_private(tmp)
         try:
-            mx.save_safetensors(str(tmp), tensors, metadata=meta)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+            with os.fdopen(fd, "wb") as f:
+                f.write(placeholder)
+                hasher = data_hasher()
+                for name in names:
+                    data = _as_bytes(tensors[name])
+                    hasher.update(data)
+                    f.write(data)
+                    del data
+                sealed = build_header(meta, table, hasher.hexdigest())
+                assert len(sealed) == len(placeholder)
+                f.seek(0)
+                f.write(sealed)
+                f.flush()
+                faults.during_write()
+                fsync_fd(f.fileno())
             os.replace(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except BaseException:
             _unlink(tmp, "failed write")
             raise
@@ -236,40 +295,46 @@ class DiskStore:
     # ------------------------------------------------------------------ load
 
     def load(self, record: DiskRecord) -> Entry | None:
-        """The validated entry, or None (and the file removed) if anything is off."""
+        """The validated entry, or None (the file removed, the reason counted) if anything is off."""
         path = self.path_of(record.id)
         try:
             entry = self._load(path, record)
-        except Exception as exc:
-            _unlink(path, f"failed validation: {exc}")
+        except InvalidFile as exc:
+            self._reject(path, exc.reason, exc.detail)
+            return None
+        except OSError as exc:
+            self._reject(path, IO, str(exc))
+            return None
+        except Exception as exc:  # shapes that do not build: the structure is wrong
+            self._reject(path, HEADER, f"{type(exc).__name__}: {exc}")
             return None
         os.utime(path)
         return entry
 
     def _load(self, path: Path, record: DiskRecord) -> Entry:
-        meta = read_header(path)
-        if meta.get("fingerprint") != self.fingerprint or meta.get("layout") != self.layout.describe():
-            raise InvalidFile("fingerprint or layout differs")
-        tokens = _decode_tokens(meta["tokens"])
-        if not np.array_equal(tokens, record.tokens):
-            raise InvalidFile("tokens differ from the index")
-        tensors, _ = mx.load(str(path), return_metadata=True)
-        length = len(tokens)
-        kv = MlxKV(_unflatten("kv", json.loads(meta["kv_meta"]), tensors), length)
-        head = MlxSnapshot(_unflatten("head", json.loads(meta["head_meta"]), tensors), length)
+        with open(path, "rb") as f:
+            header = read_header(path, f=f)
+            found = contents(header)
+            check_identity(header, found, self.expected)
+            if not np.array_equal(found.tokens, record.tokens):
+                raise InvalidFile(HEADER, "tokens differ from the index")
+            tensors = {info.name: _as_mlx(raw).view(_DTYPE[info.dtype]).reshape(info.shape)
+                       for info, raw in stream_tensors(f, header, _mlx_buffer)}
+        # Only now, with both digests verified, is anything built from the file.
+        length = len(found.tokens)
+        kv = MlxKV(_unflatten("kv", found.kv_meta, tensors), length)
+        head = MlxSnapshot(_unflatten("head", found.head_meta, tensors), length)
         now = time.time()
-        checkpoints = []
-        for i, ((cp_len, kind), cp_meta) in enumerate(zip(json.loads(meta["checkpoints"]),
-                                                          json.loads(meta["cp_meta"]))):
-            state = MlxSnapshot(_unflatten(f"cp{i}", cp_meta, tensors), int(cp_len))
-            checkpoints.append(Checkpoint(int(cp_len), str(kind), state, created=now))
+        checkpoints = [Checkpoint(cp_len, kind, MlxSnapshot(_unflatten(f"cp{i}", cp_meta, tensors), cp_len),
+                                  created=now)
+                       for i, ((cp_len, kind), cp_meta) in enumerate(zip(found.checkpoints, found.cp_meta))]
         # Building every restore point once proves shapes and lengths agree before we trust it.
         for point in [head, *[c.state for c in checkpoints]]:
             self.layout.build(kv, point, point.length)
         mx.eval(kv.arrays(), head.arrays(), [a for c in checkpoints for a in c.state.arrays()])
-        return Entry(id=record.id, tokens=tokens, kv=kv, head=head, namespace=meta.get("namespace", ""),
-                     created=now, last_used=now, is_anchor=meta.get("is_anchor") == "1",
-                     pinned=record.pinned, checkpoints=checkpoints, label=meta.get("label", ""))
+        return Entry(id=record.id, tokens=found.tokens, kv=kv, head=head, namespace=found.namespace,
+                     created=now, last_used=now, is_anchor=found.is_anchor, pinned=record.pinned,
+                     checkpoints=checkpoints, label=found.label)
 
     def close(self, timeout: float = 30.0) -> None:
         self.flush(timeout)
@@ -282,16 +347,3 @@ def _unlink(path: Path, reason: str | None) -> None:
             log.warning("lineage disk: removed %s (%s)", path.name, reason)
     except FileNotFoundError:
         pass
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

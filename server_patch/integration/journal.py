@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from server_patch.admin.private import open_private, tighten_dir
+from server_patch.private_files import open_private, private_dir
 from server_patch.paths import state_dir
 
 log = logging.getLogger("server_patch.lineage")
@@ -54,7 +54,7 @@ class Journal:
         self.max_bytes = max_bytes
         self.files = files
         self._lock = threading.Lock()
-        tighten_dir(self.directory)  # the journal's own directory: owner-only
+        private_dir(self.directory)  # the journal's own directory: owner-only
         for older in journal_files(self.directory):  # files an earlier version left readable
             try:
                 os.chmod(older, 0o600)

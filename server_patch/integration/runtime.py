@@ -7,13 +7,12 @@ Created lazily by the coordinator the first time a model is served, and register
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any, Callable
 
+from server_patch.disk.paths import default_disk_root, disk_enabled
 from server_patch.disk.store import DiskStore
 from server_patch.integration import journal
 from server_patch.integration.timings import TimingBook
@@ -24,20 +23,6 @@ from server_patch.state.layout import CacheLayout
 log = logging.getLogger("server_patch.lineage")
 
 EVENT_RING = 4096
-
-
-def default_disk_root() -> Path:
-    """``APC_LINEAGE_DISK_PATH``, else the per-user cache directory."""
-    configured = os.environ.get("APC_LINEAGE_DISK_PATH")
-    if configured is not None:
-        return Path(configured).expanduser()
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("apcctl")) / "lineage"
-
-
-def disk_enabled() -> bool:
-    return os.environ.get("APC_LINEAGE_DISK", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class LineageRuntime:

@@ -1,8 +1,12 @@
-"""A model fingerprint for disk files: config plus a sample of every weight, not the path.
+"""A model fingerprint for disk files: config, a sample of every weight, the KV dtype and the
+versions of the software that computes the state; not the path.
 
 Hashing every byte of a 100 GB model at startup would cost minutes, so each parameter
 contributes its name, shape, dtype and its first and last elements. Any re-initialisation,
 fine-tune or quantisation change moves the hash; a rebuilt model at the same path does too.
+Another mlx, mlx-vlm or patch version may compute (or lay out) the cache differently, and a
+different activation dtype gives KV of another dtype, so those are in the fingerprint as well:
+a file written under any of them is never restored.
 """
 
 from __future__ import annotations
@@ -10,12 +14,24 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from importlib import metadata
 from typing import Any
 
-import mlx.core as mx
-from mlx.utils import tree_flatten
-
 _SAMPLE = 2048
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def software_identity() -> dict[str, str]:
+    """The versions that decide how cache state is computed and stored (no MLX import)."""
+    from server_patch import PATCH_VERSION
+
+    return {"mlx": _version("mlx"), "mlx_vlm": _version("mlx-vlm"), "patch": PATCH_VERSION}
 
 
 def _config_dict(model: Any) -> dict:
@@ -27,10 +43,31 @@ def _config_dict(model: Any) -> dict:
     return dict(vars(config))
 
 
+def kv_dtype(model: Any) -> str:
+    """The dtype the model's attention K/V come out in: that of its embedded activations.
+
+    One embedding lookup of token 0 (microseconds); a quantised embedding dequantises to its
+    scales' dtype, which is what the projections then produce. "unknown" if it has none.
+    """
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    for _, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding)):
+            out = module(mx.array([0]))
+            return str(out.dtype).removeprefix("mlx.core.")
+    return "unknown"
+
+
 def model_fingerprint(model: Any) -> str:
-    """sha256 over the model's config and a head/tail sample of each parameter."""
+    """sha256 over the config, a head/tail sample of each parameter, the KV dtype and versions."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
     digest = hashlib.sha256()
     digest.update(json.dumps(_config_dict(model), sort_keys=True, default=str).encode())
+    identity = {**software_identity(), "kv_dtype": kv_dtype(model)}
+    digest.update(json.dumps(identity, sort_keys=True).encode())
     for name, value in tree_flatten(model.parameters()):
         digest.update(f"{name}:{tuple(value.shape)}:{value.dtype}".encode())
         flat = value.reshape(-1)
