@@ -104,6 +104,22 @@ def test_a_reference_taken_mid_loan_makes_the_borrower_copy(model, layout):
     assert mx.allclose(got, cold_logits(model, N + SUFFIX), atol=1e-4).item()
 
 
+def test_a_lent_entry_cannot_be_built_from(model, layout):
+    """A restore from lent rows would pair an empty attention cache with the recurrent state at
+    L: ``build`` refuses (the coordinator then prefills cold) until the rows are given back."""
+    kv, head = adopted_entry(model, layout)
+    warm = lending.lend(layout, kv, head, N)
+    with pytest.raises(RuntimeError, match="lent"):
+        layout.build(kv, head, N)
+    cp = rows.capture(layout, warm, 0, N)  # any snapshot, at any length the rows would hold
+    with pytest.raises(RuntimeError, match="lent"):
+        layout.build(kv, cp, N)
+    kv.give_back(layout.lent_rows(warm, N))
+    built = layout.build(kv, head, N)
+    got = prefill(model, built, PROMPT[N:N + SUFFIX], step=64)
+    assert mx.allclose(got, cold_logits(model, N + SUFFIX), atol=1e-4).item()
+
+
 def test_give_back_checks_what_comes_back(model, layout):
     kv, head = adopted_entry(model, layout)
     warm = lending.lend(layout, kv, head, N)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -458,3 +460,190 @@ def test_a_failed_disk_write_keeps_the_entry_dirty_for_the_next_flush():
     assert entry.dirty and cache.stats["disk_write_failures"] == 1 and not disk.files
     disk.fail = False
     assert cache.flush() == 1 and entry.id in disk.files and not entry.dirty
+
+
+# ----------------------------------------------------------------------------- budgets that bound
+
+class LendableKV(SizedKV):
+    """Sized KV rows that can be lent to a running request (then neither evicted nor written)."""
+
+    lent = False
+
+
+class QueuedDisk(FakeDisk):
+    """A disk whose writer is a queue the test drains (``land``), like the real writer thread."""
+
+    def __init__(self, records=()):
+        super().__init__(records)
+        self.queue: list = []
+
+    def write(self, entry, done):
+        self.queue.append((entry, done))
+
+    def land(self):
+        while self.queue:
+            entry, done = self.queue.pop(0)
+            FakeDisk.write(self, entry, done)
+
+
+def serve_lendable(cache, prompt):
+    end = len(prompt) - cache.config.entry_offset
+    kv = LendableKV(KV_PER_TOKEN, end)
+    return cache.commit(prompt, kv=kv, head=SizedSnapshot(SNAP)), kv
+
+
+ENTRY_BYTES = 299 * KV_PER_TOKEN + SNAP  # a 300-token prompt's entry
+
+
+def test_queued_writes_count_in_ram_used_and_a_stalled_writer_cannot_push_it_over():
+    disk = QueuedDisk()
+    cache = LineageCache(LineageConfig(ram_budget_bytes=int(2.5 * ENTRY_BYTES), periodic_stride=0),
+                         disk=disk, clock=Clock())
+    cache.write_wait_s = 0.05  # the writer never lands on its own here
+    a, b, c = (serve(cache, words(300, 300 + i))[2] for i in range(3))
+    # c pushed a out: a's write is queued, so a's bytes are still held and counted; the
+    # writer did not drain in time, so the next least recently used entry, b, found no room
+    # in the queue and left RAM unwritten.
+    budgets = cache.budgets()
+    assert budgets["ram_used"] <= budgets["ram_limit"]
+    assert budgets["disk_queue_bytes"] == a.nbytes
+    assert budgets["ram_used"] == cache.ram_bytes + a.nbytes
+    assert cache.holds(c) and not cache.holds(a) and not cache.holds(b)
+    assert cache.stats["disk_write_waits_timed_out"] == 1 and cache.stats["evicted_unwritten"] == 1
+    disk.land()
+    assert cache.budgets()["disk_queue_bytes"] == 0 and a.id in disk.files
+
+
+def test_a_commit_waits_for_the_writer_and_loses_nothing():
+    disk = QueuedDisk()
+    cache = LineageCache(LineageConfig(ram_budget_bytes=int(2.5 * ENTRY_BYTES), periodic_stride=0),
+                         disk=disk, clock=Clock())
+    first = [serve(cache, words(300, 310 + i))[2] for i in range(2)]
+    seen: list[int] = []
+    done = threading.Event()
+
+    def sample() -> None:  # what /admin/status would show meanwhile (it takes the lock too)
+        waiting = 0
+        while not done.is_set():
+            seen.append(cache.budgets()["ram_used"])
+            waiting += bool(disk.queue)
+            if waiting == 20:
+                disk.land()  # the writer lands a's file while the commit waits
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    _, _, newest = serve(cache, words(300, 312))  # pushes the oldest out: waits for its write
+    done.set()
+    sampler.join()
+    assert cache.holds(newest) and cache.holds(first[1]) and first[0].id in disk.files
+    assert cache.stats["evicted_unwritten"] == 0 and cache.stats["disk_write_waits_timed_out"] == 0
+    assert max(seen) <= cache.config.ram_budget_bytes, seen
+    assert cache.ram_used <= cache.config.ram_budget_bytes
+
+
+def test_lent_entries_are_skipped_and_eviction_goes_on_over_the_others():
+    cache = make(ram_budget_bytes=int(3.5 * ENTRY_BYTES), periodic_stride=0, guard_min_suffix=10_000)
+    lent = []
+    for i in range(2):  # the two least recently used entries are lent to running requests
+        entry, kv = serve_lendable(cache, words(300, 320 + i))
+        kv.lent = True
+        lent.append(entry)
+    others = [serve(cache, words(300, 322 + i))[2] for i in range(4)]
+    assert all(cache.holds(e) for e in lent)
+    assert cache.ram_bytes <= cache.config.ram_budget_bytes
+    assert [cache.holds(e) for e in others] == [False, False, False, True]
+    assert cache.stats["evictions"] == 3
+
+
+def test_eviction_stops_only_when_nothing_evictable_is_left():
+    cache = make(ram_budget_bytes=int(3.5 * ENTRY_BYTES), periodic_stride=0, guard_min_suffix=10_000)
+    entries = []
+    for i in range(3):
+        entry, kv = serve_lendable(cache, words(300, 330 + i))
+        kv.lent = True
+        entries.append(entry)
+    cache.config = LineageConfig(**{**vars(cache.config), "ram_budget_bytes": int(1.5 * ENTRY_BYTES)})
+    _, _, newest = serve(cache, words(300, 333))
+    assert newest is None  # the only evictable entry was the new one itself
+    assert all(cache.holds(e) for e in entries)
+    entries[1].kv.lent = False
+    serve(cache, words(300, 334))
+    assert not cache.holds(entries[1]) and cache.holds(entries[0]) and cache.holds(entries[2])
+    assert cache.stats["evictions"] == 3
+
+
+def test_the_anchor_cap_skips_lent_anchors():
+    cache = make(anchor_max_entries=1, periodic_stride=0, guard_min_suffix=10_000)
+    anchor, kv = serve_lendable(cache, words(300, 340))
+    cache.pin(anchor.id)
+    kv.lent = True
+    serve(cache, words(200, 341) + words(20, 342), anchor_len=200)  # a second anchor: over the cap
+    anchors = [e for e in cache.entries() if e.is_anchor]
+    # The lent one stays (its rows are in use); the cap takes the other, not nothing.
+    assert anchors == [anchor]
+
+
+def test_with_the_disk_cap_below_ram_idle_ticks_write_nothing_after_the_first_pass():
+    disk = FakeDisk()
+    clock = Clock()
+    cache = LineageCache(LineageConfig(disk_max_bytes=int(1.5 * ENTRY_BYTES), disk_write_delay_s=0,
+                                       periodic_stride=0, guard_min_suffix=10_000), disk=disk, clock=clock)
+    entries = [serve(cache, words(300, 350 + i))[2] for i in range(4)]
+    assert cache.tick() == 4  # the first pass writes every entry; the cap keeps the newest file
+    assert cache.disk_bytes <= cache.config.disk_max_bytes
+    writes = len(disk.written)
+    for _ in range(5):
+        assert cache.tick() == 0
+    assert len(disk.written) == writes and cache.stats["disk_writes"] == writes
+    # Nothing is lost: an entry whose file went for the cap is written when it leaves RAM.
+    not_on_disk = [e for e in entries if e.id not in disk.files]
+    assert not_on_disk and not any(e.dirty for e in entries)
+    cache.config = LineageConfig(**{**vars(cache.config), "ram_budget_bytes": 3 * ENTRY_BYTES})
+    serve(cache, words(300, 360))
+    evicted = [e for e in entries if not cache.holds(e)]
+    assert evicted and all(e.id in disk.written[writes:] for e in evicted if e in not_on_disk)
+
+
+def test_a_file_larger_than_the_disk_cap_does_not_push_out_the_others():
+    disk = FakeDisk()
+    cache = LineageCache(LineageConfig(disk_max_bytes=int(1.5 * ENTRY_BYTES), periodic_stride=0,
+                                       guard_min_suffix=10_000), disk=disk, clock=Clock())
+    small = serve(cache, words(300, 370))[2]
+    cache.flush()
+    big = serve(cache, words(1000, 371))[2]
+    cache.flush()
+    assert small.id in disk.files and big.id not in disk.files
+    assert not big.dirty and not big.on_disk
+
+
+def test_a_rejected_disk_file_is_counted_with_its_reason():
+    record = DiskRecord("bad", np.array(words(400, 380), np.int32), "", (), 10, 0.0)
+    events = []
+    cache = LineageCache(LineageConfig(), disk=FakeDisk([record]), clock=Clock(), on_event=events.append)
+    assert cache.promote(record, None, reason="hash mismatch") is None
+    assert cache.stats["disk_rejects"] == 1
+    assert [(e.kind, e.entry_id, e.detail) for e in events] == [("disk_reject", "bad", "hash mismatch")]
+
+
+def test_an_eviction_pass_makes_room_in_the_queue_with_entries_already_on_disk():
+    from types import SimpleNamespace
+
+    from server_patch.lineage.budget import plan_eviction
+
+    dirty_old, clean, dirty_new, keep = (SimpleNamespace(name=n, nbytes=100) for n in ("d1", "c", "d2", "k"))
+    order = [dirty_old, clean, dirty_new, keep]
+    needs_write = lambda e: e.name.startswith("d")  # noqa: E731
+
+    # 50 bytes over: the least recently used entry goes; the disk lacks it, so the entry on
+    # disk is evicted too, to make room for its write in the queue. The newer dirty one stays.
+    chosen = plan_eviction(order, 50, needs_write, keep)
+    assert [e.name for e in chosen.victims] == ["d1", "c"] and [e.name for e in chosen.written] == ["d1"]
+    # Lossless (a pass that then waits for the writer): no extra eviction, the victim is written.
+    chosen = plan_eviction(order, 50, needs_write, keep, lossless=True)
+    assert [e.name for e in chosen.victims] == ["d1"] and [e.name for e in chosen.written] == ["d1"]
+    # No entry on disk left to evict: the dirty victim leaves RAM unwritten (never the budget).
+    chosen = plan_eviction([dirty_old, dirty_new, keep], 50, needs_write, keep)
+    assert [e.name for e in chosen.victims] == ["d1"] and chosen.written == []
+    # Never ``keep`` to make room, even when it is the only entry on disk.
+    chosen = plan_eviction([dirty_old, keep], 50, lambda e: e is dirty_old, keep)
+    assert [e.name for e in chosen.victims] == ["d1"] and chosen.written == []

@@ -5,7 +5,10 @@ admission, for the lengths where prefill must stop, calls ``store_checkpoint`` e
 row has processed each length, and merges restored rows into the batch. We answer those calls
 from the lineage policy:
 
-* ``lookup``: the policy's restore point, built as truncated views (no restore clone);
+* ``lookup``: the policy's restore point, built as truncated views (no restore clone). It
+  plans until the plan is stable (deferred entries committed, loans of the rows it needs
+  ended, a disk restore point loaded or its file rejected), so whatever plan is admitted has
+  been swept; a lent entry cannot be built from at all (``CacheLayout.build`` raises: cold);
 * ``merge_rows``: the one copy of a warm turn, into batch buffers with room for the suffix
   and a decode reserve (``server_patch.copyfree.merge``); or no copy at all when a lone
   request extends an entry whose adopted buffer has room: the entry lends it the buffer
@@ -20,6 +23,9 @@ from the lineage policy:
   batch (``batches_joining``). A lookup that would restore from a deferred entry commits it
   first, by a copy, so deferral never hides a restore point.
 
+Every request is named by its namespace and its tokens (``pending.request_key``): pending
+prompts, loans and timing records never mix two tenants that send the same tokens.
+
 Block-mode (pure attention) models keep stock behaviour. ``APC_COPYFREE=0`` keeps the stock
 merge and commits every entry by an immediate copy.
 """
@@ -27,11 +33,10 @@ merge and commits every entry by an immediate copy.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import weakref
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -43,30 +48,16 @@ from server_patch.copyfree import merge as copyfree_merge
 from server_patch.copyfree.lease import Lease
 from server_patch.copyfree.settings import CopyFreeSettings
 from server_patch.integration import segments as SEGMENTS
+from server_patch.integration.pending import Pending, PendingBook, RequestKey, namespace_of, request_key
 from server_patch.integration.runtime import LineageRuntime, runtime_for
-from server_patch.lineage import ANCHOR, RestorePlan, as_tokens
+from server_patch.lineage import ANCHOR, DISK, RestorePlan, as_tokens
 from server_patch.state import rows
 
 log = logging.getLogger("server_patch.lineage")
 
-_PENDING_MAX = 256
-
-
-def prompt_key(tokens: np.ndarray) -> tuple[int, int]:
-    return int(tokens.shape[0]), hash(tokens.tobytes())
-
-
-@dataclass
-class Pending:
-    """A prompt between lookup and commit: its plan, captures asked for, captures taken."""
-
-    tokens: np.ndarray
-    namespace: str
-    plan: RestorePlan
-    final: int = 0
-    wanted: dict[int, str] = field(default_factory=dict)
-    taken: dict[int, tuple[str, Any]] = field(default_factory=dict)
-    anchor_label: str = ""
+# Plans a lookup may make before it settles (each re-plan follows progress: a deferred entry
+# committed, a loan ended, a disk file loaded or rejected); past that it prefills cold.
+_PLANS_MAX = 8
 
 
 @dataclass
@@ -89,14 +80,13 @@ class LineageCoordinator(APCCoordinator):
         if self.enabled and self.is_checkpoint:
             language_model = getattr(model, "language_model", model)
             self.runtime = runtime_for(manager, language_model)
-        self._pending: OrderedDict[tuple[int, int], Pending] = OrderedDict()
-        self._pending_lock = threading.Lock()
+        self._pending = PendingBook()
         self.copyfree: CopyFreeSettings = pool.configure()
         if counter.requested():
             counter.install()
         self._generator: Callable[[], Any] | None = None
         self._deferred: dict[Any, Deferred] = {}
-        self._leases: dict[tuple[int, int], Lease] = {}
+        self._leases: dict[RequestKey, Lease] = {}
 
     def attach_generator(self, generator: Any) -> None:
         """The batch generator this coordinator serves (weakly): who else is decoding."""
@@ -114,20 +104,10 @@ class LineageCoordinator(APCCoordinator):
         start = time.perf_counter()
         cache, layout = self.runtime.cache, self.runtime.layout
         prompt = as_tokens(token_ids)
-        key = prompt_key(prompt)
-        namespace = str(extra_hash)
+        namespace = namespace_of(extra_hash)
+        key = request_key(namespace, prompt)
         record = self.runtime.timings.open(key, int(prompt.shape[0]))
-        plan = cache.lookup(prompt, namespace)
-        if self._deferred and self._surface_deferred(prompt, namespace, plan.length):
-            plan = cache.lookup(prompt, namespace)
-        reclaimed: set[str] = set()
-        if self._leases and self._sweep_leases(plan, reclaimed):
-            plan = cache.lookup(prompt, namespace)  # an entry was dropped: plan again
-        origin = plan
-        if plan.tier == "disk" and self.runtime.disk is not None:
-            loaded = self.runtime.disk.load(plan.record)
-            cache.promote(plan.record, loaded)
-            plan = cache.lookup(prompt, namespace)
+        plan, promoted, reclaimed = self._settled_plan(prompt, namespace)
         warm = None
         lent = False
         if plan.hit and plan.length >= safe_lookup_min and suffix_is_text_only(plan.length):
@@ -137,23 +117,53 @@ class LineageCoordinator(APCCoordinator):
                     self._leases[key] = Lease(plan.entry, key, list(warm))
                     lent = True
                 else:
-                    warm = layout.build(plan.entry.kv, plan.state, plan.length)
+                    warm = layout.build(plan.entry.kv, plan.state, plan.length)  # raises if lent
             except Exception as exc:  # fail closed: a cold prefill, never garbage
                 log.warning("apc_lineage restore of %s at %d failed: %s", plan.entry.id, plan.length, exc)
-        self._remember(key, Pending(prompt, namespace, plan if warm is not None else _cold(plan)))
+        self._pending.remember(Pending(prompt, namespace, plan if warm is not None else _cold(plan)))
         record.lookup_ms = (time.perf_counter() - start) * 1000
         if warm is None:
             cache.note_cold(plan)
             return None
         admission = "lent" if lent else "copied"
         cache.note_restore(plan, admission)
-        record.restore_kind = "disk" if origin.tier == "disk" else plan.kind
+        record.restore_kind = DISK if plan.entry.id in promoted else plan.kind
         record.restored_tokens = plan.length
         record.entry_id = plan.entry.id
         record.kv_admission = admission
         record.admission_ms = record.lookup_ms
         return {"matched_blocks": [], "warm_cache": warm, "prefix_len": plan.length,
                 "extra_hash": extra_hash, "full_input_ids": list(token_ids), "cache_plan": self.plan}
+
+    def _settled_plan(self, prompt: np.ndarray, namespace: str) -> tuple[RestorePlan, set[str], set[str]]:
+        """Plan until the plan is stable, so the one admitted has been swept like the first:
+        deferred entries it would restore from are committed, loans of its rows end, a disk
+        restore point is loaded (or its file rejected), and after each of these it plans
+        again. Returns (plan, ids of entries loaded from disk, ids of entries reclaimed)."""
+        assert self.runtime is not None
+        cache, disk = self.runtime.cache, self.runtime.disk
+        promoted: set[str] = set()
+        reclaimed: set[str] = set()
+        loaded_ids: set[str] = set()
+        plan = cache.lookup(prompt, namespace)
+        for _ in range(_PLANS_MAX):
+            if self._deferred and self._surface_deferred(prompt, namespace, plan.length):
+                pass  # a deferred entry was committed: there may be a longer restore point
+            elif self._leases and self._sweep_leases(plan, reclaimed):
+                pass  # an entry was dropped: plan again
+            elif plan.tier == DISK and (disk is None or plan.record.id in loaded_ids):
+                break  # loaded once already and gone again (no room in RAM): cold
+            elif plan.tier == DISK:
+                loaded_ids.add(plan.record.id)
+                loaded, why = _load(disk, plan.record)
+                if cache.promote(plan.record, loaded, reason=why) is not None:
+                    promoted.add(plan.record.id)
+            else:
+                return plan, promoted, reclaimed
+            plan = cache.lookup(prompt, namespace)
+        else:
+            log.warning("apc_lineage lookup did not settle after %d plans: cold prefill", _PLANS_MAX)
+        return _cold(plan), promoted, reclaimed
 
     def merge_rows(self, picks: Sequence[Optional[dict]], prefix_lens: Sequence[int], *,
                    kv_quant_config: Optional[dict] = None):
@@ -168,7 +178,7 @@ class LineageCoordinator(APCCoordinator):
             for pick in picks:
                 if pick is None:
                     continue
-                record = self.runtime.timings.by_key(prompt_key(as_tokens(pick["full_input_ids"])))
+                record = self.runtime.timings.by_key(_key_of(pick))
                 if record is not None:
                     record.admission_ms += merge_ms
         return result
@@ -183,7 +193,7 @@ class LineageCoordinator(APCCoordinator):
             totals = [len(p["full_input_ids"]) if p else n for p, n in zip(picks, prefix_lens)]
         suffixes = [max(0, total - n) for total, n in zip(totals, prefix_lens)]
         row_caches = [p["warm_cache"] if p is not None else self.fresh_cache() for p in picks]
-        leases = [self._leases.get(prompt_key(as_tokens(p["full_input_ids"]))) if p else None for p in picks]
+        leases = [self._leases.get(_key_of(p)) if p else None for p in picks]
         lone = leases[0] if len(picks) == 1 else None
         for lease in leases:
             if lease is not None and lease is not lone:  # rows sharing a batch: the merge copies
@@ -207,7 +217,7 @@ class LineageCoordinator(APCCoordinator):
             return
         for uid, meta in zip(uids, metas):
             if meta is not None and "full_input_ids" in meta:
-                key = prompt_key(as_tokens(meta["full_input_ids"]))
+                key = _key_of(meta)
                 self.runtime.timings.bind(uid, key)
                 lease = self._leases.get(key)
                 if lease is not None and lease.uid is None:
@@ -222,16 +232,24 @@ class LineageCoordinator(APCCoordinator):
         if final <= 0:
             return []
         prompt = as_tokens(token_ids)
-        pending = self._pending_for(prompt)
-        pending.final = final
-        if media_token_ids and np.isin(prompt, list(media_token_ids)).any():
-            return [final]  # checkpoints inside media regions are not text-aligned: final only
-        info = SEGMENTS.boundaries(prompt)  # anchor + chat-template segment boundaries
+        # No namespace here (see ``pending``): plan every pending prompt with these tokens.
+        pendings = self._pending.with_tokens(prompt) or [self._unlooked(prompt)]
+        text_only = not (media_token_ids and np.isin(prompt, list(media_token_ids)).any())
+        for pending in pendings:
+            if pending.final == 0:
+                pending.final = final
+                if text_only:  # checkpoints inside media regions are not text-aligned: final only
+                    self._plan_captures(pending)
+        return sorted({final}.union(*(p.wanted for p in pendings)))
+
+    def _plan_captures(self, pending: Pending) -> None:
+        assert self.runtime is not None
+        info = SEGMENTS.boundaries(pending.tokens)  # anchor + chat-template segment boundaries
         pending.anchor_label = info.anchor_label
-        captures = self.runtime.cache.plan_captures(prompt, pending.plan, namespace=pending.namespace,
+        captures = self.runtime.cache.plan_captures(pending.tokens, pending.plan,
+                                                    namespace=pending.namespace or "",
                                                     anchor_len=info.anchor_len, segments=info.segments)
-        pending.wanted = {c.length: c.kind for c in captures if c.length <= final}
-        return sorted({*pending.wanted, final})
+        pending.wanted = {c.length: c.kind for c in captures if c.length <= pending.final}
 
     def store_checkpoint(self, token_ids: Sequence[int], prompt_cache: Sequence[Any], *,
                          extra_hash: int = 0, batch_idx: Optional[int] = None, uid: Any = None) -> bool:
@@ -240,7 +258,7 @@ class LineageCoordinator(APCCoordinator):
                                             batch_idx=batch_idx)
         prefix = as_tokens(token_ids)
         length = int(prefix.shape[0])
-        matches = self._pending_matching(prefix)
+        matches = self._pending.matching(prefix, namespace_of(extra_hash))
         if not matches:
             return False
         snapshot = None
@@ -260,9 +278,7 @@ class LineageCoordinator(APCCoordinator):
         start = time.perf_counter()
         runtime = self.runtime
         assert runtime is not None
-        key = prompt_key(pending.tokens)
-        with self._pending_lock:
-            self._pending.pop(key, None)
+        self._pending.forget(pending)
         if self._deferrable(prompt_cache, uid):
             head = rows.capture(runtime.layout, prompt_cache, batch_idx, pending.final)
             self._deferred[uid] = Deferred(pending, head, list(prompt_cache), uid, time.monotonic())
@@ -286,7 +302,7 @@ class LineageCoordinator(APCCoordinator):
     def _note_commit(self, pending: Pending, uid: Any, start: float) -> None:
         assert self.runtime is not None
         timings = self.runtime.timings
-        record = timings.by_uid(uid) if uid is not None else timings.by_key(prompt_key(pending.tokens))
+        record = timings.by_uid(uid) if uid is not None else timings.by_key(pending.key)
         if record is not None:
             record.commit_ms += (time.perf_counter() - start) * 1000
             record.captures = [f"{kind}@{n}" for n, (kind, _) in sorted(pending.taken.items())]
@@ -450,33 +466,26 @@ class LineageCoordinator(APCCoordinator):
         self.manager.release(blocks_in_use)
         return False
 
-    # ------------------------------------------------------------------ pending prompts
-
-    def _remember(self, key: tuple[int, int], pending: Pending) -> None:
-        with self._pending_lock:
-            self._pending[key] = pending
-            self._pending.move_to_end(key)
-            while len(self._pending) > _PENDING_MAX:
-                self._pending.popitem(last=False)
-
-    def _pending_for(self, prompt: np.ndarray) -> Pending:
-        key = prompt_key(prompt)
-        with self._pending_lock:
-            pending = self._pending.get(key)
-        if pending is None:  # a path that skipped lookup: plan as cold from what is stored
-            assert self.runtime is not None
-            plan = self.runtime.cache.lookup(prompt)
-            pending = Pending(prompt, "0", _cold(plan))
-            self._remember(key, pending)
+    def _unlooked(self, prompt: np.ndarray) -> Pending:
+        """A prompt that skipped lookup: planned as cold, its namespace named by its first store."""
+        assert self.runtime is not None
+        pending = Pending(prompt, None, _cold(RestorePlan(0, "cold", prompt_len=int(prompt.shape[0]))))
+        self._pending.remember(pending)
         return pending
 
-    def _pending_matching(self, prefix: np.ndarray) -> list[Pending]:
-        length = int(prefix.shape[0])
-        with self._pending_lock:
-            candidates = list(self._pending.values())
-        return [p for p in candidates
-                if (length in p.wanted or length == p.final) and p.tokens.shape[0] >= length
-                and np.array_equal(p.tokens[:length], prefix)]
+
+def _load(disk: Any, record: Any) -> tuple[Any, str]:
+    """The loaded entry, or None and why (the disk store counts its rejects by reason)."""
+    before = Counter(getattr(disk, "rejects", {}))
+    entry = disk.load(record)
+    if entry is not None:
+        return entry, ""
+    return None, ",".join(sorted(Counter(getattr(disk, "rejects", {})) - before)) or "failed validation"
+
+
+def _key_of(meta: dict) -> RequestKey:
+    """The request key of a lookup answer or a row's metadata (both carry ``extra_hash``)."""
+    return request_key(namespace_of(meta.get("extra_hash", 0)), as_tokens(meta["full_input_ids"]))
 
 
 def _best_restore(pending: Pending, prompt: np.ndarray) -> int:

@@ -100,7 +100,8 @@ def current() -> LineageRuntime | None:
         return next(reversed(RUNTIMES.values()), None) if RUNTIMES else None
 
 
-def flush_all(timeout: float = 60.0) -> None:
-    """Write every runtime's unwritten entries (graceful shutdown)."""
+def flush_all(timeout: float | None = None) -> None:
+    """Write every runtime's unwritten entries (graceful shutdown), each for at most ``timeout``
+    seconds (default: its ``shutdown_flush_s``)."""
     for runtime in list(RUNTIMES.values()):
-        runtime.flush(timeout)
+        runtime.flush(runtime.config.shutdown_flush_s if timeout is None else timeout)

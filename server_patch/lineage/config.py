@@ -42,6 +42,9 @@ class LineageConfig:
     disk_low_watermark: float = 0.9
     # An entry still being extended is not worth writing: wait until it is idle this long.
     disk_write_delay_s: float = 30.0
+    # On SIGTERM, unwritten entries are flushed for at most this long (apcctl's stop grace
+    # follows it, so a SIGKILL never cuts the flush short).
+    shutdown_flush_s: float = 60.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "LineageConfig":
@@ -59,6 +62,8 @@ class LineageConfig:
                      "ram_budget_bytes", "anchor_max_entries", "anchor_max_bytes", "disk_max_bytes"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"lineage config {name} must be >= 0, got {getattr(self, name)}")
+        if self.shutdown_flush_s <= 0:
+            raise ValueError("lineage config shutdown_flush_s must be > 0")
         if not 0 < self.disk_low_watermark <= 1:
             raise ValueError("lineage config disk_low_watermark must be in (0, 1]")
         unknown = set(self.thin_order) - set(DEFAULT_THIN_ORDER)

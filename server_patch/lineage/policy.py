@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from server_patch.lineage.budget import WRITE_WAIT_S, WriteQueue, plan_eviction
 from server_patch.lineage.config import LineageConfig
 from server_patch.lineage.handles import KVHandle, SnapshotHandle
 from server_patch.lineage.lookup import common_prefix_len
@@ -76,6 +77,9 @@ class LineageCache:
         self._entries: dict[str, Entry] = {}
         self._records: dict[str, DiskRecord] = {}
         self._superseded_by: dict[str, str] = {}
+        self._queued = WriteQueue()  # what the disk writer holds: counted in the RAM budget
+        self._written_cv = threading.Condition(self.lock)  # notified as each write lands
+        self.write_wait_s = WRITE_WAIT_S
         self.stats: Counter[str] = Counter()
         if disk is not None:
             for record in disk.records():
@@ -97,8 +101,16 @@ class LineageCache:
 
     @property
     def ram_bytes(self) -> int:
+        """Bytes of the entries in RAM."""
         with self.lock:
             return sum(e.nbytes for e in self._entries.values())
+
+    @property
+    def ram_used(self) -> int:
+        """What the RAM budget bounds: the entries in RAM and what the disk writer holds of
+        entries that left RAM (``budget``)."""
+        with self.lock:
+            return self.ram_bytes + self._queued.bytes_outside(self._entries)
 
     @property
     def disk_bytes(self) -> int:
@@ -110,10 +122,12 @@ class LineageCache:
         with self.lock:
             anchors = [e for e in self._entries.values() if e.is_anchor and e.pinned]
             conv = sum(e.nbytes for e in self._entries.values() if e not in anchors)
+            queued = self._queued.bytes_outside(self._entries)
             return {
-                "ram_used": conv + sum(e.nbytes for e in anchors),
+                "ram_used": conv + sum(e.nbytes for e in anchors) + queued,
                 "ram_limit": self.config.ram_budget_bytes,
                 "conversation_bytes": conv,
+                "disk_queue_bytes": queued,
                 "anchor_bytes": sum(e.nbytes for e in anchors),
                 "anchor_bytes_limit": self.config.anchor_max_bytes,
                 "anchor_count": len(anchors),
@@ -291,19 +305,20 @@ class LineageCache:
         captures = dict(captures or {})
         with self.lock:
             now = self.clock()
+            anchors = []
             for cap_len, (kind, state) in sorted(captures.items()):
                 if kind == ANCHOR:
                     anchor = self._store_anchor(stored, cap_len, kv, state, namespace, anchor_label, now)
                     if anchor is not None:
                         self._adopt_captures(anchor, captures, now)
-                        if self.disk is not None:
-                            self._write(anchor)  # anchors are what a restarted server needs first
+                        anchors.append(anchor)
             same = self._find_identical(stored, namespace)
             if same is not None:
                 same.last_used = now
                 self._add_checkpoints(same, captures, now)
-                self._enforce_budgets(keep=same)
-                return same
+                self._take_in([*anchors, same])
+                self._write_anchors(anchors)
+                return same if self.holds(same) else None
 
             entry = Entry(id=uuid.uuid4().hex[:12], tokens=stored, kv=kv, head=head,
                           namespace=namespace, created=now, last_used=now)
@@ -314,8 +329,15 @@ class LineageCache:
             self.stats["stores"] += 1
             self._emit(Event("store", entry.id, length, entry.nbytes))
             self._thin(entry)
-            self._enforce_budgets(keep=entry)
-            return entry
+            self._take_in([*anchors, entry])
+            self._write_anchors(anchors)
+            return entry if self.holds(entry) else None
+
+    def _write_anchors(self, anchors: list[Entry]) -> None:
+        """Anchors are what a restarted server needs first: written at once (once in RAM)."""
+        for anchor in anchors:
+            if self.disk is not None and self.holds(anchor) and self._needs_write(anchor):
+                self._write(anchor)
 
     def _find_identical(self, stored: np.ndarray, namespace: str) -> Entry | None:
         for entry in self._entries.values():
@@ -442,38 +464,83 @@ class LineageCache:
 
     # ------------------------------------------------------------------ budgets
 
-    def _enforce_budgets(self, keep: Entry | None = None) -> None:
+    def _take_in(self, added: list[Entry]) -> None:
+        """Make room for ``added`` (just stored or promoted; the last one is the entry the
+        request made) without losing what they push out: write it, and wait with ``added``
+        kept aside until the writer has drained the queue enough (``budget``). Called with
+        the lock held once (it is released while waiting); only the generation thread stores
+        and promotes."""
+        keep, budget = added[-1], self.config.ram_budget_bytes
+        self._enforce_budgets(keep=keep, lossless=True)
+        queued = lambda: self._queued.bytes_outside(self._entries)  # noqa: E731
+        if self.ram_used <= budget or not queued():
+            return  # fits, or waiting cannot help (what is over is lent)
+        aside = [e for e in added if self.holds(e)]  # the pass may have written some out too
+        for entry in aside:
+            del self._entries[entry.id]  # RAM + queue stay within the budget meanwhile
+        limit = budget - sum(e.nbytes for e in aside)
+        if not self._written_cv.wait_for(lambda: self.ram_used <= limit or not queued(),
+                                         timeout=self.write_wait_s):
+            self.stats["disk_write_waits_timed_out"] += 1
+        for entry in aside:
+            self._entries[entry.id] = entry
+        self._enforce_budgets(keep=keep if any(e is keep for e in aside) else None)
+
+    def _enforce_budgets(self, keep: Entry | None = None, *, lossless: bool = False) -> None:
+        """Anchor caps, then the RAM budget (see ``budget`` for what it counts and when an
+        entry may leave RAM unwritten). Lent entries and entries whose write is in flight
+        cannot leave: the passes go on over the others and stop only when none is left."""
         cfg = self.config
         anchors = sorted((e for e in self._entries.values() if e.is_anchor and e.pinned),
                          key=lambda e: e.last_used)
-        while anchors and (len(anchors) > cfg.anchor_max_entries
-                           or sum(a.nbytes for a in anchors) > cfg.anchor_max_bytes):
-            self._evict_ram(anchors.pop(0), "anchor cap")
-        total = sum(e.nbytes for e in self._entries.values())
-        while total > cfg.ram_budget_bytes:
-            victim = self._lru_victim(keep)
-            if victim is None:
+        count, nbytes = len(anchors), sum(a.nbytes for a in anchors)
+        for anchor in [a for a in anchors if self._evictable(a)]:
+            if count <= cfg.anchor_max_entries and nbytes <= cfg.anchor_max_bytes:
                 break
-            total -= victim.nbytes
-            self._evict_ram(victim, "ram budget")
+            count, nbytes = count - 1, nbytes - anchor.nbytes
+            self._evict_ram(anchor, "anchor cap")
+        excess = self.ram_used - cfg.ram_budget_bytes
+        if excess <= 0:
+            return
+        chosen = plan_eviction(self._eviction_order(keep, in_flight=lossless), excess,
+                               self._needs_write, keep, lossless=lossless)
+        written = {id(e) for e in chosen.written}
+        for victim in chosen.victims:
+            self._evict_ram(victim, "ram budget", write=id(victim) in written)
 
-    def _lru_victim(self, keep: Entry | None) -> Entry | None:
-        candidates = [e for e in self._entries.values() if not e.lent]
+    def _evictable(self, entry: Entry, in_flight: bool = False) -> bool:
+        """Not lent; and, unless ``in_flight``, no write in flight (evicting it would free
+        nothing until the write lands: only a pass that then waits for the writer takes it)."""
+        return not entry.lent and (in_flight or not self._queued.holds(entry.id))
+
+    def _needs_write(self, entry: Entry) -> bool:
+        """Whether leaving RAM loses state the disk lacks and no queued write will hold (a
+        file deleted for the disk cap included: it is written again when it leaves RAM)."""
+        return self.disk is not None and (entry.dirty or not entry.on_disk) \
+            and not self._queued.holds(entry.id)
+
+    def _eviction_order(self, keep: Entry | None, *, in_flight: bool = False) -> list[Entry]:
+        """Evictable entries, least recently used first: conversations, then pinned anchors,
+        then ``keep`` (the entry this pass was started for)."""
+        others = (e for e in self._entries.values() if e is not keep and self._evictable(e, in_flight))
+        candidates = sorted(others, key=lambda e: e.last_used)
         ordinary = [e for e in candidates if not (e.is_anchor and e.pinned)]
         pinned = [e for e in candidates if e.is_anchor and e.pinned]
-        for group in (ordinary, pinned):
-            others = [e for e in group if e is not keep]
-            if others:
-                return min(others, key=lambda e: e.last_used)
-        return keep if keep is not None and keep.id in self._entries else None
+        last = [keep] if keep is not None and self.holds(keep) and self._evictable(keep, in_flight) else []
+        return ordinary + pinned + last
 
-    def _evict_ram(self, entry: Entry, reason: str) -> None:
-        """Drop ``entry`` from RAM; what the disk lacks is written first (in the background)."""
-        if self.disk is not None and (entry.dirty or not entry.on_disk):
+    def _evict_ram(self, entry: Entry, reason: str, *, write: bool = True) -> None:
+        """Drop ``entry`` from RAM; what the disk lacks is written first (in the background)
+        unless the budget has no room for it in the writer's queue (``write=False``)."""
+        unwritten = self._needs_write(entry) and not write
+        if write and self._needs_write(entry):
             self._write(entry)
         self._entries.pop(entry.id, None)
         self.stats["evictions"] += 1
-        self._emit(Event("evict", entry.id, entry.length, entry.nbytes, reason))
+        if unwritten:
+            self.stats["evicted_unwritten"] += 1
+        self._emit(Event("evict", entry.id, entry.length, entry.nbytes,
+                         f"{reason}, unwritten" if unwritten else reason))
 
     # ------------------------------------------------------------------ disk
 
@@ -490,7 +557,9 @@ class LineageCache:
             return len(idle)
 
     def flush(self) -> int:
-        """Write every entry the disk lacks (before a restart); returns how many were queued."""
+        """Write every entry whose state changed since its last write (before a restart);
+        returns how many were queued. An entry whose file went for the disk cap is not
+        rewritten: the cap keeps the most recent files."""
         if self.disk is None:
             return 0
         with self.lock:
@@ -502,9 +571,11 @@ class LineageCache:
     def _write(self, entry: Entry) -> None:
         assert self.disk is not None
         entry.dirty = False
+        self._queued.add(entry.id, entry.nbytes)  # before: a writer may call back at once
         try:
             self.disk.write(entry, self._written)
         except Exception as exc:  # stays dirty: the next tick or flush tries again
+            self._queued.done(entry.id)
             entry.dirty = True
             self.stats["disk_write_failures"] += 1
             self._emit(Event("disk_write_failed", entry.id, entry.length, 0, str(exc)))
@@ -512,6 +583,8 @@ class LineageCache:
     def _written(self, entry: Entry, record: DiskRecord | None) -> None:
         """Writer callback: index the file, delete what it supersedes, keep the disk cap."""
         with self.lock:
+            self._queued.done(entry.id)
+            self._written_cv.notify_all()
             if record is None:
                 entry.dirty = True
                 self.stats["disk_write_failures"] += 1
@@ -532,6 +605,9 @@ class LineageCache:
             for old_id in entry.supersedes:
                 self._delete_record(old_id, "superseded")
             entry.supersedes.clear()
+            if record.nbytes > self.config.disk_max_bytes:  # can never fit: it goes, not the others
+                self._delete_record(record.id, "disk cap")
+                self.stats["disk_evictions"] += 1
             self._enforce_disk_cap()
 
     def _resolve_absorber(self, entry_id: str) -> Entry | None:
@@ -552,8 +628,10 @@ class LineageCache:
             self.disk.delete(record_id)
         entry = self._entries.get(record_id)
         if entry is not None:
+            # Not dirty: its state did not change, it is only not on disk any more. An idle
+            # tick does not write it again (that would delete another file, forever); leaving
+            # RAM does (``_needs_write``), and the disk cap then keeps the most recent files.
             entry.on_disk = False
-            entry.dirty = True
         self.stats["disk_deletes"] += 1
         self._emit(Event("disk_delete", record_id, record.length, record.nbytes, reason))
 
@@ -571,13 +649,15 @@ class LineageCache:
             self._delete_record(record.id, "disk cap")
             self.stats["disk_evictions"] += 1
 
-    def promote(self, record: DiskRecord, entry: Entry | None) -> Entry | None:
-        """Put a loaded disk entry into RAM, or forget a record whose file failed validation."""
+    def promote(self, record: DiskRecord, entry: Entry | None, reason: str = "") -> Entry | None:
+        """Put a loaded disk entry into RAM, or forget a record whose file failed validation
+        (``entry`` None; ``reason`` says why, in the event)."""
         with self.lock:
             if entry is None:
                 self._records.pop(record.id, None)
                 self.stats["disk_rejects"] += 1
-                self._emit(Event("disk_reject", record.id, record.length, record.nbytes))
+                self._emit(Event("disk_reject", record.id, record.length, record.nbytes,
+                                 reason or "failed validation"))
                 return None
             now = self.clock()
             entry.on_disk, entry.dirty = True, False
@@ -586,8 +666,8 @@ class LineageCache:
             record.last_used = now
             self._entries[entry.id] = entry
             self._emit(Event("promote", entry.id, entry.length, entry.nbytes))
-            self._enforce_budgets(keep=entry)
-            return entry
+            self._take_in([entry])
+            return entry if self.holds(entry) else None
 
     # ------------------------------------------------------------------ admin verbs
 

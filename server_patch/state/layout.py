@@ -237,7 +237,17 @@ class CacheLayout:
         return self.split(caches, length)[1]
 
     def build(self, kv: MlxKV, snapshot: MlxSnapshot, length: int) -> list[Any]:
-        """Fresh cache objects at ``length``: KV views truncated, snapshots by reference."""
+        """Fresh cache objects at ``length``: KV views truncated, snapshots by reference.
+
+        Raises while ``kv`` is lent (``MlxKV.lend``): the handle then holds no KV rows, and a
+        cache built from it would pair an empty attention cache with a recurrent state at
+        ``length``. The caller falls back to a cold prefill; the lease sweep gives the rows
+        back before any restore that needs them."""
+        if kv.lent:
+            raise RuntimeError("KV rows are lent to a running request: nothing to build from")
+        return self._build(kv, snapshot, length)
+
+    def _build(self, kv: MlxKV, snapshot: MlxSnapshot, length: int) -> list[Any]:
         if snapshot.length != length:
             raise ValueError(f"snapshot is at {snapshot.length} tokens, restore wants {length}")
         if length > kv.length:
@@ -262,7 +272,7 @@ class CacheLayout:
             raise ValueError("a lent build restores a lent entry at its own length")
         if any(int(child["keys"].shape[2]) < length for layer in lent for child in layer if "keys" in child):
             raise ValueError("a lent buffer is shorter than its entry")
-        caches = self.build(kv, snapshot, length)
+        caches = self._build(kv, snapshot, length)  # the KV children are filled in below
         for cache, layer, taken_layer in zip(caches, self.layers, lent):
             children = list(cache.caches) if layer.composite else [cache]
             for codec, child, taken in zip(layer.codecs, children, taken_layer):

@@ -1,0 +1,99 @@
+"""What the RAM budget counts, and which entries one budget pass evicts.
+
+The budget bounds everything the cache keeps alive: the entries in RAM *and* what the disk
+writer still holds in its queue of entries that left RAM (evicted, absorbed or dropped while
+their write was in flight). The writer holds the same arrays, so an entry both in RAM and
+queued is counted once.
+
+Evicting an entry the disk lacks frees nothing at once: its arrays move to the write queue
+until the file is written. So when a new entry (a commit, a disk promotion) does not fit, the
+policy writes the entries it pushes out, keeps the new one aside while the writer drains the
+queue (the generation thread waits for those writes, bounded by ``WRITE_WAIT_S``), and only
+then takes the new entry in. Nothing is lost and the bound holds throughout; the cost is a
+stall of that commit for the writes, only when RAM is full of state the idle write-behind
+has not written yet. If the writer does not drain in time (a stalled or failing disk), the
+second pass must free memory now: it evicts entries already on disk first where that makes
+room in the queue for a write, and an entry still without room leaves RAM unwritten (the new
+entry itself last): later requests restore from an older file or prefill cold, never from a
+wrong state. Lent entries (their rows belong to a running request) are never evicted, and
+entries whose write is in flight only by the pass that then waits (evicting them frees
+nothing until the write lands).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Container, Sequence
+
+from server_patch.lineage.model import Entry
+
+
+@dataclass
+class WriteQueue:
+    """Bytes the disk writer holds, per entry id: (writes queued, bytes of the largest)."""
+
+    _items: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def add(self, entry_id: str, nbytes: int) -> None:
+        count, held = self._items.get(entry_id, (0, 0))
+        self._items[entry_id] = (count + 1, max(held, int(nbytes)))
+
+    def done(self, entry_id: str) -> None:
+        count, held = self._items.get(entry_id, (0, 0))
+        if count <= 1:
+            self._items.pop(entry_id, None)
+        else:
+            self._items[entry_id] = (count - 1, held)
+
+    def holds(self, entry_id: str) -> bool:
+        return entry_id in self._items
+
+    def bytes_outside(self, in_ram: Container[str]) -> int:
+        """Queued bytes of entries RAM no longer counts."""
+        return sum(held for entry_id, (_, held) in self._items.items() if entry_id not in in_ram)
+
+
+@dataclass
+class EvictionPass:
+    """The entries one pass evicts (in order), and those of them that are written first."""
+
+    victims: list[Entry]
+    written: list[Entry]
+
+
+WRITE_WAIT_S = 10.0  # how long a commit waits for the writer to make room, at most
+
+
+def plan_eviction(order: Sequence[Entry], excess: int, needs_write: Callable[[Entry], bool],
+                  keep: Entry | None = None, *, lossless: bool = False) -> EvictionPass:
+    """Evict from ``order`` (evictable entries, first victim first) until ``excess`` bytes
+    have left RAM. ``lossless``: every victim the disk lacks is written (its bytes then wait
+    in the queue). Otherwise such a victim is written only where the slack, or further
+    entries already on disk (never ``keep``), make room for it in the queue; else dropped."""
+    victims: list[Entry] = []
+    for entry in order:
+        if excess <= 0:
+            break
+        victims.append(entry)
+        excess -= entry.nbytes
+    if lossless:
+        return EvictionPass(victims, [e for e in victims if needs_write(e)])
+    room = max(0, -excess)  # slack below the budget once every victim has left memory
+    chosen = {id(e) for e in victims}
+    spare = [e for e in order if id(e) not in chosen and e is not keep and not needs_write(e)]
+    written: list[Entry] = []
+    for entry in list(victims):
+        if not needs_write(entry):
+            continue
+        if room + sum(e.nbytes for e in spare) < entry.nbytes:
+            continue  # no room even with every on-disk entry gone: dropped unwritten
+        while room < entry.nbytes:
+            extra = spare.pop(0)
+            victims.append(extra)
+            room += extra.nbytes
+        room -= entry.nbytes
+        written.append(entry)
+    return EvictionPass(victims, written)
+
+
+__all__ = ["WRITE_WAIT_S", "EvictionPass", "WriteQueue", "plan_eviction"]
