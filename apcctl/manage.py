@@ -2,8 +2,11 @@
 
 ``<state dir>/servers/<name>/`` holds ``server.json`` (the command line and environment, so
 ``restart`` can start the same server again without the shell that first started it),
-``server.pid``, ``server.log``, and the server's own state (admin token, journal, and by
-default the lineage disk tier), because the server runs with ``APC_STATE_DIR`` set to it.
+``server.running.json`` (the command the running process was started with: what a failed
+restart rolls back to), ``server.pid`` (the PID on the first line, the process's create time on
+the second: a PID alone may have been reused), ``server.log``, and the server's own state (admin
+token, journal, and by default the lineage disk tier), because the server runs with
+``APC_STATE_DIR`` set to it.
 """
 
 from __future__ import annotations
@@ -16,14 +19,17 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Mapping, NoReturn
 
 import psutil
 
 from apcctl.client import AdminClient, AdminError
+from server_patch.lineage.config import LineageConfig
 from server_patch.paths import state_dir
 
 SPEC_FILE = "server.json"
+RUNNING_FILE = "server.running.json"
+FAILED_FILE = "server.failed.json"
 PID_FILE = "server.pid"
 LOG_FILE = "server.log"
 TOKEN_FILE = "admin-token"
@@ -32,10 +38,40 @@ LOG_ROTATE_BYTES = 64 * 1024 * 1024
 ENV_PREFIXES = ("APC_", "HF_", "MLX_")
 DEFAULT_ENV = {"APC_ENABLED": "1", "PYTHONUNBUFFERED": "1"}
 LAUNCHER = ("-m", "server_patch.launch")
+# On SIGTERM the server writes unwritten cache entries to disk for up to this long
+# (LineageConfig.shutdown_flush_s, APC_LINEAGE_SHUTDOWN_FLUSH_S); a SIGKILL before then loses them.
+SHUTDOWN_FLUSH_S = LineageConfig.shutdown_flush_s
+# On top of the flush: uvicorn's own shutdown, the disk writer's join, releasing the model.
+GRACE_MARGIN_S = 15.0
+# psutil derives a Linux create time from the boot time, which a stepped clock can move by a
+# second between two readers; a reused PID is never that close to the original's start.
+CREATE_TIME_TOLERANCE_S = 1.0
 
 
 class ManageError(RuntimeError):
     """A managed server could not be started or stopped; the message says why."""
+
+
+def shutdown_flush_s(env: Mapping[str, str] | None = None) -> float:
+    """The server's shutdown flush timeout, read the way the server reads it (``LineageConfig``)."""
+    try:
+        config = LineageConfig.from_env(dict(env or {}))
+    except ValueError:
+        config = LineageConfig()
+    return float(config.shutdown_flush_s)
+
+
+def default_grace(env: Mapping[str, str] | None = None) -> float:
+    """SIGTERM to SIGKILL: long enough for the shutdown flush of a server started with ``env``."""
+    return shutdown_flush_s(env) + GRACE_MARGIN_S
+
+
+def same_process(process: psutil.Process, create_time: float) -> bool:
+    """``process`` is the one that was created at ``create_time`` (not a later owner of its PID)."""
+    try:
+        return abs(process.create_time() - create_time) <= CREATE_TIME_TOLERANCE_S
+    except psutil.Error:
+        return False
 
 
 def servers_root() -> Path:
@@ -127,10 +163,18 @@ class ManagedServer:
     # ------------------------------------------------------------------ files
 
     def spec(self) -> ServerSpec | None:
-        try:
-            return ServerSpec(**json.loads(self.spec_path.read_text(encoding="utf-8")))
-        except (OSError, ValueError, TypeError):
-            return None
+        """The command the next start uses."""
+        return _read_spec(self.spec_path)
+
+    def running_spec(self) -> ServerSpec | None:
+        """The command the running (or last started) process was started with."""
+        return _read_spec(self.directory / RUNNING_FILE) or self.spec()
+
+    def keep_failed(self, spec: ServerSpec) -> Path:
+        """Keep a command that failed to start, for the operator to read, before a rollback."""
+        path = self.directory / FAILED_FILE
+        _write_private(path, json.dumps(asdict(spec), indent=2))
+        return path
 
     def save(self, spec: ServerSpec) -> None:
         """Owner-only, because the environment may hold the admin token."""
@@ -152,14 +196,22 @@ class ManagedServer:
         return process.pid if process is not None else None
 
     def process(self) -> psutil.Process | None:
+        """The process of the PID file: same PID and same create time, alive, not a zombie.
+
+        A PID file without a create time (written by an older apcctl) is trusted only for a
+        process running the launcher that was created before the file was written.
+        """
         try:
-            pid = int(self.pid_path.read_text().split()[0])
+            pid, create_time = _parse_pid_file(self.pid_path.read_text())
             process = psutil.Process(pid)
             if process.status() == psutil.STATUS_ZOMBIE:
                 return None
-            if "server_patch.launch" not in " ".join(process.cmdline()):
-                return None  # the PID was reused by something else
-            return process
+            if create_time is not None:
+                return process if same_process(process, create_time) else None
+            written = self.pid_path.stat().st_mtime
+            if process.create_time() > written + CREATE_TIME_TOLERANCE_S:
+                return None  # started after the PID file: the PID was reused
+            return process if " ".join(LAUNCHER) in " ".join(process.cmdline()) else None
         except (OSError, ValueError, IndexError, psutil.Error):
             return None
 
@@ -178,19 +230,34 @@ class ManagedServer:
             log.flush()
             process = subprocess.Popen(spec.argv, env=env, cwd=self.directory, stdin=subprocess.DEVNULL,
                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        _write_private(self.pid_path, f"{process.pid}\n")
-        _wait_exec(process)
+        self._write_pid(process.pid, spec)
         return process.pid
 
     def exec_foreground(self, spec: ServerSpec) -> NoReturn:
         """Become the server (same PID), so launchd/systemd supervise the real process."""
         self.save(spec)
-        _write_private(self.pid_path, f"{os.getpid()}\n")
+        self._write_pid(os.getpid(), spec)
         os.chdir(self.directory)
         os.execve(spec.argv[0], spec.argv, {**os.environ, **spec.env})
 
-    def stop(self, grace: float = 20.0) -> StopResult:
-        """SIGTERM (the server flushes its cache to disk), then SIGKILL after ``grace`` seconds."""
+    def _write_pid(self, pid: int, spec: ServerSpec) -> None:
+        """The PID and its create time, and the command it runs (what a rollback starts again)."""
+        _write_private(self.directory / RUNNING_FILE, json.dumps(asdict(spec), indent=2))
+        try:
+            created = f"{psutil.Process(pid).create_time()!r}\n"
+        except psutil.Error:
+            created = ""  # it exited already: process() finds nothing either way
+        _write_private(self.pid_path, f"{pid}\n{created}")
+
+    def grace(self) -> float:
+        """The default SIGTERM-to-SIGKILL time for this server's shutdown flush."""
+        spec = self.running_spec()
+        return default_grace(spec.env if spec else None)
+
+    def stop(self, grace: float | None = None) -> StopResult:
+        """SIGTERM (the server flushes its cache to disk), then SIGKILL after ``grace`` seconds
+        (default: the server's shutdown flush timeout plus a margin)."""
+        grace = self.grace() if grace is None else grace
         process = self.process()
         if process is None:
             self.pid_path.unlink(missing_ok=True)
@@ -233,17 +300,17 @@ class ManagedServer:
             pass
 
 
-def _wait_exec(process: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
-    """Return once the child has exec'd the launcher (before that, its command line is ours and
-    ``ManagedServer.process`` would not recognise it) or has exited."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if "server_patch.launch" in " ".join(psutil.Process(process.pid).cmdline()):
-                return
-        except psutil.Error:
-            pass
-        time.sleep(0.01)
+def _read_spec(path: Path) -> ServerSpec | None:
+    try:
+        return ServerSpec(**json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _parse_pid_file(text: str) -> tuple[int, float | None]:
+    """``PID`` on the first line, and the create time on the second (absent in old files)."""
+    lines = text.split()
+    return int(lines[0]), (float(lines[1]) if len(lines) > 1 else None)
 
 
 def terminate(process: psutil.Process, grace: float) -> str:

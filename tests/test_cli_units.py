@@ -331,7 +331,7 @@ class FakeTarget(Target):
 
 
 def fake_target(in_flight: int, calls: list[str]) -> FakeTarget:
-    target = FakeTarget("svc", "http://x", None, ServerConfig("svc", supervisor="systemd", service="apc.service"))
+    target = FakeTarget("svc", "http://127.0.0.1:9", None, ServerConfig("svc", supervisor="systemd", service="apc.service"))
     object.__setattr__(target, "fake", FakeClient(in_flight, calls))
     return target
 

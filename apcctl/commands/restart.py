@@ -10,6 +10,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from apcctl import render
 from apcctl.commands.common import EXIT_CODES_SHORT, ExitStatus, server_options
 from apcctl.config import Target
+from apcctl.manage import GRACE_MARGIN_S
 from apcctl.restart import SUPERVISORS, RestartStep, rolling_restart
 
 
@@ -64,18 +65,24 @@ class ProgressPrinter:
 @click.option("--force", is_flag=True, help="Stop even if requests are still in flight after --timeout.")
 @click.option("--supervisor", type=click.Choice(SUPERVISORS),
               help="How the server comes back: 'none' = apcctl starts it (default: the config's).")
-@click.option("--grace", type=float, default=20.0, show_default=True, help="Seconds from SIGTERM to SIGKILL.")
+@click.option("--grace", type=click.FloatRange(min=0),
+              help="Seconds from SIGTERM to SIGKILL (default: the server's shutdown flush timeout + "
+                   f"{GRACE_MARGIN_S:.0f} s, so the flush is never cut short).")
 @click.option("--retry-after", type=click.IntRange(1, 3600), default=5, show_default=True,
               help="Retry-After the drained server sends.")
 @click.option("--dry-run", is_flag=True, help="Print the plan; touch nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (progress goes to stderr).")
-def restart(targets: list[Target], timeout: float, force: bool, supervisor: str | None, grace: float,
+def restart(targets: list[Target], timeout: float, force: bool, supervisor: str | None, grace: float | None,
             retry_after: int, dry_run: bool, as_json: bool) -> None:
     """Restart servers one at a time: drain, wait until idle, flush, stop, start, ready, probe.
 
     The probe pins a known system prompt before the stop and sends one request with it
     afterwards: it must restore from the disk tier, and every anchor pinned before must be
-    listed again. The first failure stops the roll.
+    listed again; it is skipped (with a warning) when the anchor cap is full, and removed
+    afterwards. The first failure stops the roll, and leaves that server as it was: the drain
+    lifted, or, when the new process never became ready, the previous command started again
+    (a rollback; under a supervisor, the supervisor's job). Servers not on this machine are
+    refused.
 
     \b
     Examples:

@@ -106,10 +106,11 @@ def _port_busy(host: str, port: int) -> bool:
 
 @click.command(epilog=EXIT_CODES_SHORT)
 @server_options(allow_all=True)
-@click.option("--grace", type=float, default=20.0, show_default=True,
-              help="Seconds between SIGTERM (the server flushes its cache) and SIGKILL.")
+@click.option("--grace", type=click.FloatRange(min=0),
+              help="Seconds between SIGTERM (the server flushes its cache) and SIGKILL "
+                   "(default: the server's shutdown flush timeout + a margin).")
 @json_option
-def stop(targets: Targets, grace: float, as_json: bool) -> None:
+def stop(targets: Targets, grace: float | None, as_json: bool) -> None:
     """Stop a managed server: SIGTERM, then SIGKILL after the grace period."""
 
     def action(target: Target) -> dict:

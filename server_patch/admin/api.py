@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
+import psutil
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,6 +36,8 @@ from server_patch.lineage import CacheError
 log = logging.getLogger("server_patch.admin")
 
 PREFIX = "/admin"
+# With the PID, names this process exactly: apcctl never signals a later owner of a reused PID.
+_CREATE_TIME = psutil.Process().create_time()
 
 
 class Strict(BaseModel):
@@ -111,7 +114,8 @@ def status() -> dict[str, Any]:
     current = lineage_runtime.current()
     started = getattr(router, "started", time.time())
     body: dict[str, Any] = {
-        "server": {"model": _model_path(), "pid": os.getpid(), "uptime_s": time.time() - started,
+        "server": {"model": _model_path(), "pid": os.getpid(), "create_time": _CREATE_TIME,
+                   "uptime_s": time.time() - started,
                    "started": started, "mlx_vlm_version": MLX_VLM_VERSION, "patch_version": PATCH_VERSION,
                    "fingerprint": current.fingerprint if current else None},
         "idle": {**TRAFFIC.snapshot(), "queued": _queued()},
