@@ -252,6 +252,16 @@ class PatchedServer:
 _LINEAGE_LINE = re.compile(r"apc_lineage (restore|timing) (.*)$")
 
 
+def wait_for(predicate, what: str, server: "PatchedServer", timeout: float = 60.0) -> None:
+    """Poll until ``predicate()`` holds (a background effect: a disk write, a stream slot);
+    the timeout only bounds a hang, and its failure shows the server's log tail."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen; log tail:\n{server.log_tail()}")
+        time.sleep(0.1)
+
+
 def parse_lineage_lines(text: str, what: str = "restore") -> list[dict[str, str]]:
     """``apc_lineage restore|timing k=v ...`` lines of a server log as dicts."""
     out = []

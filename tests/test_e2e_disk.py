@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from server_harness import assert_same_output, cached_tokens, PatchedServer, prompt_tokens, reply_text, text
+from server_harness import assert_same_output, cached_tokens, PatchedServer, prompt_tokens, reply_text, text, wait_for
 
 PARAMS = {"max_tokens": 8, "logprobs": True, "top_logprobs": 5}
 TENANT = "disk-suite"
@@ -71,15 +71,6 @@ def _entries(server: PatchedServer, query: str) -> list[dict]:
     return body["entries"]
 
 
-def _wait_for(predicate, what: str, server: PatchedServer, timeout: float = 60.0) -> None:
-    """Poll a background effect (a disk write); the timeout only bounds a hang."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen; log tail:\n{server.log_tail()}")
-        time.sleep(0.1)
-
-
 @pytest.mark.server
 def test_anchor_is_written_at_once_and_serves_a_restarted_server(tiny_model_dir: Path, tmp_path: Path) -> None:
     disk = tmp_path / "lineage-disk"
@@ -124,7 +115,7 @@ def test_entry_evicted_from_ram_is_restored_from_disk(tiny_model_dir: Path, tmp_
         conv_a = [{"role": "user", "content": text(600, 321)}]
         a0, _ = _send(server, conv_a)
         _send(server, [{"role": "user", "content": text(600, 322)}])  # evicts A (LRU)
-        _wait_for(lambda: any(e["length"] == prompt_tokens(a0) - 1 for e in _entries(server, "tier=disk")),
+        wait_for(lambda: any(e["length"] == prompt_tokens(a0) - 1 for e in _entries(server, "tier=disk")),
                   "the evicted entry's disk write", server)
 
         turn1 = conv_a + [{"role": "assistant", "content": reply_text(a0)},
@@ -209,7 +200,7 @@ def test_idle_entries_are_written_behind(tiny_model_dir: Path, tmp_path: Path) -
             return ("tick failed" in server.log_text()
                     or all(e["tier"] == "ram+disk" for e in _entries(server, "kind=conversation")))
 
-        _wait_for(settled, "the idle write (or a tick failure)", server)
+        wait_for(settled, "the idle write (or a tick failure)", server)
         assert "tick failed" not in server.log_text(), server.log_tail()
         assert len(_files(tmp_path / "lineage-disk")) == 1
     finally:

@@ -21,7 +21,7 @@ from typing import Any, Iterable
 
 import pytest
 
-from server_harness import HOST, PatchedServer, ServerError, assert_same_output, cached_tokens, text
+from server_harness import HOST, PatchedServer, ServerError, assert_same_output, cached_tokens, text, wait_for
 from test_admin_routes import call
 
 STREAM_CAP = 3
@@ -422,15 +422,6 @@ class EventStream:
         self.conn.close()
 
 
-def _wait_for(predicate, what: str, server: PatchedServer, timeout: float = 30.0) -> None:
-    """Poll until ``predicate()``; the timeout only bounds a hang."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen; log tail:\n{server.log_tail()}")
-        time.sleep(0.1)
-
-
 @pytest.mark.server
 def test_an_event_stream_flood_is_capped_and_the_server_keeps_serving(server: PatchedServer) -> None:
     streams = [EventStream(server) for _ in range(STREAM_CAP)]
@@ -447,7 +438,7 @@ def test_an_event_stream_flood_is_capped_and_the_server_keeps_serving(server: Pa
     finally:
         for stream in streams:
             stream.close()
-    _wait_for(lambda: status_of(server)["admin"]["event_streams"] == 0, "closed streams released", server)
+    wait_for(lambda: status_of(server)["admin"]["event_streams"] == 0, "closed streams released", server)
     again = EventStream(server)
     assert again.status == 200
     again.close()
@@ -475,7 +466,7 @@ def test_a_websocket_is_closed_with_1013_while_draining(server: PatchedServer) -
         assert call(server, "POST", "/admin/undrain", token=server.token)[0] == 200
     with connect(url, open_timeout=30) as socket:  # undrained: the endpoint itself answers
         assert json.loads(socket.recv(timeout=30))["type"] == "session.created"
-    _wait_for(lambda: status_of(server)["idle"]["in_flight"] == 0, "websocket finished", server)
+    wait_for(lambda: status_of(server)["idle"]["in_flight"] == 0, "websocket finished", server)
 
 
 @pytest.mark.server

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from server_harness import PatchedServer, ServerError, assert_same_output, reply_text, text
+from server_harness import PatchedServer, ServerError, assert_same_output, reply_text, text, wait_for
 from server_patch.disk import integrity
-from test_e2e_disk import _cold, _env, _files, _send, _stop_gracefully, _wait_for
+from test_e2e_disk import _cold, _env, _files, _send, _stop_gracefully
 
 FAULTS = {"APC_TEST_FAULTS": "1"}
 
@@ -145,7 +145,7 @@ def test_kill_9_mid_write_a_second_server_and_a_full_disk(tiny_model_dir: Path, 
         def temp_files() -> list[Path]:
             return [p for p in disk.rglob("*.safetensors") if integrity.is_temp(p)]
 
-        _wait_for(lambda: bool(temp_files()), "a stalled temp file", stalled)
+        wait_for(lambda: bool(temp_files()), "a stalled temp file", stalled)
 
         # A second server on the same directory exits at start, naming it and the holder.
         second = PatchedServer(tiny_model_dir, env=_env(disk), log_dir=tmp_path / "second")
@@ -184,7 +184,7 @@ def test_kill_9_mid_write_a_second_server_and_a_full_disk(tiny_model_dir: Path, 
         warm, line = _send(full, turn1)
         assert line["kind"] == "entry", line
         assert_same_output(warm, _cold(full, turn1))
-        _wait_for(lambda: len(delays()) >= 3, "three backed-off write attempts", full)
+        wait_for(lambda: len(delays()) >= 3, "three backed-off write attempts", full)
         assert delays()[:3] == [1, 2, 4], full.log_tail()
         status, body = full.admin("GET", "/status")
         assert status == 200
