@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from textual.widgets import TabbedContent
 
 from tui.app import DashboardApp, make_app
 from tui.recorded import RecordedSource
@@ -212,3 +213,92 @@ async def test_the_request_table_follows_the_newest_until_the_cursor_moves(sourc
         held = requests.selected_key
         await arrive(newest + 2)
         assert requests.selected_key == held and requests.cursor_row == 2
+
+
+SIZES = ((80, 24), (100, 30), (110, 40), (119, 40), (120, 40), (140, 40), (200, 50))
+
+
+@sync
+async def test_every_size_keeps_request_rows_and_both_graphs(source: RecordedSource) -> None:
+    """80x24 and up: the request table keeps rows, the graphs keep columns, the header fits its width."""
+    app = make_app(source)
+    async with app.run_test(size=SIZES[0]) as pilot:
+        await settle(pilot)
+        for width, height in SIZES:
+            await pilot.resize_terminal(width, height)
+            await pilot.pause()
+            requests = app.query_one("#requests")
+            assert requests.content_region.height - 1 >= 5, (width, height)  # one line is the column header
+            for graph in ("#spark-hits", "#spark-ttft"):
+                assert app.query_one(graph).region.width >= 20, (graph, width, height)
+            assert all(app.query_one(f"#gauge-{g}").region.width >= 30 for g in ("ram", "disk", "pool"))
+            header = text_of(app.query_one("#header")).split("\n")
+            assert len(header) == 2 and header[1].strip(), (width, header)  # nothing wrapped away
+            assert ("-short" in app.screen.classes) == (height < 32)
+            assert app.query_one("#live-bottom").display == (height >= 32)
+
+
+@sync
+async def test_a_request_row_opens_its_entry(source: RecordedSource) -> None:
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        tabs = app.query_one(TabbedContent)
+        requests = app.query_one("#requests")
+        held = {e["id"] for e in source.recording["entries"]}
+        warm = next(r for r in reversed(app.state.requests) if r.data.get("entry_id") in held)
+        cold = next(r for r in app.state.requests if r.data.get("restore_kind") == "cold")
+        lineages = entries_table(app)
+        lineages.set_query("!" + warm.data["entry_id"])  # the drill-down must clear a filter that hides it
+        assert requests.select_key(warm.key)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert tabs.active == "lineages" and lineages.has_focus
+        assert lineages.selected_key == warm.data["entry_id"] and lineages.filter_text == ""
+        await pilot.press("1")
+        assert requests.select_key(cold.key)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert tabs.active == "live"  # a cold request restored nothing: there is no entry to open
+        assert any("cold request" in n.message for n in app._notifications)
+
+
+@sync
+async def test_t_puts_the_graphs_on_wall_clock_time(source: RecordedSource) -> None:
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        hits = app.query_one("#spark-hits")
+        requests = len(app.state.requests)
+        assert f"last {requests} requests" in app.query_one("#hits-row").border_title
+        assert hits.series(10) == [r.data["restored_tokens"] / r.data["prompt_tokens"]
+                                   for r in list(app.state.requests)[-10:]]
+        await pilot.press("t")
+        assert app.query_one("#hits-row").border_title == f"Hit ratio · last 1 min: {requests} requests"
+        columns = hits.series(60)  # one a second: the recording spans 40 s, so the oldest 20 are idle
+        assert len(columns) == 60 and columns[0] is None and columns[-10:] != [None] * 10
+        await pilot.press("t", "t", "t")
+        assert "last 64 requests" in app.query_one("#ttft-row").border_title
+
+
+@sync
+async def test_the_log_tab_has_a_line_per_event(source: RecordedSource) -> None:
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("5")
+        log = app.query_one("#event-log")
+        events = len(source.recording["events"])
+        await wait_for(pilot, lambda: len(log.lines) == events)
+        newest = max(r.data["seq"] for r in app.state.requests)
+        source.push("request", {**app.state.requests[-1].data, "seq": newest + 1, "started": source.now()})
+        await wait_for(pilot, lambda: len(log.lines) == events + 1)
+        assert f"#{newest + 1} " in log.lines[-1].text
+        await pilot.press("space")  # paused, the log holds still too, and catches up after
+        source.push("cache", {"seq": 10_000, "event": "evict", "entry_id": "gone", "length": 1,
+                              "time": source.now(), "detail": "operator"})
+        await wait_for(pilot, lambda: app.state.logged == events + 1 + 1)
+        await settle(pilot)
+        assert len(log.lines) == events + 1
+        await pilot.press("space")
+        assert "evict" in log.lines[-1].text and "operator" in log.lines[-1].text

@@ -64,6 +64,20 @@ async def test_tables_fill_from_the_poll_and_the_event_stream(server: PatchedSer
         anchors = {a["id"] for a in client.anchors()}
         assert anchors and {k.value for k in app.query_one("#pane-anchors").table.rows} == anchors
         assert app.state.process is not None and app.state.process.pid == server.pid  # psutil: RSS and CPU
+        # The Log tab has a line per request of /admin/events, in the server's order.
+        await pilot.press("5")
+        log = app.query_one("#event-log")
+        seqs = [r["seq"] for r in client.requests()]
+        await wait_for(pilot, lambda: [line.text.split("#")[1].split()[0] for line in log.lines
+                                       if " request " in line.text] == [str(n) for n in seqs])
+        # Drill-down: the newest warm request opens the entry it restored from.
+        await pilot.press("1")
+        held = {e["id"] for e in client.entries()}
+        warm = next(r for r in reversed(client.requests()) if r["entry_id"] in held)
+        assert requests.select_key(f"{server.pid}:{warm['seq']}")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.query_one("#pane-lineages").table.selected_key == warm["entry_id"]
 
 
 @sync

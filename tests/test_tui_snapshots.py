@@ -1,4 +1,5 @@
 """SVG snapshots of the dashboard's screens, from a recorded server so every pixel is deterministic.
+Most are at 140x40; the Live and Log tabs also at 80x24 (the smallest supported) and 120x40.
 
 The recording (tests/snapshots/recording-tiny.json) is 64 requests of agent-like traffic on the
 tiny model, taken with ``tui.recorded.record``. Update after a deliberate change with
@@ -90,3 +91,23 @@ def test_restart_tab_waiting_for_requests_in_flight(snap_compare) -> None:
 
 def test_help_screen(snap_compare) -> None:
     assert snap_compare(recorded_app(), terminal_size=SIZE, run_before=after("question_mark"))
+
+
+def test_live_tab_at_80x24(snap_compare) -> None:
+    """The smallest terminal: budgets in two columns, the graphs side by side, request rows, no counters."""
+    assert snap_compare(recorded_app(), terminal_size=(80, 24), run_before=after())
+
+
+def test_live_tab_at_120x40(snap_compare) -> None:
+    """The first wide layout: budgets beside the stacked graphs, counters and cache events below."""
+    assert snap_compare(recorded_app(), terminal_size=(120, 40), run_before=after())
+
+
+def test_live_graphs_over_a_minute_at_120x40(snap_compare) -> None:
+    """``t``: the graphs over the last minute of wall-clock time; idle seconds are blank."""
+    assert snap_compare(recorded_app(), terminal_size=(120, 40), run_before=after("t"))
+
+
+def test_log_tab_at_80x24(snap_compare) -> None:
+    """Every streamed event as a line, in time order, the newest at the bottom."""
+    assert snap_compare(recorded_app(), terminal_size=(80, 24), run_before=after("5"))

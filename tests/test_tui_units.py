@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import inspect
+import io
 import json
 
+from click.testing import CliRunner
+from rich.color import Color
+from rich.console import Console
+
+from apcctl.cli import main
 from apcctl.client import AdminClient
-from tui import impact
+from tui import impact, series
 from tui.app import run_dashboard
-from tui.source import Snapshot
+from tui.source import ProcessInfo, Snapshot
 from tui.state import DashboardState, hit_ratio, percentile
 from tui.widgets.gauge import gauge_text
+from tui.widgets.header import Mode, header_text
 from tui.widgets.keyed_table import matches
+from tui.widgets.spark import Bars
 from tui.widgets.timeline import axis, column_of
 
 
@@ -131,7 +139,66 @@ def test_gauge_turns_red_past_ninety_percent() -> None:
 
 def test_run_dashboard_signature_is_the_one_the_demo_calls() -> None:
     params = inspect.signature(run_dashboard).parameters
-    assert list(params) == ["client", "read_only", "restart_targets"]
+    assert list(params) == ["client", "read_only", "restart_targets", "refresh_s"]
+    assert params["refresh_s"].kind is inspect.Parameter.KEYWORD_ONLY and params["refresh_s"].default == 1.0
     assert params["client"].annotation in (AdminClient, "AdminClient")
     assert params["read_only"].kind is inspect.Parameter.KEYWORD_ONLY and params["read_only"].default is False
     assert params["restart_targets"].default is None
+
+
+def bars(values, width=6, height=2, ceiling=1.0) -> list[str]:
+    """The lines a sparkline draws, top first."""
+    console = Console(width=width, record=True, color_system=None, file=io.StringIO())
+    console.print(Bars(values, width, height, ceiling, Color.parse("red"), Color.parse("green")), end="")
+    return console.export_text().split("\n")
+
+
+def test_a_zero_hit_ratio_draws_the_lowest_mark_not_full_bars() -> None:
+    assert bars([0.0]) == ["      ", "     ▁"]  # one value, newest at the right; Textual's drew it full
+    assert bars([0.0, 0.5, 1.0]) == ["     █", "   ▁██"]
+    assert bars([None, 0.25, None]) == ["      ", "    ▄ "]  # None: nothing happened then
+    assert bars([0.8, 0.9, 1.0], ceiling=None, height=1, width=3) == ["▆▇█"]  # scaled to the largest, from 0
+    assert bars(list(range(10)), width=4, height=1, ceiling=9) == ["▅▆▇█"]  # the newest that fit
+
+
+def test_graphs_over_time_slice_the_window_and_leave_idle_slices_blank() -> None:
+    records = [{"started": t, "prompt_tokens": 100, "restored_tokens": r, "ttft_ms": float(t)}
+               for t, r in ((100.0, 0), (101.0, 100), (159.0, 50), (30.0, 100))]
+    now, window = 160.0, 60.0
+    hits = series.over_time(records, series.reuse, 6, now, window, series.mean)
+    assert hits == [0.5, None, None, None, None, 0.5]  # 30.0 is outside the window
+    assert series.over_time(records, series.ttft, 6, now, window, max) == [101.0, None, None, None, None, 159.0]
+    assert series.per_request(records, series.ttft, 2) == [159.0, 30.0]
+    assert series.series(records, series.ttft, series.AXES[0], now, max)(3) == [101.0, 159.0, 30.0]
+    assert [a.window_s for a in series.AXES] == [None, 60.0, 600.0, 3600.0]
+
+
+def test_the_header_fits_eighty_columns_and_keeps_the_badges() -> None:
+    state = DashboardState()
+    state.apply_snapshot(Snapshot({"server": {"pid": 4242, "started": 1.0, "uptime_s": 3600, "model": "/m/tiny",
+                                              "mlx_vlm_version": "0.7.10", "patch_version": "0.1.0"},
+                                   "idle": {"in_flight": 2, "queued": 1, "draining": True}, "lineage": None},
+                                  [], ProcessInfo(4242, 1 << 30, 12.0), 2.0))
+    wide = header_text(state, "http://127.0.0.1:8080", Mode(read_only=True), width=None).plain.split("\n")
+    assert "mlx-vlm 0.7.10" in wide[1] and "RSS 1.0 GiB" in wide[0]
+    first, second = header_text(state, "http://127.0.0.1:8080", Mode(read_only=True), width=78).plain.split("\n")
+    assert len(first) <= 78 and len(second) <= 78
+    assert first.startswith("● live, events reconnecting  http://127.0.0.1:8080") and "model tiny" in first
+    assert "DRAINING" in second and "READ-ONLY" in second and "in flight 2" in second
+    assert "patch" not in second  # the versions go first
+
+
+def test_a_narrow_gauge_drops_its_detail_before_its_bar() -> None:
+    wide = gauge_text("RAM total    ", 5 << 20, 10 << 20, 60, detail="31 entries").plain
+    narrow = gauge_text("RAM total    ", 5 << 20, 10 << 20, 36, detail="31 entries").plain
+    assert wide.endswith("5.0 MiB / 10.0 MiB  31 entries") and len(wide) < 60
+    assert narrow.endswith("5.0 MiB / 10.0 MiB") and "━━━━" in narrow and len(narrow) < 36
+
+
+def test_top_refuses_a_zero_interval(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("APC_STATE_DIR", str(tmp_path / "state"))  # no config or state of the developer's
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    for key in ("APCCTL_SERVER", "APCCTL_TOKEN", "APCCTL_CONFIG"):
+        monkeypatch.delenv(key, raising=False)
+    result = CliRunner().invoke(main, ["top", "--interval", "0"])
+    assert result.exit_code == 2 and "--interval" in result.output and "0.1<=x<=3600" in result.output

@@ -27,10 +27,11 @@ from textual.worker import Worker, WorkerState
 
 from apcctl.client import AdminClient
 from tui import impact
-from tui.messages import EventsArrived, NewAnchorRequested, RestartRequested, VerbRequested
+from tui.messages import EntryRequested, EventsArrived, NewAnchorRequested, RestartRequested, VerbRequested
 from tui.panes.base import Pane
 from tui.panes.entries import AnchorsPane, LineagesPane
 from tui.panes.live import LivePane
+from tui.panes.log import LogPane
 from tui.panes.restart import Restarter, RestartPane
 from tui.screens.anchor_file import AnchorFileScreen
 from tui.screens.confirm import ConfirmScreen
@@ -39,7 +40,7 @@ from tui.source import DashboardSource, LiveSource, SourceError
 from tui.state import DashboardState
 from tui.widgets.header import Mode, ServerHeader
 
-TABS = (("live", "Live"), ("lineages", "Lineages"), ("anchors", "Anchors"), ("restart", "Restart"))
+TABS = (("live", "Live"), ("lineages", "Lineages"), ("anchors", "Anchors"), ("restart", "Restart"), ("log", "Log"))
 REFRESH_STEPS = (0.5, 1.0, 2.0, 5.0, 10.0)
 MAX_BACKOFF_S = 5.0
 
@@ -50,6 +51,9 @@ class DashboardApp(App[None]):
     CSS_PATH = Path(__file__).with_name("dashboard.tcss")
     TITLE = "apcctl top"
     AUTO_FOCUS = "#requests"
+    # Classes on the screen that dashboard.tcss lays the Live tab out by (any size down to 80x24).
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
     BINDINGS = [
         *(Binding(str(n), f"show_tab('{tab}')", label, show=False) for n, (tab, label) in enumerate(TABS, 1)),
         Binding("slash", "filter", "Filter"),
@@ -91,6 +95,8 @@ class DashboardApp(App[None]):
                 yield AnchorsPane(read_only=self.read_only, id="pane-anchors")
             with TabPane("4 Restart", id="restart"):
                 yield RestartPane(self.restarter, read_only=self.read_only, id="pane-restart")
+            with TabPane("5 Log", id="log"):
+                yield LogPane(id="pane-log")
         yield Input(placeholder="filter: text, or !text to hide matches", id="filter", disabled=True)
         yield Footer()
 
@@ -195,7 +201,8 @@ class DashboardApp(App[None]):
         if fresh:
             self._render_header()
             if not self.paused:
-                self.query_one(LivePane).update_stream(self.state)
+                self.query_one(LivePane).update_stream(self.state, self.source.now())
+                self.query_one(LogPane).update_stream(self.state)
 
     # ------------------------------------------------------------------ rendering
 
@@ -351,6 +358,20 @@ class DashboardApp(App[None]):
             return
         self.call_from_thread(self._performed, title, answer)
 
+    def on_entry_requested(self, message: EntryRequested) -> None:
+        """A request row was chosen: its entry, selected in the Lineages tab (drill-down)."""
+        if not message.entry_id:
+            self.notify("A cold request: it restored nothing, so there is no entry to show.", severity="warning")
+            return
+        if self.state.entry(message.entry_id) is None:
+            self.notify(f"{message.entry_id} is no longer held (evicted since).", severity="warning")
+            return
+        pane = self.query_one(LineagesPane)
+        self.action_show_tab("lineages")
+        if not pane.table.select_key(message.entry_id):  # hidden by the tab's filter
+            pane.table.set_query("")
+            pane.table.select_key(message.entry_id)
+
     def _performed(self, title: str, answer: dict[str, Any]) -> None:
         self.notify(f"{title}: done" + (f", freed {answer['freed_bytes']:,} bytes" if "freed_bytes" in answer else ""))
         self.poll_now()
@@ -371,12 +392,14 @@ def restarter_for(targets: Sequence[Any] | None) -> Restarter | None:
     return functools.partial(rolling_restart, list(targets))
 
 
-def run_dashboard(client: AdminClient, *, read_only: bool = False, restart_targets: Sequence[Any] | None = None
-                  ) -> None:
+def run_dashboard(client: AdminClient, *, read_only: bool = False, restart_targets: Sequence[Any] | None = None,
+                  refresh_s: float = 1.0) -> None:
     """Open the dashboard on ``client``'s server until the operator quits.
 
     Args:
         read_only: hide every verb that changes the server (pin, unpin, evict, new anchor, restart).
         restart_targets: ``apcctl.config.Target`` list the Restart tab restarts; None leaves it off.
+        refresh_s: seconds between polls (``+``/``-`` change it inside).
     """
-    make_app(LiveSource(client), read_only=read_only, restarter=restarter_for(restart_targets)).run()
+    make_app(LiveSource(client), read_only=read_only, restarter=restarter_for(restart_targets),
+             refresh_s=refresh_s).run()

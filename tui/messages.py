@@ -31,3 +31,10 @@ class NewAnchorRequested(Message):
 @dataclass
 class RestartRequested(Message):
     """The restart pane wants the rolling restart started (after a confirmation)."""
+
+
+@dataclass
+class EntryRequested(Message):
+    """A request row was chosen: show the entry it restored from (``entry_id`` "" for a cold request)."""
+
+    entry_id: str

@@ -15,7 +15,18 @@ from typing import Any, Iterable
 
 from tui.source import ProcessInfo, Snapshot
 
-HISTORY = 600  # requests and cache events kept for tables and sparklines
+HISTORY = 600  # cache events kept
+REQUEST_HISTORY = 5000  # requests kept: the table shows the newest, the graphs an hour of them
+LOG_LINES = 2000  # what the Log tab can still draw
+
+
+@dataclass(frozen=True)
+class LogItem:
+    """One line of the Log tab: a streamed ``request``/``cache`` event, or a ``note`` of the dashboard's own."""
+
+    number: int  # counts every item ever logged, so a pane knows what it already wrote
+    kind: str
+    data: dict[str, Any]
 
 
 @dataclass
@@ -63,9 +74,19 @@ class DashboardState:
     restarts_seen: int = 0
 
     def __post_init__(self) -> None:
-        self.requests: deque[Keyed] = deque(maxlen=self.history)
+        self.requests: deque[Keyed] = deque(maxlen=max(self.history, REQUEST_HISTORY))
         self.cache_events: deque[Keyed] = deque(maxlen=self.history)
+        self.log: deque[LogItem] = deque(maxlen=LOG_LINES)
+        self.logged = 0
         self._seen = {"request": 0, "cache": 0}
+
+    def note(self, text: str, at: float | None = None, style: str = "yellow") -> None:
+        """A line of the dashboard's own in the Log tab (lost, back, a restarted server)."""
+        self._log("note", {"text": text, "time": at, "style": style})
+
+    def _log(self, kind: str, data: dict[str, Any]) -> None:
+        self.logged += 1
+        self.log.append(LogItem(self.logged, kind, data))
 
     # ------------------------------------------------------------------ inputs
 
@@ -75,9 +96,12 @@ class DashboardState:
         self.process, self.taken = snapshot.process, snapshot.taken
         if self.connection.state == "lost":
             self.connection.reconnects += 1
+            self.note("the server answers again", snapshot.taken, "green")
         self.connection.state, self.connection.error, self.connection.failures = "live", "", 0
 
     def poll_failed(self, error: str) -> None:
+        if self.connection.state == "live":
+            self.note(f"lost the server: {error}", style="red")
         self.connection.state = "lost" if self.connection.state != "connecting" else "connecting"
         self.connection.error = error
         self.connection.failures += 1
@@ -101,6 +125,7 @@ class DashboardState:
         pid = self.server.pid if self.server else None
         target = self.requests if name == "request" else self.cache_events
         target.append(Keyed(f"{pid}:{seq}", data))
+        self._log(name, data)
         return name
 
     def identify(self, server: ServerIdentity) -> None:
@@ -109,6 +134,7 @@ class DashboardState:
             return
         if self.server is not None:
             self.restarts_seen += 1
+            self.note(f"the server restarted: pid {self.server.pid} -> {server.pid}", server.started)
         self.server = server
         self._seen = {"request": 0, "cache": 0}
 

@@ -21,7 +21,10 @@ def register(main: click.Group, bench: click.Group) -> None:
                                                 "new anchor, restart.")
 @click.option("--replay", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Open a recording (python -m tui.recorded URL TOKEN FILE) instead of a server.")
-def top(targets: list[Target], read_only: bool, replay: Path | None) -> None:
+@click.option("--interval", type=click.FloatRange(min=0.1, max=3600), default=1.0, show_default=True,
+              metavar="SECONDS", help="Seconds between polls of the server (+ and - change it inside). The "
+                                      "event stream (requests, cache events) is pushed and does not wait on it.")
+def top(targets: list[Target], read_only: bool, replay: Path | None, interval: float) -> None:
     """Live dashboard of one server: requests, hit ratio and TTFT, budgets,
     lineage entries with their checkpoints, anchors, and the rolling restart.
 
@@ -32,14 +35,15 @@ def top(targets: list[Target], read_only: bool, replay: Path | None) -> None:
     Examples:
       apcctl top
       apcctl top --server http://127.0.0.1:8080 --read-only
+      apcctl top --interval 5
     """
     if replay is not None:
         from tui.app import make_app
         from tui.recorded import RecordedSource
 
-        make_app(RecordedSource.load(replay), read_only=read_only).run()
+        make_app(RecordedSource.load(replay), read_only=read_only, refresh_s=interval).run()
         return
     from tui.app import run_dashboard
 
     target = one(targets)
-    run_dashboard(target.client(), read_only=read_only, restart_targets=[target])
+    run_dashboard(target.client(), read_only=read_only, restart_targets=[target], refresh_s=interval)

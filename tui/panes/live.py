@@ -1,4 +1,9 @@
-"""The Live tab: budgets and counters on the left; hit ratio, TTFT, requests and cache events on the right."""
+"""The Live tab: budgets, the hit-ratio and TTFT graphs, the requests, counters and cache events.
+
+The layout follows the terminal (breakpoint classes on the screen, see dashboard.tcss): below
+120 columns the graphs move under the budgets and the budgets take two columns; below 32 rows
+the counters and cache events make room for the requests (the Log tab has every event).
+"""
 
 from __future__ import annotations
 
@@ -7,18 +12,22 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.containers import Horizontal, Vertical
-from textual.widgets import Sparkline, Static
+from textual.binding import Binding
+from textual.containers import Container, Horizontal
+from textual.widgets import DataTable, Static
 
 from apcctl import render
 from apcctl.commands.status import hit_summary
+from tui import series
 from tui.columns import kind_text, request_columns
+from tui.messages import EntryRequested
 from tui.panes.base import Pane
-from tui.state import DashboardState, Keyed, hit_ratio, percentile, reuse_fraction
+from tui.state import DashboardState, Keyed, hit_ratio, percentile
 from tui.widgets.gauge import Gauge
 from tui.widgets.keyed_table import KeyedTable
+from tui.widgets.spark import ScaledSparkline
 
-SPARK_POINTS = 120  # requests drawn in the sparklines
+SPARK_POINTS = 120  # requests the per-request summaries cover (the graphs draw as many as fit)
 TABLE_ROWS = 100  # requests listed
 EVENT_LINES = 9  # cache events shown (the box is that tall in dashboard.tcss)
 GAUGES = (  # id, label, unit
@@ -94,19 +103,25 @@ def cache_events(events: list[Keyed], limit: int) -> Text:
 
 
 class LivePane(Pane):
+    BINDINGS = [Binding("t", "axis", "Graph axis")]
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.axis = 0  # index into series.AXES
+        self._state: DashboardState | None = None
+        self._now = 0.0
+
     def compose(self) -> ComposeResult:
-        with Horizontal(id="live-top"):
-            with Vertical(id="budgets", classes="box"):
+        with Container(id="live-top"):
+            with Container(id="budgets", classes="box"):
                 for gauge_id, label, unit in GAUGES:
                     yield Gauge(f"{label:<13}", unit=unit, id=f"gauge-{gauge_id}")
-            with Vertical(id="sparks"):
+            with Container(id="sparks"):
                 with Horizontal(classes="spark-row box", id="hits-row"):
-                    yield Static("hit ratio\n[dim]reused share[/]", classes="spark-label")
-                    yield Sparkline([], summary_function=lambda v: sum(v) / len(v), id="spark-hits")
+                    yield ScaledSparkline(ceiling=1.0, id="spark-hits")
                     yield Static(id="hits-summary", classes="spark-summary")
                 with Horizontal(classes="spark-row box", id="ttft-row"):
-                    yield Static("TTFT\n[dim]ms[/]", classes="spark-label")
-                    yield Sparkline([], summary_function=max, id="spark-ttft")
+                    yield ScaledSparkline(id="spark-ttft")
                     yield Static(id="ttft-summary", classes="spark-summary")
         yield KeyedTable(request_columns(), lambda r: r.key, sort="started", reverse=True,
                          title="Requests", follow=True, id="requests")
@@ -118,6 +133,8 @@ class LivePane(Pane):
         self.query_one("#budgets").border_title = "Budgets"
         self.query_one("#counters").border_title = "Counters since the server started"
         self.query_one("#events").border_title = "Cache events"
+        self.query_one("#hits-row").border_title = "Hit ratio"
+        self.query_one("#ttft-row").border_title = "TTFT"
 
     @property
     def table(self) -> KeyedTable:
@@ -126,22 +143,51 @@ class LivePane(Pane):
     def update_view(self, state: DashboardState, now: float) -> None:
         update_gauges(self, state)
         self.query_one("#counters", Static).update(counters(state, now))
-        self.update_stream(state)
+        self.update_stream(state, now)
 
-    def update_stream(self, state: DashboardState) -> None:
-        """What the event stream feeds: sparklines, the request table, cache events."""
-        records = [r.data for r in list(state.requests)[-SPARK_POINTS:]]
-        self.query_one("#spark-hits", Sparkline).data = [reuse_fraction(r) for r in records] or [0.0]
-        ttfts = [float(r.get("ttft_ms") or 0.0) for r in records]
-        self.query_one("#spark-ttft", Sparkline).data = ttfts or [0.0]
-        ratio = hit_ratio(records)
-        reused = sum(r.get("restored_tokens") or 0 for r in records)
-        prompt = sum(r.get("prompt_tokens") or 0 for r in records)
-        self.query_one("#hits-summary", Static).update(
-            f"hits {render.percent(ratio or 0, 1) if ratio is not None else '-'} · "
-            f"tokens {render.percent(reused, prompt)}\nlast {len(records)} requests")
-        self.query_one("#ttft-summary", Static).update(
-            f"p50 {render.ms(percentile(ttfts, 50))} · p95 {render.ms(percentile(ttfts, 95))} ms\n"
-            f"last {render.ms(ttfts[-1]) if ttfts else '-'} ms")
+    def update_stream(self, state: DashboardState, now: float | None = None) -> None:
+        """What the event stream feeds: the graphs, the request table, cache events."""
+        self._state = state
+        self._now = self._now if now is None else now
+        self.draw_graphs()
         self.table.show(list(state.requests)[-TABLE_ROWS:])
         self.query_one("#events", Static).update(cache_events(list(state.cache_events), EVENT_LINES))
+
+    def draw_graphs(self) -> None:
+        """Both graphs and their summaries, over the last requests or the time window of ``axis``."""
+        if self._state is None:
+            return
+        axis = series.AXES[self.axis]
+        records = [r.data for r in self._state.requests]
+        if axis.window_s is None:
+            window, scope = records[-SPARK_POINTS:], f"last {min(len(records), SPARK_POINTS)} requests"
+        else:
+            window = series.in_window(records, self._now, axis.window_s)
+            scope = f"last {axis.label}: {len(window)} requests"
+        self.query_one("#spark-hits", ScaledSparkline).show(
+            series.series(records, series.reuse, axis, self._now, series.mean))
+        self.query_one("#spark-ttft", ScaledSparkline).show(series.series(records, series.ttft, axis, self._now, max))
+        ttfts = [series.ttft(r) for r in window]
+        ratio = hit_ratio(window)
+        reused = sum(r.get("restored_tokens") or 0 for r in window)
+        prompt = sum(r.get("prompt_tokens") or 0 for r in window)
+        self.query_one("#hits-row").border_title = f"Hit ratio · {scope}"
+        self.query_one("#hits-summary", Static).update(
+            f"hits {render.percent(ratio, 1) if ratio is not None else '-'}\ntokens {render.percent(reused, prompt)}")
+        self.query_one("#ttft-row").border_title = f"TTFT · {scope}"
+        self.query_one("#ttft-summary", Static).update(
+            f"p50 {render.ms(percentile(ttfts, 50))} ms\np95 {render.ms(percentile(ttfts, 95))} ms")
+
+    def action_axis(self) -> None:
+        """``t``: the graphs per request, or over the last minute, ten minutes, hour."""
+        self.axis = (self.axis + 1) % len(series.AXES)
+        self.draw_graphs()
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        """Enter (or a click) on a request: open the entry it restored from."""
+        if event.data_table is not self.table:
+            return
+        event.stop()
+        record = self.table.selected()
+        if record is not None:
+            self.post_message(EntryRequested(record.data.get("entry_id") or ""))

@@ -15,7 +15,7 @@ from textual.widgets import Static
 
 KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("Anywhere", (
-        ("1 2 3 4", "Live, Lineages, Anchors, Restart tabs"),
+        ("1 2 3 4 5", "Live, Lineages, Anchors, Restart, Log tabs"),
         ("/", "filter the tab's table (substring; !text hides matches); enter keeps it, escape clears"),
         ("space", "pause: data keeps coming, the screen holds still; space again catches up"),
         ("r", "refresh now"),
@@ -27,6 +27,11 @@ KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("Tables", (
         ("up down pgup pgdn", "move the cursor (it stays on its entry while data refreshes)"),
         ("s / S", "sort by the next column / reverse; or click a column header"),
+        ("left right", "scroll a table wider than the screen"),
+    )),
+    ("Live", (
+        ("enter", "open the selected request's entry in the Lineages tab (or click the row)"),
+        ("t", "graphs per request, or over the last minute, 10 minutes, hour of wall-clock time"),
     )),
     ("Lineages and Anchors (not in read-only mode)", (
         ("p", "pin the selected entry as an anchor"),
@@ -41,11 +46,13 @@ KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
 
 TABS = (
     ("Live", "budgets (conversation RAM, anchors, disk, buffer pool), counters, hit ratio and time-to-first-token "
-             "sparklines, the latest requests with where their time went, and cache events."),
+             "graphs, the latest requests with where their time went, and cache events (below 32 rows: in Log)."),
     ("Lineages", "every entry: conversations and anchors, in RAM or on disk. The selected one's checkpoints sit "
                  "on its token axis: a restore starts at one of them or at the end."),
     ("Anchors", "pinned system-prompt-and-tools prefixes shared across sessions, against their caps."),
     ("Restart", "drain, wait for in-flight requests, flush to disk, restart, wait ready, probe an anchor."),
+    ("Log", "every event of the server's event stream, one line each: requests, cache events, the dashboard's "
+            "own notes (server lost, back, restarted)."),
 )
 
 

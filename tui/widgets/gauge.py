@@ -8,6 +8,7 @@ from textual.widgets import Static
 from apcctl import render
 
 BAR = "━"
+MIN_BAR = 4
 
 
 def gauge_text(label: str, used: float | None, limit: float | None, width: int, *, detail: str = "",
@@ -15,9 +16,11 @@ def gauge_text(label: str, used: float | None, limit: float | None, width: int, 
     """``label ━━━━━━──── used / limit``: green, yellow past 75 %, red past 90 %."""
     fmt = render.human_bytes if unit == "bytes" else (lambda n: "-" if n is None else f"{int(n):,}")
     numbers = f"{fmt(used)} / {fmt(limit)}" if limit else fmt(used)
-    if detail:
-        numbers += f"  {detail}"
-    bar_width = max(4, width - len(label) - len(numbers) - 3)
+    if detail and len(label) + len(numbers) + len(detail) + 2 + MIN_BAR + 3 <= width:
+        numbers += f"  {detail}"  # the detail only where it leaves the bar room
+    if len(label) + len(numbers) + MIN_BAR + 3 > width:
+        label = label.rstrip()  # narrow: the label's alignment padding goes before the numbers do
+    bar_width = max(MIN_BAR, width - len(label) - len(numbers) - 3)
     share = min(1.0, (used or 0) / limit) if limit else 0.0
     filled = round(share * bar_width)
     colour = "red" if share > 0.9 else "yellow" if share > 0.75 else "green"

@@ -33,46 +33,78 @@ def connection_text(state: DashboardState) -> Text:
     return Text(f"✕ lost ({conn.failures} tries): {conn.error}", style="bold red")
 
 
-def header_text(state: DashboardState, source_name: str, mode: Mode) -> Text:
+def fit(parts: list[tuple[int, Text]], width: int | None, sep: Text) -> Text:
+    """The parts that fit in ``width``, most important (lowest rank) first, drawn in their own order."""
+    kept: set[int] = set()
+    used = 0
+    for index, (_, part) in sorted(enumerate(parts), key=lambda item: item[1][0]):
+        extra = part.cell_len + (sep.cell_len if kept else 0)
+        if width is None or used + extra <= width or not kept:
+            kept.add(index)
+            used += extra
+    line = Text(no_wrap=True, overflow="ellipsis")
+    for index, (_, part) in enumerate(parts):
+        if index in kept:
+            if line:
+                line.append_text(sep)
+            line.append_text(part)
+    return line
+
+
+def _fact(name: str, value: str, style: str = "bold") -> Text:
+    return Text.assemble((f"{name} ", "grey62"), (value, style))
+
+
+def header_text(state: DashboardState, source_name: str, mode: Mode, width: int | None = None) -> Text:
+    """Two lines; at ``width`` the least useful facts (versions, CPU, RSS, uptime) go first."""
     server = (state.status or {}).get("server") or {}
     idle = (state.status or {}).get("idle") or {}
     dot = Text(" · ", style="grey50")
-    first = Text.assemble(connection_text(state), "  ", (source_name, "bold"))
     model = server.get("model")
-    facts = [
-        ("model", PurePath(model).name if model else "-"),
-        ("pid", str(server.get("pid", "-"))),
-        ("up", render.human_duration(server.get("uptime_s"))),
+    local = state.process is not None
+    first: list[tuple[int, Text]] = [
+        (0, Text.assemble(connection_text(state), "  ", (source_name, "bold"))),
+        (1, _fact("model", PurePath(model).name if model else "-")),
+        (3, _fact("pid", str(server.get("pid", "-")))),
+        (2, _fact("up", render.human_duration(server.get("uptime_s")))),
+        (4, _fact("RSS", render.human_bytes(state.process.rss_bytes) if local else "remote")),
+        (5, _fact("CPU", f"{state.process.cpu_percent:.0f}%" if local else "remote")),
     ]
-    if state.process is not None:
-        facts += [("RSS", render.human_bytes(state.process.rss_bytes)), ("CPU", f"{state.process.cpu_percent:.0f}%")]
-    else:
-        facts += [("RSS", "remote"), ("CPU", "remote")]
-    for name, value in facts:
-        first.append_text(dot)
-        first.append(f"{name} ", style="grey62")
-        first.append(value, style="bold")
-    second = Text()
-    for name, value in (("mlx-vlm", server.get("mlx_vlm_version", "-")), ("patch", server.get("patch_version", "-")),
-                        ("in flight", str(idle.get("in_flight", "-"))), ("queued", str(idle.get("queued", "-"))),
-                        ("refresh", f"{mode.refresh_s:g}s"), ("restarts seen", str(state.restarts_seen))):
-        if second:
-            second.append_text(dot)
-        second.append(f"{name} ", style="grey62")
-        second.append(value)
+    second: list[tuple[int, Text]] = [
+        (6, _fact("mlx-vlm", server.get("mlx_vlm_version", "-"), "")),
+        (7, _fact("patch", server.get("patch_version", "-"), "")),
+        (1, _fact("in flight", str(idle.get("in_flight", "-")), "")),
+        (2, _fact("queued", str(idle.get("queued", "-")), "")),
+        (3, _fact("refresh", f"{mode.refresh_s:g}s", "")),
+        (4, _fact("restarts seen", str(state.restarts_seen), "")),
+    ]
+    badges = Text()
     for flag, on, style in (("DRAINING", idle.get("draining"), "black on yellow"),
                             ("PAUSED", mode.paused, "black on cyan"),
                             ("READ-ONLY", mode.read_only, "black on magenta")):
         if on:
-            second.append("  ")
-            second.append(f" {flag} ", style=style)
-    return Text("\n").join([first, second])
+            badges.append("  ")
+            badges.append(f" {flag} ", style=style)
+    room = None if width is None else max(0, width - badges.cell_len)
+    line_two = fit(second, room, dot)
+    line_two.append_text(badges)  # the badges always show
+    return Text("\n").join([fit(first, width, dot), line_two])
 
 
 class ServerHeader(Static):
-    """Redrawn on every poll and every mode change."""
+    """Redrawn on every poll, every mode change and every resize, at the widget's width."""
 
     DEFAULT_CSS = "ServerHeader { height: 2; padding: 0 1; }"
 
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.shown: tuple[DashboardState, str, Mode] | None = None
+
     def show(self, state: DashboardState, source_name: str, mode: Mode) -> None:
-        self.update(header_text(state, source_name, mode))
+        self.shown = (state, source_name, mode)
+        self.refresh()
+
+    def render(self) -> Text:
+        if self.shown is None:
+            return Text("")
+        return header_text(*self.shown, width=self.content_size.width or None)
