@@ -1,4 +1,5 @@
-"""``apcctl model``: build and fingerprint the random glm5_next models used by tests and benches."""
+"""``apcctl model``: tiny glm5_next models for tests and benches, and the support checks
+(``check`` a model directory before serving, ``matrix`` of every family in mlx-vlm)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def register(main: click.Group, bench: click.Group) -> None:
 
 @click.group()
 def model() -> None:
-    """Random glm5_next model directories (offline, deterministic by seed)."""
+    """Tiny model directories, and which models the lineage cache supports."""
 
 
 @model.command("build")
@@ -56,3 +57,43 @@ def fingerprint(model_dir: Path, as_json: bool) -> None:
         click.echo(json.dumps({"model_dir": str(model_dir), "fingerprint": digest}))
     else:
         click.echo(digest)
+
+
+@model.command("check")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
+def check(model_dir: Path, as_json: bool) -> None:
+    """Before serving: is MODEL_DIR's cache layout one the lineage cache restores exactly?
+
+    Reads only config.json: the model is built with placeholder weights (none are read, no
+    memory is spent on them) and one 16-token forward fills its real caches. Prints every
+    layer's cache class, restore rule, KV bytes per token and snapshot bytes. Exit code 1 when
+    the layout is not supported (the server would refuse it at start).
+    """
+    from apcctl.model_check import check_model_dir, format_report
+
+    try:
+        report = check_model_dir(model_dir)
+    except (FileNotFoundError, ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise click.ClickException(f"cannot build {model_dir} from its config.json: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+    click.echo(json.dumps(report.as_dict(), indent=2) if as_json else format_report(report))
+    if not report.supported:
+        raise SystemExit(1)
+
+
+@model.command("matrix")
+@click.option("--markdown", is_flag=True, help="Print docs/models.md.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+def matrix(markdown: bool, as_json: bool) -> None:
+    """Every model family of the installed mlx-vlm: its cache classes and who restores them."""
+    from apcctl.model_matrix import matrix_rows, render_markdown, rows_as_dicts
+
+    rows = matrix_rows()
+    if markdown:
+        click.echo(render_markdown(rows), nl=False)
+    elif as_json:
+        click.echo(json.dumps(rows_as_dicts(rows), indent=2))
+    else:
+        for r in rows:
+            click.echo(f"{r.family:<28} {r.layers:<15} {r.path:<22} {r.classes}")

@@ -151,5 +151,11 @@ def load_sizes(spec: str = "full") -> StateSizes:
         text = resources.files("apcctl.sim").joinpath("configs", NAMED_CONFIGS[spec]).read_text()
         return sizes_from_config(json.loads(text), name=f"glm5_next-{spec}")
     path = Path(spec)
-    return sizes_from_config(json.loads(path.read_text()), name=path.stem if path.name != "config.json"
+    config = json.loads(path.read_text())
+    if config.get("model_type", "glm5_next") != "glm5_next":
+        # Any other family: measure its cache layout from the config (placeholder weights).
+        from apcctl.model_check import check_config_file, state_sizes
+
+        return state_sizes(check_config_file(path))
+    return sizes_from_config(config, name=path.stem if path.name != "config.json"
                              else path.parent.name or "config")

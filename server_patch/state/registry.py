@@ -6,7 +6,9 @@ Snapshot layers (``ArraysCache`` recurrent + conv state, ``RotatingKVCache``, th
 buffer of ``PoolingCache``) keep a reference to their arrays. Derived children (glm5_next's
 projected per-head K/V) keep nothing and restore empty: the model rebuilds them.
 
-An unregistered class is a clear error when the model is checked at startup, never a wrong restore.
+An unregistered class is a clear error when the model is checked at startup, never a wrong restore;
+classes with a known reason (``REFUSED``: quantized KV from ``--kv-bits``, diffusion caches) say
+what to change.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
-from mlx_vlm.models.cache import ArraysCache, CacheList, KVCache, PoolingCache, RotatingKVCache
+from mlx_vlm.models.cache import (
+    ArraysCache, BatchQuantizedKVCache, CacheList, ChunkedKVCache, KVCache, PoolingCache,
+    QuantizedKVCache, RotatingKVCache, StaticPrefixKVCache,
+)
+
+from server_patch.state.options import KV_BITS_REFUSAL as _KV_BITS
+from server_patch.state.options import UnsupportedCacheError, check_options  # noqa: F401 (re-export)
 
 Arrays = dict[str, Any]
-
-
-class UnsupportedCacheError(TypeError):
-    """The model uses a cache class whose restore semantics we have not registered."""
+KV_BITS_REFUSAL = _KV_BITS.replace("({cls})", "({cls}, from --kv-bits / KV_BITS)")
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class Codec:
     name: str
     split: Callable[[Any], tuple[Arrays, Arrays]]
     build: Callable[[Arrays, Arrays, int], Any]
+    rule: str = ""  # how it restores, in a few words (apcctl model check, docs/models.md)
 
 
 def ref(x: Any) -> Any:
@@ -124,6 +130,25 @@ def _rotating_build(rows: Arrays, snap: Arrays, length: int) -> RotatingKVCache:
     return cache
 
 
+# --- ChunkedKVCache (llama4 chunked attention): the front is trimmed, so it is a snapshot ----
+
+def _chunked_split(cache: ChunkedKVCache) -> tuple[Arrays, Arrays]:
+    snap: Arrays = {"chunk_size": int(cache.chunk_size), "offset": int(cache.offset),
+                    "start_position": int(cache.start_position)}
+    if cache.keys is not None:
+        snap["keys"], snap["values"] = ref(cache.keys), ref(cache.values)
+    return {}, snap
+
+
+def _chunked_build(rows: Arrays, snap: Arrays, length: int) -> ChunkedKVCache:
+    if int(snap["offset"]) != length:
+        raise ValueError(f"chunked cache is at {snap['offset']} tokens, restore wants {length}")
+    cache = ChunkedKVCache(int(snap["chunk_size"]))
+    cache.keys, cache.values = ref(snap.get("keys")), ref(snap.get("values"))
+    cache.offset, cache.start_position = int(snap["offset"]), int(snap["start_position"])
+    return cache
+
+
 def _derived_split(cache: Any) -> tuple[Arrays, Arrays]:
     return {}, {}
 
@@ -133,17 +158,49 @@ def _derived_build(rows: Arrays, snap: Arrays, length: int) -> KVCache:
 
 
 CODECS: dict[type, Codec] = {
-    KVCache: Codec("kv", _kv_split, _kv_build),
-    ArraysCache: Codec("arrays", _arrays_split, _arrays_build),
-    PoolingCache: Codec("pooling", _pool_split, _pool_build),
-    RotatingKVCache: Codec("rotating", _rotating_split, _rotating_build),
+    KVCache: Codec("kv", _kv_split, _kv_build, "append-only: rows [:n] restore by truncation"),
+    ArraysCache: Codec("arrays", _arrays_split, _arrays_build,
+                       "snapshot: recurrent/conv state by reference"),
+    PoolingCache: Codec("pooling", _pool_split, _pool_build,
+                        "pooled windows append-only, remainder buffer a snapshot"),
+    RotatingKVCache: Codec("rotating", _rotating_split, _rotating_build,
+                           "snapshot: the window and its offsets by reference"),
+    ChunkedKVCache: Codec("chunked", _chunked_split, _chunked_build,
+                          "snapshot: the trimmed chunk window and its offsets by reference"),
 }
-DERIVED = Codec("derived", _derived_split, _derived_build)
+DERIVED = Codec("derived", _derived_split, _derived_build, "derived: not stored, rebuilt by the model")
+
+#: Classes with a known reason they are refused, by class; the message names what to change.
+REFUSED: dict[type, str] = {
+    QuantizedKVCache: KV_BITS_REFUSAL,
+    BatchQuantizedKVCache: KV_BITS_REFUSAL,
+    StaticPrefixKVCache: (
+        "the lineage cache serves autoregressive prompts; {cls} belongs to a diffusion "
+        "decoder (llada2_moe, diffusion_gemma). Run this model with APC_LINEAGE=0"),
+}
+try:  # TurboQuant (--kv-bits with a fractional width or --kv-quant-scheme turboquant)
+    from mlx_vlm.turboquant import BatchTurboQuantKVCache, TurboQuantKVCache
+
+    REFUSED[TurboQuantKVCache] = REFUSED[BatchTurboQuantKVCache] = KV_BITS_REFUSAL
+except ImportError:  # optional in stripped-down installations
+    pass
+
+
+def restore_rules() -> dict[str, str]:
+    """Class name -> how the lineage cache restores it, or "refused: ..." with the reason."""
+    rules = {cls.__name__: codec.rule for cls, codec in CODECS.items()}
+    rules[CacheList.__name__] = "composite: each child by its own rule"
+    for cls in REFUSED:
+        rules[cls.__name__] = ("refused: --kv-bits (run without it, or with APC_LINEAGE=0)"
+                               if REFUSED[cls] is KV_BITS_REFUSAL else "refused: diffusion decoder cache")
+    return rules
 
 
 def codec_for(cache: Any) -> Codec:
     """The codec of ``cache``'s exact class (subclasses may change semantics, so no isinstance)."""
     codec = CODECS.get(type(cache))
+    if codec is None and type(cache) in REFUSED:
+        raise UnsupportedCacheError(REFUSED[type(cache)].format(cls=type(cache).__name__))
     if codec is None:
         raise UnsupportedCacheError(
             f"lineage cache has no restore rule for {type(cache).__module__}.{type(cache).__name__}; "

@@ -1,0 +1,61 @@
+"""The real patched server on other families than glm5_next and qwen3_5.
+
+``gpt_oss`` alternates 8-token sliding-window layers (``RotatingKVCache``, snapshots) with full
+attention layers; ``nemotron_h`` mixes Mamba2 layers (``ArraysCache``) with attention. Both
+go through the batched server path (batch caches, row extraction, merges), which the
+in-process conformance test does not. A growing conversation restores its entry, a new
+session its anchor, and each answer equals a cold prefill's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from apcctl.tiny_servable import SERVED_END_TO_END
+
+from server_harness import (PatchedServer, assert_same_output, cached_tokens, prompt_tokens,
+                            reply_text, text)
+
+PARAMS = {"max_tokens": 4, "logprobs": True, "top_logprobs": 5}
+
+
+@pytest.fixture(scope="module", params=[f for f in SERVED_END_TO_END if f != "qwen3_5"])
+def server(request, tmp_path_factory: pytest.TempPathFactory):
+    from apcctl.tiny_servable import build_family_dir
+
+    family = request.param
+    model_dir = build_family_dir(family, tmp_path_factory.mktemp(family) / "model")
+    srv = PatchedServer(model_dir, env={"TOP_LOGPROBS_K": "5"},
+                        log_dir=tmp_path_factory.mktemp(f"e2e-{family}"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def _chat(server: PatchedServer, messages: list[dict], tenant: str) -> tuple[dict, str]:
+    before = len(server.lineage_lines("restore"))
+    answer = server.chat(messages, tenant=tenant, **PARAMS)
+    lines = server.lineage_lines("restore")
+    assert len(lines) == before + 1, server.log_tail()
+    return answer, lines[-1]["kind"]
+
+
+@pytest.mark.server
+def test_entry_and_anchor_restores_equal_cold(server):
+    system = {"role": "system", "content": text(200, 1)}
+    messages = [system, {"role": "user", "content": text(60, 2)}]
+    first, kind = _chat(server, messages, "family")
+    assert kind == "cold"
+    messages += [{"role": "assistant", "content": reply_text(first)}, {"role": "user", "content": text(40, 3)}]
+    warm, kind = _chat(server, messages, "family")
+    assert kind == "entry" and cached_tokens(warm) == prompt_tokens(first) - 1
+    cold, kind = _chat(server, messages, "family-cold-1")
+    assert kind == "cold"
+    assert_same_output(warm, cold)
+
+    session = [system, {"role": "user", "content": text(50, 4)}]
+    warm, kind = _chat(server, session, "family")
+    assert kind == "anchor" and cached_tokens(warm) > 150
+    cold, kind = _chat(server, session, "family-cold-2")
+    assert kind == "cold"
+    assert_same_output(warm, cold)
