@@ -24,3 +24,7 @@ def _register() -> None:
 
 
 _register()
+
+
+if __name__ == "__main__":  # ``python -m apcctl.cli``: what launchd/systemd run (no PATH needed)
+    main(prog_name="apcctl")

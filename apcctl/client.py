@@ -150,6 +150,23 @@ class AdminClient:
     def undrain(self) -> dict[str, Any]:
         return self._request("POST", "/admin/undrain")
 
+    def canary(self) -> dict[str, Any]:
+        """The canary's counters, last result and suspect restore kinds."""
+        return self._request("GET", "/admin/verify")
+
+    def verify(self, *, entry_id: str | None = None, recent: int | None = None,
+               timeout: float = 300.0) -> dict[str, Any]:
+        """Check restore points against a cold prefill (the server runs them while idle)."""
+        body: dict[str, Any] = {"timeout_s": timeout}
+        if entry_id:
+            body["entry"] = entry_id
+        if recent:
+            body["recent"] = recent
+        return self._request("POST", "/admin/verify", body, timeout=timeout + 30)
+
+    def clear_suspects(self, kind: str | None = None) -> dict[str, Any]:
+        return self._request("POST", "/admin/verify/clear", {"kind": kind} if kind else {})
+
 
 def _error_message(exc: urllib.error.HTTPError) -> str:
     try:

@@ -9,12 +9,17 @@ then ``http://127.0.0.1:8080``. Example file::
 
     [servers.main]
     url = "http://127.0.0.1:8080"
-    token_file = "~/.local/state/apcctl/servers/main/admin-token"
-    model = "/models/glm5-next"
+    model = "~/models/glm5-next"
     port = 8080
-    supervisor = "none"          # or "launchd" / "systemd"
-    service = "com.example.apc"  # launchd label or systemd unit, for supervised restarts
     args = ["--max-kv-size", "65536"]
+    ram_budget = "32G"           # APC_LINEAGE_RAM_BUDGET_BYTES at serve (default 48G)
+    disk_budget = "200G"         # APC_LINEAGE_DISK_MAX_BYTES (default 1T)
+
+    [servers.big]
+    url = "http://10.0.0.7:8080"
+    token_file = "~/.config/apcctl/big.token"
+    supervisor = "systemd"       # or "launchd"; `apcctl service install` records it itself
+    service = "apcctl-big.service"
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import os
 import tomllib
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +38,10 @@ DEFAULT_PORT = 8080
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_NAME = "default"
 SUPERVISORS = ("none", "launchd", "systemd")
-_KEYS = {"url", "token", "token_file", "model", "port", "host", "supervisor", "service", "args"}
+# Budget keys of a [servers.NAME] table -> the server's environment at ``apcctl serve``.
+BUDGET_KEYS = {"ram_budget": "APC_LINEAGE_RAM_BUDGET_BYTES", "disk_budget": "APC_LINEAGE_DISK_MAX_BYTES",
+               "anchor_budget": "APC_LINEAGE_ANCHOR_MAX_BYTES", "max_anchors": "APC_LINEAGE_ANCHOR_MAX_ENTRIES"}
+_KEYS = {"url", "token", "token_file", "model", "port", "host", "supervisor", "service", "args", *BUDGET_KEYS}
 
 
 class ConfigError(ValueError):
@@ -60,6 +68,10 @@ class ServerConfig:
     supervisor: str = "none"
     service: str | None = None
     args: tuple[str, ...] = ()
+    budget_env: tuple[tuple[str, str], ...] = ()  # (APC_LINEAGE_..., value) from the budget keys
+
+    def budget_environment(self) -> dict[str, str]:
+        return dict(self.budget_env)
 
 
 @dataclass(frozen=True)
@@ -103,7 +115,30 @@ def _server(name: str, table: Any, path: Path) -> ServerConfig:
         token_file=Path(token_file).expanduser() if token_file else None,
         model=table.get("model"), port=_int(table.get("port"), name, path), host=table.get("host"),
         supervisor=supervisor, service=table.get("service"), args=tuple(str(a) for a in table.get("args", ())),
+        budget_env=_budgets(table, name, path),
     )
+
+
+def _budgets(table: dict[str, Any], name: str, path: Path) -> tuple[tuple[str, str], ...]:
+    """``ram_budget = "48G"`` etc. -> the variables the server reads, checked now (exit 2 if bad)."""
+    from server_patch.envconfig import parse_bytes
+
+    out = []
+    for key, variable in BUDGET_KEYS.items():
+        if key not in table:
+            continue
+        value = table[key]
+        text = str(value).strip()
+        try:
+            if isinstance(value, bool) or not isinstance(value, (int, str)):
+                raise ValueError(f"{key} must be a number or a string such as \"48G\"")
+            number = int(text) if key == "max_anchors" else parse_bytes(key, text)
+            if number < 0:
+                raise ValueError(f"{key} must be >= 0")
+        except ValueError as exc:
+            raise ConfigError(f"{path}: [servers.{name}] {exc}") from None
+        out.append((variable, text))
+    return tuple(out)
 
 
 def _int(value: Any, name: str, path: Path) -> int | None:
@@ -123,6 +158,7 @@ class Target:
     token: str | None
     settings: ServerConfig
     managed: ManagedServer | None = None
+    token_problem: str | None = None  # why the configured token could not be read
 
     def client(self, timeout: float = 10.0) -> AdminClient:
         return AdminClient(self.url, self.token, timeout=timeout)
@@ -151,19 +187,62 @@ def _sole(config: Config) -> str | None:
 
 
 def resolve(value: str, token: str | None, config: Config) -> Target:
-    """A name from the config file or a managed server, or a URL."""
+    """A name from the config file or a managed server, or a URL (the same rule for every
+    command, ``serve`` included: a URL names the configured or managed server at that URL)."""
     if is_url(value):
+        name = _configured_at(value, config)
+        if name is not None:
+            return resolve(name, token, config)
         managed = _managed_at(value)
-        settings = ServerConfig(name=managed.name if managed else _url_name(value), url=value)
-        return Target(settings.name, value.rstrip("/"), token or _token(settings, managed), settings, managed)
+        settings = _supervised(ServerConfig(name=managed.name if managed else _url_name(value), url=value), managed)
+        return _target(settings.name, value, token, settings, managed)
     settings = config.servers.get(value)
     managed = ManagedServer(value) if ManagedServer(value).spec() is not None else None
     if settings is None and managed is None and value != DEFAULT_NAME:
         known = sorted({*config.servers, *managed_names()})
         raise ConfigError(f"unknown server {value!r}; known: {', '.join(known) or 'none'} (or give a URL)")
-    settings = settings or ServerConfig(name=value)
+    settings = _supervised(settings or ServerConfig(name=value), managed)
     url = settings.url or (managed.spec().url if managed else None) or _url(settings)
-    return Target(value, url.rstrip("/"), token or _token(settings, managed), settings, managed)
+    return _target(value, url, token, settings, managed)
+
+
+def server_name(value: str | None, config: Config) -> str:
+    """The name ``apcctl serve`` (and ``service``) run a server under, from ``--server`` /
+    ``APCCTL_SERVER`` resolved like every other command's: a name, or a URL that names a
+    configured or managed server; default the config's ``default``, its only server, ``default``."""
+    if not value:
+        return config.default or _sole(config) or DEFAULT_NAME
+    if not is_url(value):
+        return value
+    name = _configured_at(value, config)
+    managed = _managed_at(value)
+    if name or managed:
+        return name or managed.name  # type: ignore[union-attr]
+    raise ConfigError(f"{value} names no server in the config file and none started by apcctl serve; "
+                      "give a server name (--server NAME) to start one")
+
+
+def _target(name: str, url: str, token: str | None, settings: ServerConfig, managed: ManagedServer | None) -> Target:
+    found, problem = (token, None) if token else _token(settings, managed)
+    return Target(name, url.rstrip("/"), found, settings, managed, problem)
+
+
+def _configured_at(url: str, config: Config) -> str | None:
+    """The config table whose ``url`` is ``url``."""
+    wanted = url.rstrip("/")
+    return next((n for n, s in config.servers.items() if s.url and s.url.rstrip("/") == wanted), None)
+
+
+def _supervised(settings: ServerConfig, managed: ManagedServer | None) -> ServerConfig:
+    """Add the supervisor ``apcctl service install`` recorded, unless the config names one."""
+    if settings.supervisor != "none" or managed is None:
+        return settings
+    from apcctl.service.record import read_record
+
+    record = read_record(managed.name, managed.directory.parent)
+    if record is None:
+        return settings
+    return replace(settings, supervisor=record.supervisor, service=settings.service or record.service)
 
 
 def _url(settings: ServerConfig) -> str:
@@ -185,20 +264,27 @@ def _managed_at(url: str) -> ManagedServer | None:
     return None
 
 
-def _token(settings: ServerConfig, managed: ManagedServer | None) -> str | None:
-    """Config token or token file, ``APC_ADMIN_TOKEN``, the managed server's file, the default file."""
+def _token(settings: ServerConfig, managed: ManagedServer | None) -> tuple[str | None, str | None]:
+    """Config token or token file, ``APC_ADMIN_TOKEN``, the managed server's file, the default
+    file; and, when the configured ``token_file`` gave none, why (said instead of a bare 401)."""
     if settings.token:
-        return settings.token
+        return settings.token, None
     if settings.token_file is not None:
-        return _read(settings.token_file)
+        try:
+            text = settings.token_file.read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            return None, f"the config's token_file {settings.token_file} does not exist"
+        except OSError as exc:
+            return None, f"cannot read the config's token_file {settings.token_file}: {exc.strerror or exc}"
+        return (text, None) if text else (None, f"the config's token_file {settings.token_file} is empty")
     env = os.environ.get("APC_ADMIN_TOKEN")
     if env:
-        return env.strip()
+        return env.strip(), None
     if managed is not None and managed.token():
-        return managed.token()
+        return managed.token(), None
     from server_patch.admin.auth import default_token_path
 
-    return _read(default_token_path())
+    return _read(default_token_path()), None
 
 
 def _read(path: Path) -> str | None:

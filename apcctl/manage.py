@@ -4,7 +4,8 @@
 ``restart`` can start the same server again without the shell that first started it),
 ``server.running.json`` (the command the running process was started with: what a failed
 restart rolls back to), ``server.pid`` (the PID on the first line, the process's create time on
-the second: a PID alone may have been reused), ``server.log``, and the server's own state (admin
+the second: a PID alone may have been reused), ``server.log`` (written and rotated by the server
+itself: ``APC_LOG_FILE``), and the server's own state (admin
 token, journal, and by default the lineage disk tier), because the server runs with
 ``APC_STATE_DIR`` set to it.
 """
@@ -24,6 +25,7 @@ from typing import Mapping, NoReturn
 import psutil
 
 from apcctl.client import AdminClient, AdminError
+from server_patch.launch import LOG_BACKUPS, LOG_FILE_ENV, LOG_MAX_BYTES, rotate_files
 from server_patch.lineage.config import LineageConfig
 from server_patch.paths import state_dir
 
@@ -33,7 +35,7 @@ FAILED_FILE = "server.failed.json"
 PID_FILE = "server.pid"
 LOG_FILE = "server.log"
 TOKEN_FILE = "admin-token"
-LOG_ROTATE_BYTES = 64 * 1024 * 1024
+LOG_ROTATE_BYTES = LOG_MAX_BYTES  # the server rotates server.log while it runs (APC_LOG_MAX_BYTES)
 # Variables a server depends on, kept in server.json so a restart reproduces them.
 ENV_PREFIXES = ("APC_", "HF_", "MLX_")
 DEFAULT_ENV = {"APC_ENABLED": "1", "PYTHONUNBUFFERED": "1"}
@@ -223,7 +225,9 @@ class ManagedServer:
             raise ManageError(f"server {self.name!r} is already running (pid {self.pid()})")
         self.save(spec)
         self._rotate_log()
-        env = {**os.environ, **spec.env}
+        # The server writes its own log and rotates it while it runs (server_patch.launch);
+        # always server.log, the file apcctl logs reads.
+        env = {**os.environ, **spec.env, LOG_FILE_ENV: str(self.log_path)}
         with self.log_path.open("ab") as log:
             log.write(f"\n=== apcctl serve {self.name} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
                       f"{' '.join(spec.argv)}\n".encode())
@@ -293,9 +297,11 @@ class ManagedServer:
         return "\n".join(text.splitlines()[-lines:]) if lines else ""
 
     def _rotate_log(self) -> None:
+        """At start too, so the line apcctl writes before the server opens the log is not what
+        pushes a full log past its cap."""
         try:
             if self.log_path.stat().st_size > LOG_ROTATE_BYTES:
-                os.replace(self.log_path, self.log_path.with_name(LOG_FILE + ".1"))
+                rotate_files(self.log_path, LOG_BACKUPS)
         except FileNotFoundError:
             pass
 

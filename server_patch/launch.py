@@ -9,6 +9,10 @@ The arguments are mlx-vlm 0.7.10's own (``mlx_vlm.server --help``). Differences 
 * ``--host`` defaults to 127.0.0.1 instead of mlx-vlm's 0.0.0.0;
 * ``--reload`` is refused: uvicorn's reloader serves from a child process that would import
   mlx-vlm without the hook;
+* with ``APC_LOG_FILE``, all output goes to that file, which rotates while the server runs
+  (``APC_LOG_MAX_BYTES``, 64 MiB; ``APC_LOG_BACKUPS``, 4 old files);
+* the budgets are printed at start, with a warning when the RAM budget exceeds physical memory
+  or the disk cap exceeds the free space of its volume;
 * with the lineage disk tier on, the disk directory is locked for the life of the process, so
   a second server on the same directory exits here with a message naming the holder's PID.
 
@@ -18,8 +22,11 @@ It works because ``mlx_vlm.server.cli.main`` parses ``sys.argv`` and then runs
 
 from __future__ import annotations
 
+import io
 import os
 import sys
+import threading
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,13 +50,16 @@ def server_argv(args: list[str]) -> list[str]:
     return args
 
 
-def check_config() -> None:
-    """Reject a lineage configuration the server cannot honour before anything starts."""
+def check_config(args: list[str] | None = None) -> None:
+    """Reject a lineage configuration (or a server option, ``--kv-bits``) the server cannot
+    honour before anything starts."""
     from server_patch.lineage import LineageConfig
+    from server_patch.state.options import UnsupportedCacheError, check_options, kv_bits_of
 
     try:
         config = LineageConfig.from_env()
-    except ValueError as exc:
+        check_options(kv_bits_of(list(args or []), os.environ))
+    except (ValueError, UnsupportedCacheError) as exc:
         raise SystemExit(f"server_patch.launch: {exc}") from None
     if config.entry_offset != 1:
         raise SystemExit(
@@ -82,6 +92,153 @@ def lock_disk_root(environ: os._Environ[str] | dict[str, str] = os.environ) -> "
         raise SystemExit(f"server_patch.launch: cannot lock lineage disk directory {root}: {exc}") from None
 
 
+LOG_FILE_ENV = "APC_LOG_FILE"
+LOG_MAX_BYTES_ENV = "APC_LOG_MAX_BYTES"
+LOG_BACKUPS_ENV = "APC_LOG_BACKUPS"
+LOG_MAX_BYTES = 64 << 20
+LOG_BACKUPS = 4
+
+
+def rotate_files(path: Path, backups: int) -> None:
+    """``path`` -> ``path.1`` -> ... -> ``path.<backups>`` (the oldest is dropped), like
+    ``logging.handlers.RotatingFileHandler``; no backups: ``path`` is removed."""
+    if backups <= 0:
+        path.unlink(missing_ok=True)
+        return
+    for n in range(backups - 1, 0, -1):
+        older = path.with_name(f"{path.name}.{n}")
+        if older.exists():
+            os.replace(older, path.with_name(f"{path.name}.{n + 1}"))
+    if path.exists():
+        os.replace(path, path.with_name(f"{path.name}.1"))
+
+
+class RotatingOutput(io.TextIOBase):
+    """The server's stdout and stderr when ``APC_LOG_FILE`` names a file: every write goes to it,
+    and past ``max_bytes`` it rotates while the server runs.
+
+    Python's logging (uvicorn's access and error logs included: their handlers write to
+    ``sys.stdout``/``sys.stderr``), ``print`` and tracebacks pass through ``write``, which checks
+    the size; file descriptors 1 and 2 are pointed at the current file after every rotation, so
+    what C code (MLX, a fatal error) writes there lands in it too.
+    """
+
+    def __init__(self, path: Path, max_bytes: int = LOG_MAX_BYTES, backups: int = LOG_BACKUPS) -> None:
+        super().__init__()
+        self.path, self.max_bytes, self.backups = path, max_bytes, backups
+        self._lock = threading.RLock()
+        self._open()
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            for target in (1, 2):
+                os.dup2(fd, target)
+        finally:
+            os.close(fd)
+
+    def rollover(self) -> None:
+        with self._lock:
+            rotate_files(self.path, self.backups)
+            self._open()
+
+    encoding = "utf-8"
+    errors = "backslashreplace"
+    line_buffering = True
+
+    @property
+    def name(self) -> str:
+        return str(self.path)
+
+    @property
+    def buffer(self) -> "_BinaryOutput":
+        """For code that writes bytes to ``sys.stdout.buffer``."""
+        return _BinaryOutput(self)
+
+    def write(self, text: str) -> int:
+        self.write_bytes(text.encode(self.encoding, errors=self.errors))
+        return len(text)
+
+    def write_bytes(self, data: bytes) -> int:
+        with self._lock:
+            if self.max_bytes > 0 and data:
+                size = os.fstat(2).st_size
+                if size > 0 and size + len(data) > self.max_bytes:
+                    self.rollover()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(2, view):]
+        return len(data)
+
+    def fileno(self) -> int:
+        return 2
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass  # every write is a system call already
+
+
+class _BinaryOutput(io.RawIOBase):
+    """``sys.stdout.buffer`` of a ``RotatingOutput``: bytes go through the same size check."""
+
+    def __init__(self, output: RotatingOutput) -> None:
+        super().__init__()
+        self._output = output
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        return self._output.write_bytes(bytes(data))
+
+    def fileno(self) -> int:
+        return 2
+
+
+def setup_log_file(environ: os._Environ[str] | dict[str, str] = os.environ) -> RotatingOutput | None:
+    """With ``APC_LOG_FILE``, send all output there, rotating at ``APC_LOG_MAX_BYTES`` (64 MiB)
+    with ``APC_LOG_BACKUPS`` (4) old files. Runs first, before any logging handler exists."""
+    raw = environ.get(LOG_FILE_ENV, "").strip()
+    if not raw:
+        return None
+    from server_patch.envconfig import parse_bytes
+
+    try:
+        max_bytes = parse_bytes(LOG_MAX_BYTES_ENV, environ.get(LOG_MAX_BYTES_ENV) or str(LOG_MAX_BYTES))
+        backups = int(environ.get(LOG_BACKUPS_ENV) or LOG_BACKUPS)
+    except ValueError as exc:
+        raise SystemExit(f"server_patch.launch: {exc}") from None
+    if backups < 0:
+        raise SystemExit(f"server_patch.launch: {LOG_BACKUPS_ENV} must be >= 0")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    output = RotatingOutput(Path(raw).expanduser(), max_bytes, backups)
+    sys.stdout = sys.stderr = output  # type: ignore[assignment]
+    return output
+
+
+def warn_sizing() -> None:
+    """Say at start when the budgets exceed what this machine has (RAM, the disk's free space)."""
+    from server_patch.admin.views import human_size, sizing_view
+    from server_patch.lineage import LineageConfig
+
+    sizing = sizing_view(LineageConfig.from_env())
+    b, disk = sizing["budgets"], sizing["disk"]
+    where = (f"on {disk['path']} ({human_size(disk['free_bytes'])} free)" if disk.get("free_bytes") is not None
+             else "(disk tier off)" if not disk["enabled"] else f"on {disk.get('path')}")
+    print(f"server_patch.launch: budgets: RAM {human_size(b['ram_limit'])} (of {human_size(sizing['ram_total_bytes'])}"
+          f" physical), anchors {b['anchor_count_limit']} / {human_size(b['anchor_bytes_limit'])}, "
+          f"disk {human_size(b['disk_limit'])} {where}", file=sys.stderr)
+    for warning in sizing["warnings"]:
+        print(f"server_patch.launch: WARNING: {warning}", file=sys.stderr)
+
+
 def _end_streams_on_shutdown() -> None:
     """Tell /admin/events to end when uvicorn starts shutting down.
 
@@ -111,8 +268,10 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if "--reload" in args:
         raise SystemExit("server_patch.launch: --reload is not supported (the reloader's child would run unpatched)")
+    setup_log_file()
     if lineage_enabled():
-        check_config()
+        check_config(args)
+        warn_sizing()
         global _DISK_LOCK
         _DISK_LOCK = lock_disk_root()
         from server_patch.overlay import PatchError, install

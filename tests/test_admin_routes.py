@@ -70,11 +70,13 @@ def test_every_route_needs_the_token(server: PatchedServer, method: str, path: s
     assert "admin token" in body["detail"]
 
 
-def test_routes_needing_the_cache_say_so_before_the_first_request(server: PatchedServer) -> None:
+def test_before_the_first_request_the_budgets_are_already_shown(server: PatchedServer) -> None:
     status, _, body = call(server, "GET", "/admin/entries")
-    assert status == 409 and "first request" in body["detail"]
+    assert status == 200 and body["entries"] == [] and body["started"] is False
+    assert body["budgets"]["ram_used"] == 0 and body["budgets"]["ram_limit"] > 0
     status, _, body = call(server, "GET", "/admin/status")
     assert status == 200 and body["lineage"] is None and body["server"]["pid"] == server.pid
+    assert body["sizing"]["budgets"]["disk_limit"] > 0 and "free_bytes" in body["sizing"]["disk"]
     assert call(server, "GET", "/admin/requests")[2] == {"requests": []}
 
 

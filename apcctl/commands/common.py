@@ -6,7 +6,10 @@ message and one documented exit code here, so scripts can trust ``$?``.
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import sys
+import time
 from contextlib import contextmanager
 from enum import IntEnum
 from pathlib import Path
@@ -17,6 +20,10 @@ import click
 from apcctl.client import AdminError
 from apcctl.config import ConfigError, Target, select
 from apcctl.manage import ManagedServer, ManageError
+
+
+# Set while --watch --json repeats a command: each result is one line.
+_JSON_LINES: contextvars.ContextVar[bool] = contextvars.ContextVar("apcctl_json_lines", default=False)
 
 
 class ExitStatus(IntEnum):
@@ -61,7 +68,9 @@ def exit_status_for(error: AdminError) -> ExitStatus:
 
 def command_error(error: AdminError, target: Target) -> CommandError:
     hint = ""
-    if error.status in (401, 403):
+    if error.status in (401, 403) and target.token_problem:
+        hint = f" ({target.token_problem}; fix the path, or give --token or APCCTL_TOKEN)"
+    elif error.status in (401, 403):
         hint = " (give --token, APCCTL_TOKEN, or token_file in the config; the server's token is in its state dir)"
     elif error.status == 0 and target.managed is not None and target.managed.pid() is None:
         hint = f" (server {target.name!r} is not running: apcctl serve --name {target.name})"
@@ -92,7 +101,8 @@ def emit_results(targets: Targets, results: list[Any], one: Callable[[Any], Any]
     """JSON of per-server results: the list with ``--all``, else ``one(result)`` of the only server."""
     from apcctl import render
 
-    render.emit_json(results if targets.many else one(results[0]))
+    emit = render.emit_json_line if _JSON_LINES.get() else render.emit_json
+    emit(results if targets.many else one(results[0]))
 
 
 def server_options(*, allow_all: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -164,3 +174,38 @@ def for_each(targets: Targets, action: Callable[[Target], Any], show: Callable[[
     show(results)
     if first_error is not None:
         raise click.exceptions.Exit(first_error.exit_code)
+
+
+def watch_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--watch [SECONDS]``: draw again every SECONDS (2 when none is given) until Ctrl-C."""
+    return click.option("--watch", "-w", "watch", type=click.FloatRange(0.1, 3600), is_flag=False, flag_value=2.0,
+                        default=None, metavar="[SECONDS]",
+                        help="Refresh every SECONDS (default 2) until Ctrl-C; with --json, one object per line.")(fn)
+
+
+def watching(interval: float | None, once: Callable[[], None], *, as_json: bool,
+             sleep: Callable[[float], None] = time.sleep) -> None:
+    """Run ``once``; with ``interval``, again and again (clearing the screen between human
+    screens), riding out a failing server (its error is shown and the watch goes on)."""
+    if interval is None:
+        once()
+        return
+    lines = _JSON_LINES.set(as_json)  # a stream of JSON: one compact object per line, as --follow prints
+    try:
+        while True:
+            if not as_json and sys.stdout.isatty():
+                click.clear()
+            try:
+                once()
+            except click.exceptions.Exit:
+                pass  # --all: the failing servers were reported; keep watching
+            except click.ClickException as exc:
+                click.echo(f"Error: {exc.message}", err=True)
+            if not as_json:
+                click.echo(f"every {interval:g}s, {time.strftime('%H:%M:%S')}; Ctrl-C stops", err=True)
+            sys.stdout.flush()
+            sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        _JSON_LINES.reset(lines)

@@ -7,7 +7,8 @@ from typing import Any
 import click
 
 from apcctl import render
-from apcctl.commands.common import EXIT_CODES_SHORT, Targets, emit_results, for_each, json_option, server_options
+from apcctl.commands.common import (EXIT_CODES_SHORT, Targets, emit_results, for_each, json_option, server_options,
+                                    watch_option, watching)
 from apcctl.config import Target
 
 COLUMNS = ("ID", "KIND", "PIN", "TIER", "TOKENS", "RAM", "DISK", "HITS", "LAST USED", "CKPTS", "LABEL")
@@ -56,9 +57,12 @@ def show_entries(targets: Targets, results: list[dict[str, Any]], *, as_json: bo
 @click.option("--kind", type=click.Choice(["conversation", "anchor", "all"]), default="all", show_default=True)
 @click.option("--checkpoints", "-c", is_flag=True, help="A row per checkpoint under each entry.")
 @json_option
+@watch_option
 def entries(targets: Targets, entry_id: str | None, tier: str, kind: str, checkpoints: bool,
-            as_json: bool) -> None:
+            as_json: bool, watch: float | None) -> None:
     """List lineage entries and anchors (or show ENTRY_ID) with their checkpoints.
+
+    Before the first request the list is empty (not an error): the cache starts with it.
 
     \b
     Examples:
@@ -77,4 +81,4 @@ def entries(targets: Targets, entry_id: str | None, tier: str, kind: str, checkp
             return
         show_entries(targets, results, as_json=as_json, checkpoints=checkpoints or bool(entry_id), title="entries")
 
-    for_each(targets, action, show)
+    watching(watch, lambda: for_each(targets, action, show), as_json=as_json)

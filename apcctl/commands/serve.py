@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
+from typing import Any, BinaryIO, Callable
 
 import click
 
 from apcctl import render
 from apcctl.commands.common import (EXIT_CODES_HELP, EXIT_CODES_SHORT, CommandError, ExitStatus, Targets,
                                     emit_results, for_each, json_option, managed, one, server_options, talking_to)
-from apcctl.config import DEFAULT_HOST, DEFAULT_PORT, ConfigError, Target, load_config
-from apcctl.manage import ManagedServer, ManageError, build_spec
+from apcctl.config import DEFAULT_HOST, DEFAULT_PORT, ConfigError, Target, load_config, server_name
+from apcctl.manage import ManagedServer, ManageError, ServerSpec, build_spec
+from apcctl.service.record import read_record
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -23,8 +26,10 @@ def register(main: click.Group, bench: click.Group) -> None:
 
 
 @click.command(context_settings={"ignore_unknown_options": True}, epilog=EXIT_CODES_SHORT)
-@click.option("--name", "-n", envvar="APCCTL_SERVER", default="default", show_default=True,
-              help="Server name: its state files live in <state dir>/servers/NAME. [env: APCCTL_SERVER]")
+@click.option("--server", "--name", "-s", "name", envvar="APCCTL_SERVER", metavar="NAME|URL",
+              help="Server name (its state files live in <state dir>/servers/NAME), or the URL of a configured "
+                   "or managed server; default: the config's default, its only server, else 'default'. "
+                   "[env: APCCTL_SERVER]")
 @click.option("--model", "-m", metavar="DIR|REPO", help="Model to serve (default: the config's model).")
 @click.option("--port", "-p", type=click.IntRange(1, 65535), help=f"Port (default: the config's, else {DEFAULT_PORT}).")
 @click.option("--host", help=f"Interface to bind (default {DEFAULT_HOST}).")
@@ -40,7 +45,7 @@ def register(main: click.Group, bench: click.Group) -> None:
               help="TOML config file. [env: APCCTL_CONFIG]")
 @json_option
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
-def serve(name: str, model: str | None, port: int | None, host: str | None, disk_path: Path | None,
+def serve(name: str | None, model: str | None, port: int | None, host: str | None, disk_path: Path | None,
           env_pairs: tuple[str, ...], foreground: bool, wait: bool, timeout: float, config_path: Path | None,
           as_json: bool, server_args: tuple[str, ...]) -> None:
     """Start the patched server in the background: PID file, log file and state under the state dir.
@@ -51,10 +56,49 @@ def serve(name: str, model: str | None, port: int | None, host: str | None, disk
     \b
     Examples:
       apcctl serve --model ~/models/glm5-next --port 8080
-      apcctl serve --name b --model DIR --port 8081 -- --max-kv-size 65536
+      apcctl serve --server b --model DIR --port 8081 -- --max-kv-size 65536
     """
+    spec, server = server_spec(name, model, port, host, disk_path, env_pairs, config_path, server_args)
+    if server.pid() is not None:
+        raise CommandError(f"server {spec.name!r} is already running (pid {server.pid()}); "
+                           f"apcctl stop --server {spec.name}")
+    record = read_record(spec.name)
+    if record is not None and not foreground:
+        raise CommandError(f"server {spec.name!r} is installed as a {record.supervisor} service ({record.service}): "
+                           f"start it with apcctl restart --server {spec.name}, or apcctl service uninstall first")
+    if port_busy(spec.host, spec.port):
+        raise CommandError(f"port {spec.port} on {spec.host} is already in use")
+    sizing = spec_sizing(spec)  # a bad budget stops here; in the foreground the server prints the budgets
+    if foreground:
+        server.exec_foreground(spec)
+    pid = server.start(spec)
+    if wait:
+        try:
+            server.wait_ready(timeout)
+        except ManageError as exc:
+            raise CommandError(str(exc)) from None
+    info = {"server": spec.name, "pid": pid, "url": spec.url, "log": str(server.log_path),
+            "state_dir": str(server.directory), "ready": wait, "sizing": sizing}
+    if as_json:
+        render.emit_json(info)
+        for warning in sizing["warnings"]:
+            click.echo(f"warning: {warning}", err=True)
+    else:
+        click.echo(f"{spec.name}: pid {pid} serving {spec.model} at {spec.url}" + ("" if wait else " (starting)"))
+        click.echo(f"log {server.log_path}")
+        for line in sizing_lines(sizing):
+            click.echo(line, err=line.startswith("warning"))
+
+
+def server_spec(name: str | None, model: str | None, port: int | None, host: str | None, disk_path: Path | None,
+                env_pairs: tuple[str, ...], config_path: Path | None,
+                server_args: tuple[str, ...]) -> tuple[ServerSpec, ManagedServer]:
+    """The command line and environment ``serve`` (and ``service install``) run: flags, then the
+    environment, then the config table (its budgets included)."""
     try:
-        settings = load_config(config_path).servers.get(name)
+        config = load_config(config_path)
+        name = server_name(name, config)
+        settings = config.servers.get(name)
         server = ManagedServer(name)
     except (ConfigError, ManageError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -64,27 +108,34 @@ def serve(name: str, model: str | None, port: int | None, host: str | None, disk
     port = port or (settings.port if settings else None) or DEFAULT_PORT
     host = host or (settings.host if settings else None) or DEFAULT_HOST
     extra = (*(settings.args if settings else ()), *server_args)
-    spec = build_spec(name, model=model, port=port, host=host, extra_args=extra, env=_env(env_pairs),
-                      disk_path=disk_path)
-    if server.pid() is not None:
-        raise CommandError(f"server {name!r} is already running (pid {server.pid()}); apcctl stop --server {name}")
-    if _port_busy(host, port):
-        raise CommandError(f"port {port} on {host} is already in use")
-    if foreground:
-        server.exec_foreground(spec)
-    pid = server.start(spec)
-    if wait:
-        try:
-            server.wait_ready(timeout)
-        except ManageError as exc:
-            raise CommandError(str(exc)) from None
-    info = {"server": name, "pid": pid, "url": spec.url, "log": str(server.log_path),
-            "state_dir": str(server.directory), "ready": wait}
-    if as_json:
-        render.emit_json(info)
-    else:
-        click.echo(f"{name}: pid {pid} serving {spec.model} at {spec.url}" + ("" if wait else " (starting)"))
-        click.echo(f"log {server.log_path}")
+    budgets = {k: v for k, v in (settings.budget_environment() if settings else {}).items() if k not in os.environ}
+    spec = build_spec(name, model=model, port=port, host=host, extra_args=extra,
+                      env={**budgets, **_env(env_pairs)}, disk_path=disk_path)
+    return spec, server
+
+
+def spec_sizing(spec: ServerSpec) -> dict[str, Any]:
+    """The budgets this server will run with, the machine's memory and disk, and the warnings;
+    a bad budget value is a usage error here rather than a server that exits at start."""
+    from server_patch.admin.views import sizing_view
+    from server_patch.lineage import LineageConfig
+
+    env = {**os.environ, **spec.env}
+    try:
+        config = LineageConfig.from_env(env)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    return sizing_view(config, env)
+
+
+def sizing_lines(sizing: dict[str, Any]) -> list[str]:
+    """The budgets line and one ``warning:`` line per thing the machine cannot hold."""
+    b, disk = sizing["budgets"], sizing["disk"]
+    lines = [f"budgets: RAM {render.human_bytes(b['ram_limit'])} (of {render.human_bytes(sizing['ram_total_bytes'])} "
+             f"physical), anchors {b['anchor_count_limit']} / {render.human_bytes(b['anchor_bytes_limit'])}, disk "
+             + (f"{render.human_bytes(b['disk_limit'])} at {disk['path']} "
+                f"({render.human_bytes(disk.get('free_bytes'))} free)" if disk["enabled"] else "off")]
+    return lines + [f"warning: {w}" for w in sizing["warnings"]]
 
 
 def _env(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -97,7 +148,7 @@ def _env(pairs: tuple[str, ...]) -> dict[str, str]:
     return env
 
 
-def _port_busy(host: str, port: int) -> bool:
+def port_busy(host: str, port: int) -> bool:
     probe_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.5)
@@ -131,10 +182,15 @@ def stop(targets: Targets, grace: float | None, as_json: bool) -> None:
 
 @click.command(epilog=EXIT_CODES_SHORT)
 @server_options()
-@click.option("--lines", "-n", type=click.IntRange(min=0), default=50, show_default=True, help="Lines to show.")
+@click.option("--lines", "-n", type=click.IntRange(min=0), default=50, show_default=True,
+              help="Lines to show (-n is always a count, as in tail; the server is -s).")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing what the server writes (Ctrl-C stops).")
 def logs(targets: list[Target], lines: int, follow: bool) -> None:
-    """Show a managed server's log (uvicorn, the overlay and the apc_lineage lines)."""
+    """Show a managed server's log (uvicorn, the overlay and the apc_lineage lines).
+
+    The server rotates server.log while it runs (APC_LOG_MAX_BYTES, 64 MiB; APC_LOG_BACKUPS, 4
+    old files); --follow reads on across a rotation.
+    """
     target = one(targets)
     with talking_to(target):
         server = managed(target)
@@ -149,20 +205,94 @@ def logs(targets: list[Target], lines: int, follow: bool) -> None:
 
 
 def _follow(path: Path, poll_s: float = 0.25) -> None:
-    """``tail -f``: print appended bytes; start over when the file is rotated or truncated."""
-    position = path.stat().st_size
+    """``tail -F``: print what is appended, also across rotations (Ctrl-C stops)."""
     try:
-        while True:
-            size = path.stat().st_size if path.exists() else 0
-            if size < position:
-                position = 0
-            if size > position:
-                with path.open("rb") as f:
-                    f.seek(position)
-                    chunk = f.read(size - position)
-                position = size
-                click.echo(chunk.decode("utf-8", errors="replace"), nl=False)
-            time.sleep(poll_s)
+        follow_file(path, lambda chunk: click.echo(chunk.decode("utf-8", errors="replace"), nl=False),
+                    poll_s=poll_s)
     except KeyboardInterrupt:
         pass
 
+
+def follow_file(path: Path, write: Callable[[bytes], None], *, poll_s: float = 0.25,
+                stop: Callable[[], bool] = lambda: False) -> None:
+    """Call ``write`` with every byte appended to ``path``, from its current end, until ``stop()``.
+
+    The server renames ``server.log`` to ``server.log.1`` when it rotates and opens a new one:
+    the open file is read to its end first (the lines written just before the rename), then the
+    new file from its start. A file truncated in place is read again from its start.
+    """
+    handle = _open_at_end(path)
+    try:
+        while not stop():
+            chunk = handle.read() if handle else b""
+            if chunk:
+                write(chunk)
+            try:
+                current = path.stat()
+            except FileNotFoundError:
+                current = None
+            if handle is None:
+                if current is not None:
+                    handle = _open(path)  # the file appeared: all of it is new
+                else:
+                    time.sleep(poll_s)
+                continue
+            if current is not None and _replaced(handle, current):
+                rest = handle.read()  # written between the read above and the rename
+                if rest:
+                    write(rest)
+                for newer in _rotated_after(path, os.fstat(handle.fileno())):
+                    write(newer)  # files that came and were rotated away between two polls
+                handle.close()
+                handle = _open(path)
+                continue
+            if not chunk:
+                time.sleep(poll_s)
+    finally:
+        if handle is not None:
+            handle.close()
+
+
+def _open(path: Path) -> BinaryIO | None:
+    try:
+        return path.open("rb")
+    except FileNotFoundError:
+        return None
+
+
+def _rotated_after(path: Path, mine: os.stat_result, most: int = 64) -> list[bytes]:
+    """The contents of ``path.k-1`` ... ``path.1`` when the file we read is now ``path.k``."""
+    names = [path.with_name(f"{path.name}.{n}") for n in range(1, most + 1)]
+    for k, name in enumerate(names):
+        try:
+            found = name.stat()
+        except FileNotFoundError:
+            break
+        if (found.st_ino, found.st_dev) == (mine.st_ino, mine.st_dev):
+            out = []
+            for newer in reversed(names[:k]):
+                try:
+                    out.append(newer.read_bytes())
+                except FileNotFoundError:
+                    pass
+            return out
+    return []
+
+
+def _open_at_end(path: Path) -> BinaryIO | None:
+    try:
+        handle = path.open("rb")
+    except FileNotFoundError:
+        return None
+    handle.seek(0, os.SEEK_END)
+    return handle
+
+
+def _replaced(handle: BinaryIO, current: os.stat_result) -> bool:
+    """``path`` is now another file than ``handle`` (rotated), or was truncated below our position."""
+    mine = os.fstat(handle.fileno())
+    if (mine.st_ino, mine.st_dev) != (current.st_ino, current.st_dev):
+        return True
+    if current.st_size < handle.tell():
+        handle.seek(0)  # truncated in place: read it again from the start
+    return False

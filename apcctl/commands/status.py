@@ -10,7 +10,9 @@ import click
 import psutil
 
 from apcctl import render
-from apcctl.commands.common import EXIT_CODES_SHORT, Targets, emit_results, for_each, json_option, server_options
+from apcctl.commands.common import (EXIT_CODES_SHORT, Targets, emit_results, for_each, json_option, server_options,
+                                    watch_option, watching)
+from apcctl.commands.verify import canary_line, canary_state
 from apcctl.config import Target
 
 _LOCAL = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
@@ -50,14 +52,20 @@ def collect(target: Target) -> dict[str, Any]:
     body = target.client().status()
     lineage = body.get("lineage") or {}
     return {"server": target.name, "url": target.url, "managed": target.managed is not None, "status": body,
-            "process": process_info(target, body["server"].get("pid")), "hits": hit_summary(lineage.get("stats", {}))}
+            "process": process_info(target, body["server"].get("pid")), "hits": hit_summary(lineage.get("stats", {})),
+            "canary": canary_state(target.client()) if body.get("lineage") else None}
 
 
 @click.command(epilog=EXIT_CODES_SHORT)
 @server_options(allow_all=True)
 @json_option
-def status(targets: Targets, as_json: bool) -> None:
-    """Server, process (RSS, CPU, uptime), traffic, cache budgets and hit rate."""
+@watch_option
+def status(targets: Targets, as_json: bool, watch: float | None) -> None:
+    """Server, process (RSS, CPU, uptime), traffic, cache budgets and hit rate.
+
+    The budgets, physical memory and the disk volume's free space show from the start, before
+    the first request creates the cache.
+    """
 
     def show(results: list[dict[str, Any]]) -> None:
         if as_json:
@@ -69,7 +77,7 @@ def status(targets: Targets, as_json: bool) -> None:
                 out.print(render.key_values(_rows(result), title=f"[bold]{result['server']}[/] {result['url']}"))
                 out.print()
 
-    for_each(targets, collect, show)
+    watching(watch, lambda: for_each(targets, collect, show), as_json=as_json)
 
 
 def _rows(result: dict[str, Any]) -> list[tuple[str, str]]:
@@ -87,24 +95,39 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     rows.append(("mlx memory", f"active {render.human_bytes(pool.get('active_bytes'))}, "
                                f"cache {render.human_bytes(pool.get('cache_bytes'))}, "
                                f"peak {render.human_bytes(pool.get('peak_bytes'))}"))
-    lineage = body.get("lineage")
+    lineage, sizing = body.get("lineage"), body.get("sizing") or {}
     if lineage is None:
-        rows.append(("cache", "not started yet (the lineage cache starts with the first request)"))
+        rows.append(("cache", "not started yet (it starts with the first request); the budgets are the configured ones"))
+    budgets = lineage["budgets"] if lineage else sizing.get("budgets")
+    disk_on = bool(lineage.get("disk_path")) if lineage else bool((sizing.get("disk") or {}).get("enabled"))
+    if budgets:
+        rows += _budget_rows(budgets, disk_on, lineage.get("disk_pending_writes", 0) if lineage else 0, sizing)
+    rows += [("warning", w) for w in sizing.get("warnings", [])]
+    if lineage is None:
         return rows
-    b = lineage["budgets"]
     rows += [
-        ("ram", f"{render.human_bytes(b['ram_used'])} / {render.human_bytes(b['ram_limit'])} "
-                f"({b['entries']} entries)"),
-        ("anchors", f"{b['anchor_count']} / {b['anchor_count_limit']} pinned, "
-                    f"{render.human_bytes(b['anchor_bytes'])} / {render.human_bytes(b['anchor_bytes_limit'])}"),
-        ("disk", (f"{render.human_bytes(b['disk_used'])} / {render.human_bytes(b['disk_limit'])} "
-                  f"({b['disk_files']} files, {lineage.get('disk_pending_writes', 0)} writes pending)")
-         if lineage.get("disk_path") else "off"),
         ("hit rate", f"{render.percent(hits['hits'], hits['requests'])} of {hits['requests']} requests, "
                      f"{render.percent(hits['reused_tokens'], hits['reused_tokens'] + hits['prefill_tokens'])} "
                      f"of prompt tokens reused"),
         ("by kind", ", ".join(f"{k} {v}" for k, v in sorted(hits["by_kind"].items())) or "-"),
+        ("canary", canary_line(result.get("canary"))),
     ]
+    return rows
+
+
+def _budget_rows(b: dict[str, Any], disk_on: bool, pending: int, sizing: dict[str, Any]) -> list[tuple[str, str]]:
+    """Used / limit of the RAM, anchor and disk budgets, and what the machine has for them."""
+    ram_total = sizing.get("ram_total_bytes")
+    disk = sizing.get("disk") or {}
+    rows = [("ram", f"{render.human_bytes(b['ram_used'])} / {render.human_bytes(b['ram_limit'])} "
+                    f"({b['entries']} entries)" + (f", {render.human_bytes(ram_total)} physical" if ram_total else "")),
+            ("anchors", f"{b['anchor_count']} / {b['anchor_count_limit']} pinned, "
+                        f"{render.human_bytes(b['anchor_bytes'])} / {render.human_bytes(b['anchor_bytes_limit'])}"),
+            ("disk", (f"{render.human_bytes(b['disk_used'])} / {render.human_bytes(b['disk_limit'])} "
+                      f"({b['disk_files']} files, {pending} writes pending)") if disk_on else "off")]
+    if disk_on and disk.get("free_bytes") is not None:
+        rows.append(("volume", f"{render.human_bytes(disk['free_bytes'])} free of "
+                               f"{render.human_bytes(disk.get('total_bytes'))} at {disk.get('path')}"))
     return rows
 
 

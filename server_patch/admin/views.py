@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from pathlib import Path
+from typing import Any, Mapping
 
 from server_patch.lineage import DiskRecord, Entry, Event
 
@@ -61,3 +63,83 @@ def record_view(record: DiskRecord) -> dict[str, Any]:
 def event_view(seq: int, at: float, event: Event) -> dict[str, Any]:
     return {"seq": seq, "time": at, "type": "cache", "event": event.kind, "entry_id": event.entry_id,
             "length": event.length, "bytes": event.nbytes, "detail": event.detail}
+
+
+# ---------------------------------------------------------------------- sizing
+# What the budgets are and whether the machine can hold them, known from the first second:
+# before the first request there is no lineage cache, but its configuration and the disk
+# volume are already there (``status``, ``entries``, ``apcctl serve`` and the launcher's warning).
+
+
+def human_size(n: int) -> str:
+    """Binary units, for the warnings (the CLI renders its own tables)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def configured_budgets(config: Any, disk_used: int = 0, disk_files: int = 0) -> dict[str, int]:
+    """``LineageCache.budgets()``'s shape before the cache exists: the limits, nothing in RAM."""
+    return {"ram_used": 0, "ram_limit": int(config.ram_budget_bytes), "conversation_bytes": 0,
+            "disk_queue_bytes": 0, "anchor_bytes": 0, "anchor_bytes_limit": int(config.anchor_max_bytes),
+            "anchor_count": 0, "anchor_count_limit": int(config.anchor_max_entries), "disk_used": disk_used,
+            "disk_limit": int(config.disk_max_bytes), "entries": 0, "disk_files": disk_files}
+
+
+def sizing_warnings(config: Any, *, ram_total: int | None, disk_enabled: bool, disk_free: int | None,
+                    disk_used: int = 0) -> list[str]:
+    """Budgets this machine cannot honour: a RAM budget above physical memory, a disk cap above
+    what the volume can still give the cache (its free space plus the cache's own files)."""
+    out = []
+    if ram_total and config.ram_budget_bytes > ram_total:
+        out.append(f"RAM budget {human_size(config.ram_budget_bytes)} exceeds physical memory "
+                   f"{human_size(ram_total)} (APC_LINEAGE_RAM_BUDGET_BYTES)")
+    if disk_enabled and disk_free is not None and config.disk_max_bytes > disk_free + disk_used:
+        out.append(f"disk cap {human_size(config.disk_max_bytes)} exceeds the free space of its volume "
+                   f"({human_size(disk_free)} free, {human_size(disk_used)} already cached; "
+                   "APC_LINEAGE_DISK_MAX_BYTES): the free-space floor, not the cap, will bound the cache")
+    return out
+
+
+def disk_volume(root: Path, count_files: bool = True) -> dict[str, Any]:
+    """Free and total bytes of the volume ``root`` is (or will be) on, and (``count_files``) the
+    bytes of the cache files already there (the running cache's index knows them already)."""
+    import shutil
+
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent  # the tier creates its directory on first use
+    try:
+        total, _, free = shutil.disk_usage(probe)
+    except OSError:
+        total = free = None
+    used = files = 0
+    try:
+        for item in (os.scandir(root) if count_files and root.is_dir() else ()):
+            if item.is_file(follow_symlinks=False) and not item.name.startswith("."):
+                used += item.stat(follow_symlinks=False).st_size
+                files += 1
+    except OSError:
+        pass
+    return {"path": str(root), "free_bytes": free, "total_bytes": total, "files_bytes": used, "files": files}
+
+
+def sizing_view(config: Any, env: Mapping[str, str] = os.environ,
+                budgets: dict[str, int] | None = None) -> dict[str, Any]:
+    """Budgets (``budgets`` when the cache runs, else the configured ones), physical memory,
+    the disk volume's free space, and what this machine cannot honour."""
+    import psutil
+
+    from server_patch.disk.paths import default_disk_root, disk_enabled
+
+    enabled = disk_enabled(env)
+    disk = {"enabled": enabled, **(disk_volume(default_disk_root(env), budgets is None) if enabled else {})}
+    if budgets is None:
+        budgets = configured_budgets(config, disk.get("files_bytes", 0), disk.get("files", 0))
+    ram_total = int(psutil.virtual_memory().total)
+    warnings = sizing_warnings(config, ram_total=ram_total, disk_enabled=enabled, disk_free=disk.get("free_bytes"),
+                               disk_used=int(budgets.get("disk_used", 0)))
+    return {"budgets": budgets, "ram_total_bytes": ram_total, "disk": disk, "warnings": warnings}
