@@ -25,7 +25,7 @@ ROUTES = (
     ("DELETE", "/admin/entries/{id}"), ("GET", "/admin/anchors"), ("POST", "/admin/anchors/{id}/pin"),
     ("POST", "/admin/anchors/{id}/unpin"), ("POST", "/admin/anchors"), ("GET", "/admin/requests"),
     ("GET", "/admin/metrics"), ("POST", "/admin/flush"), ("POST", "/admin/drain"), ("POST", "/admin/undrain"),
-    ("GET", "/admin/openapi.json"),
+    ("GET", "/admin/openapi.json"), ("GET", "/admin/verify"), ("POST", "/admin/verify/clear"),
 )
 
 json_values = st.recursive(

@@ -26,7 +26,7 @@ from server_patch.integration.journal import FILE_NAME, Journal, journal_files
 
 REPO = Path(__file__).resolve().parents[1]
 OUR_COMMANDS = ("serve", "stop", "logs", "status", "entries", "anchors", "requests", "flush", "drain", "undrain",
-                "restart", "report", "demo")
+                "restart", "report", "demo", "service", "check", "verify")
 
 
 @pytest.fixture(autouse=True)

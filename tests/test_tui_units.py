@@ -188,6 +188,16 @@ def test_the_header_fits_eighty_columns_and_keeps_the_badges() -> None:
     assert "patch" not in second  # the versions go first
 
 
+def test_the_header_names_restore_kinds_the_canary_found_suspect() -> None:
+    state = DashboardState()
+    status = {"server": {"pid": 1, "uptime_s": 5}, "idle": {}, "lineage": None,
+              "canary": {"suspects": [], "on_fail": "cold"}}
+    state.apply_snapshot(Snapshot(status, [], None, 1.0))
+    assert "SUSPECT" not in header_text(state, "u", Mode(), width=100).plain
+    state.apply_snapshot(Snapshot({**status, "canary": {"suspects": ["final"], "on_fail": "cold"}}, [], None, 2.0))
+    assert "SUSPECT: final" in header_text(state, "u", Mode(), width=100).plain.split("\n")[1]
+
+
 def test_a_narrow_gauge_drops_its_detail_before_its_bar() -> None:
     wide = gauge_text("RAM total    ", 5 << 20, 10 << 20, 60, detail="31 entries").plain
     narrow = gauge_text("RAM total    ", 5 << 20, 10 << 20, 36, detail="31 entries").plain

@@ -120,7 +120,7 @@ class LiveSource:
     def snapshot(self) -> Snapshot:
         try:
             status = self.client.status()
-            # Before the first request there is no lineage cache, and /admin/entries answers 409.
+            # Before the first request there is no lineage cache: no entries to list.
             entries = self.client.entries() if status.get("lineage") is not None else []
         except AdminError as exc:
             raise _source_error(exc) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,7 @@ def report(targets: list[Target], since: str, until_: str | None, journal: Path 
     start = _when(since, "--since", None)
     end = _when(until_, "--until", time.time())
     summary = build_report(directory, start, end)
+    summary["canary"] = canary_report(directory, start or 0.0, end)
     if as_json:
         render.emit_json(summary)
     else:
@@ -76,7 +78,7 @@ def _show(s: dict[str, Any]) -> None:
     out.print(f"{req['count']:,} requests, hit rate {render.percent(req['hits'], req['count'])}, "
               f"{render.percent(req['reused_tokens'], req['prompt_tokens'])} of {req['prompt_tokens']:,} "
               "prompt tokens reused")
-    for block in (_kinds(req), _latency(s["latency_ms"]), _events(s), _tiers(s["tiers"])):
+    for block in (_kinds(req), _latency(s["latency_ms"]), _events(s), _canary(s.get("canary")), _tiers(s["tiers"])):
         if block is not None:
             out.print()
             out.print(block)
@@ -109,6 +111,45 @@ def _events(s: dict[str, Any]) -> Table:
         ("anchors", f"{anchors['pinned']} pinned ({_counts(anchors['by_source'])}), {anchors['unpinned']} unpinned, "
                     f"{pinned_now} pinned at the last snapshot"),
     ])
+
+
+def canary_report(directory: Path, since: float, until: float) -> dict[str, Any]:
+    """The canary's checks in the window, from its ``canary`` cache events (detail:
+    ``<result> <kind> key=value ...``): counts by result and kind, the largest difference, failures."""
+    from apcctl.journal_report import read_journal
+
+    by_result: Counter[str] = Counter()
+    by_kind: dict[str, Counter[str]] = {}
+    worst: float | None = None
+    failures = []
+    for record in read_journal(directory, since, until):
+        if record.get("type") != "cache" or record.get("event") != "canary":
+            continue
+        result, kind, *pairs = str(record.get("detail", "")).split(" ") + ["", ""]
+        fields = dict(p.split("=", 1) for p in pairs if "=" in p)
+        by_result[result] += 1
+        by_kind.setdefault(kind, Counter())[result] += 1
+        try:
+            worst = max(worst or 0.0, float(fields["diff"]))
+        except (KeyError, ValueError):
+            pass
+        if result == "fail":
+            failures.append({"time": record["time"], "kind": kind, "entry_id": record.get("entry_id"),
+                             "length": record.get("length"), "detail": record.get("detail")})
+    return {"checks": sum(by_result.values()), "by_result": dict(by_result),
+            "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())}, "max_abs_diff": worst,
+            "failures": failures[-20:]}
+
+
+def _canary(c: dict[str, Any] | None) -> Table | None:
+    if not c or not c["checks"]:
+        return None
+    rows = [("checks", f"{c['checks']:,}: {_counts(c['by_result'])}; largest |diff| "
+                       f"{'-' if c['max_abs_diff'] is None else format(c['max_abs_diff'], '.3g')}"),
+            *((kind, _counts(counts)) for kind, counts in c["by_kind"].items())]
+    rows += [(f"FAILED {_iso(f['time'])}", f"{f['kind']}@{f['length']} entry {f['entry_id']}: {f['detail']}")
+             for f in c["failures"]]
+    return render.key_values(rows, title="canary (restore vs cold prefill)")
 
 
 def _tiers(tiers: list[dict[str, Any]]) -> Table | None:

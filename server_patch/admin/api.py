@@ -29,9 +29,11 @@ from server_patch.admin.guard import STREAMS, AdminLimits, install_outermost
 from server_patch.admin.internal import internal_chat
 from server_patch.admin.metrics import exposition
 from server_patch.admin.traffic import TRAFFIC, TrafficMiddleware
+from server_patch.canary.admin import verify_router
+from server_patch.canary.book import BOOK
 from server_patch.integration import runtime as lineage_runtime
 from server_patch.integration.anchors import label as anchor_label
-from server_patch.lineage import CacheError
+from server_patch.lineage import CacheError, LineageConfig
 
 log = logging.getLogger("server_patch.admin")
 
@@ -121,6 +123,7 @@ def status() -> dict[str, Any]:
         "idle": {**TRAFFIC.snapshot(), "queued": _queued()},
         "pool": _pool(),
         "admin": {"event_streams": STREAMS.open, **asdict(router.limits)},
+        "canary": {"suspects": sorted(BOOK.suspects), "on_fail": BOOK.on_fail},
         "lineage": None,
     }
     if current is not None:
@@ -134,13 +137,28 @@ def status() -> dict[str, Any]:
             "disk": current.disk.health() if current.disk else None,
             "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()},
         }
+    body["sizing"] = _sizing(current, body["lineage"]["budgets"] if body["lineage"] else None)
     return body
+
+
+def _sizing(current: lineage_runtime.LineageRuntime | None, budgets: dict[str, int] | None = None) -> dict[str, Any]:
+    """Budgets, memory and the disk volume, from the first second: the running cache's budgets,
+    or before the first request the configured ones (the cache does not exist yet)."""
+    if current is not None:
+        return views.sizing_view(current.config, budgets=budgets or current.cache.budgets())
+    try:
+        config = LineageConfig.from_env()
+    except ValueError:  # the launcher refused it already; never a 500 here
+        config = LineageConfig()
+    return views.sizing_view(config)
 
 
 @router.get("/entries", summary="Lineage entries and anchors with their checkpoints")
 def entries(tier: str = Query("all", pattern="^(ram|disk|all)$"),
             kind: str = Query("all", pattern="^(conversation|anchor|all)$")) -> dict[str, Any]:
-    current = _lineage()
+    current = lineage_runtime.current()
+    if current is None:  # before the first request: nothing held yet, but the budgets are known
+        return {"entries": [], "budgets": _sizing(None)["budgets"], "started": False}
     records = {r.id: r for r in current.cache.records()}
     rows = []
     if tier in ("ram", "all"):
@@ -150,7 +168,7 @@ def entries(tier: str = Query("all", pattern="^(ram|disk|all)$"),
         rows += [views.record_view(r) for r in records.values() if r.id not in in_ram]
     if kind != "all":
         rows = [r for r in rows if r["kind"] == kind]
-    return {"entries": rows}
+    return {"entries": rows, "budgets": current.cache.budgets(), "started": True}
 
 
 @router.get("/entries/{entry_id}", summary="One entry")
@@ -279,6 +297,9 @@ def drain(body: Optional[DrainBody] = None) -> dict[str, Any]:
 def undrain() -> dict[str, Any]:
     TRAFFIC.draining = False
     return TRAFFIC.snapshot()
+
+
+router.include_router(verify_router)  # /admin/verify: the canary (server_patch.canary.admin)
 
 
 @router.get("/openapi.json", summary="The OpenAPI schema of /admin")

@@ -1,17 +1,73 @@
 """Prometheus exposition of the lineage cache, through prometheus-client's collector API.
 
-mlx-vlm's own ``/metrics`` stays JSON; ours lives at ``/admin/metrics``.
+mlx-vlm's own ``/metrics`` stays JSON; ours lives at ``/admin/metrics``. Counters and gauges
+are read from the cache at scrape time; the per-request histograms (``RequestMetrics``) are
+observed once per finished timing record and owned by the runtime's ``TimingBook``, so a new
+runtime (a reloaded model) starts them again and nothing lives in module-global state.
+docs/metrics.md lists every metric.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
+from server_patch.canary.metrics import families as canary_families
+from server_patch.disk.integrity import FINGERPRINT, FORMAT_REASON, HASH, HEADER, IO, TRUNCATED
 from server_patch.lineage import RESTORE_KINDS
+
+# Seconds, 1 ms to 10 min: a warm lookup is a millisecond, a cold 100k-token prefill minutes.
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   30.0, 60.0, 120.0, 300.0, 600.0)
+REJECT_REASONS = (TRUNCATED, HEADER, FORMAT_REASON, HASH, FINGERPRINT, IO)  # each exported from 0
+REQUEST_KINDS = (*RESTORE_KINDS, "disk")  # the restore kinds a timing record can carry
+# (metric stage, record field, help): where a request's time to first token went.
+STAGES = (
+    ("ttft", "ttft_ms", "Time to first token"),
+    ("lookup", "lookup_ms", "Lineage lookup and restore planning (part of admission)"),
+    ("admission", "admission_ms", "Admission: lookup plus the KV merge into the batch"),
+    ("prefill", "prefill_ms", "Prefill of the prompt tokens not restored"),
+)
+
+
+class RequestMetrics:
+    """Histograms and token counters of finished requests, labelled by restore kind.
+
+    Registered in no registry: ``LineageCollector`` yields them at scrape time. Every kind's
+    series exists from the start (at 0), so ``rate()`` and dashboards see them before traffic.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = {stage: Histogram(f"apc_request_{stage}_seconds", f"{doc}, by restore kind", ["kind"],
+                                         registry=None, buckets=SECONDS_BUCKETS)
+                        for stage, _, doc in STAGES}
+        self.reused = Counter("apc_request_reused_tokens", "Prompt tokens restored from the cache, "
+                              "by restore kind of the request", ["kind"], registry=None)
+        self.prefilled = Counter("apc_request_prefilled_tokens", "Prompt tokens prefilled (not "
+                                 "restored), by restore kind of the request", ["kind"], registry=None)
+        for kind in REQUEST_KINDS:
+            for metric in self.all():
+                metric.labels(kind)
+
+    def all(self) -> list[Any]:
+        return [*self.seconds.values(), self.reused, self.prefilled]
+
+    def observe(self, record: Any) -> None:
+        """One finished ``RequestTiming``: its stage times and tokens."""
+        kind = record.restore_kind if record.restore_kind in REQUEST_KINDS else "cold"
+        for stage, field, _ in STAGES:
+            self.seconds[stage].labels(kind).observe(max(0.0, float(getattr(record, field))) / 1000)
+        restored = max(0, int(record.restored_tokens))
+        self.reused.labels(kind).inc(restored)
+        self.prefilled.labels(kind).inc(max(0, int(record.prompt_tokens) - restored))
+
+    def collect(self) -> Iterable[Any]:
+        for metric in self.all():
+            yield from metric.collect()
 
 
 class LineageCollector(Collector):
@@ -55,6 +111,8 @@ class LineageCollector(Collector):
             counter = CounterMetricFamily(name, doc)
             counter.add_metric([], stats.get(key, 0))
             yield counter
+        yield from runtime.timings.metrics.collect()
+        yield from canary_families()
         if runtime.disk is not None:
             yield from _disk_metrics(runtime.disk.health())
         budgets = runtime.cache.budgets()
@@ -72,7 +130,9 @@ class LineageCollector(Collector):
 def _disk_metrics(health: dict) -> Iterable[Any]:
     rejects = CounterMetricFamily("apc_lineage_disk_rejects", "Disk files removed because they could not "
                                   "be trusted (the request prefilled cold), by reason", labels=["reason"])
-    for reason, count in sorted(health["rejects"].items()):
+    counts = {reason: 0 for reason in REJECT_REASONS}
+    counts.update(health["rejects"])
+    for reason, count in sorted(counts.items()):
         rejects.add_metric([reason], count)
     yield rejects
     failures = CounterMetricFamily("apc_lineage_disk_write_failures", "Disk writes that failed or were "

@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 from mlx_vlm.apc_coordinator import APCCoordinator
 
+from server_patch import canary
 from server_patch.copyfree import counter, pool
 from server_patch.copyfree import lease as lending
 from server_patch.copyfree import merge as copyfree_merge
@@ -108,6 +109,8 @@ class LineageCoordinator(APCCoordinator):
         key = request_key(namespace, prompt)
         record = self.runtime.timings.open(key, int(prompt.shape[0]))
         plan, promoted, reclaimed = self._settled_plan(prompt, namespace)
+        if plan.hit and canary.refuses(plan.kind):  # a failed canary check (ON_FAIL=cold): cold
+            plan = _cold(plan)
         warm = None
         lent = False
         if plan.hit and plan.length >= safe_lookup_min and suffix_is_text_only(plan.length):
@@ -151,8 +154,8 @@ class LineageCoordinator(APCCoordinator):
                 pass  # a deferred entry was committed: there may be a longer restore point
             elif self._leases and self._sweep_leases(plan, reclaimed):
                 pass  # an entry was dropped: plan again
-            elif plan.tier == DISK and (disk is None or plan.record.id in loaded_ids):
-                break  # loaded once already and gone again (no room in RAM): cold
+            elif plan.tier == DISK and (disk is None or plan.record.id in loaded_ids or canary.refuses(DISK)):
+                break  # loaded once already and gone again (no room in RAM), or a suspect tier: cold
             elif plan.tier == DISK:
                 loaded_ids.add(plan.record.id)
                 loaded, why = _load(disk, plan.record)

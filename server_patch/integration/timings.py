@@ -1,7 +1,8 @@
 """Per-request timing records: two greppable log lines each, and a ring buffer for /admin.
 
 A record is opened at lookup (keyed by the prompt), bound to the generator's uid when the
-prompt batch is built, filled in at commit, prefill completion and first token, then logged.
+prompt batch is built, filled in at commit, prefill completion and first token, then logged
+and observed into the book's Prometheus histograms (``metrics``, read by /admin/metrics).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
+
+from server_patch.admin.metrics import RequestMetrics
 
 log = logging.getLogger("server_patch.lineage")
 
@@ -53,7 +56,7 @@ def _fmt(**fields: Any) -> str:
 
 
 class TimingBook:
-    """Open records by prompt key and by uid; finished records in a bounded ring."""
+    """Open records by prompt key and by uid; finished records in a bounded ring and in ``metrics``."""
 
     def __init__(self, ring_size: int = RING_SIZE) -> None:
         self._lock = threading.Lock()
@@ -62,6 +65,7 @@ class TimingBook:
         self._by_uid: OrderedDict[Any, RequestTiming] = OrderedDict()
         self.ring: deque[RequestTiming] = deque(maxlen=ring_size)
         self.listeners: list[Callable[[RequestTiming], None]] = []
+        self.metrics = RequestMetrics()
 
     def open(self, key: Any, prompt_tokens: int) -> RequestTiming:
         with self._lock:
@@ -114,6 +118,10 @@ class TimingBook:
             captures=",".join(record.captures) or "-"))
         with self._lock:
             self.ring.append(record)
+        try:
+            self.metrics.observe(record)
+        except Exception as exc:  # a metric must never fail a request
+            log.debug("apc_lineage request metrics failed: %s", exc)
         for listener in list(self.listeners):
             try:
                 listener(record)

@@ -78,8 +78,10 @@ def header_text(state: DashboardState, source_name: str, mode: Mode, width: int 
         (3, _fact("refresh", f"{mode.refresh_s:g}s", "")),
         (4, _fact("restarts seen", str(state.restarts_seen), "")),
     ]
+    suspects = ((state.status or {}).get("canary") or {}).get("suspects") or []
     badges = Text()
-    for flag, on, style in (("DRAINING", idle.get("draining"), "black on yellow"),
+    for flag, on, style in ((f"SUSPECT: {', '.join(suspects)}", bool(suspects), "white on red"),
+                            ("DRAINING", idle.get("draining"), "black on yellow"),
                             ("PAUSED", mode.paused, "black on cyan"),
                             ("READ-ONLY", mode.read_only, "black on magenta")):
         if on:

@@ -1,0 +1,27 @@
+"""The canary's one hook: the generation loop, finding no active request, calls ``on_idle``.
+
+That is the only point where a forward may run outside a request: the same thread as every
+request's forward, never concurrently with one (``server_patch/canary/runner.py``).
+"""
+
+from __future__ import annotations
+
+from server_patch.overlay.edits import Edit
+from server_patch.overlay.pristine import patch_of
+
+FILE_PATCHES = (
+    patch_of(
+        "mlx_vlm.server.generation",
+        Edit(
+            name="canary.idle",
+            old="                if not active or batch_gen is None:\n                    continue\n",
+            new=(
+                "                if not active or batch_gen is None:\n"
+                "                    from server_patch.canary import on_idle as _apc_canary_idle\n"
+                "\n"
+                "                    _apc_canary_idle(self)\n"
+                "                    continue\n"
+            ),
+        ),
+    ),
+)
