@@ -28,6 +28,7 @@ from apcctl.client import AdminClient, AdminError
 from server_patch.launch import LOG_BACKUPS, LOG_FILE_ENV, LOG_MAX_BYTES, rotate_files
 from server_patch.lineage.config import LineageConfig
 from server_patch.paths import state_dir
+from server_patch.private_files import open_private
 
 SPEC_FILE = "server.json"
 RUNNING_FILE = "server.running.json"
@@ -175,13 +176,13 @@ class ManagedServer:
     def keep_failed(self, spec: ServerSpec) -> Path:
         """Keep a command that failed to start, for the operator to read, before a rollback."""
         path = self.directory / FAILED_FILE
-        _write_private(path, json.dumps(asdict(spec), indent=2))
+        write_private(path, json.dumps(asdict(spec), indent=2))
         return path
 
     def save(self, spec: ServerSpec) -> None:
         """Owner-only, because the environment may hold the admin token."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        _write_private(self.spec_path, json.dumps(asdict(spec), indent=2))
+        write_private(self.spec_path, json.dumps(asdict(spec), indent=2))
 
     def token(self) -> str | None:
         spec = self.spec()
@@ -204,7 +205,7 @@ class ManagedServer:
         process running the launcher that was created before the file was written.
         """
         try:
-            pid, create_time = _parse_pid_file(self.pid_path.read_text())
+            pid, create_time = parse_pid_file(self.pid_path.read_text())
             process = psutil.Process(pid)
             if process.status() == psutil.STATUS_ZOMBIE:
                 return None
@@ -246,12 +247,12 @@ class ManagedServer:
 
     def _write_pid(self, pid: int, spec: ServerSpec) -> None:
         """The PID and its create time, and the command it runs (what a rollback starts again)."""
-        _write_private(self.directory / RUNNING_FILE, json.dumps(asdict(spec), indent=2))
+        write_private(self.directory / RUNNING_FILE, json.dumps(asdict(spec), indent=2))
         try:
             created = f"{psutil.Process(pid).create_time()!r}\n"
         except psutil.Error:
             created = ""  # it exited already: process() finds nothing either way
-        _write_private(self.pid_path, f"{pid}\n{created}")
+        write_private(self.pid_path, f"{pid}\n{created}")
 
     def grace(self) -> float:
         """The default SIGTERM-to-SIGKILL time for this server's shutdown flush."""
@@ -313,7 +314,7 @@ def _read_spec(path: Path) -> ServerSpec | None:
         return None
 
 
-def _parse_pid_file(text: str) -> tuple[int, float | None]:
+def parse_pid_file(text: str) -> tuple[int, float | None]:
     """``PID`` on the first line, and the create time on the second (absent in old files)."""
     lines = text.split()
     return int(lines[0]), (float(lines[1]) if len(lines) > 1 else None)
@@ -333,10 +334,11 @@ def terminate(process: psutil.Process, grace: float) -> str:
     return "SIGTERM"
 
 
-def _write_private(path: Path, text: str) -> None:
-    """Write ``path`` with mode 0600 through a temporary file and an atomic rename."""
+def write_private(path: Path, text: str) -> None:
+    """Write ``path`` with mode 0600 (whatever the umask) through a temporary file and an
+    atomic rename."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)

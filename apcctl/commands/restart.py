@@ -11,6 +11,7 @@ from apcctl import render
 from apcctl.commands.common import EXIT_CODES_SHORT, ExitStatus, server_options
 from apcctl.config import Target
 from apcctl.manage import GRACE_MARGIN_S
+from apcctl.fleet.roll import restart_targets
 from apcctl.restart import SUPERVISORS, RestartStep, rolling_restart
 
 
@@ -89,9 +90,19 @@ def restart(targets: list[Target], timeout: float, force: bool, supervisor: str 
       apcctl restart --all --dry-run
       apcctl restart --server main --timeout 600
     """
-    result = rolling_restart(targets, on_progress=ProgressPrinter(err=as_json, timeout=timeout), timeout=timeout,
-                             force=force, supervisor=supervisor, dry_run=dry_run, grace=grace,
-                             retry_after=retry_after)
+    progress = ProgressPrinter(err=as_json, timeout=timeout)
+    # Every target is planned (and a bad plan refused) before anything is touched; then a server
+    # behind a running fleet's gateway is taken out of the gateway instead of being drained
+    # (apcctl.fleet.roll), so the fleet's clients never see a 503.
+    planned: list[RestartStep] = []
+    result = rolling_restart(targets, on_progress=progress if dry_run else planned.append, timeout=timeout,
+                             supervisor=supervisor, dry_run=True, grace=grace)
+    if not result.ok:
+        for step in planned:
+            progress(step)
+    elif not dry_run:
+        result = restart_targets(targets, on_progress=progress, timeout=timeout, force=force,
+                                 supervisor=supervisor, grace=grace, retry_after=retry_after)
     if as_json:
         render.emit_json(result.as_dict())
     if not result.ok:

@@ -1,0 +1,202 @@
+"""The gateway process: ``smg launch`` in front of the servers, and its worker API.
+
+smg is a Rust binary shipped in a wheel (``pip install 'apcctl[fleet]'``); it renames its process
+(``smg::router``), so it is known by PID and create time like a managed server, never by name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from apcctl.client import AdminClient, AdminError
+from apcctl.manage import StopResult, parse_pid_file, write_private, same_process, terminate
+from server_patch.launch import LOG_BACKUPS, LOG_MAX_BYTES, rotate_files
+
+SMG_VERSION = "1.13.0"  # the version pinned in the 'fleet' extra; flags below are checked against it
+# smg's policies that make sense for HTTP workers (see `smg launch --help`).
+POLICIES = ("cache_aware", "prefix_hash", "consistent_hashing", "round_robin", "random", "power_of_two",
+            "least_load")
+# Chosen by `apcctl bench fleet` (docs/fleet.md): see DEFAULT_POLICY_WHY there.
+DEFAULT_POLICY = "cache_aware"
+ROUTING_KEY_HEADER = "x-smg-routing-key"
+PID_FILE = "gateway.pid"
+LOG_FILE = "gateway.log"
+# smg drains in-flight requests on SIGTERM for up to its shutdown grace (default 180 s).
+GATEWAY_GRACE_S = 30.0
+# Registration polls a worker every this many seconds (smg's default of 30 makes `up` slow).
+STARTUP_CHECK_S = 1
+# smg logs two lines per request at "info"; its own log is not rotated while it runs, so the
+# gateway logs warnings and errors (--gateway-arg=--log-level --gateway-arg=info for more), and
+# gateway.log is rotated at each start like server.log.
+LOG_LEVEL = "warn"
+
+
+class GatewayError(RuntimeError):
+    """The gateway could not be found, started, stopped or asked; the message says why."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the kernel picks it; a small race remains)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def smg_executable() -> str:
+    """The ``smg`` console script of this Python (a venv's bin), else the one on PATH."""
+    beside = Path(sys.executable).with_name("smg")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("smg")
+    if found is None:
+        raise GatewayError("smg (the SGLang Model Gateway) is not installed: pip install 'apcctl[fleet]'")
+    return found
+
+
+@dataclass
+class GatewaySpec:
+    """How the gateway is started: written to the fleet's state so ``status`` shows it."""
+
+    port: int
+    worker_urls: list[str]
+    host: str = "127.0.0.1"
+    policy: str = DEFAULT_POLICY
+    cache_boundaries: list[int] = field(default_factory=list)
+    args: list[str] = field(default_factory=list)  # passed to `smg launch` unchanged
+    # smg serves Prometheus metrics on a second port, by default 0.0.0.0:29000: two gateways on one
+    # machine would collide, and the metrics would face the network. Loopback, a port of our own.
+    metrics_port: int = 0  # 0: a free one, chosen when the spec is made (free_port)
+    metrics_host: str = "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def argv(self, executable: str | None = None) -> list[str]:
+        if self.policy not in POLICIES:
+            raise GatewayError(f"unknown policy {self.policy!r}; one of {', '.join(POLICIES)}")
+        argv = [executable or smg_executable(), "launch", "--host", self.host, "--port", str(self.port),
+                "--policy", self.policy, "--worker-startup-check-interval", str(STARTUP_CHECK_S),
+                "--prometheus-host", self.metrics_host, "--prometheus-port", str(self.metrics_port or free_port()),
+                "--log-level", LOG_LEVEL]
+        if self.worker_urls:
+            argv += ["--worker-urls", *self.worker_urls]
+        if self.cache_boundaries:
+            argv += ["--cache-boundaries", ",".join(str(b) for b in self.cache_boundaries)]
+        return argv + list(self.args)
+
+
+class GatewayProcess:
+    """The gateway's PID file (PID and create time) and log in ``directory``, and its verbs."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    @property
+    def pid_path(self) -> Path:
+        return self.directory / PID_FILE
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / LOG_FILE
+
+    def process(self) -> psutil.Process | None:
+        try:
+            pid, created = parse_pid_file(self.pid_path.read_text())
+            process = psutil.Process(pid)
+            if process.status() == psutil.STATUS_ZOMBIE or created is None:
+                return None
+            return process if same_process(process, created) else None
+        except (OSError, ValueError, IndexError, psutil.Error):
+            return None
+
+    def start(self, spec: GatewaySpec) -> int:
+        running = self.process()
+        if running is not None:
+            raise GatewayError(f"the gateway is already running (pid {running.pid})")
+        argv = spec.argv()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.log_path.exists() and self.log_path.stat().st_size > LOG_MAX_BYTES:
+            rotate_files(self.log_path, LOG_BACKUPS)
+        env = {**os.environ, "NO_COLOR": "1"}
+        with self.log_path.open("ab") as log:
+            log.write(f"\n=== apcctl fleet gateway at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(argv)}\n"
+                      .encode())
+            log.flush()
+            process = subprocess.Popen(argv, env=env, cwd=self.directory, stdin=subprocess.DEVNULL, stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            created = f"{psutil.Process(process.pid).create_time()!r}\n"
+        except psutil.Error:
+            created = ""
+        write_private(self.pid_path, f"{process.pid}\n{created}")
+        return process.pid
+
+    def stop(self, grace: float = GATEWAY_GRACE_S) -> StopResult:
+        process = self.process()
+        if process is None:
+            self.pid_path.unlink(missing_ok=True)
+            return StopResult(None, "not running")
+        how = terminate(process, grace)
+        self.pid_path.unlink(missing_ok=True)
+        return StopResult(process.pid, how)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_bytes()[-64 * 1024:].decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class GatewayClient(AdminClient):
+    """smg's worker API (open on loopback unless control-plane keys are configured)."""
+
+    def workers(self) -> list[dict[str, Any]]:
+        return list(self._request("GET", "/workers").get("workers", []))
+
+    def add_worker(self, url: str) -> dict[str, Any]:
+        return self._request("POST", "/workers", {"url": url})
+
+    def remove_worker(self, worker_id: str) -> dict[str, Any]:
+        """smg drains the worker (status ``draining``) and then removes it."""
+        return self._request("DELETE", f"/workers/{urllib.parse.quote(worker_id, safe='')}")
+
+    def worker_for(self, url: str) -> dict[str, Any] | None:
+        wanted = url.rstrip("/")
+        return next((w for w in self.workers() if str(w.get("url", "")).rstrip("/") == wanted), None)
+
+    def wait_ready(self, urls: list[str], timeout: float = 120.0,
+                   process: GatewayProcess | None = None) -> list[dict[str, Any]]:
+        """Wait until every one of ``urls`` is a ready, healthy worker; fail early if smg exits."""
+        wanted = {u.rstrip("/") for u in urls}
+        deadline = time.monotonic() + timeout
+        while True:
+            if process is not None and process.process() is None:
+                raise GatewayError(f"the gateway exited during start-up; log tail:\n{process.log_tail()}")
+            try:
+                workers = self.workers()
+                ready = {str(w.get("url", "")).rstrip("/") for w in workers if is_ready(w)}
+                if wanted <= ready:
+                    return workers
+            except AdminError:
+                pass
+            if time.monotonic() > deadline:
+                raise GatewayError(f"the gateway at {self.base_url} did not list {sorted(wanted)} as ready "
+                                   f"within {timeout:.0f} s")
+            time.sleep(0.2)
+
+
+def is_ready(worker: dict[str, Any]) -> bool:
+    return worker.get("status") == "ready" and bool(worker.get("is_healthy", True))

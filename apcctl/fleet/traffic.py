@@ -1,0 +1,140 @@
+"""The demo's agent trace (``apcctl.commands.demo_traffic.AgentTraffic``) sent through a gateway,
+with every answer and its ``usage`` kept: the reuse a routing policy gets is
+``cached_tokens / prompt_tokens`` summed over the trace, which smg passes through unchanged.
+
+Several runs on the same servers must not reuse each other's entries. ``X-APC-Tenant`` would
+do that on one server, but smg 1.13 forwards only ``authorization``, ``x-request-id``(``-*``),
+``x-correlation-id``, ``traceparent``/``tracestate`` and ``x-smg-routing-key`` to a worker, so
+through the gateway every request is in the default tenant. Each run therefore starts both of
+the trace's system prompts with its own label (same length every run, so prompt sizes match).
+``routing_key`` adds ``x-smg-routing-key``: ``"conversation"`` sends one key per conversation
+(what a client that knows its conversations would send), ``"agent"`` one key per agent (all the
+sessions that share its system prompts).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from apcctl.client import AdminClient, AdminError
+from apcctl.commands.demo_traffic import AgentTraffic
+from apcctl.fleet.gateway import ROUTING_KEY_HEADER
+
+TENANT_HEADER = "X-APC-Tenant"
+
+
+@dataclass
+class Sent:
+    conversation: str
+    kind: str
+    messages: list[dict[str, Any]]
+    answer: dict[str, Any]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.answer["usage"]["prompt_tokens"])
+
+    @property
+    def cached_tokens(self) -> int:
+        details = self.answer["usage"].get("prompt_tokens_details") or {}
+        return int(details.get("cached_tokens") or 0)
+
+
+@dataclass
+class RecordingClient(AdminClient):
+    """``AdminClient.chat`` with the tenant and routing-key headers, keeping every answer."""
+
+    tenant: str | None = None
+    routing_key: str = ""  # "", "conversation" or "agent": what x-smg-routing-key names
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. logprobs for the equality check
+    conversation: tuple[str, str] = ("", "")
+    sent: list[Sent] = field(default_factory=list)
+
+    def chat(self, messages: list[dict[str, Any]], *, model: str | None = None, timeout: float | None = None,
+             **params: Any) -> dict[str, Any]:
+        body = {"messages": messages, **params, **self.extra, **({"model": model} if model else {})}
+        headers = {"Content-Type": "application/json", **({TENANT_HEADER: self.tenant} if self.tenant else {})}
+        if self.routing_key:
+            conversation = self.conversation[0]
+            headers[ROUTING_KEY_HEADER] = conversation.split("/", 1)[0] if self.routing_key == "agent" else conversation
+        request = urllib.request.Request(self.base_url.rstrip("/") + "/v1/chat/completions",
+                                         data=json.dumps(body).encode(), headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+                answer = json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise AdminError(exc.code, f"HTTP {exc.code}: {exc.read()[:300]!r}") from None
+        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as exc:
+            raise AdminError(0, f"cannot reach {self.base_url}: {getattr(exc, 'reason', exc)}") from None
+        self.sent.append(Sent(*self.conversation, [dict(m) for m in messages], answer))
+        return answer
+
+
+@dataclass
+class TraceResult:
+    sent: list[Sent]
+    failed: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(s.prompt_tokens for s in self.sent)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(s.cached_tokens for s in self.sent)
+
+    @property
+    def reuse(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def replay(url: str, *, model: str | None, requests: int, max_tokens: int, label: str, routing_key: str = "",
+           agents: int = 1, seed: int = 0, tenant: str | None = None,
+           extra: dict[str, Any] | None = None) -> TraceResult:
+    """Send the agent trace to ``url`` from ``agents`` agents at once and keep the answers.
+
+    Each agent is the demo's trace with its own seed (its own system prompts and questions), sends
+    one request at a time as an agent does, and gets ``requests // agents`` of the requests. The
+    agents run side by side, as several users of one fleet do. ``label`` starts every system
+    prompt (a run's own cache entries); ``tenant`` is sent as ``X-APC-Tenant`` (honoured only when
+    ``url`` is a server, not the gateway).
+    """
+    runs = []
+    for agent in range(agents):
+        client = RecordingClient(url, timeout=300.0, tenant=tenant, routing_key=routing_key, extra=dict(extra or {}))
+        traffic = _agent(client, label, seed + agent, model=model, max_requests=requests // agents,
+                         max_tokens=max_tokens, on_request=_tracker(client, agent))
+        runs.append((client, traffic))
+    threads = [traffic.start() for _, traffic in runs]
+    for thread in threads:
+        thread.join()
+    return TraceResult([s for client, _ in runs for s in client.sent], sum(t.failed for _, t in runs))
+
+
+def system_prompts(label: str, agents: int, seed: int = 0) -> list[str]:
+    """The system prompts ``replay`` sends with these arguments (the sub-agent's extends the coder's)."""
+    prompts = []
+    for agent in range(agents):
+        traffic = _agent(AdminClient(""), label, seed + agent)
+        prompts += [traffic.assistant, traffic.coder]
+    return prompts
+
+
+def _agent(client: AdminClient, label: str, seed: int, **kwargs: Any) -> AgentTraffic:
+    traffic = AgentTraffic(client, seed=seed, **kwargs)
+    traffic.assistant, traffic.coder = f"[{label}] {traffic.assistant}", f"[{label}] {traffic.coder}"
+    return traffic
+
+
+def _tracker(client: RecordingClient, agent: int) -> Callable[[str, str], None]:
+    """Keeps the conversation of the next request on the client (its routing key, when sent)."""
+
+    def on_request(conversation: str, kind: str) -> None:
+        client.conversation = (f"agent{agent}/{conversation}", kind)
+
+    return on_request

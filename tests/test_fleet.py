@@ -1,0 +1,245 @@
+"""A fleet: three real patched servers behind the real smg gateway, on loopback.
+
+``apcctl fleet up`` starts them; the demo's agent trace (sessions sharing system prompts, a
+sub-agent, an edit, a regenerate) goes through the gateway with no routing header and keeps at
+least 0.9 of the reuse the same trace gets from one server, and every answer equals a cold
+prefill's; ``fleet status --json`` shows the three ready workers beside their servers' own
+status; ``fleet restart`` rolls servers through the gateway while a client that never retries
+sees no error, and a server whose new command fails is rolled back, put back in the gateway and
+ends the roll; ``fleet down`` leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterator
+
+import psutil
+import pytest
+
+from apcctl.client import AdminError
+from apcctl.commands.common import ExitStatus
+from apcctl.fleet.config import parse_fleet
+from apcctl.config import ConfigError
+from apcctl.fleet.traffic import RecordingClient, replay
+from apcctl.manage import ManagedServer
+from server_harness import assert_same_output
+from test_cli_server import run, run_json
+
+AGENTS = 3  # agents at once, each with its own system prompts, as several users of one fleet
+REQUESTS = 24  # 8 per agent: 3 turns, a second session (the anchor), a coder and its sub-agent, an edit, a regenerate
+MAX_TOKENS = 4
+LOGPROBS = {"logprobs": True, "top_logprobs": 5}
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports that nothing listens on (a small race remains)."""
+    for _ in range(50):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            first = sock.getsockname()[1]
+        if first + count >= 65535:
+            continue
+        if all(_free(first + i) for i in range(count)):
+            return first
+    raise RuntimeError("no run of free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+@pytest.fixture(scope="module")
+def fleet(cli_env: Path, tiny_model_dir: Path) -> Iterator[dict[str, Any]]:
+    port = free_ports(4)
+    info = run_json("fleet", "up", "--servers", "3", "--model", str(tiny_model_dir), "--port", str(port),
+                    "-e", "TOP_LOGPROBS_K=5", "--gateway-arg=--disable-retries")
+    try:
+        yield info
+    finally:
+        run("fleet", "down", "--grace", "10")
+
+
+def _server_urls(info: dict[str, Any]) -> list[str]:
+    return [s["url"] for s in info["servers"]]
+
+
+@pytest.mark.server
+def test_agent_trace_through_the_gateway_keeps_one_servers_reuse(fleet: dict[str, Any],
+                                                                 tiny_model_dir: Path) -> None:
+    model = str(tiny_model_dir)
+    urls = _server_urls(fleet)
+    through = replay(fleet["url"], model=model, requests=REQUESTS, max_tokens=MAX_TOKENS, label="fleet",
+                     agents=AGENTS, extra=LOGPROBS)
+    split = [r["status"]["requests"] for r in run_json("fleet", "status")["workers"]]
+    direct = replay(urls[0], model=model, requests=REQUESTS, max_tokens=MAX_TOKENS, label="one server",
+                    agents=AGENTS, extra=LOGPROBS)
+    assert through.failed == direct.failed == 0
+    assert len(through.sent) == len(direct.sent) == REQUESTS
+    assert direct.reuse > 0.5, [(s.kind, s.prompt_tokens, s.cached_tokens) for s in direct.sent]
+    print(f"fleet reuse {through.reuse:.3f} (split {split}), one server {direct.reuse:.3f}")  # docs/fleet.md
+    assert through.reuse >= 0.9 * direct.reuse, (
+        through.reuse, direct.reuse, [(s.conversation, s.kind, s.cached_tokens) for s in through.sent])
+    # Every answer the fleet gave equals a cold prefill of the same prompt (a fresh tenant: nothing to reuse).
+    cold = RecordingClient(urls[1], timeout=300.0, extra=LOGPROBS)
+    for sent in through.sent:
+        cold.tenant = f"cold-{uuid.uuid4().hex[:8]}"
+        reference = cold.chat(sent.messages, model=model, max_tokens=MAX_TOKENS, temperature=0.0)
+        assert reference["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, reference["usage"]
+        assert_same_output(sent.answer, reference)
+
+
+@pytest.mark.server
+def test_status_shows_the_gateway_view_beside_each_server(fleet: dict[str, Any]) -> None:
+    view = run_json("fleet", "status")
+    assert view["gateway"]["reachable"] and view["gateway"]["pid"] == fleet["gateway_pid"]
+    assert view["ready_workers"] == 3
+    assert sorted(r["url"] for r in view["workers"]) == sorted(_server_urls(fleet))
+    for row in view["workers"]:
+        assert row["gateway"]["status"] == "ready" and row["gateway"]["is_healthy"], row
+        assert row["status"]["reachable"] and row["status"]["in_flight"] == 0, row
+    human = run("fleet", "status").stdout
+    assert all(s["server"] in human for s in fleet["servers"]), human
+
+
+@dataclass
+class NeverRetries:
+    """Sends short requests through the gateway one after the other until told to stop (and a
+    few more), never retrying: any error is a failure a client would see."""
+
+    url: str
+    model: str
+    after_stop: int = 3
+    cap: int = 300
+    stop: threading.Event = field(default_factory=threading.Event)
+    ok: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def run(self) -> None:
+        client = RecordingClient(self.url, timeout=120.0)
+        extra = 0
+        for i in range(self.cap):
+            if self.stop.is_set():
+                extra += 1
+                if extra > self.after_stop:
+                    return
+            try:
+                client.chat([{"role": "user", "content": f"question {i} about the fleet"}], model=self.model,
+                            max_tokens=2, temperature=0.0)
+                self.ok += 1
+            except AdminError as exc:
+                self.errors.append(exc.message)
+
+
+@pytest.mark.server
+def test_restart_through_the_gateway_fails_no_request(fleet: dict[str, Any], tiny_model_dir: Path) -> None:
+    """Two of the three servers roll (the roll moves on only once the first is back); smg runs
+    with --disable-retries, so no gateway retry hides a 503 either."""
+    before = {r["server"]: r["status"]["pid"] for r in run_json("fleet", "status")["workers"]}
+    client = NeverRetries(fleet["url"], str(tiny_model_dir))
+    thread = threading.Thread(target=client.run)
+    thread.start()
+    try:
+        # The plain 'apcctl restart' knows fleet-1 is behind a running gateway and goes through it;
+        # 'fleet restart' does the same for the fleet's own selection.
+        plain = run("restart", "--server", "fleet-1", "--grace", "20", "--json")
+        result = run_json("fleet", "restart", "--server", "fleet-2", "--grace", "20")
+    finally:
+        client.stop.set()
+        thread.join(timeout=300)
+    assert "out of the gateway" in plain.stderr, plain.stderr
+    servers = json.loads(plain.stdout)["servers"] + result["servers"]
+    assert result["ok"], result
+    assert [s["server"] for s in servers] == ["fleet-1", "fleet-2"]
+    assert all(s["ok"] and s["new_pid"] != s["old_pid"] for s in servers), servers
+    print(f"restart through the gateway: {client.ok} requests, {len(client.errors)} failed")
+    assert client.errors == [] and client.ok > 0, client.errors[:5]
+    after = run_json("fleet", "status")
+    assert after["ready_workers"] == 3
+    pids = {r["server"]: r["status"]["pid"] for r in after["workers"]}
+    assert pids["fleet-3"] == before["fleet-3"] and pids["fleet-1"] != before["fleet-1"]
+
+
+@pytest.mark.server
+def test_a_failed_restart_rolls_back_rejoins_the_gateway_and_stops_the_roll(fleet: dict[str, Any],
+                                                                            tiny_model_dir: Path) -> None:
+    """fleet-1's next command exits at once: it is rolled back to the previous one, put back in
+    the gateway, and fleet-2 is not touched; the gateway's clients still see no error."""
+    managed = ManagedServer("fleet-1")
+    previous = managed.spec()
+    assert previous is not None
+    managed.save(replace(previous, argv=[*previous.argv, "--no-such-option"]))
+    before = {r["server"]: r["status"]["pid"] for r in run_json("fleet", "status")["workers"]}
+    client = NeverRetries(fleet["url"], str(tiny_model_dir))
+    thread = threading.Thread(target=client.run)
+    thread.start()
+    try:
+        result = run("fleet", "restart", "--server", "fleet-1", "--server", "fleet-2", "--grace", "20", "--json",
+                     code=int(ExitStatus.FAILED))
+    finally:
+        client.stop.set()
+        thread.join(timeout=300)
+    body = json.loads(result.stdout)
+    first, second = body["servers"]
+    assert not body["ok"] and not first["ok"] and first["rolled_back"] and first["rollback"]["ready"], first
+    assert "--no-such-option" in first["message"]
+    assert second["server"] == "fleet-2" and second["phase"] == "plan" and not second["ok"]
+    assert client.errors == [] and client.ok > 0, client.errors[:5]
+    after = run_json("fleet", "status")
+    assert after["ready_workers"] == 3
+    pids = {r["server"]: r["status"]["pid"] for r in after["workers"]}
+    assert pids["fleet-2"] == before["fleet-2"] and pids["fleet-1"] != before["fleet-1"]
+    assert managed.spec().argv == previous.argv  # the rollback's command is the one kept
+
+
+@pytest.mark.server
+def test_down_leaves_no_process(fleet: dict[str, Any]) -> None:
+    """Last of the fleet tests: it takes the module's fleet down."""
+    view = run_json("fleet", "status")
+    processes = [psutil.Process(fleet["gateway_pid"])] + [psutil.Process(r["status"]["pid"]) for r in view["workers"]]
+    assert len(processes) == 4 and all(_alive(p) for p in processes)
+    stopped = run_json("fleet", "down", "--grace", "10")
+    assert [s["part"] for s in stopped["stopped"]] == ["gateway", "fleet-1", "fleet-2", "fleet-3"]
+    assert all(s["how"] in ("SIGTERM", "SIGKILL") for s in stopped["stopped"]), stopped
+    assert not any(_alive(p) for p in processes)
+    result = run("fleet", "status", "--json", code=int(ExitStatus.UNREACHABLE))
+    assert json.loads(result.stdout)["gateway"]["pid"] is None
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_bad_fleet_input_is_a_usage_error(cli_env: Path, tmp_path: Path) -> None:
+    run("fleet", "up", code=int(ExitStatus.USAGE))  # neither --servers nor a [fleet] table
+    run("fleet", "up", "--servers", "2", code=int(ExitStatus.USAGE))  # no --model
+    run("fleet", "up", "--servers", "2", "--model", "m", "--policy", "nearest", code=int(ExitStatus.USAGE))
+    run("fleet", "up", "--servers", "2", "--model", "m", "--cache-boundaries", "2k", code=int(ExitStatus.USAGE))
+    run("fleet", "status", "--name", "nothing-here", code=int(ExitStatus.NOT_FOUND))
+    config = tmp_path / "config.toml"
+    config.write_text('[servers.a]\nmodel = "m"\nport = 9001\n\n[fleet]\nservers = ["a", "b"]\n')
+    result = run("fleet", "up", "--config", str(config), code=int(ExitStatus.USAGE))
+    assert "names no [servers.*] table" in result.output and "'b'" in result.output
+
+
+def test_fleet_table_parses_and_rejects(tmp_path: Path) -> None:
+    parsed = parse_fleet({"servers": ["a", "b"], "port": 31000, "policy": "prefix_hash",
+                          "cache_boundaries": [8192, 2048]}, "c.toml", {"a", "b"})
+    assert parsed.servers == ("a", "b") and parsed.port == 31000 and parsed.cache_boundaries == (2048, 8192)
+    for bad in ({"servers": []}, {"servers": ["a"], "port": 0}, {"servers": ["a"], "policy": "x"},
+                {"servers": ["a", "a"]}, {"servers": ["a"], "cache_boundaries": [-1]}, {"servers": ["a"], "extra": 1}):
+        with pytest.raises(ConfigError):
+            parse_fleet(bad, "c.toml", {"a"})
