@@ -61,9 +61,29 @@ def test_reused_plus_computed_is_the_prompt_for_every_policy(tiny_trace, tiny_ru
 
 
 def test_no_policy_beats_the_oracle_on_any_request(tiny_runs):
-    oracle = tiny_runs["oracle"].reused
+    """Only the seen oracle keeps generated replies; nothing beats it, and it beats the other."""
+    oracle, seen = tiny_runs["oracle"].reused, tiny_runs["seen-oracle"].reused
     for run in tiny_runs.values():
-        assert all(mine <= best for mine, best in zip(run.reused, oracle)), run.name
+        assert all(mine <= best for mine, best in zip(run.reused, seen)), run.name
+        if run.name != "seen-oracle":
+            assert all(mine <= best for mine, best in zip(run.reused, oracle)), run.name
+    assert tiny_runs["seen-oracle"].prefill_tokens < tiny_runs["oracle"].prefill_tokens
+
+
+def test_the_seen_oracle_restores_past_each_verbatim_reply():
+    """Three turns of one conversation: the seen oracle beats the prompt oracle by each reply's length."""
+    arr = lambda *ids: np.asarray(ids, dtype=np.int32)  # noqa: E731
+    p0, r0 = arr(*range(100, 110)), arr(*range(200, 205))
+    p1 = np.concatenate([p0, r0, arr(300, 301, 302)])
+    r1 = arr(*range(400, 407))
+    p2 = np.concatenate([p1, r1, arr(500, 501)])
+    trace = Trace([Request("c", 0, p0, reply=r0, reply_verbatim=True, index=0),
+                   Request("c", 1, p1, reply=r1, reply_verbatim=True, index=1),
+                   Request("c", 2, p2, reply=arr(600), index=2)])
+    runs = {run.name: run for run in replay(trace, ["oracle", "seen-oracle"], load_sizes("tiny"))}
+    assert runs["oracle"].reused == [0, p0.shape[0], p1.shape[0]]
+    assert runs["seen-oracle"].reused == [0, p0.shape[0] + r0.shape[0], p1.shape[0] + r1.shape[0]]
+    assert runs["oracle"].prefill_tokens - runs["seen-oracle"].prefill_tokens == r0.shape[0] + r1.shape[0]
 
 
 @pytest.mark.parametrize("name", ["lineage", "lineage-nosegments"])
@@ -90,6 +110,7 @@ def test_replay_json_on_a_trace_file(tmp_path, tiny_trace):
     summary = json.loads(result.output)
     rows = {row["policy"]: row for row in summary["policies"]}
     assert rows["oracle"]["prefill_vs_oracle"] == 1.0 and rows["stock"]["disk_vs_stock"] == 1.0
+    assert rows["oracle"]["prefill_vs_seen"] is None  # seen-oracle was not run
     assert rows["lineage"]["below_stock"]["count"] == 0
     assert summary["sizes"]["kv_per_token"] == 133
 
@@ -100,6 +121,7 @@ def test_replay_human_output_and_bad_options(tmp_path, tiny_trace):
     runner = CliRunner()
     result = runner.invoke(main, ["bench", "replay", str(path), "--model-config", "tiny"])
     assert result.exit_code == 0 and "lineage-nosegments" in result.output and "× oracle" in result.output
+    assert "× seen" in result.output and "seen-oracle" in result.output
     assert runner.invoke(main, ["bench", "replay", str(path), "--policy", "lru"]).exit_code != 0
     bad = runner.invoke(main, ["bench", "replay", str(path), "--lineage-config", "nope=1"])
     assert bad.exit_code != 0 and "nope" in bad.output
@@ -130,3 +152,10 @@ def test_bundled_trace_lineage_disk_and_eviction_targets(bundled_summary):
 
 def test_bundled_trace_lineage_prefill_target(bundled_summary):
     assert bundled_summary["lineage"]["prefill_vs_oracle"] <= 1.05
+
+
+def test_bundled_trace_seen_oracle_is_below_the_prompt_oracle(bundled_summary):
+    """The replies the trace carries are most of what a warm turn still prefills."""
+    seen, oracle = bundled_summary["seen-oracle"], bundled_summary["oracle"]
+    assert seen["prefill_vs_seen"] == 1.0
+    assert seen["prefill_tokens"] < 0.7 * oracle["prefill_tokens"]

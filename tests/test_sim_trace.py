@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from apcctl.sim.prefix import PrefixSet
-from apcctl.sim.trace import Request, bundled_trace_path, parse_lines, read_trace, tokenize_text, write_trace
+from apcctl.sim.trace import (Request, bundled_trace_path, encode, parse_lines, read_trace, tokenize_text,
+                             write_trace)
 
 
 def arr(*ids: int) -> np.ndarray:
@@ -65,3 +66,36 @@ def test_bundled_trace_is_small_and_full_scale():
     assert trace.meta["scale"] == "full" and len(trace.requests) > 100
     assert trace.prompt_tokens > 1_000_000
     assert all(9_000 <= r.anchor_len + 2 <= 12_000 for r in trace.requests if r.agent != "coder-sub")
+
+
+def test_replies_round_trip_and_later_prompts_are_stored_as_deltas_into_them():
+    reply = arr(7, 8, 9)
+    reqs = [Request("a", 0.0, arr(1, 2, 3), reply=reply, reply_verbatim=True),
+            Request("a", 1.0, arr(1, 2, 3, 7, 8, 9, 4, 5))]
+    lines = list(encode(reqs, None))
+    assert '"reply":[7,8,9],"verbatim":true' in lines[0]
+    assert '"from":0,"keep":6,"add":[4,5]' in lines[1]  # keep reaches past request 0's prompt
+    back = parse_lines(lines).requests
+    assert np.array_equal(back[0].reply, reply) and back[0].reply_verbatim
+    assert np.array_equal(back[1].tokens, reqs[1].tokens) and back[1].reply is None
+    assert np.array_equal(back[0].seen, arr(1, 2, 3, 7, 8, 9)) and back[1].seen is back[1].tokens
+
+
+def test_a_trace_without_replies_loads_as_before():
+    old = parse_lines(['{"tokens": [1, 2, 3]}', '{"from": 0, "add": [4]}'])
+    assert old.requests[0].reply is None and not old.requests[0].reply_verbatim
+    assert old.requests[1].tokens.tolist() == [1, 2, 3, 4]  # keep defaults to the prompt, not the reply
+    with pytest.raises(ValueError, match="keep"):
+        parse_lines(['{"tokens": [1, 2], "reply": [3]}', '{"from": 0, "keep": 4}'])
+
+
+def test_the_bundled_trace_carries_replies_the_next_prompt_repeats():
+    requests = read_trace(bundled_trace_path()).requests
+    with_reply = [r for r in requests if r.reply is not None]
+    assert len(with_reply) > 100
+    verbatim = [r for r in with_reply if r.reply_verbatim]
+    assert len(verbatim) > 70
+    for r in verbatim:
+        seen = r.seen
+        assert any(o.conv == r.conv and o.n >= seen.shape[0] and np.array_equal(o.tokens[:seen.shape[0]], seen)
+                   for o in requests if o.index > r.index)

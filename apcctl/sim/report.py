@@ -1,7 +1,8 @@
 """Turn policy runs into numbers: a JSON-ready summary and rich tables for people.
 
-Ratios: prefill tokens against the oracle (the best any cache could do on this trace) and disk
-bytes written against stock 0.7.10. A ratio is None when its reference policy was not run.
+Ratios: prefill tokens against the two oracles (``oracle``: the best any cache of prompts could
+do on this trace; ``seen-oracle``: the same with each request's generated reply kept too) and
+disk bytes written against stock 0.7.10. A ratio is None when its reference policy was not run.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def summarize(runs: list[PolicyRun], requests: list[Request], sizes: StateSizes,
               prefill_rate: float, trace_name: str = "") -> dict[str, Any]:
     """Everything the tables show, plus per-request regressions against stock."""
     by_name = {run.name: run for run in runs}
-    oracle, stock = by_name.get("oracle"), by_name.get("stock")
+    oracle, stock, seen = by_name.get("oracle"), by_name.get("stock"), by_name.get("seen-oracle")
     policies = []
     for run in runs:
         ttft = run.ttft(prefill_rate)
@@ -34,6 +35,7 @@ def summarize(runs: list[PolicyRun], requests: list[Request], sizes: StateSizes,
             "prefill_tokens": run.prefill_tokens,
             "reused_tokens": run.reused_tokens,
             "prefill_vs_oracle": _ratio(run.prefill_tokens, oracle.prefill_tokens if oracle else None),
+            "prefill_vs_seen": _ratio(run.prefill_tokens, seen.prefill_tokens if seen else None),
             "ttft_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else 0.0,
             "ttft_p95_s": float(np.percentile(ttft, 95)) if len(ttft) else 0.0,
             "ttft_total_s": float(ttft.sum()),
@@ -119,13 +121,14 @@ def prefill_table(summary: dict[str, Any]) -> Table:
     rate = summary["prefill_rate"]
     table = Table(title=f"Prefill ({summary['requests']} requests, {summary['prompt_tokens']:,} prompt "
                         f"tokens, TTFT at {rate:g} tok/s)", title_justify="left")
-    for name in ("policy", "prefill tok", "× oracle", "reused tok", "TTFT p50", "TTFT p95",
+    for name in ("policy", "prefill tok", "× oracle", "× seen", "reused tok", "TTFT p50", "TTFT p95",
                  "TTFT total", "below stock"):
         table.add_column(name, justify="left" if name == "policy" else "right")
     for row in summary["policies"]:
         below = row.get("below_stock")
         table.add_row(
             row["policy"], f"{row['prefill_tokens']:,}", _fmt_ratio(row["prefill_vs_oracle"]),
+            _fmt_ratio(row["prefill_vs_seen"]),
             f"{row['reused_tokens']:,}", f"{row['ttft_p50_s']:.2f} s", f"{row['ttft_p95_s']:.1f} s",
             f"{row['ttft_total_s']:.0f} s", "—" if below is None else str(below["count"]),
         )

@@ -11,8 +11,12 @@ A request carries a conversation id ``conv``, a time ``t`` in seconds, and its p
 Optional fields: ``anchor_len`` (the system+tools prefix length the server computes, slack
 included), ``segments`` (chat-template boundary lengths: tools end, system end, each message
 start), ``ns`` (cache namespace, default ""), ``kind`` (what the generator meant: turn, edit,
-regenerate, retry, new_session, subagent, scheduled) and ``agent``. A line with a ``trace`` key
-is a header and holds metadata only.
+regenerate, retry, new_session, subagent, scheduled), ``agent``, ``reply`` (the ids the model
+generated and was fed, its sampled stop token excluded) and ``verbatim`` (whether the
+conversation's next prompt re-renders that reply token for token; see
+``apcctl.sim.template_study``). With a reply, ``from``/``keep`` may reach into it: request
+``from``'s base is then its prompt followed by its reply. A line with a ``trace`` key is a header
+and holds metadata only; traces without replies load as before.
 """
 
 from __future__ import annotations
@@ -45,10 +49,19 @@ class Request:
     kind: str = "turn"
     agent: str = ""
     index: int = 0
+    reply: np.ndarray | None = None
+    reply_verbatim: bool = False
 
     @property
     def n(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def seen(self) -> np.ndarray:
+        """The prompt and the generated reply after it: what a cache could hold once it ends."""
+        if self.reply is None or not self.reply.shape[0]:
+            return self.tokens
+        return np.concatenate([self.tokens, self.reply]).astype(np.int32)
 
 
 @dataclass
@@ -103,14 +116,15 @@ def _request(record: dict[str, Any], earlier: list[Request]) -> Request:
     elif "text" in record:
         tokens = tokenize_text(str(record["text"]))
     elif "from" in record:
-        base = earlier[int(record["from"])].tokens
-        keep = int(record.get("keep", base.shape[0]))
+        base = earlier[int(record["from"])].seen
+        keep = int(record.get("keep", earlier[int(record["from"])].n))
         if keep > base.shape[0]:
             raise ValueError(f"keep={keep} exceeds request {record['from']}'s {base.shape[0]} tokens")
         tokens = np.concatenate([base[:keep], _as_ids(record.get("add", []))])
     else:
         raise ValueError("a request needs 'tokens', 'text' or 'from'")
     anchor = record.get("anchor_len")
+    reply = record.get("reply")
     return Request(
         conv=str(record.get("conv", f"r{len(earlier)}")),
         t=float(record.get("t", len(earlier))),
@@ -121,6 +135,8 @@ def _request(record: dict[str, Any], earlier: list[Request]) -> Request:
         kind=str(record.get("kind", "turn")),
         agent=str(record.get("agent", "")),
         index=len(earlier),
+        reply=None if reply is None else _as_ids(reply),
+        reply_verbatim=bool(record.get("verbatim", False)),
     )
 
 
@@ -151,7 +167,10 @@ def encode(requests: list[Request], meta: dict[str, Any] | None = None) -> Itera
             record["anchor_len"] = req.anchor_len
         if req.segments:
             record["segments"] = list(req.segments)
-        seen.add(req.tokens, i)
+        if req.reply is not None:
+            record["reply"] = req.reply.tolist()
+            record["verbatim"] = req.reply_verbatim
+        seen.add(req.seen, i)
         yield json.dumps(record, separators=(",", ":"))
 
 

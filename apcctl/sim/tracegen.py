@@ -15,8 +15,12 @@ shift another's):
 
 Prompts are rendered the way GLM's template lays them out: tools block first, then the system
 text, then the messages, then the generation prompt. Every next turn re-sends the whole
-conversation, the previous reply included. ``--scale tiny`` keeps the shapes and divides the
-lengths by ~20.
+conversation, the previous reply included. Each request carries the reply generated for it
+(``reply``; none for a stream dropped before a retry or a question edited before its answer) and
+whether the conversation's next prompt repeats it verbatim: it does whenever the reply is kept,
+as GLM-4.5/4.6/4.7's templates re-render a reply without reasoning (``apcctl bench templates``);
+a rejected regenerate's reply is not. ``--scale tiny`` keeps the shapes and divides the lengths
+by ~20.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class Conversation:
     agent: str
     persona: Persona
     messages: list[np.ndarray] = field(default_factory=list)
+    last: Request | None = None  # the latest request sent, which the next reply answers
 
     def add(self, role: int, content: np.ndarray) -> None:
         self.messages.append(np.concatenate([[role], content]).astype(np.int32))
@@ -130,12 +135,15 @@ class _Actor:
         return float(self.rng.uniform(low, high))
 
     def emit(self, conv: Conversation, t: float, kind: str) -> None:
-        self.out.append(conv.request(t, kind))
+        conv.last = conv.request(t, kind)
+        self.out.append(conv.last)
 
     def answer(self, conv: Conversation, t: float, median: float) -> float:
         """Generate a reply into the conversation; returns when it finished streaming."""
         reply = self.reply(median)
         conv.add(ASSISTANT, reply)
+        if conv.last is not None:
+            conv.last.reply = reply
         return t + len(reply) / (DECODE_TOKENS_PER_S * self.scale.factor)
 
 
@@ -252,6 +260,18 @@ class _Scheduled(_Actor):
             session += 1
 
 
+def mark_verbatim(requests: list[Request]) -> None:
+    """A reply is verbatim when a later prompt of its conversation starts with prompt + reply."""
+    later: dict[str, list[Request]] = {}
+    for req in reversed(requests):
+        if req.reply is not None:
+            seen = req.seen
+            req.reply_verbatim = any(
+                other.n >= seen.shape[0] and np.array_equal(other.tokens[:seen.shape[0]], seen)
+                for other in later.get(req.conv, ()))
+        later.setdefault(req.conv, []).append(req)
+
+
 def generate(seed: int = 7, scale: str = "full", minutes: float = 30.0) -> tuple[list[Request], dict[str, Any]]:
     """Requests in time order (ties: carmen, coder, scheduled) and the trace header's metadata."""
     if scale not in SCALES:
@@ -266,6 +286,7 @@ def generate(seed: int = 7, scale: str = "full", minutes: float = 30.0) -> tuple
     requests = sorted(carmen.out + coder.out + sched.out, key=lambda r: r.t)
     for i, req in enumerate(requests):
         req.index = i
+    mark_verbatim(requests)
     meta = {
         "generator": "apcctl.sim.tracegen", "seed": seed, "scale": scale, "minutes": minutes,
         "anchor_slack": ANCHOR_SLACK,

@@ -9,6 +9,7 @@ from apcctl.sim.policies.lineage import LineagePolicy
 from apcctl.sim.policies.oracle import OraclePolicy
 from apcctl.sim.policies.periodic import PeriodicPolicy
 from apcctl.sim.policies.post_baseline import make_post_baseline
+from apcctl.sim.policies.seen import SeenOraclePolicy
 from apcctl.sim.policies.stock import make_stock
 from apcctl.sim.sizes import StateSizes
 from server_patch.lineage import LineageConfig
@@ -21,6 +22,7 @@ FACTORIES: dict[str, Callable[[StateSizes, LineageConfig | None], Policy]] = {
     "post-baseline": lambda sizes, cfg: make_post_baseline(sizes),
     "periodic": lambda sizes, cfg: PeriodicPolicy(sizes),
     "oracle": lambda sizes, cfg: OraclePolicy(),
+    "seen-oracle": lambda sizes, cfg: SeenOraclePolicy(),
 }
 POLICY_NAMES: tuple[str, ...] = tuple(FACTORIES)
 
