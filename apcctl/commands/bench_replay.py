@@ -11,14 +11,14 @@ import click
 if TYPE_CHECKING:
     from server_patch.lineage import LineageConfig
 
-DEFAULT_POLICIES = "lineage,lineage-nosegments,stock,post-baseline,periodic,oracle"
+DEFAULT_POLICIES = "lineage,lineage-nosegments,stock,post-baseline,periodic,oracle,seen-oracle"
 
 
 @click.command("replay")
 @click.argument("trace", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--policy", "policies", default=DEFAULT_POLICIES, show_default=True,
               help="Comma-separated policies: lineage, lineage-nosegments, stock, post-baseline, "
-                   "periodic, oracle.")
+                   "periodic, oracle, seen-oracle (the bound with generated replies kept).")
 @click.option("--model-config", default="full", show_default=True,
               help="'full', 'tiny' or a path to a glm5_next config.json; sizes the state.")
 @click.option("--prefill-rate", type=float, default=420.0, show_default=True,
