@@ -204,18 +204,17 @@ class ManagedServer:
         A PID file without a create time (written by an older apcctl) is trusted only for a
         process running the launcher that was created before the file was written.
         """
+        owner = pid_file_owner(self.pid_path)
+        if owner is None:
+            return None
+        process, create_time = owner
+        if create_time is not None:
+            return process if same_process(process, create_time) else None
         try:
-            pid, create_time = parse_pid_file(self.pid_path.read_text())
-            process = psutil.Process(pid)
-            if process.status() == psutil.STATUS_ZOMBIE:
-                return None
-            if create_time is not None:
-                return process if same_process(process, create_time) else None
-            written = self.pid_path.stat().st_mtime
-            if process.create_time() > written + CREATE_TIME_TOLERANCE_S:
+            if process.create_time() > self.pid_path.stat().st_mtime + CREATE_TIME_TOLERANCE_S:
                 return None  # started after the PID file: the PID was reused
             return process if " ".join(LAUNCHER) in " ".join(process.cmdline()) else None
-        except (OSError, ValueError, IndexError, psutil.Error):
+        except (OSError, psutil.Error):
             return None
 
     # ------------------------------------------------------------------ verbs
@@ -248,11 +247,7 @@ class ManagedServer:
     def _write_pid(self, pid: int, spec: ServerSpec) -> None:
         """The PID and its create time, and the command it runs (what a rollback starts again)."""
         write_private(self.directory / RUNNING_FILE, json.dumps(asdict(spec), indent=2))
-        try:
-            created = f"{psutil.Process(pid).create_time()!r}\n"
-        except psutil.Error:
-            created = ""  # it exited already: process() finds nothing either way
-        write_private(self.pid_path, f"{pid}\n{created}")
+        write_pid_file(self.pid_path, pid)
 
     def grace(self) -> float:
         """The default SIGTERM-to-SIGKILL time for this server's shutdown flush."""
@@ -262,14 +257,7 @@ class ManagedServer:
     def stop(self, grace: float | None = None) -> StopResult:
         """SIGTERM (the server flushes its cache to disk), then SIGKILL after ``grace`` seconds
         (default: the server's shutdown flush timeout plus a margin)."""
-        grace = self.grace() if grace is None else grace
-        process = self.process()
-        if process is None:
-            self.pid_path.unlink(missing_ok=True)
-            return StopResult(None, "not running")
-        how = terminate(process, grace)
-        self.pid_path.unlink(missing_ok=True)
-        return StopResult(process.pid, how)
+        return stop_recorded(self.pid_path, self.process(), self.grace() if grace is None else grace)
 
     def wait_ready(self, timeout: float = 120.0, token: str | None = None) -> None:
         """Wait until ``/health`` answers; fail early, with the log, if the process exits."""
@@ -312,6 +300,38 @@ def _read_spec(path: Path) -> ServerSpec | None:
         return ServerSpec(**json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError, TypeError):
         return None
+
+
+def write_pid_file(path: Path, pid: int) -> None:
+    """The PID and its create time (together they name the process, whatever reuses the PID)."""
+    try:
+        created = f"{psutil.Process(pid).create_time()!r}\n"
+    except psutil.Error:
+        created = ""  # it exited already: nothing will match the file either way
+    write_private(path, f"{pid}\n{created}")
+
+
+def pid_file_owner(path: Path) -> tuple[psutil.Process, float | None] | None:
+    """The live (not zombie) process a PID file names, with the create time the file records
+    (None in files of older versions); None when there is no such process."""
+    try:
+        pid, created = parse_pid_file(path.read_text())
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return process, created
+    except (OSError, ValueError, IndexError, psutil.Error):
+        return None
+
+
+def stop_recorded(pid_path: Path, process: psutil.Process | None, grace: float) -> StopResult:
+    """Stop the process a PID file named (``terminate``) and remove the file."""
+    if process is None:
+        pid_path.unlink(missing_ok=True)
+        return StopResult(None, "not running")
+    how = terminate(process, grace)
+    pid_path.unlink(missing_ok=True)
+    return StopResult(process.pid, how)
 
 
 def parse_pid_file(text: str) -> tuple[int, float | None]:

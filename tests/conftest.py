@@ -32,18 +32,29 @@ def layout(model):
     return CacheLayout.from_model(model)
 
 
+# Variables from the developer's shell that would point the CLI at a real server, token or cache.
+CLI_ENV_CLEARED = ("APCCTL_SERVER", "APCCTL_TOKEN", "APCCTL_CONFIG", "APC_ADMIN_TOKEN", "APC_ADMIN_TOKEN_FILE",
+                   "APC_LINEAGE_DISK_PATH", "APC_JOURNAL_DIR", "APC_LOG_FILE", "APC_LINEAGE_RAM_BUDGET_BYTES",
+                   "APC_LINEAGE_DISK_MAX_BYTES")
+
+
+def isolate_cli(patch: pytest.MonkeyPatch, root: Path) -> Path:
+    """Private state and config dirs under ``root``; nothing from the developer's shell."""
+    patch.setenv("APC_STATE_DIR", str(root / "state"))
+    patch.setenv("XDG_CONFIG_HOME", str(root / "xdg"))
+    patch.setenv("HF_HUB_OFFLINE", "1")
+    for key in CLI_ENV_CLEARED:
+        patch.delenv(key, raising=False)
+    return root
+
+
 @pytest.fixture(scope="module")
 def cli_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A private state dir and config dir for the module; managed servers are stopped at the end."""
     root = tmp_path_factory.mktemp("cli")
     patch = pytest.MonkeyPatch()
-    patch.setenv("APC_STATE_DIR", str(root / "state"))
-    patch.setenv("XDG_CONFIG_HOME", str(root / "xdg"))
-    patch.setenv("HF_HUB_OFFLINE", "1")
+    isolate_cli(patch, root)
     patch.setenv("APC_JOURNAL_SNAPSHOT_S", "0")  # a budget snapshot with every event: report has a series
-    for key in ("APCCTL_SERVER", "APCCTL_TOKEN", "APCCTL_CONFIG", "APC_ADMIN_TOKEN", "APC_ADMIN_TOKEN_FILE",
-                "APC_LINEAGE_DISK_PATH", "APC_JOURNAL_DIR"):
-        patch.delenv(key, raising=False)
     try:
         yield root
     finally:

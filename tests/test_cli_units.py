@@ -11,6 +11,8 @@ from typing import Any
 
 import click
 import pytest
+
+from conftest import isolate_cli
 from click.testing import CliRunner
 
 from apcctl import render
@@ -32,11 +34,7 @@ OUR_COMMANDS = ("serve", "stop", "logs", "status", "entries", "anchors", "reques
 @pytest.fixture(autouse=True)
 def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Private state and config dirs; no token or server from the developer's shell."""
-    monkeypatch.setenv("APC_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    for key in ("APCCTL_SERVER", "APCCTL_TOKEN", "APCCTL_CONFIG", "APC_ADMIN_TOKEN", "APC_ADMIN_TOKEN_FILE"):
-        monkeypatch.delenv(key, raising=False)
-    return tmp_path
+    return isolate_cli(monkeypatch, tmp_path)
 
 
 def write_config(tmp_path: Path, text: str) -> Path:

@@ -16,6 +16,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from conftest import isolate_cli
 from click.testing import CliRunner
 
 from apcctl.cli import main
@@ -34,13 +36,7 @@ def apcctl(*args: str, code: int = 0) -> str:
 
 @pytest.fixture()
 def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("APC_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    for key in ("APCCTL_SERVER", "APCCTL_TOKEN", "APCCTL_CONFIG", "APC_ADMIN_TOKEN", "APC_ADMIN_TOKEN_FILE",
-                "APC_LINEAGE_DISK_PATH", "APC_LOG_FILE"):
-        monkeypatch.delenv(key, raising=False)
-    return tmp_path
+    return isolate_cli(monkeypatch, tmp_path)
 
 
 # ------------------------------------------------------------------ following a file

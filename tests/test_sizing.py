@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import isolate_cli
 from click.testing import CliRunner
 
 from apcctl.cli import main
@@ -39,12 +41,7 @@ def apcctl(*args: str, code: int = 0) -> CliRunner:
 
 @pytest.fixture()
 def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("APC_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    for key in ("APCCTL_SERVER", "APCCTL_TOKEN", "APCCTL_CONFIG", "APC_ADMIN_TOKEN", "APC_LINEAGE_DISK_PATH",
-                "APC_LOG_FILE", "APC_LINEAGE_RAM_BUDGET_BYTES", "APC_LINEAGE_DISK_MAX_BYTES"):
-        monkeypatch.delenv(key, raising=False)
+    isolate_cli(monkeypatch, tmp_path)
     (tmp_path / "apcctl.toml").write_text(CONFIG)
     return tmp_path
 

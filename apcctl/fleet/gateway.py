@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 
 from apcctl.client import AdminClient, AdminError
-from apcctl.manage import StopResult, parse_pid_file, write_private, same_process, terminate
+from apcctl.manage import StopResult, pid_file_owner, same_process, stop_recorded, write_pid_file
 from server_patch.launch import LOG_BACKUPS, LOG_MAX_BYTES, rotate_files
 
 SMG_VERSION = "1.13.0"  # the version pinned in the 'fleet' extra; flags below are checked against it
@@ -112,14 +112,10 @@ class GatewayProcess:
         return self.directory / LOG_FILE
 
     def process(self) -> psutil.Process | None:
-        try:
-            pid, created = parse_pid_file(self.pid_path.read_text())
-            process = psutil.Process(pid)
-            if process.status() == psutil.STATUS_ZOMBIE or created is None:
-                return None
-            return process if same_process(process, created) else None
-        except (OSError, ValueError, IndexError, psutil.Error):
+        owner = pid_file_owner(self.pid_path)
+        if owner is None or owner[1] is None:
             return None
+        return owner[0] if same_process(owner[0], owner[1]) else None
 
     def start(self, spec: GatewaySpec) -> int:
         running = self.process()
@@ -136,21 +132,11 @@ class GatewayProcess:
             log.flush()
             process = subprocess.Popen(argv, env=env, cwd=self.directory, stdin=subprocess.DEVNULL, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            created = f"{psutil.Process(process.pid).create_time()!r}\n"
-        except psutil.Error:
-            created = ""
-        write_private(self.pid_path, f"{process.pid}\n{created}")
+        write_pid_file(self.pid_path, process.pid)
         return process.pid
 
     def stop(self, grace: float = GATEWAY_GRACE_S) -> StopResult:
-        process = self.process()
-        if process is None:
-            self.pid_path.unlink(missing_ok=True)
-            return StopResult(None, "not running")
-        how = terminate(process, grace)
-        self.pid_path.unlink(missing_ok=True)
-        return StopResult(process.pid, how)
+        return stop_recorded(self.pid_path, self.process(), grace)
 
     def log_tail(self, lines: int = 20) -> str:
         try:
