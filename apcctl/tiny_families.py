@@ -32,6 +32,14 @@ COMMON: dict[str, Any] = {
     "rope_scaling": None,
 }
 
+#: LongCat-Flash's MLA and shortcut-MoE sizes (shared by its dense, ngram and sparse variants).
+_LONGCAT: dict[str, Any] = {
+    "zero_expert_type": "identity", "ffn_hidden_size": 128, "moe_topk": 2,
+    "expert_ffn_hidden_size": 32, "zero_expert_num": 2, "num_layers": 2, "kv_lora_rank": 16,
+    "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "routed_scaling_factor": 1.0, "mla_scale_q_lora": True, "mla_scale_kv_lora": True,
+}
+
 #: Per family: what COMMON does not cover (layer patterns that mix the cache kinds, state sizes).
 FAMILIES: dict[str, dict[str, Any]] = {
     # Gated DeltaNet hybrids: every 4th layer is full attention (full_attention_interval=4).
@@ -167,13 +175,53 @@ FAMILIES: dict[str, dict[str, Any]] = {
                 "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "n_shared_experts": 1,
                 "moe_router_dtype": "float32", "attention_chunk_size": 32,
                 "partial_rotary_factor": 0.5},
+    # MLA with two attention sublayers per layer: CacheList(KV, KV) per layer (num_layers 2 = 4
+    # attention sublayers); the ngram variants add an ArraysCache holding the last n-1 token ids.
+    "longcat_flash": {**_LONGCAT, "attention_method": "MLA"},
+    "longcat_flash_ngram": {**_LONGCAT, "ngram_vocab_size_ratio": 2, "emb_neighbor_num": 3,
+                            "emb_split_num": 2},
+    # Sparse (LSA) indexer: CacheList(latent, index keys, latent); top-k 32 of ~200 so it prunes.
+    "longcat_flash_sparse": {**_LONGCAT, "attention_method": "LSA", "index_n_heads": 2,
+                             "index_head_dim": 16, "index_topk": 32, "index_init_tokens": 4,
+                             "index_local_tokens": 8, "oe_vocab_size_ratio": 2, "oe_neighbor_num": 3,
+                             "oe_split_num": 2},
+    # Full attention on layers 0 and 3, sliding windows (with attention sinks) on 1 and 2.
+    "mimo_v2_flash": {"hybrid_layer_pattern": [0, 1, 1, 0], "moe_layer_freq": [0, 1, 1, 1],
+                      "add_swa_attention_sink_bias": True, "add_full_attention_sink_bias": False,
+                      "sliding_window_size": 8, "n_shared_experts": None,
+                      "routed_scaling_factor": 1.0, "topk_method": "noaux_tc",
+                      "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 1,
+                      "topk_group": 1, "layernorm_epsilon": 1e-5, "swa_rope_theta": 10000.0,
+                      "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "v_head_dim": 16,
+                      "swa_head_dim": 16, "swa_v_head_dim": 16, "partial_rotary_factor": 0.5},
     "gemma3n": {"intermediate_size": [128] * 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
                 "hidden_size_per_layer_input": 16,
                 "vocab_size_per_layer_input": 256, "laurel_rank": 8, "num_kv_shared_layers": 0,
                 "activation_sparsity_pattern": [0.0] * 4},
+    # Attention + CCA conv state: CacheList(KV, ArraysCache(2)) per layer; a flat config.json.
+    "zaya1_vl": {"ffn_hidden_size": 128, "zaya_mlp_expansion": 16, "num_query_groups": 2,
+                 "vision_lora_rank_attn": 4, "vision_lora_rank_mlp": 4},
+}
+
+#: Families sized here whose restores cannot equal a cold prefill because the model itself is not
+#: split-invariant: its output depends on where the prompt is cut into forward calls (REASONS says
+#: where; the conformance test proves it and that the family's cache classes restore exactly).
+NOT_SPLIT_INVARIANT: dict[str, dict[str, Any]] = {
+    # Window-only (ratio 0), sparse overlap-compressed (4) and compressed (128) layers:
+    # RotatingKVCache, CacheList(Rotating, Pooling, Pooling), CacheList(Rotating, Pooling).
+    "deepseek_v4": {"num_key_value_heads": 1, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+                    "q_lora_rank": 16, "qk_rope_head_dim": 8, "compress_ratios": [0, 4, 128, 0],
+                    "compress_rope_theta": 160000.0, "hc_mult": 4, "hc_sinkhorn_iters": 4,
+                    "num_hash_layers": 1, "o_groups": 2, "o_lora_rank": 16, "index_n_heads": 2,
+                    "index_head_dim": 16, "index_topk": 32, "index_block": 8, "index_keep": 4,
+                    "num_nextn_predict_layers": 0},
 }
 
 NOT_BUILT_REASON = "no tiny model yet"
+
+#: Vision families whose ``ModelConfig.from_dict`` reads the text fields from the top level of
+#: config.json (as their checkpoints ship it) and ignores a nested ``text_config``.
+FLAT_CONFIG: frozenset[str] = frozenset({"zaya1_vl"})
 
 
 def _config_classes(module: Any) -> tuple[type, bool]:
@@ -187,13 +235,16 @@ def _config_classes(module: Any) -> tuple[type, bool]:
 
 def tiny_config(family: str) -> dict[str, Any]:
     """The config.json dict of ``family``'s tiny model (only fields its config class has)."""
-    if family not in FAMILIES:
-        raise KeyError(f"no tiny model for {family!r}; sized families: {', '.join(sorted(FAMILIES))}")
+    sized = {**FAMILIES, **NOT_SPLIT_INVARIANT}
+    if family not in sized:
+        raise KeyError(f"no tiny model for {family!r}; sized families: {', '.join(sorted(sized))}")
     module = importlib.import_module(f"mlx_vlm.models.{family}")
     text_class, nested = _config_classes(module)
     names = {f.name for f in dataclasses.fields(text_class)}
     text = {"model_type": family}
-    text.update({k: v for k, v in {**COMMON, **FAMILIES[family]}.items() if k in names})
+    text.update({k: v for k, v in {**COMMON, **sized[family]}.items() if k in names})
+    if nested and family in FLAT_CONFIG:
+        return {**text, "vision_config": {}}
     if nested:
         return {"model_type": family, "text_config": text, "vision_config": {}}
     return text
@@ -226,6 +277,14 @@ def forward(language_model: Any, tokens: Any, cache: list) -> Any:
     return logits[:, -1]
 
 
+DEEPSEEK_V4_REASON = (
+    "restores are not exact: the model's ratio-4 overlapping compressor (_overlap_compress_kv) "
+    "restarts its previous window at every forward call, so a prompt split into calls (a restore, "
+    "a chunked cold prefill) differs from one call; its cache classes restore exactly "
+    "(ratio-0/128 layers)")
+MUSE_SPARK_REASON = ("its attention, norms and expert routing are Metal-only kernels "
+                     "(mlx_vlm.kernels has no CPU path), so the CPU conformance test cannot run it")
+
 #: Why a family beyond plain KV layers has no tiny model here (the conformance test asserts the
 #: whole list, so adding a builder means removing its line). Families with a class that has
 #: no restore rule get their reason from ``not_built`` itself.
@@ -234,13 +293,8 @@ REASONS: dict[str, str] = {
     "prism_hadamard_qwen35": "needs 2-bit Hadamard-packed weights (no random float32 model)",
     "clef": "a retrieval model: its Model needs a vision config with no defaults",
     "minicpmv4_7": "its forward needs the image token ids of a full model config",
-    "zaya1_vl": "fields outside the common set keep full-size defaults (runs out of memory)",
-    "deepseek_v4": "not sized yet: its compressed-attention rope sizes differ from the common set",
-    "longcat_flash_ngram": "not sized yet: 13 required fields outside the common set",
-    "longcat_flash_sparse": "not sized yet: its sparse-attention index sizes default to 0",
-    "mimo_v2_flash": "not sized yet: 20 required fields outside the common set",
-    "muse_spark": "not sized yet: 7 required fields outside the common set",
-    "longcat_flash": "not sized yet: 15 required fields outside the common set",
+    "deepseek_v4": DEEPSEEK_V4_REASON,
+    "muse_spark": MUSE_SPARK_REASON,
 }
 
 
