@@ -404,7 +404,16 @@ class _OneServer:
     def _wait_idle(self) -> None:
         start = time.monotonic()
         while True:
-            idle = self.client.status()["idle"]
+            try:
+                idle = self.client.status()["idle"]
+            except AdminError as exc:
+                # A busy server (every core decoding) may not answer one poll in time; that is
+                # no reason to give up the restart before the wait itself runs out.
+                if exc.status != 0 or time.monotonic() - start >= self.timeout:
+                    raise
+                self.emit("waiting", f"no answer to a status poll ({exc.message}); still waiting")
+                time.sleep(self.poll_s)
+                continue
             in_flight = int(idle.get("in_flight", 0)) + int(idle.get("queued", 0))
             waited = time.monotonic() - start
             self.result.waited_s = waited

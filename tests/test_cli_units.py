@@ -380,6 +380,36 @@ def test_forced_restart_under_a_supervisor_probes_the_anchor_from_disk() -> None
     assert calls[-1] == "evict"  # the probe anchor is removed again
 
 
+class SlowToAnswer(FakeClient):
+    """A server so busy while it drains that its first two status polls time out."""
+
+    def __init__(self, calls: list[str]) -> None:
+        super().__init__(0, calls)
+        self.missed = 0
+
+    def status(self) -> dict[str, Any]:
+        if "drain" in self.calls and self.missed < 2:
+            self.missed += 1
+            raise AdminError(0, "cannot reach http://127.0.0.1:9: timed out")
+        return super().status()
+
+
+def test_a_status_poll_that_times_out_while_draining_does_not_end_the_restart() -> None:
+    calls: list[str] = []
+    target = fake_target(0, calls)
+    fake = SlowToAnswer(calls)
+    object.__setattr__(target, "fake", fake)
+
+    def restart_service(argv: list[str]) -> None:
+        fake.pid = 200
+
+    steps: list[RestartStep] = []
+    result = rolling_restart([target], on_progress=steps.append, timeout=5.0, poll_s=0.01,
+                             run_command=restart_service)
+    assert result.ok, result.servers[0].message
+    assert fake.missed == 2 and sum("no answer to a status poll" in s.message for s in steps) == 2
+
+
 def test_launchd_restart_command_uses_kickstart() -> None:
     assert supervisor_command("launchd", "com.x")[:3] == ["launchctl", "kickstart", "-k"]
     assert supervisor_command("launchd", "com.x")[3] == f"gui/{os.getuid()}/com.x"
