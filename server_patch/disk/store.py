@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import queue
-import shutil
 import threading
 import time
 from collections import Counter
@@ -193,7 +192,7 @@ class DiskStore:
         """What an operator needs to see of the tier: rejected files by reason, write attempts,
         failures and the current backoff, and the volume's free space against the floor."""
         try:
-            total, _, free = shutil.disk_usage(self.root)
+            total, _, free = self.guard.usage(self.root)  # what the free-space floor reads
         except OSError:
             total = free = 0
         return {"rejects": dict(self.rejects), "writes": dict(self.guard.stats),
