@@ -15,6 +15,9 @@ then ``http://127.0.0.1:8080``. Example file::
     ram_budget = "32G"           # APC_LINEAGE_RAM_BUDGET_BYTES at serve (default 48G)
     disk_budget = "200G"         # APC_LINEAGE_DISK_MAX_BYTES (default 1T)
 
+Sizes are read as the server reads them (``server_patch.settings``): bytes, or ``64M``,
+``1.5G``, ``48GiB``; ``SIZE`` is the same parser as a click parameter type.
+
     [servers.big]
     url = "http://10.0.0.7:8080"
     token_file = "~/.config/apcctl/big.token"
@@ -24,15 +27,18 @@ then ``http://127.0.0.1:8080``. Example file::
 
 from __future__ import annotations
 
-import os
 import tomllib
 import urllib.parse
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import click
+
 from apcctl.client import AdminClient
 from apcctl.manage import ManagedServer, managed_names
+from server_patch import settings as registry
+from server_patch.envconfig import parse_size
 
 DEFAULT_PORT = 8080
 DEFAULT_HOST = "127.0.0.1"
@@ -46,6 +52,23 @@ _KEYS = {"url", "token", "token_file", "model", "port", "host", "supervisor", "s
 
 class ConfigError(ValueError):
     """The config file or a server selection is wrong (a usage error, exit 2)."""
+
+
+class SizeType(click.ParamType):
+    """A byte size on the command line, read like ``APC_*_BYTES``: ``4096``, ``64M``, ``48GiB``."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        try:
+            return parse_size(param.get_error_hint(ctx) if param is not None else "size", str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+SIZE = SizeType()
 
 
 def default_config_path() -> Path:
@@ -121,8 +144,6 @@ def _server(name: str, table: Any, path: Path) -> ServerConfig:
 
 def _budgets(table: dict[str, Any], name: str, path: Path) -> tuple[tuple[str, str], ...]:
     """``ram_budget = "48G"`` etc. -> the variables the server reads, checked now (exit 2 if bad)."""
-    from server_patch.envconfig import parse_bytes
-
     out = []
     for key, variable in BUDGET_KEYS.items():
         if key not in table:
@@ -132,7 +153,10 @@ def _budgets(table: dict[str, Any], name: str, path: Path) -> tuple[tuple[str, s
         try:
             if isinstance(value, bool) or not isinstance(value, (int, str)):
                 raise ValueError(f"{key} must be a number or a string such as \"48G\"")
-            number = int(text) if key == "max_anchors" else parse_bytes(key, text)
+            try:
+                number = registry.setting(variable).parse(text)
+            except ValueError as exc:
+                raise ValueError(f"{key}: {exc}") from None
             if number < 0:
                 raise ValueError(f"{key} must be >= 0")
         except ValueError as exc:
@@ -277,7 +301,7 @@ def _token(settings: ServerConfig, managed: ManagedServer | None) -> tuple[str |
         except OSError as exc:
             return None, f"cannot read the config's token_file {settings.token_file}: {exc.strerror or exc}"
         return (text, None) if text else (None, f"the config's token_file {settings.token_file} is empty")
-    env = os.environ.get("APC_ADMIN_TOKEN")
+    env = registry.setting("APC_ADMIN_TOKEN").raw()
     if env:
         return env.strip(), None
     if managed is not None and managed.token():

@@ -39,8 +39,14 @@ _DISK_LOCK: "DiskLock | None" = None
 
 
 def lineage_enabled(environ: os._Environ[str] | dict[str, str] = os.environ) -> bool:
-    """``APC_LINEAGE=0`` (or false/no/off) turns the whole patch off."""
-    return environ.get("APC_LINEAGE", "1").strip().lower() not in ("0", "false", "no", "off")
+    """``APC_LINEAGE=0`` (or false/no/off) turns the whole patch off; a value that is not a
+    boolean stops the server with a message rather than guessing."""
+    from server_patch import settings
+
+    try:
+        return bool(settings.value("APC_LINEAGE", environ))
+    except ValueError as exc:
+        raise SystemExit(f"server_patch.launch: {exc}") from None
 
 
 def server_argv(args: list[str]) -> list[str]:
@@ -76,10 +82,10 @@ def lock_disk_root(environ: os._Environ[str] | dict[str, str] = os.environ) -> "
     from server_patch.disk.paths import default_disk_root, disk_enabled
     from server_patch.disk.space import min_free_from_env
 
-    if not disk_enabled(environ):
-        return None
-    root = default_disk_root(environ)
     try:
+        if not disk_enabled(environ):
+            return None
+        root = default_disk_root(environ)
         min_free_from_env(environ)
         lock = DiskLock(root).acquire()
         for path in lock.remove_leftovers():
@@ -207,11 +213,11 @@ def setup_log_file(environ: os._Environ[str] | dict[str, str] = os.environ) -> R
     raw = environ.get(LOG_FILE_ENV, "").strip()
     if not raw:
         return None
-    from server_patch.envconfig import parse_bytes
+    from server_patch import settings
 
     try:
-        max_bytes = parse_bytes(LOG_MAX_BYTES_ENV, environ.get(LOG_MAX_BYTES_ENV) or str(LOG_MAX_BYTES))
-        backups = int(environ.get(LOG_BACKUPS_ENV) or LOG_BACKUPS)
+        max_bytes = settings.value(LOG_MAX_BYTES_ENV, environ)
+        backups = settings.value(LOG_BACKUPS_ENV, environ)
     except ValueError as exc:
         raise SystemExit(f"server_patch.launch: {exc}") from None
     if backups < 0:

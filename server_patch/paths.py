@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 
 def state_dir() -> Path:
     """Admin token, journal and other per-server state (not the disk tier's cache files)."""
-    configured = os.environ.get("APC_STATE_DIR")
+    from server_patch import settings
+
+    configured = settings.value("APC_STATE_DIR")
     if configured:
         return Path(configured).expanduser()
     from platformdirs import user_state_dir

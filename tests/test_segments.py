@@ -16,11 +16,12 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from mlx_vlm.prompt_utils import apply_chat_template
 
+from server_patch.boundaries import BPE_SLACK, Kind, SegmentFinder, SegmentInfo, SegmentSettings
 from server_patch.integration import anchors, segments
-from server_patch.integration.segments import (
-    BPE_SLACK, CONTENT, MESSAGE, PREAMBLE, STRIDE, SYSTEM, TOOL, SegmentFinder, SegmentInfo, SegmentSettings,
-)
 from server_patch.lineage import SEGMENT, LineageCache, LineageConfig, SizedKV, SizedSnapshot
+
+CONTENT, MESSAGE, PREAMBLE, STRIDE, SYSTEM, TOOL = (Kind.CONTENT, Kind.MESSAGE, Kind.TOOLS, Kind.STRIDE, Kind.SYSTEM,
+                                                    Kind.TOOL)
 
 # ----------------------------------------------------------------------------- a fake tokenizer
 

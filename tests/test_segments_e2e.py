@@ -111,16 +111,13 @@ class Step:
 
 class ScenarioServer(PatchedServer):
     """The patched server started through this file's ``serve``, which only records each
-    prompt's token ids (for the oracle); ``wire``: segments on (``APC_SEGMENTS``);
-    ``whatif``: a policy what-if of ``apcctl.sim.segments_whatif`` (its cache class)."""
+    prompt's token ids (for the oracle); ``wire``: segments on (``APC_SEGMENTS``)."""
 
-    def __init__(self, model_dir: Path, *, wire: bool, whatif: str = "", **kwargs: Any) -> None:
+    def __init__(self, model_dir: Path, *, wire: bool, **kwargs: Any) -> None:
         super().__init__(model_dir, **kwargs)
         self.dump = self.log_dir / "prompts.jsonl"
         self.env["SEG_E2E_DUMP"] = str(self.dump)
         self.env["APC_SEGMENTS"] = "1" if wire else "0"
-        if whatif:
-            self.env["SEG_E2E_WHATIF"] = whatif
 
     def command(self) -> list[str]:
         from server_patch.launch import server_argv
@@ -174,12 +171,12 @@ def table(runs: dict[str, list[Step]]) -> str:
     return "\n".join(lines)
 
 
-# The policy what-ifs docs/segments.md recommends, applied in the server for the third column.
-WHATIF = ("SpreadYieldsCache", {"APC_LINEAGE_DIVERGENCE_MIN_GAIN": "64", "APC_SEGMENTS_TOOLS": "1"})
+# The report's third column: tool boundaries on (a setting, off by default).
+TOOLS_ON = {"APC_SEGMENTS_TOOLS": "1"}
 
 
 def both(model_dir: Path, log_dir: Path, env: dict[str, str] | None = None,
-         whatif: bool = False) -> dict[str, list[Step]]:
+         tools: bool = False) -> dict[str, list[Step]]:
     env = dict(env or {})
     out = {}
     with ScenarioServer(model_dir, wire=False, env=env, log_dir=log_dir / "before") as server:
@@ -188,12 +185,9 @@ def both(model_dir: Path, log_dir: Path, env: dict[str, str] | None = None,
     with ScenarioServer(model_dir, wire=True, env=env, log_dir=log_dir / "after") as server:
         out["after"] = run(server)
         assert "segments on" in server.log_text(), server.log_tail()
-    if whatif:
-        cls, extra = WHATIF
-        with ScenarioServer(model_dir, wire=True, whatif=cls, env={**env, **extra},
-                            log_dir=log_dir / "whatif") as server:
-            out["after + policy what-ifs"] = run(server)
-            assert f"policy what-if {cls}" in server.log_text(), server.log_tail()
+    if tools:
+        with ScenarioServer(model_dir, wire=True, env={**env, **TOOLS_ON}, log_dir=log_dir / "tools") as server:
+            out["after + tool boundaries"] = run(server)
     return out
 
 
@@ -234,10 +228,11 @@ def test_segments_reuse_more_and_never_more_than_the_oracle(results):
 @pytest.mark.server
 def test_first_sight_divergences_restore_at_template_segments(results):
     before, after, _, _ = results
-    # A session in the next minute: the anchor ends before the clock paragraph (2 tokens of
-    # BPE slack before it), so it restores there instead of at the periodic checkpoint.
+    # A session in the next minute: the anchor ends before the clock message (the tiny
+    # tokenizer spells its 12 digits one token each: ~25 tokens before the minute differs),
+    # so it restores there instead of at the periodic checkpoint.
     step = after["ops s2 new session, next minute"]
-    assert step.oracle - 20 <= step.cached and step.cached > before[step.name].cached
+    assert step.oracle - 30 <= step.cached and step.cached > before[step.name].cached
     # A system variant differing in its 3rd of 4 paragraphs: restores at that paragraph's start.
     step = after["writer B: 3rd paragraph differs"]
     assert step.cached >= step.oracle - 2 and step.cached > before[step.name].cached
@@ -284,13 +279,6 @@ def _serve(argv: list[str]) -> None:
     if os.environ.get("SEG_E2E_DUMP"):
         dump_prompts(os.environ["SEG_E2E_DUMP"])
     state = "segments off" if os.environ.get("APC_SEGMENTS") == "0" else "segments on"
-    whatif = os.environ.get("SEG_E2E_WHATIF")
-    if whatif:
-        from apcctl.sim import segments_whatif
-        from server_patch.integration import runtime
-
-        runtime.LineageCache = getattr(segments_whatif, whatif)
-        state += f"; policy what-if {whatif}"
     print(f"test_segments_e2e: overlay installed; {state}", file=sys.stderr)
     sys.argv = ["mlx_vlm.server", *argv]
     from mlx_vlm.server.cli import main as server_main
@@ -305,7 +293,7 @@ def _report() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="seg-e2e-"))
     model_dir = build_model(root / "tiny", "tiny", seed=0)
-    print(table(both(model_dir, root, whatif=True)))
+    print(table(both(model_dir, root, tools=True)))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -15,7 +14,7 @@ from apcctl import render
 from apcctl.commands.common import EXIT_CODES_SHORT, CommandError, ExitStatus, json_option, one, server_options
 from apcctl.config import Target
 from apcctl.journal_report import PHASES, parse_since, report as build_report
-from server_patch.paths import state_dir
+from server_patch.integration.journal import directory_from_env
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -27,7 +26,7 @@ def journal_dir(target: Target) -> Path:
     """The managed server's journal, else ``APC_JOURNAL_DIR``, else ``<state dir>/journal``."""
     if target.managed is not None and target.managed.spec() is not None:
         return target.managed.journal_dir
-    return Path(os.environ.get("APC_JOURNAL_DIR") or state_dir() / "journal")
+    return directory_from_env()
 
 
 def _when(text: str | None, param: str, default: float | None) -> float | None:

@@ -22,7 +22,7 @@ system message of a request into one, with "\n\n" (a paragraph token here) betwe
 * ``stamp``: a scheduled agent whose system text *starts* with the time (a new minute every
   request), on ``writer``'s tools.
 
-Each request carries what ``server_patch.integration.segments`` computes for it: ``segments`` =
+Each request carries what ``server_patch.boundaries`` computes for it: ``segments`` =
 the tools end (before the system message's ``<|system|>``: exact, next to a special token), the
 system content start (after it), the last ``paragraphs`` paragraph breaks of the system text
 (2 tokens early: a plain-text seam gets the BPE slack; -1: all of them), the system end and
@@ -36,21 +36,28 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from apcctl.sim.trace import Request, write_trace
+from apcctl.sim.trace import Request, bundled_trace_path, write_trace
 from apcctl.sim.tracegen import (
     ASSISTANT, CLOCK_BASE, GMASK, SCALES, SOP, SYSTEM, TIMESTAMP, USER, VOCAB,
     Scale, _Actor,
 )
-from server_patch.integration.segments import SegmentSettings
+from server_patch.boundaries import SegmentSettings
 
 TOOL_SLACK = 2  # a tool boundary is plain text: the server moves it 2 tokens early
 PARAGRAPH_SLACK = 2  # so is a paragraph break ("\n\n" then text)
 PARAGRAPH = 16  # the "\n\n" token between paragraphs of a system text
 ANCHOR_TAIL_TOKENS = SegmentSettings().anchor_tail_tokens
+
+
+def bundled_firstsight_path(tool_boundaries: bool = False) -> Path:
+    """The bundled first-sight trace (seed 7, 30 min), without or with tool boundaries."""
+    name = "firstsight-tools.jsonl" if tool_boundaries else "firstsight.jsonl"
+    return bundled_trace_path().with_name(name)
 
 
 def clock_tokens(minute: int) -> np.ndarray:

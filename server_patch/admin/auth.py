@@ -14,6 +14,7 @@ import os
 import secrets
 from pathlib import Path
 
+from server_patch import settings
 from server_patch.private_files import FILE_MODE, fsync_dir, fsync_fd, open_private, private_dir
 from server_patch.paths import state_dir
 
@@ -30,7 +31,7 @@ class TokenError(ValueError):
 
 def default_token_path() -> Path:
     """``APC_ADMIN_TOKEN_FILE``, else ``<state dir>/admin-token``."""
-    configured = os.environ.get("APC_ADMIN_TOKEN_FILE")
+    configured = settings.value("APC_ADMIN_TOKEN_FILE")
     if configured:
         return Path(configured).expanduser()
     return state_dir() / "admin-token"
@@ -51,7 +52,7 @@ def load_or_create_token(path: Path | None = None) -> str:
 
     Raises :class:`TokenError` for a blank or unusable configured token.
     """
-    env = os.environ.get(ENV)
+    env = settings.setting(ENV).raw()  # raw: a blank token must be refused, not defaulted
     if env is not None:
         hint = " (set a token, or unset it to use the token file)"
         return validated(os.fsencode(env), ENV, hint).decode("ascii")

@@ -17,6 +17,7 @@ import time
 from collections import Counter, deque
 from typing import Any
 
+from server_patch import settings
 from server_patch.canary.check import ERROR, FAIL, PASS, SKIP, Result
 from server_patch.lineage import Event
 
@@ -29,7 +30,10 @@ ON_FAIL = ("log", "cold")
 def on_fail_from_env(environ: Any = os.environ) -> str:
     """``log`` (default) or ``cold``; an unknown value is read as ``cold``, the protective one,
     with a warning (raising here would fail every admission that asks ``refuses``)."""
-    value = (environ.get("APC_CANARY_ON_FAIL") or "log").strip().lower()
+    try:
+        value = str(settings.value("APC_CANARY_ON_FAIL", environ)).strip().lower()
+    except ValueError:  # not one of the choices
+        value = str(environ.get("APC_CANARY_ON_FAIL", "")).strip().lower()
     if value not in ON_FAIL:
         log.warning("APC_CANARY_ON_FAIL=%r is not one of %s: using 'cold'", value, ", ".join(ON_FAIL))
         return "cold"

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from server_patch import settings
+
 TOP_K = 5
 
 # dtype name -> (atol, rtol); see the module docstring for why.
@@ -51,8 +53,8 @@ def tolerance_for(dtype: Any, environ: Any = os.environ) -> Tolerance:
     """The tolerance for logits computed in ``dtype`` (an mlx/numpy dtype or its name)."""
     name = str(dtype).rsplit(".", 1)[-1]
     atol, rtol = TOLERANCES.get(name, TOLERANCES["bfloat16"])  # unknown: the loosest float
-    atol = float(environ.get("APC_CANARY_ATOL") or atol)
-    rtol = float(environ.get("APC_CANARY_RTOL") or rtol)
+    atol = settings.value("APC_CANARY_ATOL", environ) or atol
+    rtol = settings.value("APC_CANARY_RTOL", environ) or rtol
     return Tolerance(atol, rtol, name)
 
 

@@ -12,23 +12,24 @@ Nothing else in the package reads these variables.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
 
+from server_patch import settings
+
 _corrupted: set[int] = set()
 
 
 def _active() -> bool:
-    return os.environ.get("APC_TEST_FAULTS") == "1"
+    return bool(settings.value("APC_TEST_FAULTS"))
 
 
 def corrupt_states(runtime: Any) -> int:
     """Apply ``APC_TEST_FAULT_CORRUPT_STATE`` to checkpoints not corrupted yet; returns how many."""
-    kinds = {k.strip() for k in os.environ.get("APC_TEST_FAULT_CORRUPT_STATE", "").split(",") if k.strip()}
+    kinds = set(settings.value("APC_TEST_FAULT_CORRUPT_STATE"))
     if not _active() or not kinds:
         return 0
     recurrent = [[codec.name == "arrays" for codec in layer.codecs] for layer in runtime.layout.layers]
@@ -53,7 +54,7 @@ def pause(busy: Callable[[], bool]) -> bool:
     """Wait while the pause file asks to; True as soon as ``busy()`` (the caller abandons)."""
     if not _active():
         return False
-    path = os.environ.get("APC_TEST_FAULT_CANARY_PAUSE_FILE")
+    path = settings.value("APC_TEST_FAULT_CANARY_PAUSE_FILE")
     if not path or not Path(path).exists():
         return False
     try:

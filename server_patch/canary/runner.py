@@ -26,6 +26,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from server_patch import settings
+
 from server_patch.canary import faults, points as P
 from server_patch.canary.book import BOOK
 from server_patch.canary.check import ERROR, SKIP, Abandoned, Result, Settings, check_entry, compute_dtype
@@ -42,13 +44,12 @@ class Schedule:
 
     @classmethod
     def from_env(cls, environ: Any = os.environ) -> "Schedule":
-        return cls(float(environ.get("APC_CANARY_INTERVAL_S") or 0),
-                   float(environ.get("APC_CANARY_IDLE_S") or 1.0))
+        return cls(settings.value("APC_CANARY_INTERVAL_S", environ), settings.value("APC_CANARY_IDLE_S", environ))
 
 
 def settings_from_env(environ: Any = os.environ) -> Settings:
-    return Settings(chunk=max(1, int(environ.get("APC_CANARY_CHUNK") or 128)),
-                    max_tokens=max(2, int(environ.get("APC_CANARY_MAX_TOKENS") or 8192)))
+    return Settings(chunk=max(1, settings.value("APC_CANARY_CHUNK", environ)),
+                    max_tokens=max(2, settings.value("APC_CANARY_MAX_TOKENS", environ)))
 
 
 @dataclass

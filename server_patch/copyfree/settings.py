@@ -8,7 +8,8 @@ from typing import Mapping
 
 from server_patch.envconfig import env_values
 
-_ENV = {
+# Environment variable of each field.
+ENV = {
     "enabled": "APC_COPYFREE",
     "adopt": "APC_COPYFREE_ADOPT",
     "lend": "APC_COPYFREE_LEND",
@@ -54,7 +55,7 @@ class CopyFreeSettings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "CopyFreeSettings":
         env = os.environ if env is None else env
-        values = env_values(cls, _ENV, env)
+        values = env_values(cls, ENV, env)
         settings = replace(cls(), **values)
         rows = (settings.decode_reserve, settings.lend_headroom, settings.adopt_dead_min)
         if min(rows) < 0 or settings.adopt_dead_fraction < 0:

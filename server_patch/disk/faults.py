@@ -12,16 +12,17 @@ Nothing else in the package reads these variables.
 from __future__ import annotations
 
 import errno
-import os
 import time
+
+from server_patch import settings
 
 
 def during_write() -> None:
     """Called by the writer between writing the temp file and renaming it."""
-    if os.environ.get("APC_TEST_FAULTS") != "1":
+    if not settings.value("APC_TEST_FAULTS"):
         return
-    stall = float(os.environ.get("APC_TEST_FAULT_DISK_STALL_S") or 0)
+    stall = settings.value("APC_TEST_FAULT_DISK_STALL_S")
     if stall > 0:
         time.sleep(stall)
-    if os.environ.get("APC_TEST_FAULT_DISK_ENOSPC") == "1":
+    if settings.value("APC_TEST_FAULT_DISK_ENOSPC"):
         raise OSError(errno.ENOSPC, "No space left on device (APC_TEST_FAULT_DISK_ENOSPC)")

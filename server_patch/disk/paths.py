@@ -6,16 +6,15 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Mapping
 
-_OFF = ("0", "false", "no", "off")
+from server_patch import settings
 
 
-def default_disk_root(env: Mapping[str, str] = os.environ) -> Path:
+def default_disk_root(env: Mapping[str, str] | None = None) -> Path:
     """``APC_LINEAGE_DISK_PATH``, else the per-user cache directory."""
-    configured = env.get("APC_LINEAGE_DISK_PATH")
+    configured = settings.value("APC_LINEAGE_DISK_PATH", env)
     if configured is not None:
         return Path(configured).expanduser()
     from platformdirs import user_cache_dir
@@ -23,5 +22,5 @@ def default_disk_root(env: Mapping[str, str] = os.environ) -> Path:
     return Path(user_cache_dir("apcctl")) / "lineage"
 
 
-def disk_enabled(env: Mapping[str, str] = os.environ) -> bool:
-    return env.get("APC_LINEAGE_DISK", "1").strip().lower() not in _OFF
+def disk_enabled(env: Mapping[str, str] | None = None) -> bool:
+    return settings.value("APC_LINEAGE_DISK", env)

@@ -9,7 +9,6 @@ the cache from being what fills the disk: below it no write is attempted.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import threading
 import time
@@ -17,10 +16,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Mapping
 
+from server_patch import settings
+
 log = logging.getLogger("server_patch.disk")
 
 MIN_FREE_ENV = "APC_LINEAGE_DISK_MIN_FREE"
-DEFAULT_MIN_FREE = 0.05
+DEFAULT_MIN_FREE = settings.setting(MIN_FREE_ENV).default
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 300.0
 
@@ -33,19 +34,11 @@ def parse_min_free(raw: str | None) -> float:
     """``"5%"`` or ``"0.05"`` -> 0.05; unset -> the default. Anything else is a ValueError."""
     if raw is None or not raw.strip():
         return DEFAULT_MIN_FREE
-    text = raw.strip()
-    try:
-        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
-        raise ValueError(f"{MIN_FREE_ENV}={raw!r} must be a fraction in [0, 1) or a percent "
-                         f"below 100 (e.g. 0.05 or 5%)")
-    return value
+    return settings.setting(MIN_FREE_ENV).parse(raw)
 
 
-def min_free_from_env(env: Mapping[str, str] = os.environ) -> float:
-    return parse_min_free(env.get(MIN_FREE_ENV))
+def min_free_from_env(env: Mapping[str, str] | None = None) -> float:
+    return settings.value(MIN_FREE_ENV, env)
 
 
 class WriteGuard:

@@ -7,9 +7,10 @@ journal does not. It is a size-capped set of rotating files in the server's stat
 SIGKILL) loses at most a torn last line, which the reader skips. Lines hold users' token
 ids, so the files are 0600 in a 0700 directory whatever the umask.
 
-Settings (environment): ``APC_JOURNAL=0`` turns it off; ``APC_JOURNAL_DIR`` (default
-``<state dir>/journal``); ``APC_JOURNAL_MAX_BYTES`` per file (64 MB); ``APC_JOURNAL_FILES``
-kept in all (8); ``APC_JOURNAL_SNAPSHOT_S``, the least time between two budget snapshots (60).
+Settings (environment, ``server_patch.settings``): ``APC_JOURNAL=0`` turns it off;
+``APC_JOURNAL_DIR`` (default ``<state dir>/journal``); ``APC_JOURNAL_MAX_BYTES`` per file (64M;
+a size such as ``64M`` or ``1GiB``); ``APC_JOURNAL_FILES`` kept in all (8);
+``APC_JOURNAL_SNAPSHOT_S``, the least time between two budget snapshots (60).
 """
 
 from __future__ import annotations
@@ -20,17 +21,18 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Mapping
 
+from server_patch import settings
 from server_patch.private_files import open_private, private_dir
 from server_patch.paths import state_dir
 
 log = logging.getLogger("server_patch.lineage")
 
 FILE_NAME = "journal.jsonl"
-MAX_BYTES = 64 * 1024 * 1024  # per file
-FILES = 8  # the live file and seven rotated ones
-SNAPSHOT_S = 60.0  # budgets are sampled at most this often
+MAX_BYTES = settings.setting("APC_JOURNAL_MAX_BYTES").default  # per file
+FILES = settings.setting("APC_JOURNAL_FILES").default  # the live file and seven rotated ones
+SNAPSHOT_S = settings.setting("APC_JOURNAL_SNAPSHOT_S").default  # budgets are sampled at most this often
 
 
 def journal_files(directory: Path) -> list[Path]:
@@ -110,17 +112,21 @@ class Journal:
                 self._file = None
 
 
-def enabled(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
-    return environ.get("APC_JOURNAL", "1").strip().lower() not in ("0", "false", "no", "off")
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
+    return settings.value("APC_JOURNAL", environ)
 
 
-def from_env() -> Journal | None:
+def directory_from_env(environ: Mapping[str, str] | None = None) -> Path:
+    """``APC_JOURNAL_DIR``, else ``<state dir>/journal`` (``apcctl report`` reads the same)."""
+    return Path(settings.value("APC_JOURNAL_DIR", environ) or state_dir() / "journal").expanduser()
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> Journal | None:
     """The journal the environment asks for, or None when it is off."""
-    if not enabled():
+    if not enabled(environ):
         return None
-    directory = Path(os.environ.get("APC_JOURNAL_DIR") or state_dir() / "journal").expanduser()
-    return Journal(directory, max_bytes=int(os.environ.get("APC_JOURNAL_MAX_BYTES", MAX_BYTES)),
-                   files=int(os.environ.get("APC_JOURNAL_FILES", FILES)))
+    return Journal(directory_from_env(environ), max_bytes=settings.value("APC_JOURNAL_MAX_BYTES", environ),
+                   files=settings.value("APC_JOURNAL_FILES", environ))
 
 
 class JournalRecorder:
@@ -166,8 +172,7 @@ def attach(runtime: Any) -> JournalRecorder | None:
         return None
     if journal is None:
         return None
-    recorder = JournalRecorder(journal, runtime,
-                               snapshot_s=float(os.environ.get("APC_JOURNAL_SNAPSHOT_S", SNAPSHOT_S)))
+    recorder = JournalRecorder(journal, runtime, snapshot_s=settings.value("APC_JOURNAL_SNAPSHOT_S"))
     runtime.event_listeners.append(recorder.on_event)
     runtime.timings.listeners.append(recorder.on_request)
     recorder.started()

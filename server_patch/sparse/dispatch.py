@@ -25,13 +25,13 @@ rule here (measurements in docs/sparse-attention.md):
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
 from mlx_vlm.models.glm5_next import language as _language
 from mlx_vlm.models.linear import DECODE_BLOCK_SIZE
+from server_patch import settings
 from server_patch.sparse.gathered import blocked_absorbed_attention
 from server_patch.sparse.projected import release, reusable_length, sync_projection
 
@@ -40,12 +40,7 @@ DECODE_LOOP = "decode_loop"  # stock's per-query loop (L <= 8)
 GATHERED = "gathered"  # batched absorbed gather
 UNABSORBED = "unabsorbed"  # per-head projected K/V, kept in sync incrementally
 
-ENABLED = os.environ.get("APC_SPARSE_ATTENTION", "1").strip().lower() not in (
-    "0",
-    "false",
-    "no",
-    "off",
-)
+ENABLED: bool = settings.value("APC_SPARSE_ATTENTION")
 GATHER_ALWAYS_MAX = 512
 UNABSORBED_MIN_FRACTION = 0.2
 # Above this absorbed/per-head cost ratio the model's proportions overrule the measured rule.

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from server_patch import settings
+
 ENV_FLAG = "APC_PROFILE_FLAG"
 ENV_LOG = "APC_PROFILE_LOG"
 DEFAULT_FLAG_NAME = "apcctl-profile-layers.flag"
@@ -39,13 +41,13 @@ def flag_path(path: Optional[os.PathLike] = None) -> Path:
     """The flag file: ``path``, else ``$APC_PROFILE_FLAG``, else one in the system temp dir."""
     if path is not None:
         return Path(path)
-    env = os.environ.get(ENV_FLAG)
+    env = settings.value(ENV_FLAG)
     return Path(env) if env else Path(tempfile.gettempdir()) / DEFAULT_FLAG_NAME
 
 
 def log_path(path: Optional[os.PathLike] = None) -> Path:
     """Where records go: ``$APC_PROFILE_LOG``, else beside the flag file (``<flag>.jsonl``)."""
-    env = os.environ.get(ENV_LOG)
+    env = settings.value(ENV_LOG)
     if env:
         return Path(env)
     flag = flag_path(path)

@@ -1,0 +1,32 @@
+"""What ends at a boundary, and the BPE slack a plain-text seam is moved back by."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Kind(StrEnum):
+    """The kind of a boundary: what ends there (the values are what the admin and traces show)."""
+
+    TOOLS = "tools"  # the tools block, or whatever the template renders before the first message
+    TOOL = "tool"  # one tool inside the tools block (opt-in)
+    CONTENT = "content"  # the header of the first message (its content starts here)
+    SYSTEM = "system"  # a system/developer message
+    PARAGRAPH = "paragraph"  # a paragraph break ("\n\n") inside a system message
+    MESSAGE = "message"  # any other message: the next one starts here
+    STRIDE = "stride"  # fallback: a multiple of the periodic stride
+
+
+# Which kind names a position found twice (lower wins).
+RANK: dict[str, int] = {Kind.SYSTEM: 0, Kind.TOOLS: 1, Kind.MESSAGE: 2, Kind.CONTENT: 3, Kind.PARAGRAPH: 4,
+                        Kind.TOOL: 5}
+UNRANKED = 9
+
+# Tokens a plain-text seam is moved earlier: BPE may merge across it, and a checkpoint must stay
+# valid for a prompt whose text after the seam differs. A seam next to an added token is exact.
+BPE_SLACK = 2
+
+
+def outranks(kind: str, other: str) -> bool:
+    """Whether ``kind`` names a position in place of ``other``."""
+    return RANK.get(kind, UNRANKED) < RANK.get(other, UNRANKED)

@@ -1,0 +1,202 @@
+"""The layout's arrows, checked on the real imports of the package files (parsed, not run).
+
+* No import cycles among ``server_patch`` modules, in two strengths. Imports that run when a
+  module is loaded (module level and class bodies, not ``if TYPE_CHECKING:``) must never form
+  one: that is an import-time failure waiting for an import order. An import inside a function
+  runs at call time, after every module has loaded, so it cannot fail that way; but two modules
+  that reach into each other that way are still one tangled part (boundary finding was, before
+  issue 16), so a second check counts them too. Function-level imports also count for the
+  forbidden arrows below.
+* ``server_patch.boundaries`` imports neither MLX nor mlx-vlm, and ``server_patch.lineage`` no
+  mlx-vlm, not even through what they import (checked on the parsed graph and in a fresh
+  interpreter).
+* ``server_patch`` never imports the CLI (``apcctl``) or the dashboard (``tui``).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # the importing module
+    target: str  # the imported module (a server_patch submodule when one is named), or a package
+    eager: bool  # runs when ``source`` is loaded (not inside a function or TYPE_CHECKING)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted((REPO / "server_patch").rglob("*.py"))}
+
+
+def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports_of(module: str, path: Path) -> list[Import]:
+    known = modules()
+    out: list[Import] = []
+
+    def visit(node: ast.AST, eager: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, False)
+            elif isinstance(child, ast.If) and _is_type_checking(child):
+                for part in child.orelse:
+                    visit(part, eager)
+            elif isinstance(child, ast.Import):
+                out.extend(Import(module, alias.name, eager) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = _resolve(module, path, child)
+                for alias in child.names:
+                    sub = f"{base}.{alias.name}"
+                    out.append(Import(module, sub if sub in known else base, eager))
+            else:
+                visit(child, eager)
+
+    visit(ast.parse(path.read_text(encoding="utf-8"), str(path)), True)
+    return out
+
+
+@cache
+def all_imports() -> tuple[Import, ...]:
+    return tuple(i for name, path in modules().items() for i in imports_of(name, path))
+
+
+def _top(target: str) -> str:
+    return target.split(".")[0]
+
+
+def _loaded_with(target: str) -> list[str]:
+    """The server_patch modules Python runs to import ``target``: its packages, then itself."""
+    parts = target.split(".")
+    return [m for m in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if m in modules()]
+
+
+def eager_closure(root: str) -> set[str]:
+    """Every module (server_patch or not) that loading the ``root`` package loads."""
+    start = [m for m in modules() if m == root or m.startswith(root + ".")]
+    seen: set[str] = set()
+    stack = [m for s in start for m in _loaded_with(s)]
+    outside: set[str] = set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for imp in all_imports():
+            if imp.source == current and imp.eager:
+                if _top(imp.target) == "server_patch":
+                    stack.extend(_loaded_with(imp.target))
+                else:
+                    outside.add(imp.target)
+    return seen | outside
+
+
+# ----------------------------------------------------------------------------- the checks
+
+
+def test_the_parser_sees_the_imports_it_should():
+    """Guards the checks below against a parser that finds nothing."""
+    found = {(i.source, i.target, i.eager) for i in all_imports()}
+    assert ("server_patch.integration.segments", "server_patch.boundaries", True) in found
+    assert ("server_patch.boundaries.finder", "server_patch.boundaries.walk", True) in found
+    assert ("server_patch.sparse.dispatch", "mlx_vlm.models.glm5_next", True) in found
+    assert any(not i.eager for i in all_imports())
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["module-level", "with-function-level"])
+def test_no_import_cycles_inside_server_patch(lazy: bool):
+    graph: dict[str, set[str]] = {m: set() for m in modules()}
+    for imp in all_imports():
+        if (imp.eager or lazy) and imp.target in graph and imp.target != imp.source:
+            graph[imp.source].add(imp.target)
+    cycles = _cycles(graph)
+    kind = "module-level and function-level" if lazy else "module-level"
+    assert not cycles, f"import cycles ({kind} imports), each as its modules: " + \
+        "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return found
+
+
+@pytest.mark.parametrize("package,forbidden", [
+    ("server_patch.boundaries", ("mlx", "mlx_vlm")),
+    ("server_patch.lineage", ("mlx_vlm",)),
+])
+def test_pure_packages_import_no_mlx(package: str, forbidden: tuple[str, ...]):
+    direct = [i for i in all_imports() if (i.source == package or i.source.startswith(package + "."))
+              and _top(i.target) in forbidden]
+    assert not direct, direct
+    through = sorted(m for m in eager_closure(package) if _top(m) in forbidden)
+    assert not through, f"{package} loads {through}"
+
+
+def test_pure_packages_load_without_mlx_in_a_fresh_interpreter():
+    code = ("import sys; import server_patch.boundaries, server_patch.lineage; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'mlx', 'mlx_vlm'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_server_never_imports_the_cli_or_the_dashboard():
+    wrong = [i for i in all_imports() if _top(i.target) in ("apcctl", "tui")]
+    assert not wrong, wrong
