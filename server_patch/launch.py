@@ -294,6 +294,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     else:
         print("server_patch.launch: APC_LINEAGE=0, running stock mlx-vlm", file=sys.stderr)
+    from server_patch.copyfree import counter
+
+    if counter.requested():  # measurement only (APC_COPY_COUNTER=1): after the overlay, stock or patched
+        counter.install()
     _end_streams_on_shutdown()
     sys.argv = ["mlx_vlm.server", *server_argv(args)]
     from mlx_vlm.server.cli import main as server_main

@@ -20,8 +20,10 @@ evaluates the cache before and after every write and reads buffer addresses, so 
 and for measurement only; it needs a backend whose arrays expose host memory (CPU, Metal).
 
 Totals: ``snapshot()`` in process; with ``APC_COPY_COUNTER_FILE`` set, a JSON file rewritten
-after every counted copy (``python -m server_patch.copyfree.counted`` starts a stock or patched
-server with the counter on, for ``apcctl bench ttft``).
+after every counted copy (the launcher installs the counter when ``APC_COPY_COUNTER=1``, stock
+or patched, for ``apcctl bench ttft``). Per request: the ledger (``mark`` at
+lookup, ``since`` at the first token) puts the delta into the request's timing record, which
+``/admin/requests`` serves as ``copies``; with the counter off it costs one flag test.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ _file: Path | None = None
 
 
 def requested(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
-    return env.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    from server_patch import settings
+
+    return bool(settings.value(ENV, env))
 
 
 def enabled() -> bool:
@@ -72,6 +76,22 @@ def snapshot() -> dict[str, int]:
 
 def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+# The ledger: what the serving path calls (one dict copy per request while the counter is on,
+# nothing otherwise), so a request's timing record carries the bytes copied on its behalf.
+
+def mark() -> dict[str, int] | None:
+    """The running totals now (None, at no cost, while the counter is off)."""
+    return snapshot() if _installed else None
+
+
+def since(before: dict[str, int] | None) -> dict[str, int]:
+    """Bytes by ``op.kind`` counted since ``before`` (a ``mark()``); {} while the counter is off.
+
+    Every copy in the process counts, so the delta is one request's own only while it is the
+    only request in flight (as in ``apcctl bench ttft``)."""
+    return {} if before is None else delta(snapshot(), before)
 
 
 def total(counts: dict[str, int], kind: str = "kv", ops: tuple[str, ...] | None = None) -> int:
@@ -296,7 +316,9 @@ def install(file: str | os.PathLike[str] | None = None) -> None:
     imports ``mlx_vlm``.
     """
     global _installed, _file
-    path = file if file is not None else os.environ.get(ENV_FILE)
+    from server_patch import settings
+
+    path = file if file is not None else settings.value(ENV_FILE)
     _file = Path(path) if path else None
     if _installed:
         return

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
 from server_patch.admin.metrics import RequestMetrics
+from server_patch.copyfree import counter
 
 log = logging.getLogger("server_patch.lineage")
 
@@ -44,6 +45,12 @@ class RequestTiming:
     request_id: str = ""
     uid: Any = None
     captures: list[str] = field(default_factory=list)
+    # Reply reuse: generated tokens its entry kept past the prompt when the request ended
+    # (0: none, or the entry stayed at the prompt end). Set after the first token is logged.
+    reply_tokens: int = 0
+    # With the copy counter on (APC_COPY_COUNTER=1): the running totals at lookup, then, from
+    # the first token on, the bytes copied since by "op.kind" ({} with the counter off).
+    copies: Any = field(default_factory=counter.mark)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -112,6 +119,7 @@ class TimingBook:
             return
         record.request_id = record.request_id or str(request_id)
         record.ttft_ms = ttft_s * 1000
+        record.copies = counter.since(record.copies)
         log.info("apc_lineage timing %s", _fmt(
             request=record.request_id, kind=record.restore_kind, prefill_ms=record.prefill_ms,
             commit_ms=record.commit_ms, ttft_ms=record.ttft_ms,
