@@ -30,6 +30,17 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     srv.stop()
 
 
+def fed(answer: dict[str, Any]) -> int:
+    """Tokens the model was fed for ``answer``: its entry's head with reply reuse."""
+    return prompt_tokens(answer) + answer["usage"]["completion_tokens"]
+
+
+def after(answer: dict[str, Any]) -> tuple[int, int]:
+    """Where the next turn restores: past the reply when the template and tokenizer re-render
+    it token for token (the tiny model's BPE does not always), else the prompt end, n - 1."""
+    return prompt_tokens(answer) - 1, fed(answer)
+
+
 def _last_restore(server: PatchedServer, before: int) -> dict[str, str]:
     lines = server.lineage_lines("restore")
     assert len(lines) == before + 1, f"expected one new restore line, log tail:\n{server.log_tail()}"
@@ -73,11 +84,12 @@ def test_multi_turn_hits_its_lineage_and_keeps_one_entry(server: PatchedServer) 
     tenant = "conv-multi-turn"
     messages = [{"role": "system", "content": text(300, 1)},
                 {"role": "user", "content": text(120, 2)}]
-    prompts, cached, kinds, admissions = [], [], [], []
+    prompts, cached, kinds, admissions, fed_lengths = [], [], [], [], []
     counted = _kv_admissions(server)
     for turn in range(4):
         answer, line = _chat_logged(server, messages, tenant=tenant, max_tokens=4)
         prompts.append(prompt_tokens(answer))
+        fed_lengths.append(fed(answer))
         cached.append(cached_tokens(answer))
         kinds.append(line["kind"])
         admissions.append(line["kv"])
@@ -86,9 +98,9 @@ def test_multi_turn_hits_its_lineage_and_keeps_one_entry(server: PatchedServer) 
         messages += [{"role": "assistant", "content": reply_text(answer)},
                      {"role": "user", "content": text(60, 10 + turn)}]
 
-    # Every later turn restores the previous turn's entry, which sits at n - 1.
+    # Every later turn restores the previous turn's entry, whose head sits past its reply.
     assert kinds[1:] == ["entry"] * 3, kinds
-    assert cached[1:] == [n - 1 for n in prompts[:-1]], (prompts, cached)
+    assert all(c in (n - 1, f) for c, n, f in zip(cached[1:], prompts, fed_lengths)), (prompts, cached)
     assert kinds[0] == "cold" and cached[0] == 0
     # The first warm turn copies the entry once, into a buffer with room; the next turns are
     # lent the previous entry's own buffer and append in place.
@@ -97,13 +109,13 @@ def test_multi_turn_hits_its_lineage_and_keeps_one_entry(server: PatchedServer) 
     assert {m: after[m] - counted.get(m, 0) for m in ("lent", "copied")} == {"lent": 2, "copied": 1}
 
     # RAM: one conversation entry for this lineage, its earlier turn boundaries as checkpoints.
-    namespace = _namespace_of(server, prompts[-1] - 1)
+    namespace = _namespace_of(server, fed_lengths[-1])
     entries = _conversation_entries(server, namespace)
     assert len(entries) == 1, entries
     entry = entries[0]
-    assert entry["length"] == prompts[-1] - 1
+    assert entry["length"] == fed_lengths[-1]
     finals = sorted(c["length"] for c in entry["checkpoints"] if c["kind"] == "final")
-    assert finals == [n - 1 for n in prompts[:-1]], entry["checkpoints"]
+    assert {n - 1 for n in prompts} <= set(finals), entry["checkpoints"]  # every prompt end (+ reply ends)
 
 
 @pytest.mark.server
@@ -115,12 +127,12 @@ def test_edit_regenerate_and_dropped_stream_retry_are_warm(server: PatchedServer
     turn1 = turn0 + [{"role": "assistant", "content": reply_text(first)},
                      {"role": "user", "content": text(150, 23)}]
     second, line = _chat_logged(server, turn1, tenant=tenant, max_tokens=4)
-    assert line["kind"] == "entry" and cached_tokens(second) == prompt_tokens(first) - 1
+    assert line["kind"] == "entry" and cached_tokens(second) in after(first)
 
     # An edited last message: the previous turn boundary (a final checkpoint) or later.
     edited = turn1[:-1] + [{"role": "user", "content": text(150, 24)}]
     answer, line = _chat_logged(server, edited, tenant=tenant, max_tokens=4)
-    assert line["kind"] in ("final", "divergence", "guard", "periodic"), line
+    assert line["kind"] in ("final", "divergence", "guard", "periodic", "reply"), line
     assert cached_tokens(answer) >= prompt_tokens(first) - 1, (line, prompt_tokens(first))
 
     # An edit of the last words only: still at least the turn boundary.
@@ -128,14 +140,15 @@ def test_edit_regenerate_and_dropped_stream_retry_are_warm(server: PatchedServer
     answer, line = _chat_logged(server, tail_edit, tenant=tenant, max_tokens=4)
     assert line["kind"] != "cold" and cached_tokens(answer) >= prompt_tokens(first) - 1, line
 
-    # A regenerate (identical resend): the entry at n - 1, and the same greedy reply.
+    # A regenerate (identical resend): the entry at n - 1 (rewound from past its reply to be
+    # lent its buffer), and the same greedy reply.
     again, line = _chat_logged(server, turn1, tenant=tenant, max_tokens=4)
     assert line["kind"] == "entry", line
     assert cached_tokens(again) == prompt_tokens(second) - 1
     assert reply_text(again) == reply_text(second)
 
-    # A retry after a dropped stream: the dropped request committed its entry at the end of
-    # prefill (before its first token), so the retry restores it at n - 1.
+    # A retry after a dropped stream: the dropped request's entry holds what it was fed; the
+    # retry of the identical prompt restores at its prompt end, n - 1.
     turn2 = turn1 + [{"role": "assistant", "content": reply_text(second)},
                      {"role": "user", "content": text(120, 25)}]
     before = len(server.lineage_lines("restore"))
@@ -145,7 +158,7 @@ def test_edit_regenerate_and_dropped_stream_retry_are_warm(server: PatchedServer
     lines = server.lineage_lines("restore")
     assert len(lines) == before + 2, server.log_tail()
     dropped_line, retry_line = lines[-2], lines[-1]
-    assert dropped_line["kind"] == "entry" and int(dropped_line["restored"]) == prompt_tokens(second) - 1
+    assert dropped_line["kind"] == "entry" and int(dropped_line["restored"]) in after(second)
     assert retry_line["kind"] == "entry", retry_line
     assert cached_tokens(retry) == prompt_tokens(retry) - 1
 
@@ -153,7 +166,7 @@ def test_edit_regenerate_and_dropped_stream_retry_are_warm(server: PatchedServer
     turn3 = turn2 + [{"role": "assistant", "content": reply_text(retry)},
                      {"role": "user", "content": text(40, 26)}]
     answer, line = _chat_logged(server, turn3, tenant=tenant, max_tokens=4)
-    assert line["kind"] == "entry" and cached_tokens(answer) == prompt_tokens(retry) - 1
+    assert line["kind"] == "entry" and cached_tokens(answer) in after(retry)
 
 
 def _run_concurrently(calls: list) -> list[Any]:
@@ -202,7 +215,7 @@ def test_parallel_conversations_hit_their_lineages(server: PatchedServer) -> Non
         ])
         for i, answer in enumerate(answers):
             if previous[i] is not None:
-                assert cached_tokens(answer) == prompt_tokens(previous[i]) - 1, (turn, i, answer["usage"])
+                assert cached_tokens(answer) in after(previous[i]), (turn, i, answer["usage"])
             previous[i] = answer
             convs[i] = convs[i] + [{"role": "assistant", "content": reply_text(answer)},
                                    {"role": "user", "content": text(50, 40 + 2 * turn + i)}]
@@ -227,13 +240,14 @@ def test_shared_prefix_requests_in_flight_together(server: PatchedServer) -> Non
     twins = _run_concurrently([(lambda: server.chat(convs[0], tenant=tenant, max_tokens=6))] * 2)
     assert reply_text(twins[0]) == reply_text(twins[1])
 
-    # The next turn of each lineage restores its own entry.
+    # The next turn of each lineage restores its own entry: past its reply, or (the lineage
+    # the twins regenerated, whose shorter replies replaced it) past the twins' common reply.
     for conv, answer in zip(convs, answers):
         follow = conv + [{"role": "assistant", "content": reply_text(answer)},
                          {"role": "user", "content": text(30, 54)}]
         nxt, line = _chat_logged(server, follow, tenant=tenant, max_tokens=4)
         assert line["kind"] == "entry", line
-        assert cached_tokens(nxt) == prompt_tokens(answer) - 1
+        assert prompt_tokens(answer) - 1 <= cached_tokens(nxt) <= fed(answer)
 
 
 @pytest.mark.server

@@ -5,6 +5,7 @@
 * ``attach(generator)``: a ``BatchGenerator`` introduces itself to its APC coordinator;
 * ``joining(generator, gen_batch)``: before a finished prompt batch joins the decoding batch;
 * ``leaving(batch, keep)``: before ``GenerationBatch.filter`` drops the rows not in ``keep``;
+* ``decoded(batch, tokens)``: after each decode step, the ids it fed (reply reuse);
 * ``removing(generator, uid)``: before a cancelled request's row leaves the prompt batch.
 
 These let the lineage coordinator adopt a lone request's KV buffer at the moment nothing
@@ -57,13 +58,22 @@ def joining(generator: Any, gen_batch: Any) -> None:
 
 def leaving(batch: Any, keep: Sequence[int]) -> None:
     pool.touch()
+    _to_coordinator(batch, "rows_leaving", keep, hook="leave")
+
+
+def decoded(batch: Any, tokens: Sequence[int]) -> None:
+    _to_coordinator(batch, "rows_decoded", tokens, hook="decode")
+
+
+def _to_coordinator(batch: Any, method: str, arg: Any, *, hook: str) -> None:
+    """``coordinator.method(batch, arg)`` for a batch a coordinator tagged (``joining``)."""
     coordinator = getattr(batch, _TAG, None)
     if coordinator is None:
         return
     try:
-        coordinator.rows_leaving(batch, keep)
+        getattr(coordinator, method)(batch, arg)
     except Exception as exc:
-        log.warning("apc_copyfree leave hook failed: %s", exc)
+        log.warning("apc_copyfree %s hook failed: %s", hook, exc)
 
 
 def removing(generator: Any, uid: Any) -> None:

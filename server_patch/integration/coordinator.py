@@ -17,11 +17,23 @@ from the lineage policy:
   segments) plus the prefill end n-1, where the entry is committed;
 * ``store_checkpoint``: a capture takes references to the snapshot layers only. At the
   prefill end a row that shares its batch buffer with other rows is copied out once and
-  committed. A row alone in its batch is *deferred*: its snapshot is kept (references) and
-  its own KV buffer is adopted, truncated, once nothing writes it any more: when the request
-  leaves the decoding batch (``rows_leaving``) or its rows are concatenated into a shared
-  batch (``batches_joining``). A lookup that would restore from a deferred entry commits it
-  first, by a copy, so deferral never hides a restore point.
+  committed (with reply reuse it is deferred too, and copied out once when it ends). A row
+  alone in its batch is *deferred*: its snapshot is kept (references) and its own KV buffer
+  is adopted, truncated, once nothing writes it any more: when the request leaves the
+  decoding batch (``rows_leaving``) or its rows are concatenated into a shared batch
+  (``batches_joining``). A lookup that would restore from a deferred entry commits it first,
+  by a copy, so deferral never hides a restore point.
+
+Reply reuse (``APC_LINEAGE_REPLY_REUSE``, on by default): a row of the batched, non-speculative
+path is tracked from its prefill end (``server_patch.copyfree.replies``: the ids each decode
+step fed). When it leaves the decoding batch (finished, stopped, length, cancelled) and its
+caches provably hold prompt + exactly those ids, its entry's head moves past the reply
+(``LineageCache.commit_reply``): a lone row's buffer is adopted as it is (the reply's KV rows
+are already in it), a row of a multi-row batch is copied out once. The prompt end stays the
+entry's protected checkpoint; anything that does not check out leaves the entry there. A
+prompt that restores at that point and could be lent the buffer rewinds the entry to it first
+(``_rewound``). Off by explicit check: the single-sequence path (no uid, no decode hook),
+draft-model batches, and ``APC_LINEAGE_REPLY_REUSE=0``.
 
 Every request is named by its namespace and its tokens (``pending.request_key``): pending
 prompts, loans and timing records never mix two tenants that send the same tokens.
@@ -43,16 +55,18 @@ import numpy as np
 from mlx_vlm.apc_coordinator import APCCoordinator
 
 from server_patch import canary
-from server_patch.copyfree import counter, pool
+from server_patch.copyfree import counter, pool, replies
 from server_patch.copyfree import lease as lending
 from server_patch.copyfree import merge as copyfree_merge
 from server_patch.copyfree.lease import Lease
+from server_patch.copyfree.replies import Reply, ReplyBook
 from server_patch.copyfree.settings import CopyFreeSettings
 from server_patch.integration import segments as SEGMENTS
 from server_patch.integration.pending import Pending, PendingBook, RequestKey, namespace_of, request_key
 from server_patch.integration.runtime import LineageRuntime, runtime_for
 from server_patch.lineage import ANCHOR, DISK, RestorePlan, as_tokens
 from server_patch.state import rows
+from server_patch.state.layout import MlxKV
 
 log = logging.getLogger("server_patch.lineage")
 
@@ -63,13 +77,16 @@ _PLANS_MAX = 8
 
 @dataclass
 class Deferred:
-    """An entry whose KV rows are still being written by their own request (one row)."""
+    """An entry whose KV rows are still being written by their own request: a lone row
+    (``caches``: its own buffers), or with reply reuse a row sharing its batch (``shared``:
+    found by uid in the decoding batch when needed, and copied out once when it ends)."""
 
     pending: Pending
     head: Any
     caches: list[Any]
     uid: Any
     since: float
+    shared: bool = False
 
 
 class LineageCoordinator(APCCoordinator):
@@ -88,6 +105,7 @@ class LineageCoordinator(APCCoordinator):
         self._generator: Callable[[], Any] | None = None
         self._deferred: dict[Any, Deferred] = {}
         self._leases: dict[RequestKey, Lease] = {}
+        self._replies = ReplyBook()
 
     def attach_generator(self, generator: Any) -> None:
         """The batch generator this coordinator serves (weakly): who else is decoding."""
@@ -109,6 +127,8 @@ class LineageCoordinator(APCCoordinator):
         key = request_key(namespace, prompt)
         record = self.runtime.timings.open(key, int(prompt.shape[0]))
         plan, promoted, reclaimed = self._settled_plan(prompt, namespace)
+        if key not in self._leases and plan.entry is not None and plan.entry.id not in reclaimed:
+            plan = self._rewound(plan, prompt, namespace)
         if plan.hit and canary.refuses(plan.kind):  # a failed canary check (ON_FAIL=cold): cold
             plan = _cold(plan)
         warm = None
@@ -148,6 +168,10 @@ class LineageCoordinator(APCCoordinator):
         promoted: set[str] = set()
         reclaimed: set[str] = set()
         loaded_ids: set[str] = set()
+        if len(self._replies):
+            active = self._active_uids()
+            if active is not None:
+                self._replies.sweep(active)
         plan = cache.lookup(prompt, namespace)
         for _ in range(_PLANS_MAX):
             if self._deferred and self._surface_deferred(prompt, namespace, plan.length):
@@ -282,13 +306,18 @@ class LineageCoordinator(APCCoordinator):
         runtime = self.runtime
         assert runtime is not None
         self._pending.forget(pending)
-        if self._deferrable(prompt_cache, uid):
+        lone = self._deferrable(prompt_cache, uid)
+        if lone or (self.copyfree.enabled and self._reply_reuse(pending, uid)):
+            # A row sharing its batch is copied out once, when it ends, past its reply.
             head = rows.capture(runtime.layout, prompt_cache, batch_idx, pending.final)
-            self._deferred[uid] = Deferred(pending, head, list(prompt_cache), uid, time.monotonic())
+            self._deferred[uid] = Deferred(pending, head, list(prompt_cache) if lone else [], uid,
+                                           time.monotonic(), shared=not lone)
+            self._track_reply(pending, head, uid)
             self._note_commit(pending, uid, start)
             return True
         kv, head = rows.extract(runtime.layout, prompt_cache, batch_idx, pending.final)
         committed = self._store(pending, kv, head)
+        self._track_reply(pending, head, uid)
         self._note_commit(pending, uid, start)
         return committed
 
@@ -301,6 +330,75 @@ class LineageCoordinator(APCCoordinator):
         if self._leases:
             self._settle_leases()
         return entry is not None
+
+    # ------------------------------------------------------------------ reply reuse
+
+    def _reply_reuse(self, pending: Pending, uid: Any) -> bool:
+        """Whether this row's entry may move past its reply when it ends. Off, explicitly:
+        ``APC_LINEAGE_REPLY_REUSE=0``; the single-sequence path (no uid: its loop has no
+        decode hook); draft-model batches (``SpeculativeGenerationBatch`` reports no fed ids,
+        and its caches hold draft rows it may roll back); a prompt end moved off n - 1."""
+        assert self.runtime is not None
+        if not self.runtime.config.reply_reuse or uid is None:
+            return False
+        generator = self._generator() if self._generator is not None else None
+        if generator is None or getattr(generator, "draft_model", None) is not None:
+            return False
+        return pending.final == int(pending.tokens.shape[0]) - self.runtime.config.entry_offset
+
+    def _track_reply(self, pending: Pending, head: Any, uid: Any) -> None:
+        assert self.runtime is not None
+        if self._reply_reuse(pending, uid):
+            record = self.runtime.timings.by_uid(uid)
+            self._replies.track(uid, Reply(pending, head, record))
+
+    def rows_decoded(self, batch: Any, tokens: Sequence[int]) -> None:
+        """``GenerationBatch.next``: ``tokens[i]`` was just fed to row ``batch.uids[i]``."""
+        if len(self._replies):
+            self._replies.decoded(list(batch.uids), tokens)
+
+    def _commit_reply(self, reply: Reply, batch: Any, idx: int, *, alone: bool,
+                      deferred: Optional[Deferred]) -> bool:
+        """Move the row's entry past its reply: adopt a lone row's buffer (views), copy a
+        shared batch's row once. False (nothing stored) if the row does not check out."""
+        start = time.perf_counter()
+        runtime = self.runtime
+        assert runtime is not None
+        fed = replies.validated(runtime.layout, reply, batch, idx)
+        if fed is None:
+            log.info("apc_lineage reply of %d tokens not kept: the row's cache does not hold prompt + "
+                     "reply (entry stays at the prompt end)", len(reply.fed))
+            return False
+        pending, caches, length = reply.pending, list(batch.prompt_cache), reply.fed_length
+        capacity = rows.buffer_rows(caches)
+        adopt = alone and self.copyfree.enabled and self.copyfree.adopt and \
+            self.copyfree.adoptable(length, capacity)
+        captures = dict(pending.taken) if deferred is not None else {}  # else the stored entry has them
+        if deferred is not None and pending.wanted.get(pending.final) == ANCHOR:
+            captures[pending.final] = (ANCHOR, reply.prompt_head)
+        try:
+            kv = rows.kv_rows(runtime.layout, caches, idx, length, copy=not adopt)
+            head = rows.capture(runtime.layout, caches, idx, length)
+            runtime.cache.commit_reply(pending.tokens, fed, kv=kv, head=head, prompt_head=reply.prompt_head,
+                                       captures=captures, namespace=pending.namespace or "",
+                                       anchor_label=pending.anchor_label)
+        except Exception as exc:  # fail closed: the prompt-end entry (or its deferral) stands
+            log.warning("apc_lineage reply commit of %d tokens failed: %s", length, exc)
+            return False
+        if self._leases:
+            self._settle_leases()
+        elapsed = (time.perf_counter() - start) * 1000
+        if reply.record is not None:
+            reply.record.commit_ms += elapsed
+            reply.record.reply_tokens = len(fed)
+        if deferred is not None:  # the deferred entry's commit, past its reply
+            log.info("apc_copyfree commit uid=%s mode=%s reason=end tokens=%d kv_bytes=%d buffer_rows=%d "
+                     "deferred_s=%.2f ms=%.1f reply=%d", deferred.uid, "adopt" if adopt else "copy", length,
+                     kv.nbytes, capacity, time.monotonic() - deferred.since, elapsed, len(fed))
+        else:  # its entry was stored at the prompt end already (a join, a lookup surfaced it)
+            log.info("apc_lineage reply kept uid=%s mode=%s tokens=%d kv_bytes=%d ms=%.1f reply=%d",
+                     batch.uids[idx], "adopt" if adopt else "copy", length, kv.nbytes, elapsed, len(fed))
+        return True
 
     def _note_commit(self, pending: Pending, uid: Any, start: float) -> None:
         assert self.runtime is not None
@@ -322,17 +420,23 @@ class LineageCoordinator(APCCoordinator):
         return rows.batch_size(prompt_cache) == 1
 
     def rows_leaving(self, batch: Any, keep: Sequence[int]) -> None:
-        """``GenerationBatch.filter``: rows not in ``keep`` stop writing their caches now."""
-        if not self._deferred and not self._leases:
+        """``GenerationBatch.filter``: rows not in ``keep`` stop writing their caches now.
+        A tracked row's entry moves past its reply; otherwise a deferred one is committed at
+        its prompt end."""
+        if not self._deferred and not self._leases and not len(self._replies):
             return
         kept = set(keep)
         alone = len(batch.uids) == 1
         for i, uid in enumerate(list(batch.uids)):
-            if i not in kept and uid in self._deferred:
-                self._resolve(self._deferred.pop(uid), list(batch.prompt_cache), i, adopt=alone,
-                              reason="end")
-            if i not in kept:
-                self._end_lease_of(uid, batch.prompt_cache if alone else None, reason="end")
+            if i in kept:
+                continue
+            reply = self._replies.take(uid)
+            deferred = self._deferred.pop(uid, None)
+            kept_reply = reply is not None and self._commit_reply(reply, batch, i, alone=alone,
+                                                                  deferred=deferred)
+            if deferred is not None and not kept_reply:
+                self._resolve(deferred, list(batch.prompt_cache), i, adopt=alone, reason="end")
+            self._end_lease_of(uid, batch.prompt_cache if alone else None, reason="end")
 
     def batches_joining(self, existing: Any, incoming: Any) -> None:
         """Before ``existing.extend(incoming)``: a lone row's buffer is about to be replaced by
@@ -342,13 +446,22 @@ class LineageCoordinator(APCCoordinator):
         for batch in (existing, incoming):
             alone = len(batch.uids) == 1
             for i, uid in enumerate(list(batch.uids)):
-                if uid in self._deferred:
+                deferred = self._deferred.get(uid)
+                if deferred is not None and not deferred.shared:  # shared rows move along, by uid
                     self._resolve(self._deferred.pop(uid), list(batch.prompt_cache), i, adopt=alone,
                                   reason="join")
                 self._end_lease_of(uid, batch.prompt_cache if alone else None, reason="join")
 
     def request_removed(self, uid: Any) -> None:
-        """A request is taken out of the prompt batch mid-prefill: its loan ends now."""
+        """A request is taken out of the prompt batch mid-prefill: its loan ends now, it will
+        feed no reply, and a deferred row sharing the batch is committed now, while it is there."""
+        self._replies.take(uid)
+        deferred = self._deferred.get(uid)
+        if deferred is not None and deferred.shared:
+            found = self._row_of(uid)
+            if found is not None:
+                del self._deferred[uid]
+                self._resolve(deferred, found[0], found[1], adopt=False, reason="removed")
         self._end_lease_of(uid, None, reason="removed")
 
     def _surface_deferred(self, prompt: np.ndarray, namespace: str, restorable: int) -> bool:
@@ -359,12 +472,32 @@ class LineageCoordinator(APCCoordinator):
             orphan = active is not None and uid not in active
             useful = deferred.pending.namespace == namespace and \
                 _best_restore(deferred.pending, prompt) > restorable
+            if orphan:
+                self._replies.take(uid)
             if orphan or useful:
                 del self._deferred[uid]
-                self._resolve(deferred, deferred.caches, 0, adopt=orphan,
-                              reason="orphan" if orphan else "lookup")
+                reason = "orphan" if orphan else "lookup"
+                if not deferred.shared:
+                    self._resolve(deferred, deferred.caches, 0, adopt=orphan, reason=reason)
+                elif (found := self._row_of(uid)) is not None:
+                    self._resolve(deferred, found[0], found[1], adopt=False, reason=reason)
+                else:  # its row is gone and nothing saw it leave: no entry, never garbage
+                    log.warning("apc_lineage deferred entry of %d tokens lost: its row left unseen",
+                                deferred.pending.final)
+                    continue
                 surfaced = surfaced or useful
         return surfaced
+
+    def _row_of(self, uid: Any) -> Optional[tuple[list[Any], int]]:
+        """Where row ``uid`` is now: (its batch's caches, its index) in the decoding batch or
+        the prompt batch; None if neither holds it."""
+        generator = self._generator() if self._generator is not None else None
+        for name in ("_generation_batch", "_prompt_batch"):
+            batch = getattr(generator, name, None)
+            uids = list(getattr(batch, "uids", None) or ())
+            if uid in uids:
+                return list(batch.prompt_cache), uids.index(uid)
+        return None
 
     def _active_uids(self) -> set[Any] | None:
         generator = self._generator() if self._generator is not None else None
@@ -413,6 +546,29 @@ class LineageCoordinator(APCCoordinator):
             return False
         rows_needed = plan.prompt_len + self.copyfree.decode_reserve
         return lending.lendable(plan.entry.kv, plan.length, rows_needed)
+
+    def _rewound(self, plan: RestorePlan, prompt: np.ndarray, namespace: str) -> RestorePlan:
+        """A prompt that restores at an entry's protected prompt end (it did not re-render the
+        reply) would be lent the buffer if the head sat there: rewind the entry (give up the
+        reply's state, ``LineageCache.rewind``) and plan again, so the turn appends in place
+        as it would without reply reuse instead of copying the entry."""
+        entry = plan.entry
+        assert self.runtime is not None and entry is not None
+        if plan.checkpoint is None or not entry.prompt_end or plan.length != entry.prompt_end:
+            return plan
+        if not self.copyfree.lending or entry.is_anchor or not isinstance(entry.kv, MlxKV) or entry.kv.lent:
+            return plan
+        generator = self._generator() if self._generator is not None else None
+        if generator is None or getattr(generator, "draft_model", None) is not None:
+            return plan
+        if entry.kv.capacity("keys") < plan.prompt_len + self.copyfree.decode_reserve:
+            return plan
+        if not self.runtime.cache.rewind(entry):
+            return plan
+        again = self.runtime.cache.lookup(prompt, namespace)
+        # The old plan stays buildable (its checkpoint's state, the truncated rows) if the
+        # new one is not the rewound head (it always is while nothing else changed).
+        return again if again.entry is entry and again.length == plan.length else plan
 
     def _sweep_leases(self, plan: RestorePlan, reclaimed: set[str]) -> bool:
         """Before a lookup builds anything: end loans whose rows this prompt needs, loans

@@ -45,6 +45,10 @@ class LineageConfig:
     # On SIGTERM, unwritten entries are flushed for at most this long (apcctl's stop grace
     # follows it, so a SIGKILL never cuts the flush short).
     shutdown_flush_s: float = 60.0
+    # When a request ends, its entry's head moves past the reply it generated (every token the
+    # model was fed), the prompt end staying a checkpoint: a next prompt that re-renders the
+    # reply verbatim prefills only what is new. 0 keeps the entry at the prompt end.
+    reply_reuse: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "LineageConfig":

@@ -29,6 +29,9 @@ class KVHandle(Protocol):
         """An independent handle on rows [:length] (an anchor must outlive its lineage)."""
         ...
 
+    # Optional: ``truncated(length)``, rows [:length] of the same buffers, no copy (an entry
+    # whose head moves back to its prompt end, ``LineageCache.rewind``).
+
 
 @dataclass(frozen=True)
 class SizedSnapshot:
@@ -50,3 +53,7 @@ class SizedKV:
 
     def prefix(self, length: int) -> "SizedKV":
         return SizedKV(self.bytes_per_token, min(length, self.length))
+
+    def truncated(self, length: int) -> "SizedKV":
+        """Rows [:length] of the same buffer (``LineageCache.rewind``); sized, so a new handle."""
+        return self.prefix(length)

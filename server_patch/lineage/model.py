@@ -45,6 +45,9 @@ class Checkpoint:
     created: float
     last_hit: float | None = None
     hits: int = 0
+    # A FINAL point at the end of a generated reply (an absorbed head that sat past its reply,
+    # reply reuse): thinned before every other class. Not kept on disk (a file stores kinds).
+    reply_end: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +75,9 @@ class Entry:
     on_disk: bool = False
     dirty: bool = True
     supersedes: list[str] = field(default_factory=list)
+    # With reply reuse the head sits past the reply; this is the newest turn's prompt end
+    # (a FINAL checkpoint thinning never drops). 0: the head is the prompt end itself.
+    prompt_end: int = 0
 
     @property
     def length(self) -> int:
@@ -137,6 +143,14 @@ class RestorePlan:
     record: DiskRecord | None = None
     shared: int = 0  # longest prefix the prompt shares with anything stored (the divergence point)
     prompt_len: int = 0
+    # The longest restore point that is no reply state (neither a head past its reply nor a
+    # reply end): what the prompt would restore without reply reuse, and what capture gains
+    # are measured from. -1: the same as ``length``.
+    durable: int = -1
+
+    @property
+    def durable_length(self) -> int:
+        return self.length if self.durable < 0 else min(self.durable, self.length)
 
     @property
     def hit(self) -> bool:

@@ -6,8 +6,10 @@ are checkpoints of the snapshot layers only, sharing the entry's append-only KV 
 same code drives the real mlx cache and the trace simulator.
 
 Four verbs carry a request: ``lookup`` at admission, ``plan_captures`` before prefill,
-``commit`` after prefill, ``tick`` now and then. The admin verbs (``pin``, ``unpin``, ``evict``,
-``flush``) and ``snapshot`` serve operators.
+``commit`` after prefill (or ``commit_reply`` when the request ends, with reply reuse: the head
+moves past the generated reply, the prompt end stays a checkpoint; ``rewind`` moves it back),
+``tick`` now and then. The admin verbs (``pin``, ``unpin``, ``evict``, ``flush``) and
+``snapshot`` serve operators.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -151,7 +153,7 @@ class LineageCache:
         with self.lock:
             self.stats["lookups"] += 1
             best: _Candidate | None = None
-            shared = 0
+            shared = durable = 0
             for entry in self._entries.values():
                 if entry.namespace != namespace:
                     continue
@@ -160,6 +162,7 @@ class LineageCache:
                 cand = self._best_in_entry(entry, lcp, limit)
                 if cand is not None and (best is None or cand.length > best.length):
                     best = cand
+                durable = max(durable, self._durable_in_entry(entry, lcp, limit))
             ram_best = best.length if best is not None else 0
             for record in self._records.values():
                 # A superseded file still restores correctly until its absorber is written (it
@@ -171,11 +174,13 @@ class LineageCache:
                 cand = self._best_in_record(record, lcp, limit)
                 if cand is not None and cand.length > ram_best and (best is None or cand.length > best.length):
                     best = cand
+                    durable = max(durable, cand.length)  # a file keeps no reply marks
             if best is None or best.length < self.config.min_tokens:
                 return RestorePlan(0, COLD, shared=shared, prompt_len=n)
             tier = DISK if best.record is not None else RAM
+            durable = durable if durable >= self.config.min_tokens else 0
             return RestorePlan(best.length, best.kind, tier, best.entry, best.checkpoint,
-                               best.record, shared=shared, prompt_len=n)
+                               best.record, shared=shared, prompt_len=n, durable=durable)
 
     @staticmethod
     def _best_in_entry(entry: Entry, lcp: int, limit: int) -> _Candidate | None:
@@ -183,6 +188,15 @@ class LineageCache:
             if length <= min(lcp, limit):
                 return _Candidate(length, kind, entry=entry, checkpoint=cp)
         return None
+
+    @staticmethod
+    def _durable_in_entry(entry: Entry, lcp: int, limit: int) -> int:
+        """The longest restore point of ``entry`` for this prompt that is no reply state."""
+        for length, _, cp in entry.restore_points():
+            reply_state = entry.prompt_end > 0 if cp is None else cp.reply_end
+            if not reply_state and length <= min(lcp, limit):
+                return length
+        return 0
 
     @staticmethod
     def _best_in_record(record: DiskRecord, lcp: int, limit: int) -> _Candidate | None:
@@ -231,28 +245,32 @@ class LineageCache:
 
         Only lengths strictly between the restore point and the prefill end are returned,
         except the anchor, which is pinned wherever it falls (at the prefill end it is the head).
+        What a capture gains is measured from the plan's durable point (``RestorePlan.durable``):
+        a reply state the plan restores may be thinned first, so it does not make a capture
+        that reply-less restores would need look redundant.
         """
         cfg = self.config
         n = len(tokens)
         end = n - cfg.entry_offset  # the entry's own length: its head is not a capture
         start = plan.length
+        base = plan.durable_length
         picks: dict[int, str] = {}
 
         if anchor_len is not None and cfg.min_tokens <= anchor_len <= end and anchor_len > start:
             if not self._has_anchor(tokens, anchor_len, namespace):
                 picks[anchor_len] = ANCHOR
-        if cfg.guard_tokens > cfg.entry_offset and end - start >= cfg.guard_min_suffix:
+        if cfg.guard_tokens > cfg.entry_offset and end - base >= cfg.guard_min_suffix:
             guard = n - cfg.guard_tokens
             if start < guard < end:
                 picks.setdefault(guard, GUARD)
         gain_point = min(plan.shared, end)
-        if gain_point - start >= max(1, cfg.divergence_min_gain) and gain_point < end:
+        if gain_point - base >= max(1, cfg.divergence_min_gain) and start < gain_point < end:
             picks.setdefault(gain_point, DIVERGENCE)
         if cfg.periodic_stride > 0 and end >= 2:
             periodic = ((end - 1) // cfg.periodic_stride) * cfg.periodic_stride
             if start < periodic < end:
                 picks.setdefault(periodic, PERIODIC)
-        taken = sorted({start, end, *picks})
+        taken = sorted({base, end, *picks})
         past_anchor = 0
         for seg in sorted(set(int(s) for s in segments)):
             if not start < seg < end or seg in picks:
@@ -296,13 +314,54 @@ class LineageCache:
         ``kv``/``head`` hold the state at ``len(tokens) - entry_offset`` tokens; ``captures``
         maps capture lengths to (kind, snapshot). Entries this one extends are absorbed.
         """
-        cfg = self.config
         prompt = as_tokens(tokens)
-        stored = prompt[: prompt.shape[0] - cfg.entry_offset]
+        stored = prompt[: prompt.shape[0] - self.config.entry_offset]
+        return self._store(stored, kv, head, dict(captures or {}), namespace, anchor_label)
+
+    def commit_reply(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        reply: Sequence[int] | np.ndarray,
+        *,
+        kv: KVHandle,
+        head: SnapshotHandle,
+        prompt_head: SnapshotHandle,
+        captures: Mapping[int, tuple[str, SnapshotHandle]] | None = None,
+        namespace: str = "",
+        anchor_label: str = "",
+    ) -> Entry | None:
+        """Store the state after a request's reply as its lineage's entry (reply reuse).
+
+        ``kv``/``head`` hold the state after every token the model was fed: prompt ``tokens``,
+        then ``reply`` (the generated ids fed back; the last sampled one, never fed, excluded).
+        ``prompt_head`` is the state at the prompt end (``len(tokens) - entry_offset``), where
+        ``commit`` would put the head: it stays a FINAL checkpoint that thinning never drops
+        while this is the newest turn, so a regenerate or an edited reply restores there and a
+        next prompt never restores fewer tokens than without reply reuse. Entries this one
+        extends (the prompt's own entry, if it was committed at its prefill end) are absorbed.
+        """
+        prompt = as_tokens(tokens)
+        end = int(prompt.shape[0]) - self.config.entry_offset
+        stored = np.concatenate([prompt, as_tokens(reply)])
+        if end >= stored.shape[0]:  # nothing was fed past the prompt end: a plain commit
+            return self.commit(tokens, kv=kv, head=head, captures=captures, namespace=namespace,
+                               anchor_label=anchor_label)
+        with self.lock:
+            self.stats["reply_commits"] += 1
+            self.stats["reply_tokens"] += int(stored.shape[0]) - int(prompt.shape[0])
+        return self._store(stored, kv, head, dict(captures or {}), namespace, anchor_label,
+                           prompt_end=(end, prompt_head))
+
+    def _store(self, stored: np.ndarray, kv: KVHandle, head: SnapshotHandle,
+               captures: dict[int, tuple[str, SnapshotHandle]], namespace: str, anchor_label: str,
+               prompt_end: tuple[int, SnapshotHandle] | None = None) -> Entry | None:
+        """``commit``'s body: ``stored`` are the entry's tokens; ``prompt_end`` the protected
+        prompt-end checkpoint of a head that sits past its reply."""
+        cfg = self.config
         length = int(stored.shape[0])
         if length < cfg.min_tokens:
             return None
-        captures = dict(captures or {})
+        turn = {prompt_end[0]: (FINAL, prompt_end[1])} if prompt_end is not None else {}
         with self.lock:
             now = self.clock()
             anchors = []
@@ -315,14 +374,16 @@ class LineageCache:
             same = self._find_identical(stored, namespace)
             if same is not None:
                 same.last_used = now
-                self._add_checkpoints(same, captures, now)
+                same.prompt_end = prompt_end[0] if prompt_end is not None else 0
+                self._add_checkpoints(same, {**captures, **turn}, now)
                 self._take_in([*anchors, same])
                 self._write_anchors(anchors)
                 return same if self.holds(same) else None
 
             entry = Entry(id=uuid.uuid4().hex[:12], tokens=stored, kv=kv, head=head,
-                          namespace=namespace, created=now, last_used=now)
-            self._add_checkpoints(entry, captures, now)
+                          namespace=namespace, created=now, last_used=now,
+                          prompt_end=prompt_end[0] if prompt_end is not None else 0)
+            self._add_checkpoints(entry, {**captures, **turn}, now)
             for old in self._absorbable(entry):
                 self._absorb(entry, old, now)
             self._entries[entry.id] = entry
@@ -332,6 +393,28 @@ class LineageCache:
             self._take_in([*anchors, entry])
             self._write_anchors(anchors)
             return entry if self.holds(entry) else None
+
+    def rewind(self, entry: Entry) -> bool:
+        """Move ``entry``'s head back from past its reply to its prompt end: what the entry
+        would be without reply reuse. For a next prompt that did not re-render the reply and
+        restores at the prompt end anyway: the head is then where it restores, so the entry can
+        lend its buffer (a loan appends at the head and would overwrite the reply's rows).
+        The reply's state is given up. Returns False if there is nothing to rewind."""
+        with self.lock:
+            end = entry.prompt_end
+            point = next((c for c in entry.checkpoints if c.length == end), None)
+            truncated = getattr(entry.kv, "truncated", None)
+            if not self.holds(entry) or entry.lent or point is None or not 0 < end < entry.length \
+                    or not callable(truncated):
+                return False
+            entry.kv = truncated(end)
+            entry.tokens = entry.tokens[:end].copy()
+            entry.head, entry.prompt_end, entry.dirty = point.state, 0, True
+            entry.checkpoints = [c for c in entry.checkpoints if c.length < end]
+            entry.hits += point.hits
+            self.stats["reply_rewinds"] += 1
+            self._emit(Event("rewind", entry.id, end, entry.nbytes, "prompt end"))
+            return True
 
     def _write_anchors(self, anchors: list[Entry]) -> None:
         """Anchors are what a restarted server needs first: written at once (once in RAM)."""
@@ -395,12 +478,16 @@ class LineageCache:
         return found
 
     def _absorb(self, new: Entry, old: Entry, now: float) -> None:
-        """``old``'s head becomes a turn-boundary checkpoint of ``new``; its checkpoints carry over."""
+        """``old``'s head becomes a turn-boundary checkpoint of ``new`` (marked ``reply_end`` if
+        it sat past its reply); its checkpoints carry over. Its protected prompt end is not
+        protected any more and is stamped ``now``, as an absorbed head is: thinning then treats
+        it exactly as it would treat that head without reply reuse."""
         have = {c.length for c in new.checkpoints}
-        carried = [c for c in old.checkpoints if c.length not in have]
+        carried = [replace(c, created=now) if old.prompt_end and c.length == old.prompt_end
+                   else c for c in old.checkpoints if c.length not in have]
         if old.length not in have:
-            carried.append(Checkpoint(old.length, FINAL, old.head, created=now,
-                                      last_hit=old.last_hit, hits=old.hits))
+            carried.append(Checkpoint(old.length, FINAL, old.head, created=now, last_hit=old.last_hit,
+                                      hits=old.hits, reply_end=0 < old.prompt_end < old.length))
         new.checkpoints = sorted(new.checkpoints + carried, key=lambda c: c.length)
         new.hits += old.hits
         del self._entries[old.id]
@@ -414,8 +501,10 @@ class LineageCache:
     # ------------------------------------------------------------------ thinning
 
     def _thin(self, entry: Entry) -> None:
+        """Keep ``max_checkpoints``; the newest turn's prompt end (reply reuse) is not counted
+        and never dropped, so an entry holds every restore point it would hold without."""
         cap = self.config.max_checkpoints
-        while len(entry.checkpoints) > cap:
+        while sum(1 for c in entry.checkpoints if c.length != entry.prompt_end) > cap:
             victim = self._thin_victim(entry)
             if victim is None:
                 return
@@ -425,7 +514,13 @@ class LineageCache:
             self._emit(Event("thin", entry.id, victim.length, victim.nbytes, victim.kind))
 
     def _thin_victim(self, entry: Entry) -> Checkpoint | None:
-        guards = [c for c in entry.checkpoints if c.kind == GUARD]
+        """Reply ends go first (what they add over the prompt ends is an edit of the message
+        after a reply), then the configured classes in order."""
+        candidates = [c for c in entry.checkpoints if c.length != entry.prompt_end]
+        replies = [c for c in candidates if c.reply_end]
+        if replies:
+            return min(replies, key=lambda c: (c.created, c.length))
+        guards = [c for c in candidates if c.kind == GUARD]
         newest_guard = max(guards, key=lambda c: (c.created, c.length)) if guards else None
 
         def klass(cp: Checkpoint) -> str:
@@ -436,7 +531,7 @@ class LineageCache:
             return cp.kind
 
         for name in self.config.thin_order:
-            members = [c for c in entry.checkpoints if klass(c) == name]
+            members = [c for c in candidates if klass(c) == name]
             if members:
                 if name == "segment":
                     return self._segment_victim(entry, members)

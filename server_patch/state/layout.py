@@ -96,6 +96,13 @@ class MlxKV:
         mx.eval(result.arrays())
         return result
 
+    def truncated(self, length: int) -> "MlxKV":
+        """The same buffers holding only rows [:length] (no copy): rows past it are spare room
+        again, as an adopted buffer's decode rows are."""
+        if self.lent or length > self.length:
+            raise ValueError("cannot truncate lent rows, or past the rows held")
+        return MlxKV(self.layers, length)
+
     @property
     def held_nbytes(self) -> int:
         """Bytes of the buffers behind the rows, spare rows included: what holding them costs

@@ -159,6 +159,26 @@ def buffer_rows(caches: Sequence[Any]) -> int:
     return rows
 
 
+def fed_lengths(layout: CacheLayout, caches: Sequence[Any], idx: int) -> set[int]:
+    """The token counts row ``idx``'s stored KV caches say they hold (derived children
+    skipped): one value when the row is consistent, several when it is not, none when it
+    has no KV cache to tell. ``BatchKVCache`` is asked twice: its write index past the row's
+    left padding, and the row's own offset."""
+    found: set[int] = set()
+    for layer, cache in zip(layout.layers, caches):
+        children = list(cache.caches) if layer.composite else [cache]
+        for codec, child in zip(layer.codecs, children):
+            if codec is DERIVED or not _kv_child(codec.name):
+                continue
+            kind = type(child)
+            if kind is BatchKVCache:
+                found.add(int(child._idx) - int(child.left_padding[idx].item()))
+                found.add(int(child.offset[idx].item()))
+            elif kind is KVCache and idx == 0:
+                found.add(int(child.offset))
+    return found
+
+
 def batch_size(caches: Sequence[Any]) -> int:
     """Rows of a live prompt cache (1 for single-sequence caches)."""
     for child in leaf_caches(caches):
@@ -171,4 +191,5 @@ def batch_size(caches: Sequence[Any]) -> int:
     return 1
 
 
-__all__ = ["batch_size", "buffer_rows", "capture", "extract", "kv_rows", "leaf_caches", "ref", "row_caches"]
+__all__ = ["batch_size", "buffer_rows", "capture", "extract", "fed_lengths", "kv_rows", "leaf_caches", "ref",
+           "row_caches"]

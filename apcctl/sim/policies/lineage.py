@@ -3,9 +3,12 @@
 Per request the adapter does what the server plumbing does: ``tick`` (idle disk writes),
 ``lookup``, load and ``promote`` a disk hit, ``note_restore``/``note_cold``, ``plan_captures``
 with the trace's anchor length and segments, then ``commit`` the state at n - 1 with one
-snapshot per capture. Stored bytes: the entry's KV rows are one row-extraction copy per commit
-that creates an entry; checkpoints are references to recurrent states prefill produced anyway
-(0 copies); an anchor copies its KV prefix (``KVHandle.prefix``).
+snapshot per capture, or, with reply reuse and a trace that carries the request's reply,
+``commit_reply``: the state after prompt + reply, the n - 1 state kept as its checkpoint (and,
+as the server does before lending a buffer, ``rewind`` an entry a prompt restores at its prompt
+end). Stored bytes: the entry's KV rows are one row-extraction copy per commit that creates an
+entry; checkpoints are references to recurrent states prefill produced anyway (0 copies); an
+anchor copies its KV prefix (``KVHandle.prefix``).
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ class LineagePolicy:
         plan = cache.lookup(req.tokens, ns)
         if plan.hit and plan.tier == DISK:
             self._load(plan)
+        if plan.checkpoint is not None and plan.entry is not None and plan.entry.prompt_end and \
+                plan.length == plan.entry.prompt_end and cache.rewind(plan.entry):
+            plan = cache.lookup(req.tokens, ns)  # the server rewinds to lend the buffer: same length
         if plan.hit:
             cache.note_restore(plan)
         else:
@@ -86,11 +92,17 @@ class LineagePolicy:
             segments=req.segments if self.use_segments else (),
         )
         snap = self.sizes.snapshot_bytes
-        kv = SizedKV(self.sizes.kv_per_token, req.n - cache.config.entry_offset)
-        entry = cache.commit(
-            req.tokens, kv=kv, head=SizedSnapshot(snap), namespace=ns,
-            captures={c.length: (c.kind, SizedSnapshot(snap)) for c in captures},
-        )
+        taken = {c.length: (c.kind, SizedSnapshot(snap)) for c in captures}
+        if cache.config.reply_reuse and req.reply is not None:
+            # The request ends: the head moves past the reply it generated (a lone row's own
+            # buffer, adopted), the prompt end stays a checkpoint.
+            kv = SizedKV(self.sizes.kv_per_token, req.n + int(req.reply.shape[0]))
+            entry = cache.commit_reply(req.tokens, req.reply, kv=kv, head=SizedSnapshot(snap),
+                                       prompt_head=SizedSnapshot(snap), captures=taken, namespace=ns)
+        else:
+            kv = SizedKV(self.sizes.kv_per_token, req.n - cache.config.entry_offset)
+            entry = cache.commit(req.tokens, kv=kv, head=SizedSnapshot(snap), namespace=ns,
+                                 captures=taken)
         if entry is not None and entry.kv is kv:
             self.ledger.bytes_cloned += kv.nbytes  # the row extraction this entry now holds
         return Served(plan.length, _source(plan))

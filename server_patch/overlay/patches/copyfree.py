@@ -6,7 +6,8 @@ tells the lineage coordinator when a request's KV buffer stops being written.
   ``server_patch.copyfree.hooks.clear``, which clears only with ``APC_POOL_CLEAR=1``;
   ``BatchGenerator`` attaches itself to its coordinator, calls ``joining`` before a prompt
   batch extends the decoding batch, ``GenerationBatch.filter`` calls ``leaving`` before
-  rows are dropped, and ``BatchGenerator.remove`` calls ``removing`` before a row is taken
+  rows are dropped, ``GenerationBatch.next`` calls ``decoded`` with the ids each step fed
+  (reply reuse: 0.7.10 keeps no generated ids), and ``BatchGenerator.remove`` calls ``removing`` before a row is taken
   out of the prompt batch mid-prefill (a cancelled request).
 * server/openai.py: the clear after every non-streaming chat completion and response goes
   through the same opt-in (error paths keep their clears).
@@ -88,6 +89,14 @@ FILE_PATCHES = (
                 "        _apc_copyfree.leaving(self, keep)\n"
                 "\n"
                 "        self.uids = [self.uids[idx] for idx in keep]\n"
+            ),
+        ),
+        Edit(
+            name="copyfree.rows_decoded",
+            old="        tokens, lp_list, top_idx_list, top_lp_list = self._step()\n",
+            new=(
+                "        tokens, lp_list, top_idx_list, top_lp_list = self._step()\n"
+                "        _apc_copyfree.decoded(self, tokens)\n"
             ),
         ),
         Edit(
