@@ -55,7 +55,7 @@ import numpy as np
 from mlx_vlm.apc_coordinator import APCCoordinator
 
 from server_patch import canary
-from server_patch.copyfree import counter, pool, replies
+from server_patch.copyfree import pool, replies
 from server_patch.copyfree import lease as lending
 from server_patch.copyfree import merge as copyfree_merge
 from server_patch.copyfree.lease import Lease
@@ -100,8 +100,6 @@ class LineageCoordinator(APCCoordinator):
             self.runtime = runtime_for(manager, language_model)
         self._pending = PendingBook()
         self.copyfree: CopyFreeSettings = pool.configure()
-        if counter.requested():
-            counter.install()
         self._generator: Callable[[], Any] | None = None
         self._deferred: dict[Any, Deferred] = {}
         self._leases: dict[RequestKey, Lease] = {}
