@@ -15,7 +15,8 @@ from textual.widgets import TabbedContent
 from tui.app import DashboardApp, make_app
 from tui.recorded import RecordedSource
 from tui.screens.confirm import ConfirmScreen
-from tui.testing import ScriptedRestarter, settle, sync, text_of, wait_for
+from tui.source import SourceError
+from tui.testing import ScriptedRestarter, recorded_fleet, settle, sync, text_of, wait_for
 
 RECORDING = Path(__file__).parent / "snapshots" / "recording-tiny.json"
 SIZE = (140, 40)
@@ -302,3 +303,81 @@ async def test_the_log_tab_has_a_line_per_event(source: RecordedSource) -> None:
         assert len(log.lines) == events + 1
         await pilot.press("space")
         assert "evict" in log.lines[-1].text and "operator" in log.lines[-1].text
+
+
+class FlakyFleet:
+    """The recorded fleet, or a SourceError while ``failing`` says why."""
+
+    def __init__(self, recording: dict) -> None:
+        self.fixed = recorded_fleet(recording)
+        self.failing: str | None = None
+
+    def snapshot(self):
+        if self.failing:
+            raise SourceError(self.failing)
+        return self.fixed
+
+
+@sync
+async def test_the_fleet_tab_shows_each_servers_gateway_state_and_where_requests_went(source: RecordedSource) -> None:
+    fleet = FlakyFleet(source.recording)
+    app = make_app(source, fleet=fleet)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("6")
+        assert app.query_one(TabbedContent).active == "fleet"
+        servers = app.query_one("#fleet-servers")
+        shown = text_of(servers)
+        for name, state in (("fleet-1", "healthy"), ("fleet-2", "draining"), ("fleet-3", "absent")):
+            row = next(line for line in shown.splitlines() if name in line)
+            assert state in row, row
+        assert "unreachable" in next(line for line in shown.splitlines() if "fleet-3" in line)
+        assert "1 of 3 servers healthy" in text_of(app.query_one("#fleet-gateway"))
+        requests = app.query_one("#fleet-requests")
+        recorded = [d for n, d in source.recording["events"] if n == "request"]
+        assert requests.row_count == min(len(recorded), 60)
+        newest = requests.selected()  # newest first: the last recorded request, dealt to its server
+        assert newest.data["seq"] == recorded[-1]["seq"] and newest.data["server"] == f"fleet-{1 + (len(recorded) - 1) % 2}"
+        # A failed fleet poll keeps the last view and says why; the backoff polls again by itself.
+        fleet.failing = "cannot reach http://127.0.0.1:30000: connection refused"
+        polls = app.fleet_polls
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.fleet_polls > polls)
+        assert "last poll failed: cannot reach" in text_of(app.query_one("#fleet-gateway"))
+        assert servers.row_count == 3
+        fleet.failing = None
+        await wait_for(pilot, lambda: app.state.fleet_error == "")
+
+
+@sync
+async def test_without_a_fleet_there_is_no_fleet_tab(source: RecordedSource) -> None:
+    app = make_app(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("6")
+        assert app.query_one(TabbedContent).active == "live" and not app.query("#pane-fleet")
+
+
+@sync
+async def test_the_restart_tab_follows_the_roll_from_server_to_server(source: RecordedSource) -> None:
+    restarter = ScriptedRestarter(servers=("fleet-1", "fleet-2", "fleet-3"), hold_at=2, hold_server="fleet-2")
+    app = make_app(source, restarter=restarter, fleet=FlakyFleet(source.recording))
+    async with app.run_test(size=SIZE) as pilot:
+        restarter.abandon = app.closing
+        await settle(pilot)
+        pane = app.query_one("#pane-restart")
+        await pilot.press("4")
+        await wait_for(pilot, lambda: bool(pane.plan))
+        await pilot.press("R")
+        assert "out of the gateway" in app.screen.impact.body and "back in the gateway" in app.screen.impact.body
+        await pilot.press("y")
+        await wait_for(pilot, restarter.held.is_set)
+        await wait_for(pilot, lambda: pane.steps[-1].server == "fleet-2")
+        await pilot.pause()
+        lines = text_of(app.query_one("#restart-progress")).splitlines()
+        row = {name: next(line for line in lines if name in line) for name in ("fleet-1", "fleet-2", "fleet-3")}
+        assert "✓ done" in row["fleet-1"] and "● wait idle" in row["fleet-2"], row
+        assert "waiting its turn" in row["fleet-3"], row
+        restarter.release()
+        await wait_for(pilot, lambda: pane.result is not None)
+        assert pane.result.ok and [s.server for s in pane.result.servers] == ["fleet-1", "fleet-2", "fleet-3"]

@@ -15,7 +15,8 @@ import pytest
 
 from tui.app import DashboardApp, make_app
 from tui.recorded import RecordedSource
-from tui.testing import ScriptedRestarter, settle, wait_for
+from tui.fleet import StaticFleetSource
+from tui.testing import ScriptedRestarter, recorded_fleet, settle, wait_for
 
 RECORDING = Path(__file__).parent / "snapshots" / "recording-tiny.json"
 SIZE = (140, 40)
@@ -111,3 +112,10 @@ def test_live_graphs_over_a_minute_at_120x40(snap_compare) -> None:
 def test_log_tab_at_80x24(snap_compare) -> None:
     """Every streamed event as a line, in time order, the newest at the bottom."""
     assert snap_compare(recorded_app(), terminal_size=(80, 24), run_before=after("5"))
+
+
+def test_fleet_tab(snap_compare) -> None:
+    """apcctl fleet top: three servers (healthy, draining mid-roll, absent) and where the requests went."""
+    source = RecordedSource.load(RECORDING)
+    app = make_app(source, fleet=StaticFleetSource(recorded_fleet(source.recording)))
+    assert snap_compare(app, terminal_size=SIZE, run_before=after("6"))

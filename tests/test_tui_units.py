@@ -6,6 +6,7 @@ import inspect
 import io
 import json
 
+import pytest
 from click.testing import CliRunner
 from rich.color import Color
 from rich.console import Console
@@ -139,7 +140,8 @@ def test_gauge_turns_red_past_ninety_percent() -> None:
 
 def test_run_dashboard_signature_is_the_one_the_demo_calls() -> None:
     params = inspect.signature(run_dashboard).parameters
-    assert list(params) == ["client", "read_only", "restart_targets", "refresh_s"]
+    assert list(params) == ["client", "read_only", "restart_targets", "refresh_s", "fleet"]
+    assert params["fleet"].kind is inspect.Parameter.KEYWORD_ONLY and params["fleet"].default is None
     assert params["refresh_s"].kind is inspect.Parameter.KEYWORD_ONLY and params["refresh_s"].default == 1.0
     assert params["client"].annotation in (AdminClient, "AdminClient")
     assert params["read_only"].kind is inspect.Parameter.KEYWORD_ONLY and params["read_only"].default is False
@@ -212,3 +214,22 @@ def test_top_refuses_a_zero_interval(tmp_path, monkeypatch) -> None:
         monkeypatch.delenv(key, raising=False)
     result = CliRunner().invoke(main, ["top", "--interval", "0"])
     assert result.exit_code == 2 and "--interval" in result.output and "0.1<=x<=3600" in result.output
+
+
+def test_a_fleet_with_nothing_answering_is_a_source_error_and_a_quiet_server_reads_unreachable() -> None:
+    from apcctl.fleet.gateway import free_port
+    from tui.fleet import FleetServer, FleetSnapshot, LiveFleetSource
+    from tui.panes.fleet import gateway_line
+    from tui.source import SourceError
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    source = LiveFleetSource(dead, "cache_aware", [("fleet-1", AdminClient(f"http://127.0.0.1:{free_port()}"))])
+    with pytest.raises(SourceError, match="neither the gateway nor any server"):
+        source.snapshot()
+    quiet = FleetServer("fleet-1", dead, "absent", status=None, error="connection refused")
+    assert quiet.hits["requests"] == 0 and quiet.budgets == {} and quiet.idle == {}
+    sized = FleetServer("fleet-2", dead, "healthy", status={"sizing": {"budgets": {"ram_limit": 8}}})
+    assert sized.budgets == {"ram_limit": 8}  # before the first request: the configured budgets
+    line = gateway_line(FleetSnapshot(dead, "cache_aware", [quiet, sized], gateway_error="refused"), "")
+    assert "1 of 2 servers healthy" in line.plain and "fleet-1 does not answer: connection refused" in line.plain
+    assert "the gateway does not answer: refused" in line.plain

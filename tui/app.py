@@ -6,6 +6,10 @@ dead server is simply retried (with backoff) until it answers again. A long-live
 worker follows the server's event stream and reconnects by itself. Both only touch the UI
 through messages and worker events; all state lives in ``DashboardState`` on the UI thread.
 
+With a fleet (``apcctl top --fleet``) a third thread polls the fleet the same way (gateway
+``GET /workers``, each server's status and recent requests: ``tui.fleet``) for the Fleet tab,
+and the Restart tab rolls the fleet's servers through the gateway.
+
 ``make_app(source, ...)`` builds the app for the CLI, the demo and the tests alike;
 ``run_dashboard(client, ...)`` runs it against a live server.
 """
@@ -27,9 +31,11 @@ from textual.worker import Worker, WorkerState
 
 from apcctl.client import AdminClient
 from tui import impact
+from tui.fleet import FleetSource
 from tui.messages import EntryRequested, EventsArrived, NewAnchorRequested, RestartRequested, VerbRequested
 from tui.panes.base import Pane
 from tui.panes.entries import AnchorsPane, LineagesPane
+from tui.panes.fleet import FleetPane
 from tui.panes.live import LivePane
 from tui.panes.log import LogPane
 from tui.panes.restart import Restarter, RestartPane
@@ -40,7 +46,8 @@ from tui.source import DashboardSource, LiveSource, SourceError
 from tui.state import DashboardState
 from tui.widgets.header import Mode, ServerHeader
 
-TABS = (("live", "Live"), ("lineages", "Lineages"), ("anchors", "Anchors"), ("restart", "Restart"), ("log", "Log"))
+TABS = (("live", "Live"), ("lineages", "Lineages"), ("anchors", "Anchors"), ("restart", "Restart"), ("log", "Log"),
+        ("fleet", "Fleet"))  # Fleet only with a fleet
 REFRESH_STEPS = (0.5, 1.0, 2.0, 5.0, 10.0)
 MAX_BACKOFF_S = 5.0
 
@@ -67,20 +74,24 @@ class DashboardApp(App[None]):
     ]
 
     def __init__(self, source: DashboardSource, *, read_only: bool = False, restarter: Restarter | None = None,
-                 refresh_s: float = 1.0) -> None:
+                 refresh_s: float = 1.0, fleet: FleetSource | None = None) -> None:
         super().__init__()
         self.source = source
+        self.fleet = fleet
         self.read_only = read_only
         self.restarter = restarter
         self.refresh_s = refresh_s
         self.paused = False
         self.state = DashboardState()
         self.polls = 0  # finished polls, successful or not (tests wait on it)
+        self.fleet_polls = 0  # the same for the fleet view
         self.closing = threading.Event()  # set on unmount: every thread of the app stops on it
         self._inbox: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
         self._woken = threading.Event()
         self._poll_timer: Any = None
         self._backoff = 0.5
+        self._fleet_timer: Any = None
+        self._fleet_backoff = 0.5
 
     # ------------------------------------------------------------------ layout
 
@@ -97,6 +108,9 @@ class DashboardApp(App[None]):
                 yield RestartPane(self.restarter, read_only=self.read_only, id="pane-restart")
             with TabPane("5 Log", id="log"):
                 yield LogPane(id="pane-log")
+            if self.fleet is not None:
+                with TabPane("6 Fleet", id="fleet"):
+                    yield FleetPane(id="pane-fleet")
         yield Input(placeholder="filter: text, or !text to hide matches", id="filter", disabled=True)
         yield Footer()
 
@@ -105,6 +119,8 @@ class DashboardApp(App[None]):
         self._render_header()
         self.poll_now()
         self._follow()
+        if self.fleet is not None:
+            self._poll_fleet()
 
     def on_unmount(self) -> None:
         self.closing.set()  # ends the event thread within a keepalive, so the process can exit
@@ -112,7 +128,8 @@ class DashboardApp(App[None]):
     @property
     def caught_up(self) -> bool:
         """A poll has been drawn and no streamed event waits to be: what tests and screenshots wait for."""
-        return self.polls > 0 and self._inbox.empty() and not self._woken.is_set()
+        fleet_drawn = self.fleet is None or self.fleet_polls > 0
+        return self.polls > 0 and fleet_drawn and self._inbox.empty() and not self._woken.is_set()
 
     @property
     def panes(self) -> list[Pane]:
@@ -134,11 +151,19 @@ class DashboardApp(App[None]):
     def _poll(self) -> Any:
         return self.source.snapshot()
 
+    @work(thread=True, exclusive=True, group="fleet-poll", exit_on_error=False)
+    def _poll_fleet(self) -> Any:
+        assert self.fleet is not None
+        return self.fleet.snapshot()
+
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         worker = event.worker
-        if worker.group != "poll" or event.state not in (WorkerState.SUCCESS, WorkerState.ERROR):
+        if worker.group not in ("poll", "fleet-poll") or event.state not in (WorkerState.SUCCESS, WorkerState.ERROR):
             return
         if not self._screen_is_up():  # a poll that finished while the app was shutting down
+            return
+        if worker.group == "fleet-poll":
+            self._fleet_polled(worker.result if event.state == WorkerState.SUCCESS else None, worker.error)
             return
         if event.state == WorkerState.SUCCESS:
             self.state.apply_snapshot(worker.result)
@@ -150,6 +175,19 @@ class DashboardApp(App[None]):
         self.polls += 1
         self.render_all()
         self._poll_timer = self.set_timer(delay, self.poll_now)
+
+    def _fleet_polled(self, fleet: Any, error: BaseException | None) -> None:
+        """The fleet's own poll-render-reschedule: draw the Fleet tab, arm the next fleet poll."""
+        if fleet is not None:
+            self.state.apply_fleet(fleet)
+            self._fleet_backoff, delay = 0.5, self.refresh_s
+        else:
+            self.state.fleet_failed(str(error))
+            delay, self._fleet_backoff = self._fleet_backoff, min(MAX_BACKOFF_S, self._fleet_backoff * 2)
+        self.fleet_polls += 1
+        if not self.paused:
+            self.query_one(FleetPane).update_view(self.state, self.source.now())
+        self._fleet_timer = self.set_timer(delay, self._poll_fleet)
 
     # ------------------------------------------------------------------ the event stream
 
@@ -228,6 +266,8 @@ class DashboardApp(App[None]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "filter":
             return self.active_pane.table is not None
+        if action == "show_tab" and parameters == ("fleet",):
+            return self.fleet is not None
         return True
 
     def on_tabbed_content_tab_activated(self) -> None:
@@ -244,6 +284,10 @@ class DashboardApp(App[None]):
 
     def action_refresh(self) -> None:
         self.poll_now()
+        if self.fleet is not None:
+            if self._fleet_timer is not None:
+                self._fleet_timer.stop()
+            self._poll_fleet()
 
     def action_interval(self, step: int) -> None:
         index = min(range(len(REFRESH_STEPS)), key=lambda i: abs(REFRESH_STEPS[i] - self.refresh_s))
@@ -291,6 +335,8 @@ class DashboardApp(App[None]):
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         for tab, label in TABS:
+            if tab == "fleet" and self.fleet is None:
+                continue
             yield SystemCommand(f"Go to {label}", f"Show the {label} tab", functools.partial(self.action_show_tab, tab))
         yield SystemCommand("Pause or resume", "Hold the screen still; data keeps coming", self.action_pause)
         yield SystemCommand("Refresh now", "Poll the server now", self.action_refresh)
@@ -332,9 +378,12 @@ class DashboardApp(App[None]):
             return
         idle = (self.state.status or {}).get("idle") or {}
         servers = ", ".join(pane.servers) or "the target"
-        body = (f"Restart {servers}, one at a time: drain (new requests get 503 with Retry-After), wait until "
+        first = ("take it out of the gateway (the other servers get its new requests), then drain"
+                 if self.fleet is not None else "drain (new requests get 503 with Retry-After)")
+        body = (f"Restart {servers}, one at a time: {first}, wait until "
                 f"nothing is in flight ({idle.get('in_flight', '?')} now), flush RAM entries to disk, stop, start, "
-                "wait until ready, then probe that an anchor restores from disk.\n"
+                "wait until ready, then probe that an anchor restores from disk"
+                + (", and put it back in the gateway" if self.fleet is not None else "") + ".\n"
                 "The first failure stops the roll and lifts the drain.")
         self._confirm(impact.Impact("Rolling restart", body, "Restart"), None, then=pane.start)
 
@@ -378,28 +427,42 @@ class DashboardApp(App[None]):
 
 
 def make_app(source: DashboardSource, *, read_only: bool = False, restarter: Restarter | None = None,
-             refresh_s: float = 1.0) -> DashboardApp:
+             refresh_s: float = 1.0, fleet: FleetSource | None = None) -> DashboardApp:
     """The one way to build the dashboard: the CLI, the demo and the tests all come through here."""
-    return DashboardApp(source, read_only=read_only, restarter=restarter, refresh_s=refresh_s)
+    return DashboardApp(source, read_only=read_only, restarter=restarter, refresh_s=refresh_s, fleet=fleet)
 
 
 def restarter_for(targets: Sequence[Any] | None) -> Restarter | None:
-    """``apcctl.restart.rolling_restart`` bound to ``targets`` (``apcctl.config.Target``), or None."""
+    """A restarter over ``targets`` (``apcctl.config.Target``), in order, or None.
+
+    The plan is ``apcctl.restart.rolling_restart``'s dry run; the roll is
+    ``apcctl.fleet.roll.restart_targets``, as ``apcctl restart`` runs it: a server behind a running
+    fleet's gateway leaves the gateway first and rejoins it after, so the fleet's clients never
+    get a 503, and the Restart tab follows the roll from server to server."""
     if not targets:
         return None
-    from apcctl.restart import rolling_restart
+    chosen = list(targets)
 
-    return functools.partial(rolling_restart, list(targets))
+    def restart(*, on_progress: Any, dry_run: bool = False) -> Any:
+        from apcctl.fleet.roll import restart_targets
+        from apcctl.restart import rolling_restart
+
+        if dry_run:
+            return rolling_restart(chosen, on_progress=on_progress, dry_run=True)
+        return restart_targets(chosen, on_progress=on_progress)
+
+    return restart
 
 
 def run_dashboard(client: AdminClient, *, read_only: bool = False, restart_targets: Sequence[Any] | None = None,
-                  refresh_s: float = 1.0) -> None:
+                  refresh_s: float = 1.0, fleet: FleetSource | None = None) -> None:
     """Open the dashboard on ``client``'s server until the operator quits.
 
     Args:
         read_only: hide every verb that changes the server (pin, unpin, evict, new anchor, restart).
         restart_targets: ``apcctl.config.Target`` list the Restart tab restarts; None leaves it off.
         refresh_s: seconds between polls (``+``/``-`` change it inside).
+        fleet: the fleet ``client``'s server belongs to, for the Fleet tab (``tui.fleet``).
     """
     make_app(LiveSource(client), read_only=read_only, restarter=restarter_for(restart_targets),
-             refresh_s=refresh_s).run()
+             refresh_s=refresh_s, fleet=fleet).run()

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from tui.source import ProcessInfo, Snapshot
+
+if TYPE_CHECKING:
+    from tui.fleet import FleetSnapshot
 
 HISTORY = 600  # cache events kept
 REQUEST_HISTORY = 5000  # requests kept: the table shows the newest, the graphs an hour of them
@@ -72,6 +75,8 @@ class DashboardState:
     connection: Connection = field(default_factory=Connection)
     server: ServerIdentity | None = None
     restarts_seen: int = 0
+    fleet: "FleetSnapshot | None" = None  # the fleet view's last poll (apcctl top --fleet)
+    fleet_error: str = ""  # why the last fleet poll failed; "" after a good one
 
     def __post_init__(self) -> None:
         self.requests: deque[Keyed] = deque(maxlen=max(self.history, REQUEST_HISTORY))
@@ -105,6 +110,12 @@ class DashboardState:
         self.connection.state = "lost" if self.connection.state != "connecting" else "connecting"
         self.connection.error = error
         self.connection.failures += 1
+
+    def apply_fleet(self, fleet: "FleetSnapshot") -> None:
+        self.fleet, self.fleet_error = fleet, ""
+
+    def fleet_failed(self, error: str) -> None:
+        self.fleet_error = error  # the last good view stays on screen, with the error beside it
 
     def stream_state(self, state: str, error: str = "") -> None:
         self.connection.stream, self.connection.stream_error = state, error

@@ -16,6 +16,8 @@ from textual.widget import Widget
 
 from apcctl.restart import RestartResult, RestartStep, ServerRestart
 from tui.app import DashboardApp
+from tui.fleet import FleetServer, FleetSnapshot
+from tui.state import Keyed
 
 PHASES = (("draining", 0, "new requests get 503, Retry-After 5s"), ("waiting", 2, "2 in flight"),
           ("waiting", 1, "1 in flight"), ("waiting", 0, "0 in flight"),
@@ -60,9 +62,11 @@ async def settle(pilot: Pilot) -> None:
 class ScriptedRestarter:
     """Plays a rolling restart's steps with fixed timings; ``hold_at`` stops before that step until ``release``."""
 
-    def __init__(self, servers: tuple[str, ...] = ("main",), hold_at: int | None = None) -> None:
+    def __init__(self, servers: tuple[str, ...] = ("main",), hold_at: int | None = None,
+                 hold_server: str | None = None) -> None:
         self.servers = servers
         self.hold_at = hold_at
+        self.hold_server = hold_server or servers[0]  # whose step ``hold_at`` waits before
         self.held = threading.Event()
         self._release = threading.Event()
         self.abandon: threading.Event | None = None  # e.g. the app's ``closing``: stop holding when it is set
@@ -87,8 +91,25 @@ class ScriptedRestarter:
         results = []
         for server in self.servers:
             for index, (phase, in_flight, message) in enumerate(PHASES):
-                if self.hold_at is not None and index == self.hold_at and server == self.servers[0]:
+                if self.hold_at is not None and index == self.hold_at and server == self.hold_server:
                     self._hold()
                 on_progress(RestartStep(server, phase, in_flight, message, elapsed_s=0.5 * index))
             results.append(ServerRestart(server=server, ok=True, phase="done", old_pid=4141, new_pid=4242))
         return RestartResult(True, False, results)
+
+
+def recorded_fleet(recording: dict[str, Any]) -> FleetSnapshot:
+    """Three servers made from one recording: fleet-1 healthy, fleet-2 draining out of the gateway
+    (mid-roll), fleet-3 absent and not answering; the recorded requests dealt out between the first
+    two in turn, as a gateway might have sent them."""
+    status = recording["status"]
+    draining = {**status, "idle": {**status["idle"], "draining": True, "in_flight": 1},
+                "server": {**status["server"], "pid": status["server"]["pid"] + 1}}
+    servers = [FleetServer("fleet-1", "http://127.0.0.1:30001", "healthy", 2, status),
+               FleetServer("fleet-2", "http://127.0.0.1:30002", "draining", 1, draining),
+               FleetServer("fleet-3", "http://127.0.0.1:30003", "absent", None, None,
+                           "cannot reach http://127.0.0.1:30003: [Errno 111] Connection refused")]
+    requests = [data for name, data in recording["events"] if name == "request"]
+    recent = [Keyed(f"fleet-{1 + n % 2}:{r['seq']}", {**r, "server": f"fleet-{1 + n % 2}"})
+              for n, r in enumerate(requests)]
+    return FleetSnapshot("http://127.0.0.1:30000", "cache_aware", servers, recent, taken=float(recording["now"]))

@@ -21,6 +21,7 @@ from apcctl.fleet.gateway import (DEFAULT_POLICY, POLICIES, GatewayClient, Gatew
 from apcctl.fleet.lifecycle import STOP_GRACE_S, FleetError, down, up
 from apcctl.fleet.state import DEFAULT_FLEET, FleetMember, FleetSpec, FleetState
 from apcctl.fleet.status import fleet_status
+from apcctl.fleet.traffic import TRACES
 from apcctl.manage import ServerSpec
 
 
@@ -61,6 +62,7 @@ def fleet() -> None:
     Quick start (no config file):
       apcctl fleet up --servers 3 --model ~/models/glm5-next --port 30000
       apcctl fleet status
+      apcctl fleet top                 # the dashboard, with a Fleet tab
       apcctl fleet down
     Clients then talk to http://127.0.0.1:30000/v1 as to one server. docs/fleet.md.
     """
@@ -239,8 +241,7 @@ def fleet_status_command(fleet_name: str | None, config_path: Path | None, as_js
 
 
 def _row(r: dict[str, Any]) -> list[str]:
-    g, s = r["gateway"] or {}, r["status"]
-    state = "absent" if not g else g.get("status", "?") + ("" if g.get("is_healthy", True) else " (unhealthy)")
+    g, s, state = r["gateway"] or {}, r["status"], r["state"]
     if not s.get("reachable"):
         return [r["server"] or "-", r["url"], state, str(g.get("load", "-")), "-", "-", "-", "-",
                 f"unreachable: {s.get('error')}"]
@@ -270,16 +271,19 @@ def _existing(fleet_name: str | None, config_path: Path | None) -> FleetState:
 @click.option("--model", "-m", metavar="DIR", help="Model for every server (default: the tiny model, built here).")
 @click.option("--servers", type=click.IntRange(2, 8), default=3, show_default=True)
 @click.option("--requests", type=click.IntRange(4, 400), default=24, show_default=True,
-              help="Requests of the agent trace per policy.")
+              help="Requests of the trace per policy.")
+@click.option("--trace", type=click.Choice(sorted(TRACES)), default="agents", show_default=True,
+              help="agents: the demo's agents, sessions sharing system prompts; conversations: the e2e "
+                   "tests' independent chats (multi-turn, edit, regenerate, shared openings).")
 @click.option("--max-tokens", type=click.IntRange(1, 256), default=8, show_default=True)
 @click.option("--agents", type=click.IntRange(1, 16), default=3, show_default=True,
-              help="Agents sending at once, each with its own system prompts (the requests are shared out).")
+              help="Clients sending at once, each with its own prompts (the requests are shared out).")
 @boundaries_option
 @click.option("--only", multiple=True, metavar="POLICY", help="Run only these (a policy name, 'direct', or a label).")
 @json_option
-def bench_fleet(model: str | None, servers: int, requests: int, max_tokens: int, agents: int,
+def bench_fleet(model: str | None, servers: int, requests: int, trace: str, max_tokens: int, agents: int,
                 cache_boundaries: list[int], only: tuple[str, ...], as_json: bool) -> None:
-    """Reuse of the agent trace per smg policy on a loopback fleet, beside one server's.
+    """Reuse of a trace per smg policy on a loopback fleet, beside one server's.
 
     Every policy gets a fresh gateway and its own tenant (no entries shared between runs); the
     reuse is cached_tokens / prompt_tokens from the answers' usage. docs/fleet.md.
@@ -287,6 +291,7 @@ def bench_fleet(model: str | None, servers: int, requests: int, max_tokens: int,
     \b
     Example:
       apcctl bench fleet --servers 3 --requests 24
+      apcctl bench fleet --trace conversations --requests 33
     """
     import shutil
     import tempfile
@@ -299,7 +304,7 @@ def bench_fleet(model: str | None, servers: int, requests: int, max_tokens: int,
     try:
         rows = run_bench(model, servers=servers, requests=requests, max_tokens=max_tokens, agents=agents,
                          boundaries=tuple(cache_boundaries) or (64, 256), only=only, root=root,
-                         on_progress=lambda line: click.echo(f"bench fleet: {line}", err=True))
+                         on_progress=lambda line: click.echo(f"bench fleet: {line}", err=True), trace=trace)
     except Exception as exc:  # GatewayError, ManageError, AdminError, OSError: one message, not a traceback
         raise CommandError(f"bench fleet: {type(exc).__name__}: {exc} (logs kept in {root})") from None
     shutil.rmtree(root, ignore_errors=True)
@@ -307,14 +312,15 @@ def bench_fleet(model: str | None, servers: int, requests: int, max_tokens: int,
     out = [r.as_dict(baseline) for r in rows]
     if as_json:
         render.emit_json({"servers": servers, "requests": requests, "max_tokens": max_tokens, "agents": agents,
-                          "rows": out})
+                          "trace": trace, "rows": out})
         return
     render.console().print(render.table(
-        ["policy", "requests", "prompt tokens", "cached", "reuse", "of one server", "split", "anchors pinned"],
+        ["policy", "requests", "prompt tokens", "cached", "reuse", "of one server", "split", "anchors pinned",
+         "prefilled"],
         [[r["policy"], r["requests"], r["prompt_tokens"], r["cached_tokens"], f"{r['reuse']:.3f}",
           "-" if r["of_one_server"] is None else f"{r['of_one_server']:.2f}", "/".join(map(str, r["split"])),
-          render.human_bytes(r["anchor_bytes"])] for r in out],
-        numeric=("requests", "prompt tokens", "cached", "reuse", "of one server", "anchors pinned")))
+          render.human_bytes(r["anchor_bytes"]), r["prefilled_tokens"]] for r in out],
+        numeric=("requests", "prompt tokens", "cached", "reuse", "of one server", "anchors pinned", "prefilled")))
 
 
 @fleet.command("restart", epilog=EXIT_CODES_SHORT)
@@ -333,9 +339,30 @@ def fleet_restart_command(fleet_name: str | None, timeout: float, grace: float |
     """Restart the fleet's servers one at a time through the gateway: each is taken out of smg
     (it drains there), restarted like 'apcctl restart' (flush, stop, start, probe; a failure rolls
     it back and stops the roll), and put back; clients of the gateway never get a 503."""
-    from apcctl.config import resolve
     from apcctl.fleet.roll import fleet_restart
     from apcctl.restart import RestartStep
+
+    state, spec, targets = _members(fleet_name, config_path, only)
+
+    def progress(step: RestartStep) -> None:
+        click.echo(f"{step.server}: {step.phase} {step.message}".rstrip(), err=True)
+
+    gateway = GatewayClient(spec.gateway.url, None, timeout=10.0)
+    result = fleet_restart(gateway, targets, on_progress=progress, timeout=timeout, grace=grace, force=force)
+    if as_json:
+        render.emit_json({"fleet": state.name, **result.as_dict()})
+    else:
+        for server in result.servers:
+            click.echo(f"{server.server}: {'ok' if server.ok else server.phase} {server.message}".rstrip())
+    if not result.ok:
+        raise click.exceptions.Exit(int(ExitStatus.FAILED))
+
+
+def _members(fleet_name: str | None, config_path: Path | None,
+             only: tuple[str, ...] = ()) -> tuple[FleetState, FleetSpec, list[Any]]:
+    """The fleet, its spec and its servers as ``apcctl.config.Target`` (``only``: these names, in the
+    fleet's order); an unknown name is a usage error."""
+    from apcctl.config import resolve
 
     state = _existing(fleet_name, config_path)
     spec = state.spec()
@@ -350,16 +377,36 @@ def fleet_restart_command(fleet_name: str | None, timeout: float, grace: float |
                    if not only or m.name in only]
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    return state, spec, targets
 
-    def progress(step: RestartStep) -> None:
-        click.echo(f"{step.server}: {step.phase} {step.message}".rstrip(), err=True)
 
-    gateway = GatewayClient(spec.gateway.url, None, timeout=10.0)
-    result = fleet_restart(gateway, targets, on_progress=progress, timeout=timeout, grace=grace, force=force)
-    if as_json:
-        render.emit_json({"fleet": state.name, **result.as_dict()})
-    else:
-        for server in result.servers:
-            click.echo(f"{server.server}: {'ok' if server.ok else server.phase} {server.message}".rstrip())
-    if not result.ok:
-        raise click.exceptions.Exit(int(ExitStatus.FAILED))
+@fleet.command("top", epilog=EXIT_CODES_SHORT)
+@name_option
+@click.option("--server", "-s", "shown", metavar="NAME",
+              help="The server the Live, Lineages, Anchors and Log tabs show (default: the fleet's first).")
+@click.option("--read-only", is_flag=True, help="Hide every key that changes a server: pin, unpin, evict, "
+                                                "new anchor, restart.")
+@click.option("--interval", type=click.FloatRange(min=0.1, max=3600), default=1.0, show_default=True,
+              metavar="SECONDS", help="Seconds between polls (+ and - change it inside).")
+@config_option
+def fleet_top_command(fleet_name: str | None, shown: str | None, read_only: bool, interval: float,
+                      config_path: Path | None) -> None:
+    """The dashboard (apcctl top) of one server of the fleet, with a Fleet tab: each server's gateway
+    state (healthy, draining, absent), in flight, hit ratio and budgets, and which server each recent
+    request went to. Its Restart tab rolls every server of the fleet through the gateway.
+
+    \b
+    Examples:
+      apcctl fleet top
+      apcctl fleet top --server fleet-2 --read-only
+    """
+    from tui.app import run_dashboard
+    from tui.fleet import LiveFleetSource
+
+    state, spec, targets = _members(fleet_name, config_path)
+    chosen = [t for t in targets if t.name == shown] if shown else targets[:1]
+    if not chosen:
+        raise click.UsageError(f"not a server of fleet {state.name!r}: {shown}")
+    fleet_source = LiveFleetSource(spec.gateway.url, spec.gateway.policy, [(t.name, t.client()) for t in targets])
+    run_dashboard(chosen[0].client(), read_only=read_only, restart_targets=targets, refresh_s=interval,
+                  fleet=fleet_source)

@@ -1,4 +1,5 @@
-"""``apcctl status``: one screen per server: identity, process, traffic, budgets, hit rate."""
+"""``apcctl status``: one screen per server: identity, process, traffic, budgets, hit rate, and,
+for a server a fleet's gateway fronts, the gateway's state of it (``apcctl.fleet.status``)."""
 
 from __future__ import annotations
 
@@ -68,16 +69,36 @@ def status(targets: Targets, as_json: bool, watch: float | None) -> None:
     """
 
     def show(results: list[dict[str, Any]]) -> None:
+        with_gateway(results)
         if as_json:
             emit_results(targets, results)
             return
         out = render.console()
         for result in results:
+            title = f"[bold]{result['server']}[/] {result['url']}"
             if "error" not in result:
-                out.print(render.key_values(_rows(result), title=f"[bold]{result['server']}[/] {result['url']}"))
+                out.print(render.key_values(_rows(result), title=title))
+                out.print()
+            elif result.get("gateway"):  # the server does not answer: what its gateway does about it
+                out.print(render.key_values([("status", "unreachable"), _gateway_row(result["gateway"])], title=title))
                 out.print()
 
     watching(watch, lambda: for_each(targets, collect, show), as_json=as_json)
+
+
+def with_gateway(results: list[dict[str, Any]]) -> None:
+    """Add ``gateway`` (fleet, gateway url, state: healthy/draining/unhealthy/absent) to each
+    result a fleet fronts; None for a server no fleet names."""
+    from apcctl.fleet.status import gateway_views
+
+    views = gateway_views(r["url"] for r in results)
+    for result in results:
+        result["gateway"] = views.get(result["url"].rstrip("/"))
+
+
+def _gateway_row(view: dict[str, Any]) -> tuple[str, str]:
+    line = f"{view['state']} in fleet {view['fleet']} ({view['gateway']})"
+    return "gateway", line + (f": {view['error']}" if view.get("error") else "")
 
 
 def _rows(result: dict[str, Any]) -> list[tuple[str, str]]:
@@ -92,6 +113,8 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, str]]:
                                 f"{process['threads']} threads, up {render.human_duration(process['uptime_s'])}"))
     rows.append(("traffic", f"{idle.get('in_flight', 0)} in flight, {idle.get('queued', 0)} queued, "
                             f"draining {'yes' if idle.get('draining') else 'no'}, " + _last(idle)))
+    if result.get("gateway"):
+        rows.append(_gateway_row(result["gateway"]))
     rows.append(("mlx memory", f"active {render.human_bytes(pool.get('active_bytes'))}, "
                                f"cache {render.human_bytes(pool.get('cache_bytes'))}, "
                                f"peak {render.human_bytes(pool.get('peak_bytes'))}"))

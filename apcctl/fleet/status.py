@@ -3,14 +3,64 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from apcctl.client import AdminError
 from apcctl.config import ConfigError, load_config, resolve
-from apcctl.fleet.gateway import GatewayClient
-from apcctl.fleet.state import FleetState
+from apcctl.fleet.gateway import GatewayClient, is_ready
+from apcctl.fleet.state import SPEC_FILE, FleetState, fleets_root
 
 WORKER_KEYS = ("id", "status", "is_healthy", "load")
+# What the gateway does with a server, in one word: it routes to it (healthy), finishes what it sent
+# there and sends nothing new (draining), lists it but does not route to it (unhealthy), or does not
+# list it at all (absent: out of rotation, e.g. mid-restart, or the gateway is down).
+STATES = ("healthy", "draining", "unhealthy", "absent")
+
+
+def worker_state(worker: dict[str, Any] | None) -> str:
+    """One of ``STATES`` for smg's ``GET /workers`` entry of a server (None: not listed)."""
+    if worker is None:
+        return "absent"
+    if worker.get("status") == "draining":
+        return "draining"
+    return "healthy" if is_ready(worker) else "unhealthy"
+
+
+def _key(url: str) -> str:
+    return url.rstrip("/")
+
+
+def gateway_views(urls: Iterable[str], root: Path | None = None) -> dict[str, dict[str, Any]]:
+    """For each of ``urls`` that a fleet fronts: the fleet, its gateway and the worker's state there.
+
+    One ``GET /workers`` per fleet, so ``apcctl status --all`` and the dashboard ask each gateway
+    once per refresh. A url no fleet names is not in the answer."""
+    wanted = {_key(u) for u in urls}
+    root = root or fleets_root()
+    views: dict[str, dict[str, Any]] = {}
+    for path in sorted(root.glob(f"*/{SPEC_FILE}")) if root.is_dir() else []:
+        state = FleetState(path.parent.name, root)
+        spec = state.spec()
+        members = [m for m in spec.members if _key(m.url) in wanted] if spec else []
+        if not members:
+            continue
+        workers, error = _workers(state, spec.gateway.url)
+        for member in members:
+            worker = workers.get(_key(member.url))
+            views[_key(member.url)] = {
+                "fleet": state.name, "gateway": spec.gateway.url, "state": worker_state(worker),
+                "worker_id": worker.get("id") if worker else None, "load": worker.get("load") if worker else None,
+                **({"error": error} if error else {})}
+    return views
+
+
+def _workers(state: FleetState, url: str) -> tuple[dict[str, dict[str, Any]], str | None]:
+    if state.gateway.process() is None:
+        return {}, "the gateway is not running"
+    try:
+        return {_key(str(w.get("url", ""))): w for w in GatewayClient(url, None, timeout=5.0).workers()}, None
+    except AdminError as exc:
+        return {}, exc.message
 
 
 def server_view(name: str, url: str, config_path: Path | None = None) -> dict[str, Any]:
@@ -51,10 +101,12 @@ def fleet_status(state: FleetState, config_path: Path | None = None) -> dict[str
     for member in spec.members:
         worker = by_url.pop(member.url.rstrip("/"), None)
         rows.append({"server": member.name, "url": member.url, "managed": member.managed,
+                     "state": worker_state(worker),
                      "gateway": {k: worker.get(k) for k in WORKER_KEYS} if worker else None,
                      "status": server_view(member.name, member.url, config_path)})
     for url, worker in by_url.items():  # added to the gateway by hand
-        rows.append({"server": None, "url": url, "managed": False, "gateway": {k: worker.get(k) for k in WORKER_KEYS},
+        rows.append({"server": None, "url": url, "managed": False, "state": worker_state(worker),
+                     "gateway": {k: worker.get(k) for k in WORKER_KEYS},
                      "status": server_view(url, url, config_path)})
-    ready = sum(1 for r in rows if r["gateway"] and r["gateway"]["status"] == "ready" and r["gateway"]["is_healthy"])
+    ready = sum(1 for r in rows if r["state"] == "healthy")
     return {"fleet": state.name, "gateway": gateway, "ready_workers": ready, "workers": rows}

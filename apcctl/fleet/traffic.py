@@ -2,11 +2,11 @@
 with every answer and its ``usage`` kept: the reuse a routing policy gets is
 ``cached_tokens / prompt_tokens`` summed over the trace, which smg passes through unchanged.
 
-Several runs on the same servers must not reuse each other's entries. ``X-APC-Tenant`` would
-do that on one server, but smg 1.13 forwards only ``authorization``, ``x-request-id``(``-*``),
-``x-correlation-id``, ``traceparent``/``tracestate`` and ``x-smg-routing-key`` to a worker, so
-through the gateway every request is in the default tenant. Each run therefore starts both of
-the trace's system prompts with its own label (same length every run, so prompt sizes match).
+Several runs on the same servers must not reuse each other's entries: each run is its own tenant.
+smg 1.13 drops ``X-APC-Tenant`` (it forwards only ``authorization``, ``x-request-id``(``-*``),
+``x-correlation-id``, ``traceparent``/``tracestate`` and ``x-smg-routing-key``) but forwards the body,
+so the tenant also goes as the OpenAI ``user`` field, which servers started with
+``APC_TENANT_FROM_USER=1`` take as the tenant (``server_patch/overlay/patches/tenant.py``).
 ``routing_key`` adds ``x-smg-routing-key``: ``"conversation"`` sends one key per conversation
 (what a client that knows its conversations would send), ``"agent"`` one key per agent (all the
 sessions that share its system prompts).
@@ -24,8 +24,12 @@ from typing import Any, Callable
 from apcctl.client import AdminClient, AdminError
 from apcctl.commands.demo_traffic import AgentTraffic
 from apcctl.fleet.gateway import ROUTING_KEY_HEADER
+from apcctl.fleet.holdout import ConversationTraffic
 
 TENANT_HEADER = "X-APC-Tenant"
+# The traces a run can send: the demo's agents (sessions sharing system prompts) and the
+# holdout-style conversations of the e2e tests (nothing shared between conversations).
+TRACES: dict[str, type[AgentTraffic]] = {"agents": AgentTraffic, "conversations": ConversationTraffic}
 
 
 @dataclass
@@ -47,7 +51,8 @@ class Sent:
 
 @dataclass
 class RecordingClient(AdminClient):
-    """``AdminClient.chat`` with the tenant and routing-key headers, keeping every answer."""
+    """``AdminClient.chat`` with a tenant (header for a server, ``user`` for behind a gateway) and
+    the routing-key header, keeping every answer."""
 
     tenant: str | None = None
     routing_key: str = ""  # "", "conversation" or "agent": what x-smg-routing-key names
@@ -57,7 +62,8 @@ class RecordingClient(AdminClient):
 
     def chat(self, messages: list[dict[str, Any]], *, model: str | None = None, timeout: float | None = None,
              **params: Any) -> dict[str, Any]:
-        body = {"messages": messages, **params, **self.extra, **({"model": model} if model else {})}
+        body = {"messages": messages, **params, **self.extra, **({"model": model} if model else {}),
+                **({"user": self.tenant} if self.tenant else {})}
         headers = {"Content-Type": "application/json", **({TENANT_HEADER: self.tenant} if self.tenant else {})}
         if self.routing_key:
             conversation = self.conversation[0]
@@ -93,22 +99,21 @@ class TraceResult:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def replay(url: str, *, model: str | None, requests: int, max_tokens: int, label: str, routing_key: str = "",
-           agents: int = 1, seed: int = 0, tenant: str | None = None,
-           extra: dict[str, Any] | None = None) -> TraceResult:
-    """Send the agent trace to ``url`` from ``agents`` agents at once and keep the answers.
+def replay(url: str, *, model: str | None, requests: int, max_tokens: int, tenant: str, routing_key: str = "",
+           agents: int = 1, seed: int = 0, extra: dict[str, Any] | None = None, trace: str = "agents") -> TraceResult:
+    """Send ``trace`` (one of ``TRACES``) to ``url`` from ``agents`` clients at once and keep the answers.
 
-    Each agent is the demo's trace with its own seed (its own system prompts and questions), sends
-    one request at a time as an agent does, and gets ``requests // agents`` of the requests. The
-    agents run side by side, as several users of one fleet do. ``label`` starts every system
-    prompt (a run's own cache entries); ``tenant`` is sent as ``X-APC-Tenant`` (honoured only when
-    ``url`` is a server, not the gateway).
+    Each client is the trace with its own seed (its own system prompts and questions), sends one
+    request at a time as an agent does, and gets ``requests // agents`` of the requests. The
+    clients run side by side, as several users of one fleet do. ``tenant`` keeps the run's cache
+    entries its own (see the module docstring for how it crosses the gateway).
     """
+    kind = TRACES[trace]
     runs = []
     for agent in range(agents):
         client = RecordingClient(url, timeout=300.0, tenant=tenant, routing_key=routing_key, extra=dict(extra or {}))
-        traffic = _agent(client, label, seed + agent, model=model, max_requests=requests // agents,
-                         max_tokens=max_tokens, on_request=_tracker(client, agent))
+        traffic = kind(client, seed=seed + agent, model=model, max_requests=requests // agents,
+                       max_tokens=max_tokens, on_request=_tracker(client, agent))
         runs.append((client, traffic))
     threads = [traffic.start() for _, traffic in runs]
     for thread in threads:
@@ -116,19 +121,13 @@ def replay(url: str, *, model: str | None, requests: int, max_tokens: int, label
     return TraceResult([s for client, _ in runs for s in client.sent], sum(t.failed for _, t in runs))
 
 
-def system_prompts(label: str, agents: int, seed: int = 0) -> list[str]:
-    """The system prompts ``replay`` sends with these arguments (the sub-agent's extends the coder's)."""
+def system_prompts(agents: int, seed: int = 0) -> list[str]:
+    """The system prompts the agent trace sends with these arguments (the sub-agent's extends the coder's)."""
     prompts = []
     for agent in range(agents):
-        traffic = _agent(AdminClient(""), label, seed + agent)
+        traffic = AgentTraffic(AdminClient(""), seed=seed + agent)
         prompts += [traffic.assistant, traffic.coder]
     return prompts
-
-
-def _agent(client: AdminClient, label: str, seed: int, **kwargs: Any) -> AgentTraffic:
-    traffic = AgentTraffic(client, seed=seed, **kwargs)
-    traffic.assistant, traffic.coder = f"[{label}] {traffic.assistant}", f"[{label}] {traffic.coder}"
-    return traffic
 
 
 def _tracker(client: RecordingClient, agent: int) -> Callable[[str, str], None]:

@@ -1,8 +1,9 @@
 """The Restart tab: the plan, then each server's way through drain, wait, flush, restart, ready, probe.
 
-It drives ``apcctl.restart.rolling_restart`` (the same code as ``apcctl restart``) from a thread
-and draws its progress steps as they come. While the server restarts, the rest of the
-dashboard shows the connection drop and come back by itself.
+It drives the restarter of ``tui.app.restarter_for`` (the same code as ``apcctl restart``: a server
+behind a fleet's gateway leaves the gateway first) from a thread and draws its progress steps as
+they come, server after server. While a server restarts, the rest of the dashboard shows the
+connection drop and come back by itself (and the Fleet tab the server leave and rejoin the gateway).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from textual.widgets import Static
 
 KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("Anywhere", (
-        ("1 2 3 4 5", "Live, Lineages, Anchors, Restart, Log tabs"),
+        ("1 2 3 4 5 6", "Live, Lineages, Anchors, Restart, Log tabs; Fleet with apcctl fleet top"),
         ("/", "filter the tab's table (substring; !text hides matches); enter keeps it, escape clears"),
         ("space", "pause: data keeps coming, the screen holds still; space again catches up"),
         ("r", "refresh now"),
@@ -53,6 +53,8 @@ TABS = (
     ("Restart", "drain, wait for in-flight requests, flush to disk, restart, wait ready, probe an anchor."),
     ("Log", "every event of the server's event stream, one line each: requests, cache events, the dashboard's "
             "own notes (server lost, back, restarted)."),
+    ("Fleet", "with apcctl fleet top: each server's state in the gateway (healthy, draining, absent) beside its "
+              "own in flight, hit ratio and budgets, and the server each recent request went to."),
 )
 
 

@@ -1,0 +1,127 @@
+"""The fleet view's data: each server of a fleet beside the gateway's state of it, and where the
+recent requests went.
+
+HTTP only, like the rest of the dashboard: the gateway's ``GET /workers`` (smg's worker API) and
+each server's ``/admin/status`` and ``/admin/requests``. smg does not say which worker served a
+request, but each server records the requests it served, so the newest ones of every server,
+merged by time, say where each went. ``FleetSource`` is what the app polls (in its own
+poll-render-reschedule loop beside the server's); ``LiveFleetSource`` asks the real fleet, and
+``StaticFleetSource`` answers a fixed snapshot (tests, screenshots).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from apcctl.client import AdminClient, AdminError
+from apcctl.commands.status import hit_summary
+from apcctl.fleet.gateway import GatewayClient
+from apcctl.fleet.status import worker_state
+from tui.source import SourceError
+from tui.state import Keyed
+
+RECENT = 40  # requests asked of each server; the pane lists the newest of all of them
+
+
+@dataclass(frozen=True)
+class FleetServer:
+    """One server of the fleet: the gateway's view (``state``, ``load``) beside its own status."""
+
+    name: str
+    url: str
+    state: str  # apcctl.fleet.status.STATES: healthy, draining, unhealthy, absent
+    load: int | None = None
+    status: dict[str, Any] | None = None  # its /admin/status; None when it does not answer
+    error: str = ""
+
+    @property
+    def hits(self) -> dict[str, Any]:
+        return hit_summary(((self.status or {}).get("lineage") or {}).get("stats", {}))
+
+    @property
+    def idle(self) -> dict[str, Any]:
+        return (self.status or {}).get("idle") or {}
+
+    @property
+    def budgets(self) -> dict[str, Any]:
+        status = self.status or {}
+        return (status.get("lineage") or {}).get("budgets") or (status.get("sizing") or {}).get("budgets") or {}
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    """One poll of the fleet; ``recent`` are request records, newest last, keyed by server and seq."""
+
+    gateway: str
+    policy: str
+    servers: list[FleetServer]
+    recent: list[Keyed] = field(default_factory=list)
+    gateway_error: str = ""  # why GET /workers failed (every server then reads "absent")
+    taken: float = 0.0
+
+    @property
+    def healthy(self) -> int:
+        return sum(1 for s in self.servers if s.state == "healthy")
+
+
+class FleetSource(Protocol):
+    def snapshot(self) -> FleetSnapshot:
+        """The fleet now; raises ``SourceError`` only when nothing at all can be asked."""
+        ...
+
+
+@dataclass(frozen=True)
+class StaticFleetSource:
+    """Always the same snapshot."""
+
+    fixed: FleetSnapshot
+
+    def snapshot(self) -> FleetSnapshot:
+        return self.fixed
+
+
+class LiveFleetSource:
+    """A running fleet: its gateway and its servers (name and admin client each), asked in parallel."""
+
+    def __init__(self, gateway: str, policy: str, members: Sequence[tuple[str, AdminClient]]) -> None:
+        self.gateway = GatewayClient(gateway, None, timeout=5.0)
+        self.policy = policy
+        self.members = list(members)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.members) + 1), thread_name_prefix="apcctl-fleet")
+
+    def snapshot(self) -> FleetSnapshot:
+        workers_future = self._pool.submit(self.gateway.workers)
+        asked = [self._pool.submit(_ask, client) for _, client in self.members]
+        try:
+            workers, gateway_error = {_key(w.get("url", "")): w for w in workers_future.result()}, ""
+        except AdminError as exc:
+            workers, gateway_error = {}, exc.message
+        servers, recent = [], []
+        for (name, client), future in zip(self.members, asked):
+            status, records, error = future.result()
+            worker = workers.get(_key(client.base_url))
+            servers.append(FleetServer(name, client.base_url.rstrip("/"), worker_state(worker),
+                                       worker.get("load") if worker else None, status, error))
+            pid = ((status or {}).get("server") or {}).get("pid")
+            recent += [Keyed(f"{name}:{pid}:{r.get('seq', n)}", {**r, "server": name}) for n, r in enumerate(records)]
+        if gateway_error and all(s.status is None for s in servers):
+            raise SourceError(f"neither the gateway nor any server answers: {gateway_error}")
+        recent.sort(key=lambda k: k.data.get("started") or 0.0)
+        return FleetSnapshot(self.gateway.base_url.rstrip("/"), self.policy, servers, recent, gateway_error,
+                             time.time())
+
+
+def _ask(client: AdminClient) -> tuple[dict[str, Any] | None, list[dict[str, Any]], str]:
+    try:
+        status = client.status()
+        records = client.requests(limit=RECENT) if status.get("lineage") is not None else []
+        return status, records, ""
+    except AdminError as exc:
+        return None, [], exc.message
+
+
+def _key(url: Any) -> str:
+    return str(url).rstrip("/")
