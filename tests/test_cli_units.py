@@ -97,6 +97,13 @@ def test_default_config_path_may_be_missing_but_a_given_one_may_not(tmp_path: Pa
     assert result.exit_code == ExitStatus.USAGE
 
 
+def test_top_fleet_names_a_missing_fleet_and_exits_not_found() -> None:
+    for args in (["top", "--fleet"], ["top", "--fleet", "edge"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == ExitStatus.NOT_FOUND, result.output
+        assert "no fleet" in result.output and "apcctl fleet up" in result.output
+
+
 def test_unknown_server_name_is_a_usage_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["entries", "--server", "nosuch"])
     assert result.exit_code == ExitStatus.USAGE

@@ -400,6 +400,12 @@ def fleet_top_command(fleet_name: str | None, shown: str | None, read_only: bool
       apcctl fleet top
       apcctl fleet top --server fleet-2 --read-only
     """
+    open_fleet_dashboard(fleet_name, shown, read_only=read_only, interval=interval, config_path=config_path)
+
+
+def open_fleet_dashboard(fleet_name: str | None, shown: str | None, *, read_only: bool, interval: float,
+                         config_path: Path | None) -> None:
+    """``apcctl fleet top`` and ``apcctl top --fleet``: one server's tabs plus the Fleet tab."""
     from tui.app import run_dashboard
     from tui.fleet import LiveFleetSource
 

@@ -24,7 +24,10 @@ def register(main: click.Group, bench: click.Group) -> None:
 @click.option("--interval", type=click.FloatRange(min=0.1, max=3600), default=1.0, show_default=True,
               metavar="SECONDS", help="Seconds between polls of the server (+ and - change it inside). The "
                                       "event stream (requests, cache events) is pushed and does not wait on it.")
-def top(targets: list[Target], read_only: bool, replay: Path | None, interval: float) -> None:
+@click.option("--fleet", "fleet_name", is_flag=False, flag_value="", default=None, metavar="[NAME]",
+              help="Open the fleet's dashboard (its first server, plus the Fleet tab), as `apcctl fleet top`.")
+def top(targets: list[Target], read_only: bool, replay: Path | None, interval: float,
+        fleet_name: str | None) -> None:
     """Live dashboard of one server: requests, hit ratio and TTFT, budgets,
     lineage entries with their checkpoints, anchors, and the rolling restart.
 
@@ -36,12 +39,18 @@ def top(targets: list[Target], read_only: bool, replay: Path | None, interval: f
       apcctl top
       apcctl top --server http://127.0.0.1:8080 --read-only
       apcctl top --interval 5
+      apcctl top --fleet
     """
     if replay is not None:
         from tui.app import make_app
         from tui.recorded import RecordedSource
 
         make_app(RecordedSource.load(replay), read_only=read_only, refresh_s=interval).run()
+        return
+    if fleet_name is not None:
+        from apcctl.commands.fleet import open_fleet_dashboard
+
+        open_fleet_dashboard(fleet_name or None, None, read_only=read_only, interval=interval, config_path=None)
         return
     from tui.app import run_dashboard
 
