@@ -31,6 +31,11 @@ projected 2 x 2 x (16 + 16) x 4 = 512 B per token; the same 10,496 B per KDA lay
 
 Weights are float32 (bfloat16 MoE ``gather_mm`` fails on the CPU backend) and use the
 MLX-native parameter names, so ``sanitize`` is the identity on them.
+
+Replies round-trip like a real GLM-4.5's (reply reuse, issue 13): the chat template is
+GLM-4.5's structure, the tokenizer a WordPiece over a fixed word list (:func:`build_tokenizer`)
+and the output layer keeps the random model to tokens whose text re-encodes to the same ids
+(:func:`keep_to_tokens`), so a reply re-sent as ``content`` re-renders as the sampled ids.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"  # 2: WordPiece tokenizer, GLM-4.5 template, no special tokens sampled, 0.1 writers
 STAMP_FILE = ".apcctl-build.json"
 WEIGHTS_FILE = "model.safetensors"
 REQUIRED_FILES = ("config.json", WEIGHTS_FILE, "tokenizer.json", "tokenizer_config.json")
@@ -79,7 +84,6 @@ class Preset:
     linear_head_dim: int
     routed_experts: int
     experts_per_tok: int
-    vocab_target: int = 4096
 
 
 PRESETS: dict[str, Preset] = {
@@ -99,12 +103,13 @@ PRESETS: dict[str, Preset] = {
 
 _LAYER_TYPES = {"l": "linear_attention", "a": "deepseek_sparse_attention", "s": "deepseek_sparse_attention"}
 
+UNK_TOKEN = "[UNK]"  # a word with a character the vocabulary lacks
 # Special (control) tokens get ids 0..n-1 in this order and are skipped when decoding.
 CONTROL_TOKENS = (
     "<|endoftext|>", "[MASK]", "[gMASK]", "<sop>", "<eop>",
     "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
     "<|begin_of_image|>", "<|end_of_image|>", "<|image|>",
-    "<|begin_of_video|>", "<|end_of_video|>", "<|video|>",
+    "<|begin_of_video|>", "<|end_of_video|>", "<|video|>", UNK_TOKEN,
 )
 # Markup the server's parsers must see in decoded text, so not "special".
 MARKUP_TOKENS = (
@@ -112,10 +117,18 @@ MARKUP_TOKENS = (
     "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>",
 )
 EOS_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
+SUBWORD_PREFIX = "##"
 
-# GLM-4.7-style template: the tools block is its own <|system|> turn before the system
-# text; tool calls are <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>;
-# tool results are <|observation|><tool_response>...</tool_response>.
+# GLM-4.5's template (zai-org/GLM-4.5, as apcctl/templates/glm45.jinja holds it), shortened:
+# the tools block is its own <|system|> turn before the system text; an assistant turn is
+# "\n<think>reasoning</think>" only after the last user message and "\n<think></think>"
+# otherwise, then "\n" + content.strip(); the generation prompt is "<|assistant|>", plus
+# "\n<think></think>" with enable_thinking=false (mlx-vlm's server default). So a reply
+# without reasoning, re-sent as ``content``, re-renders verbatim: the next prompt starts with
+# this prompt + the generated tokens (whitespace is not a token here). Left out: GLM-4.5's
+# "/nothink" suffix on user turns. Tool calls are
+# <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value></tool_call> (one per line);
+# tool results <|observation|><tool_response>...</tool_response>.
 CHAT_TEMPLATE = """[gMASK]<sop>
 {%- if tools -%}
 <|system|>
@@ -131,7 +144,13 @@ You are provided with function signatures within <tools></tools> XML tags:
 </tools>
 
 For each function call, output the function name and arguments within the following XML format:
-<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value><arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}</arg_value>...</tool_call>
+<tool_call>{function-name}
+<arg_key>{arg-key-1}</arg_key>
+<arg_value>{arg-value-1}</arg_value>
+<arg_key>{arg-key-2}</arg_key>
+<arg_value>{arg-value-2}</arg_value>
+...
+</tool_call>
 {%- endif -%}
 {%- macro visible_text(content) -%}
 {%- if content is string -%}
@@ -156,46 +175,51 @@ For each function call, output the function name and arguments within the follow
 {%- endfor -%}
 {%- for m in messages -%}
 {%- if m.role == 'system' -%}
-<|system|>{{ visible_text(m.content) }}
+{{- '<|system|>\\n' + visible_text(m.content) -}}
 {%- elif m.role == 'user' -%}
-<|user|>{{ visible_text(m.content) }}
+{{- '<|user|>' + visible_text(m.content) -}}
 {%- elif m.role == 'assistant' -%}
-<|assistant|>
 {%- set reasoning_content = '' -%}
 {%- set content = visible_text(m.content) -%}
 {%- if m.reasoning_content is string -%}
 {%- set reasoning_content = m.reasoning_content -%}
 {%- elif '</think>' in content -%}
-{%- set reasoning_content = content.split('</think>')[0].split('<think>')[-1] -%}
-{%- set content = content.split('</think>')[-1] -%}
+{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}
+{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}
 {%- endif -%}
+{{- '<|assistant|>' -}}
 {%- if loop.index0 > ns.last_user_index and reasoning_content -%}
-{{- '<think>' + reasoning_content.strip() + '</think>' -}}
+{{- '\\n<think>' + reasoning_content.strip() + '</think>' -}}
 {%- else -%}
-{{- '</think>' -}}
+{{- '\\n<think></think>' -}}
 {%- endif -%}
-{{- content.strip() -}}
+{%- if content.strip() -%}
+{{- '\\n' + content.strip() -}}
+{%- endif -%}
 {%- for tc in m.tool_calls or [] -%}
 {%- set f = tc.function if tc.function is defined else tc -%}
-{{- '<tool_call>' + f.name -}}
+{{- '\\n<tool_call>' + f.name -}}
 {%- if f.arguments is mapping -%}
 {%- for k, v in f.arguments.items() -%}
-<arg_key>{{ k }}</arg_key><arg_value>{{ v if v is string else v | tojson(ensure_ascii=False) }}</arg_value>
+{{- '\\n<arg_key>' + k + '</arg_key>\\n<arg_value>' -}}
+{{- v if v is string else v | tojson(ensure_ascii=False) -}}
+{{- '</arg_value>' -}}
 {%- endfor -%}
 {%- elif f.arguments -%}
-{{- f.arguments -}}
+{{- '\\n' + f.arguments -}}
 {%- endif -%}
-{{- '</tool_call>' -}}
+{{- '\\n</tool_call>' -}}
 {%- endfor -%}
 {%- elif m.role == 'tool' -%}
 {%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}
 {{- '<|observation|>' -}}
 {%- endif -%}
-<tool_response>{{ visible_text(m.content) }}</tool_response>
+{{- '\\n<tool_response>\\n' + visible_text(m.content) + '\\n</tool_response>' -}}
 {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
-<|assistant|>{{- '</think>' if (enable_thinking is defined and not enable_thinking) else '<think>' -}}
+{{- '<|assistant|>' -}}
+{{- '\\n<think></think>' if (enable_thinking is defined and not enable_thinking) else '' -}}
 {%- endif -%}"""
 
 
@@ -217,6 +241,10 @@ search weather city temperature today tomorrow calendar meeting email send reply
 report table column row query select where order group count sum average report chart
 apple banana orange water coffee music river mountain forest ocean planet garden window
 """.split()
+
+# Words of the template's own tools preamble, so it tokenizes to words, not letters.
+_PREAMBLE_WORDS = """Tools You may call one more functions assist query are provided signatures
+within XML tags For each output arguments following format arg tools""".split()
 
 _SENTENCES = (
     "The {0} {1} will {2} the {3} before the {4}.",
@@ -242,21 +270,61 @@ def training_corpus(lines: int = 4000) -> list[str]:
     return out
 
 
-def build_tokenizer(vocab_target: int):
-    """Train a byte-level BPE with GLM's control and markup tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+def _characters() -> list[str]:
+    """Printable ASCII, Latin-1 and Latin Extended-A/B, Greek; no whitespace (never a token)."""
+    codes = [*range(0x21, 0x7F), *range(0xA1, 0x250), *range(0x391, 0x3CA)]
+    return [c for c in map(chr, codes) if c.isprintable() and not c.isspace()]
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_target,
-        min_frequency=2,
-        special_tokens=[AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
+
+def vocabulary() -> list[str]:
+    """Every token in id order: control, markup, whole words, characters, word continuations.
+
+    A word is a single pre-token (letters only), so it encodes to its own id; a word not in
+    the list is spelled from a character and ``##`` continuations (WordPiece's longest match).
+    """
+    words = [*_WORDS, *(w.capitalize() for w in _WORDS), *_PREAMBLE_WORDS]
+    assert all(w.isascii() and w.isalpha() for w in words)
+    chars = _characters()
+    pieces = [*CONTROL_TOKENS, *MARKUP_TOKENS, *words, *chars, *(SUBWORD_PREFIX + c for c in chars)]
+    return list(dict.fromkeys(pieces))
+
+
+def generatable(token: str) -> bool:
+    """Whether the model may sample ``token``: a whole word, an ASCII character, an EOS token.
+
+    Each such token decodes to itself between single spaces and re-encodes to the same id, so
+    any sequence of them survives decode -> re-encode (a client re-sends text, not ids). A
+    ``##`` continuation would glue onto the word before it; control and markup tokens would
+    steer the server's parsers. Other characters would round-trip too; they are left out so
+    replies read as words.
+    """
+    if token in EOS_TOKENS:
+        return True
+    if token in CONTROL_TOKENS or token in MARKUP_TOKENS or token.startswith(SUBWORD_PREFIX):
+        return False
+    return token.isascii()
+
+
+def build_tokenizer():
+    """A WordPiece tokenizer over :func:`vocabulary` with GLM's control and markup tokens.
+
+    Whitespace separates pre-tokens and is dropped; punctuation and digits are one token
+    each; decoding joins tokens with single spaces (``##`` pieces glue on). Unlike a
+    byte-level BPE, the ids a random model samples from :func:`generatable` tokens are the
+    canonical encoding of their own text, which reply reuse needs end to end.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(vocabulary())}
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token=UNK_TOKEN,
+                                           continuing_subword_prefix=SUBWORD_PREFIX))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.Punctuation("isolated"),
+        pre_tokenizers.Digits(individual_digits=True),
+    ])
+    tokenizer.decoder = decoders.WordPiece(prefix=SUBWORD_PREFIX, cleanup=False)
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
     return tokenizer
 
@@ -383,13 +451,20 @@ def cache_bytes(config: dict[str, Any], tokens: int, dtype_bytes: int = 4) -> Ca
 
 # --------------------------------------------------------------------------- weights
 
+# The text model's projections that write the residual stream (attention and MLP outputs).
+_RESIDUAL_WRITERS = ("o_proj.weight", "down_proj.weight")
+
 
 def init_weights(config: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     """Deterministic float32 weights under the model's own parameter names.
 
     The default MLX init leaves the router and hyper-connection matrices at zero, which
     makes every expert and mix identical, so everything is redrawn here: matrices
-    N(0, 0.02), 1-D weights/scales 1, A_log = log U(1, 16), other vectors 0.
+    N(0, 0.02), except the projections that write the residual stream, N(0, 0.1); 1-D
+    weights/scales 1, A_log = log U(1, 16), other vectors 0. At 0.02 throughout, a word
+    changed 200 tokens back moved the next token's top log-probabilities by ~1e-4 (under the
+    1e-3 the warm-equals-cold comparisons allow, in 10 of 12 probes); at 0.1 by ~3e-3
+    (11 of 12 over 1e-3), while a chunked prefill still matches a whole one to ~1e-7.
     """
     from mlx.utils import tree_flatten
     from mlx_vlm.models.glm5_next import Model, ModelConfig
@@ -404,13 +479,40 @@ def init_weights(config: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
         if leaf == "A_log":
             value = np.log(rng.uniform(1.0, 16.0, size=shape))
         elif len(shape) >= 2:
-            value = rng.normal(0.0, 0.02, size=shape)
+            writer = name.startswith("language_model.model.layers.") and name.endswith(_RESIDUAL_WRITERS)
+            value = rng.normal(0.0, 0.1 if writer else 0.02, size=shape)
         elif leaf in ("weight", "scale"):
             value = np.ones(shape)
         else:
             value = np.zeros(shape)
         weights[name] = value.astype(np.float32)
     return weights
+
+
+# The hidden feature that keeps tokens the model must not sample out of reach (see
+# :func:`keep_to_tokens`): its value in every embedding, and the lm_head weight reading it.
+FLAG_FEATURE, FLAG_VALUE, FLAG_LOGIT = 0, 0.02, -2000.0
+
+
+def keep_to_tokens(weights: dict[str, np.ndarray], allowed: np.ndarray) -> None:
+    """Make the model sample only ``allowed`` ids (a boolean mask over the vocabulary), in place.
+
+    Every embedding carries ``FLAG_VALUE`` in feature ``FLAG_FEATURE`` and no layer writes
+    into that feature (its row of each residual projection is zero), so the residual keeps
+    a positive value there: hyper-connections mix streams with non-negative weights. After
+    the final RMSNorm it is still positive, and the lm_head rows of disallowed tokens read
+    only it, with weight ``FLAG_LOGIT``: their logits sit far below every allowed one, greedy
+    or sampled. Allowed rows ignore the feature, so their logits are the random model's.
+    """
+    prefix = "language_model.model."
+    weights[prefix + "embed_tokens.weight"][:, FLAG_FEATURE] = FLAG_VALUE
+    for name, value in weights.items():
+        if name.startswith(prefix + "layers.") and name.endswith(_RESIDUAL_WRITERS):
+            value[..., FLAG_FEATURE, :] = 0.0  # (..., hidden out, in)
+    head = weights["language_model.lm_head.weight"]
+    head[:, FLAG_FEATURE] = 0.0
+    head[~allowed] = 0.0
+    head[~allowed, FLAG_FEATURE] = FLAG_LOGIT
 
 
 # --------------------------------------------------------------------------- directory
@@ -465,9 +567,11 @@ def _write_model(tmp: Path, preset_name: str, seed: int) -> None:
     from safetensors.numpy import save_file
 
     preset = PRESETS[preset_name]
-    tokenizer = build_tokenizer(preset.vocab_target)
+    tokenizer = build_tokenizer()
     token_ids = {t: tokenizer.token_to_id(t) for t in CONTROL_TOKENS + MARKUP_TOKENS}
     config = make_config(preset, token_ids, tokenizer.get_vocab_size())
+    weights = init_weights(config, seed)
+    keep_to_tokens(weights, np.array([generatable(t) for t in vocabulary()]))
 
     tokenizer.save(str(tmp / "tokenizer.json"))
     _write_json(tmp / "tokenizer_config.json", _tokenizer_config(CHAT_TEMPLATE))
@@ -478,7 +582,7 @@ def _write_model(tmp: Path, preset_name: str, seed: int) -> None:
         tmp / "generation_config.json",
         {"eos_token_id": config["eos_token_id"], "pad_token_id": config["pad_token_id"]},
     )
-    save_file(init_weights(config, seed), str(tmp / WEIGHTS_FILE), metadata={"format": "mlx"})
+    save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "mlx"})
     stamp = _stamp(preset_name, seed) | {
         "fingerprint": weights_fingerprint(tmp),
         "preset_values": asdict(preset),

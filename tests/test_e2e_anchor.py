@@ -80,6 +80,12 @@ class Step:
     def prompt(self) -> int:
         return int(self.lineage["usage"]["prompt_tokens"])
 
+    @property
+    def fed(self) -> int:
+        """Tokens the model was fed: the prompt and every reply token it emitted (the token it
+        sampled last is never emitted nor fed: ``server_patch.copyfree.replies``)."""
+        return self.prompt + int(self.lineage["usage"]["completion_tokens"])
+
 
 @dataclass
 class Run:
@@ -197,4 +203,5 @@ def test_system_prompt_variant_reuses_nearly_all_of_its_prefix(run: Run) -> None
     assert third.line["kind"] == "divergence", third.line
     assert third.cached == divergence
     turn2 = run.steps["s2_session1_turn2"]
-    assert turn2.line["kind"] == "entry" and turn2.cached == first.prompt - 1
+    # The next turn re-sends the reply verbatim: it restores past it (reply reuse).
+    assert turn2.line["kind"] == "entry" and turn2.cached == first.fed, (turn2.cached, first.prompt)

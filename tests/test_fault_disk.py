@@ -155,7 +155,10 @@ def test_kill_9_mid_write_a_second_server_and_a_full_disk(tiny_model_dir: Path, 
         assert f"lineage disk directory {disk} is in use by process {stalled.pid}" in second.log_text(), \
             second.log_tail()
         again, line = _send(stalled, turn0)  # the first one keeps serving
-        assert line["kind"] == "entry", line
+        # An identical resend restores at its prompt end, n - 1: the entry's head (rewound there
+        # when its buffer is lent) or the checkpoint the entry keeps there past its reply.
+        assert line["kind"] in ("entry", "final"), line
+        assert int(line["restored"]) == again["usage"]["prompt_tokens"] - 1, line
 
         os.kill(stalled.pid, signal.SIGKILL)
         assert stalled.process.wait(timeout=30) == -signal.SIGKILL

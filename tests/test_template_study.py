@@ -63,6 +63,19 @@ def test_qwen3_rewrites_the_empty_think_block():
     assert nothink.diverges_at == nothink.prompt_len - len("<think>\n\n</think>\n\n")
 
 
+@pytest.mark.parametrize(("tiny", "real"), [("tiny", "glm45"), ("tiny nothink", "glm45 nothink")])
+def test_the_tiny_model_template_re_renders_like_glm45(tiny, real):
+    """The end-to-end tests on the tiny model exercise the GLM-4.5 case: reusable plain replies."""
+    variant = {v.name: v for v in ts.TINY_VARIANTS}[tiny]
+    ours = {r.case: r for r in ts.study((variant,))}
+    theirs = {r.case: r for r in ts.study((BY_NAME[real],))}
+    assert ours.keys() == theirs.keys()
+    for case, r in ours.items():
+        assert r.verdict().split()[0] == theirs[case].verdict().split()[0], case
+        assert r.reason.split(":")[0] == theirs[case].reason.split(":")[0], case
+    assert ours["plain"].verbatim and ours["tool"].verbatim
+
+
 def test_header_comments_render_as_nothing():
     for name in ("glm45.jinja", "glm46.jinja", "glm47_flash.jinja"):
         text = ts.render(ts.Variant(name, name), [{"role": "user", "content": "hi"}], add_generation_prompt=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -101,18 +102,57 @@ def test_bench_preset_latent_and_index_at_16k_is_over_500_mb() -> None:
     assert at_16k.latent_and_index // 16384 == 32786  # the figure the module docstring states
 
 
-def test_tokenizer_round_trips_text_and_keeps_markup(tiny: Path) -> None:
+def test_tokenizer_spells_unknown_words_and_keeps_markup(tiny: Path) -> None:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tiny / "tokenizer.json"))
-    text = "Hello wörld! def f(x): return {'k': 42}\n\ttabs → ünïcode 🙂"
-    ids = tok.encode(text).ids
-    assert tok.decode(ids, skip_special_tokens=False) == text
+    # Whitespace is dropped, punctuation and digits are one token each, decoding joins with spaces.
+    ids = tok.encode("hello  world!\n def f(x): 42").ids
+    assert tok.decode(ids) == "hello world ! def f ( x ) : 4 2"
+    assert len(ids) == 11 and ids[0] == tok.token_to_id("hello")
+    # A word outside the list is spelled from characters; one with an unknown character is [UNK].
+    spelled = tok.encode("wörld").ids
+    assert len(spelled) == 5 and tok.decode(spelled) == "wörld"
+    assert tok.encode("🙂").ids == [tok.token_to_id(tiny_model.UNK_TOKEN)]
     for token in CONTROL_TOKENS + MARKUP_TOKENS:
         assert tok.encode(token).ids == [tok.token_to_id(token)]
     # Control tokens vanish when decoding for the user; parser markup must survive.
     marked = tok.encode("<|assistant|><tool_call>f<arg_key>a</arg_key>").ids
-    assert tok.decode(marked, skip_special_tokens=True) == "<tool_call>f<arg_key>a</arg_key>"
+    assert tok.decode(marked, skip_special_tokens=True) == "<tool_call> f <arg_key> a </arg_key>"
+
+
+def test_every_sequence_of_generatable_ids_survives_decode_and_re_encode(tiny: Path) -> None:
+    """A client re-sends the reply as text: what the model sampled must come back as the same ids."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    vocab = tiny_model.vocabulary()
+    assert tok.get_vocab_size() == len(vocab) and all(tok.token_to_id(t) == i for i, t in enumerate(vocab))
+    allowed = [i for i, t in enumerate(vocab) if tiny_model.generatable(t) and t not in tiny_model.EOS_TOKENS]
+    assert len(allowed) > 500
+    rng = np.random.RandomState(0)
+    for _ in range(20):
+        ids = rng.choice(allowed, size=200).tolist()
+        assert tok.encode(tok.decode(ids)).ids == ids
+    # A word continuation is what must not be sampled: it glues onto the word before it.
+    glued = [tok.token_to_id("t"), tok.token_to_id("##o")]  # "to", a word of its own
+    assert tok.encode(tok.decode(glued)).ids != glued
+
+
+def test_the_model_never_samples_control_markup_or_continuation_tokens(loaded, tiny: Path) -> None:
+    import mlx.core as mx
+
+    model, _ = loaded
+    vocab = tiny_model.vocabulary()
+    allowed = np.array([tiny_model.generatable(t) for t in vocab])
+    rng = np.random.RandomState(1)
+    # Inputs with every kind of token, control and markup included, at every position.
+    ids = mx.array([rng.randint(0, len(vocab), 400).tolist()])
+    logits = np.array(model.language_model(ids).logits[0])
+    assert logits.shape[-1] == len(vocab)
+    assert (logits[:, ~allowed].max(axis=1) < logits[:, allowed].min(axis=1) - 100).all()
+    # Allowed logits are the random model's: they still vary with the input.
+    assert np.unique(logits[:, allowed].argmax(axis=1)).size > 20
 
 
 def test_eos_ids_are_endoftext_user_observation(tiny: Path) -> None:
@@ -144,7 +184,7 @@ TOOLS = [
 ]
 
 
-def test_chat_template_renders_glm_turns_tools_and_tool_results(loaded) -> None:
+def test_chat_template_renders_glm45_turns_tools_and_tool_results(loaded) -> None:
     _, processor = loaded
     messages = [
         {"role": "system", "content": "You are terse."},
@@ -158,7 +198,7 @@ def test_chat_template_renders_glm_turns_tools_and_tool_results(loaded) -> None:
         },
         {"role": "tool", "content": "sunny"},
         {"role": "tool", "content": "22C"},
-        {"role": "assistant", "content": "Sunny, 22C."},
+        {"role": "assistant", "content": "<think>Easy.</think>\nSunny, 22C.\n"},
         {"role": "user", "content": "Thanks"},
     ]
     text = processor.apply_chat_template(
@@ -167,21 +207,51 @@ def test_chat_template_renders_glm_turns_tools_and_tool_results(loaded) -> None:
     assert text.startswith("[gMASK]<sop><|system|>\n# Tools")
     assert '"name": "get_weather"' in text
     # GLM puts the tools block before the system text.
-    assert text.index("</tools>") < text.index("<|system|>You are terse.")
+    assert text.index("</tools>") < text.index("<|system|>\nYou are terse.")
     assert (
-        "<|user|>Weather in Paris?<|assistant|></think>"
-        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
-        "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>"
+        "<|user|>Weather in Paris?<|assistant|>\n<think></think>"
+        "\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>"
+        "\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>"
     ) in text
-    assert "<|observation|><tool_response>sunny</tool_response><tool_response>22C</tool_response>" in text
+    assert ("<|observation|>\n<tool_response>\nsunny\n</tool_response>"
+            "\n<tool_response>\n22C\n</tool_response>") in text
     assert text.count("<|observation|>") == 1
-    assert "<|assistant|></think>Sunny, 22C.<|user|>Thanks" in text
-    assert text.endswith("<|user|>Thanks<|assistant|></think>")
+    # Reasoning before the last user turn is dropped, content is stripped.
+    assert "<|assistant|>\n<think></think>\nSunny, 22C.<|user|>Thanks" in text
+    assert text.endswith("<|user|>Thanks<|assistant|>\n<think></think>")
 
     thinking = processor.apply_chat_template(
         messages[:2], tokenize=False, add_generation_prompt=True, enable_thinking=True
     )
-    assert thinking == "[gMASK]<sop><|system|>You are terse.<|user|>Weather in Paris?<|assistant|><think>"
+    assert thinking == "[gMASK]<sop><|system|>\nYou are terse.<|user|>Weather in Paris?<|assistant|>"
+    # After the last user turn (a tool loop) the reasoning stays.
+    loop = messages[:2] + [{"role": "assistant", "content": "", "reasoning_content": " Check. ",
+                            "tool_calls": messages[2]["tool_calls"]}, messages[3]]
+    looped = processor.apply_chat_template(loop, tokenize=False, add_generation_prompt=True)
+    assert "<|assistant|>\n<think>Check.</think>\n<tool_call>get_weather" in looped
+
+
+def test_a_reply_re_sent_as_content_re_renders_as_the_generated_ids(loaded) -> None:
+    """The GLM-4.5 case end to end at the tokenizer: the next prompt starts with prompt + reply ids."""
+    from mlx_vlm import stream_generate
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    model, processor = loaded
+    tok = processor.tokenizer
+    eos = {tok.convert_tokens_to_ids(t) for t in tiny_model.EOS_TOKENS}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    for turn in range(2):
+        prompt = apply_chat_template(processor, model.config, messages)
+        assert prompt.endswith("<|assistant|>\n<think></think>")  # the server's default: thinking off
+        ids = tok.encode(prompt, add_special_tokens=False)
+        chunks = list(stream_generate(model, processor, prompt, max_tokens=24, temperature=0.0))
+        generated = [int(c.token) for c in chunks if c.finish_reason is None and int(c.token) not in eos]
+        reply = "".join(c.text for c in chunks)
+        assert len(generated) >= 8 and reply == tok.decode(generated)
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"more {turn}"}]
+        following = tok.encode(apply_chat_template(processor, model.config, messages),
+                               add_special_tokens=False)
+        assert following[:len(ids) + len(generated)] == ids + generated
 
 
 def test_jinja_file_and_inline_template_agree(tiny: Path) -> None:

@@ -19,7 +19,7 @@ def bench_templates(variants: tuple[str, ...], as_json: bool) -> None:
 
     from apcctl.sim import template_study as ts
 
-    known = {v.name: v for v in (*ts.VARIANTS, ts.Variant("tiny", "tiny"))}
+    known = {v.name: v for v in (*ts.VARIANTS, *ts.TINY_VARIANTS)}
     unknown = [name for name in variants if name not in known]
     if unknown:
         raise click.BadParameter(f"unknown {', '.join(unknown)}; known: {', '.join(known)}",

@@ -67,6 +67,13 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("qwen3 nothink", "qwen3.jinja", {"enable_thinking": False}, end_marker="<|im_end|>"),
 )
 
+# The tiny test model's template (apcctl.tiny_model.CHAT_TEMPLATE), with thinking on and with
+# thinking off as mlx-vlm's server renders it by default: it should behave like glm45.
+TINY_VARIANTS: tuple[Variant, ...] = (
+    Variant("tiny", "tiny"),
+    Variant("tiny nothink", "tiny", {"enable_thinking": False}),
+)
+
 CASES: tuple[Case, ...] = (
     Case("plain", reasoning=False, tool_call=False, resend="content"),
     Case("plain+newline", reasoning=False, tool_call=False, resend="content", trailing="\n"),
