@@ -238,11 +238,24 @@ def stock_split(server: BenchServer, completed: int, wait_s: float = 10.0) -> tu
 # ------------------------------------------------------------------------------ one conversation
 
 
-def conversation(context: int) -> list[dict[str, str]]:
-    """A system prompt and one user message of about ``context`` tokens (~5 tokens per word)."""
-    words = max(1, context // 5)
-    body = " ".join(f"{WORDS[i % len(WORDS)]}{i % 97}" for i in range(words))
-    return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": body}]
+def conversation(context: int, model_dir: Path | None = None) -> list[dict[str, str]]:
+    """A system prompt and one user message of about ``context`` tokens: the words per token are
+    measured with the model's own tokenizer when ``model_dir`` is given (else ~6 per word, the
+    tiny models' WordPiece on these words)."""
+    per_word = _tokens_per_word(model_dir) if model_dir is not None else 6.2
+    words = max(1, round(context / per_word))
+    return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": _body(words)}]
+
+
+def _body(words: int) -> str:
+    return " ".join(f"{WORDS[i % len(WORDS)]}{i % 97}" for i in range(words))
+
+
+def _tokens_per_word(model_dir: Path, sample: int = 400) -> float:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return len(tokenizer.encode(_body(sample), add_special_tokens=False).ids) / sample
 
 
 def next_turn(messages: list[dict[str, str]], reply: str, index: int) -> list[dict[str, str]]:
@@ -281,7 +294,7 @@ def run_mode(model_dir: Path, mode: str, context: int, questions: int, max_token
     turns: list[Turn] = []
     sent: list[list[dict[str, str]]] = []
     with BenchServer(model_dir, mode, workdir, timeout) as server:
-        messages = conversation(context)
+        messages = conversation(context, model_dir)
         cursor: dict[str, int] = {}
         for i in range(questions + 1):
             sent.append(messages)

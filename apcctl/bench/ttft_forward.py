@@ -200,7 +200,7 @@ def explain(model_dir: Path, context: int, repeat: int) -> dict[str, Any]:
     from apcctl.bench.ttft import conversation, next_turn
 
     bench = Bench.load(model_dir)
-    cold = conversation(context)
+    cold = conversation(context, model_dir)
     cold_ids = bench.ids(cold)
     restored = len(cold_ids) - 1
     tokens = bench.ids(next_turn(cold, "ok ok ok ok", 0))
