@@ -25,6 +25,16 @@ class AdminError(RuntimeError):
         self.message = message
 
 
+
+def hits_of(status: dict[str, Any] | None) -> dict[str, Any]:
+    """The server's own hit summary (``lineage.hits`` of ``/admin/status``: requests, hits and
+    their rate, hits by restore kind, token reuse); zeros before its cache starts, or on stock."""
+    hits = ((status or {}).get("lineage") or {}).get("hits")
+    if hits:
+        return hits
+    return {"requests": 0, "hits": 0, "hit_rate": None, "by_kind": {}, "reused_tokens": 0, "prefill_tokens": 0,
+            "token_hit_rate": None}
+
 @dataclass
 class AdminClient:
     """Talks to one patched server: ``base_url`` like ``http://127.0.0.1:8080``."""

@@ -11,6 +11,7 @@ from server_patch.lineage import (
     ANCHOR, DIVERGENCE, FINAL, GUARD, PERIODIC, SEGMENT, CacheError, DiskRecord, Entry,
     LineageCache, LineageConfig, SizedKV, SizedSnapshot,
 )
+from server_patch.lineage.flow import Admission
 
 KV_PER_TOKEN = 100
 SNAP = 1000
@@ -35,15 +36,14 @@ def words(n: int, seed: int) -> list[int]:
 
 
 def serve(cache: LineageCache, prompt, *, anchor_len=None, segments=(), namespace=""):
-    """One request as the server runs it: lookup, capture plan, prefill, commit."""
-    plan = cache.lookup(prompt, namespace)
-    caps = cache.plan_captures(prompt, plan, namespace=namespace, anchor_len=anchor_len,
-                               segments=segments)
-    cache.note_restore(plan) if plan.hit else cache.note_cold(plan)
+    """One request through the server's own flow: admission, capture plan, prefill, commit."""
+    flow = Admission.admit(cache, prompt, namespace)
+    plan = flow.plan
+    caps = flow.captures(anchor_len=anchor_len, segments=segments)
+    flow.restored() if plan.hit else flow.cold()
     end = len(prompt) - cache.config.entry_offset
     captures = {c.length: (c.kind, SizedSnapshot(SNAP)) for c in caps}
-    entry = cache.commit(prompt, kv=SizedKV(KV_PER_TOKEN, end), head=SizedSnapshot(SNAP),
-                         captures=captures, namespace=namespace)
+    entry = flow.commit(kv=SizedKV(KV_PER_TOKEN, end), head=SizedSnapshot(SNAP), captures=captures)
     return plan, caps, entry
 
 
@@ -647,3 +647,15 @@ def test_an_eviction_pass_makes_room_in_the_queue_with_entries_already_on_disk()
     # Never ``keep`` to make room, even when it is the only entry on disk.
     chosen = plan_eviction([dirty_old, keep], 50, lambda e: e is dirty_old, keep)
     assert [e.name for e in chosen.victims] == ["d1"] and chosen.written == []
+
+
+def test_hit_summary_counts_requests_by_how_they_started() -> None:
+    from server_patch.lineage.summary import hit_summary
+
+    summary = hit_summary({"hits_cold": 1, "hits_entry": 2, "hits_anchor": 1, "reused_tokens": 300,
+                           "prefill_tokens": 100, "lookups": 9})
+    assert summary["requests"] == 4 and summary["hits"] == 3 and summary["hit_rate"] == 0.75
+    assert summary["by_kind"] == {"cold": 1, "entry": 2, "anchor": 1}
+    assert summary["token_hit_rate"] == 0.75
+    empty = hit_summary({})
+    assert empty["requests"] == 0 and empty["hit_rate"] is None and empty["token_hit_rate"] is None

@@ -16,8 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from apcctl.client import AdminClient, AdminError
-from apcctl.commands.status import hit_summary
+from apcctl.client import AdminClient, AdminError, hits_of
 from apcctl.fleet.gateway import GatewayClient
 from apcctl.fleet.status import worker_state
 from tui.source import SourceError
@@ -39,7 +38,7 @@ class FleetServer:
 
     @property
     def hits(self) -> dict[str, Any]:
-        return hit_summary(((self.status or {}).get("lineage") or {}).get("stats", {}))
+        return hits_of(self.status)
 
     @property
     def idle(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
+from apcctl.client import hits_of
 from tui.source import ProcessInfo, Snapshot
 
 if TYPE_CHECKING:
@@ -162,6 +163,11 @@ class DashboardState:
     @property
     def stats(self) -> dict[str, int]:
         return self.lineage.get("stats") or {}
+
+    @property
+    def hits(self) -> dict[str, Any]:
+        """The server's hit summary (``lineage.hits``)."""
+        return hits_of(self.status)
 
     def anchors(self) -> list[dict[str, Any]]:
         return [e for e in self.entries if e.get("kind") == "anchor"]

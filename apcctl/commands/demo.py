@@ -10,11 +10,10 @@ from typing import Any, Callable
 import click
 
 from apcctl import render
-from apcctl.client import AdminError
+from apcctl.client import AdminError, hits_of
 from apcctl.commands.common import EXIT_CODES_SHORT, CommandError, json_option
 from apcctl.commands.demo_traffic import AgentTraffic
 from apcctl.commands.requests import format_request, header
-from apcctl.commands.status import hit_summary
 from apcctl.config import ServerConfig, Target
 from apcctl.manage import ManagedServer, ManageError, build_spec
 from server_patch.paths import state_dir
@@ -147,5 +146,4 @@ def demo(max_requests: int, duration: float | None, no_dashboard: bool, port: in
 
 def _summary(target: Target, traffic: AgentTraffic) -> dict[str, Any]:
     status = target.client().status()
-    stats = (status.get("lineage") or {}).get("stats", {})
-    return {"sent": traffic.sent, "failed": traffic.failed, "hits": hit_summary(stats), "url": target.url}
+    return {"sent": traffic.sent, "failed": traffic.failed, "hits": hits_of(status), "url": target.url}

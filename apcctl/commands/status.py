@@ -11,6 +11,7 @@ import click
 import psutil
 
 from apcctl import render
+from apcctl.client import hits_of
 from apcctl.commands.common import (EXIT_CODES_SHORT, Targets, emit_results, for_each, json_option, server_options,
                                     watch_option, watching)
 from apcctl.commands.verify import canary_line, canary_state
@@ -22,17 +23,6 @@ _LOCAL = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 def register(main: click.Group, bench: click.Group) -> None:
     del bench
     main.add_command(status)
-
-
-def hit_summary(stats: dict[str, int]) -> dict[str, Any]:
-    """Lookup and token hit rates from the cache's counters (``hits_<kind>``, ``reused_tokens``...)."""
-    by_kind = {k[5:]: v for k, v in stats.items() if k.startswith("hits_")}
-    hits = sum(v for k, v in by_kind.items() if k != "cold")
-    total = hits + by_kind.get("cold", 0)
-    reused, prefilled = stats.get("reused_tokens", 0), stats.get("prefill_tokens", 0)
-    return {"requests": total, "hits": hits, "hit_rate": hits / total if total else None, "by_kind": by_kind,
-            "reused_tokens": reused, "prefill_tokens": prefilled,
-            "token_hit_rate": reused / (reused + prefilled) if reused + prefilled else None}
 
 
 def process_info(target: Target, pid: int | None) -> dict[str, Any] | None:
@@ -51,9 +41,8 @@ def process_info(target: Target, pid: int | None) -> dict[str, Any] | None:
 
 def collect(target: Target) -> dict[str, Any]:
     body = target.client().status()
-    lineage = body.get("lineage") or {}
     return {"server": target.name, "url": target.url, "managed": target.managed is not None, "status": body,
-            "process": process_info(target, body["server"].get("pid")), "hits": hit_summary(lineage.get("stats", {})),
+            "process": process_info(target, body["server"].get("pid")), "hits": hits_of(body),
             "canary": canary_state(target.client()) if body.get("lineage") else None}
 
 

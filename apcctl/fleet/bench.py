@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from apcctl.client import AdminClient
+from apcctl.client import AdminClient, hits_of
 from apcctl.fleet.gateway import GatewayClient, GatewayProcess, GatewaySpec, free_port
 from apcctl.fleet.traffic import TraceResult, replay, system_prompts
 from apcctl.manage import ManagedServer, build_spec
@@ -142,7 +142,6 @@ def _anchor_bytes(admin: AdminClient) -> int:
 def _counters(admin: AdminClient) -> tuple[int, int]:
     """Requests this server has answered (lookups of its lineage cache, hits and colds) and the
     prompt tokens it prefilled."""
-    from apcctl.commands.status import hit_summary
 
-    hits = hit_summary((admin.status().get("lineage") or {}).get("stats", {}))
+    hits = hits_of(admin.status())
     return int(hits["requests"]), int(hits["prefill_tokens"])

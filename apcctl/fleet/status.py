@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable
 
-from apcctl.client import AdminError
+from apcctl.client import AdminError, hits_of
 from apcctl.config import ConfigError, load_config, resolve
 from apcctl.fleet.gateway import GatewayClient, is_ready
 from apcctl.fleet.state import SPEC_FILE, FleetState, fleets_root
@@ -65,7 +65,6 @@ def _workers(state: FleetState, url: str) -> tuple[dict[str, dict[str, Any]], st
 
 def server_view(name: str, url: str, config_path: Path | None = None) -> dict[str, Any]:
     """Hit ratio, in flight and draining from one server's /admin/status (or why not)."""
-    from apcctl.commands.status import hit_summary
 
     try:
         target = resolve(name, None, load_config(config_path))
@@ -76,7 +75,7 @@ def server_view(name: str, url: str, config_path: Path | None = None) -> dict[st
     except AdminError as exc:
         return {"reachable": False, "error": exc.message}
     idle = body.get("idle") or {}
-    hits = hit_summary((body.get("lineage") or {}).get("stats", {}))
+    hits = hits_of(body)
     return {"reachable": True, "pid": body["server"].get("pid"), "in_flight": idle.get("in_flight"),
             "draining": idle.get("draining"), "requests": hits["requests"], "hit_rate": hits["hit_rate"],
             "token_hit_rate": hits["token_hit_rate"]}

@@ -32,6 +32,7 @@ from server_patch.admin.traffic import TRAFFIC, TrafficMiddleware
 from server_patch.canary.admin import verify_router
 from server_patch.canary.book import BOOK
 from server_patch.integration import runtime as lineage_runtime
+from server_patch.lineage.summary import hit_summary
 from server_patch.integration.anchors import label as anchor_label
 from server_patch.lineage import CacheError, LineageConfig
 
@@ -131,6 +132,7 @@ def status() -> dict[str, Any]:
         body["lineage"] = {
             "budgets": current.cache.budgets(),
             "stats": dict(current.cache.stats),
+            "hits": hit_summary(current.cache.stats),
             "layout": current.layout.describe(),
             "disk_path": str(current.disk.root) if current.disk else None,
             "disk_pending_writes": current.disk.pending if current.disk else 0,

@@ -17,7 +17,6 @@ from textual.containers import Container, Horizontal
 from textual.widgets import DataTable, Static
 
 from apcctl import render
-from apcctl.commands.status import hit_summary
 from tui import series
 from tui.columns import kind_text, request_columns
 from tui.messages import EntryRequested
@@ -59,7 +58,7 @@ def update_gauges(pane: "LivePane", state: DashboardState) -> None:
 def counters(state: DashboardState, now: float) -> Table:
     """Cumulative counters since the server started, and the idle state a restart waits on."""
     stats, idle = state.stats, (state.status or {}).get("idle") or {}
-    hits = hit_summary(stats)
+    hits = state.hits
     by_kind = Text()
     for kind, count in sorted(hits["by_kind"].items(), key=lambda kv: -kv[1]):
         by_kind.append_text(kind_text(kind))
