@@ -21,6 +21,7 @@ from apcctl.sim.policies.lineage import LineagePolicy
 from apcctl.sim.sizes import load_sizes
 from apcctl.sim.trace import Request
 from server_patch.lineage import FINAL, LineageCache, LineageConfig, SizedKV, SizedSnapshot
+from server_patch.lineage.flow import Admission
 from test_lineage_policy import Clock
 
 KV = 10
@@ -36,22 +37,21 @@ def ids(n: int, seed: int) -> list[int]:
 
 
 def serve(cache: LineageCache, prompt: list[int], reply: list[int] | None, *, rewind: bool = False) -> int:
-    """One request as the server runs it; ``reply`` None is reply reuse off. Returns the
-    tokens restored. ``rewind``: the server's lone-request loan, which rewinds an entry that
-    a prompt restores at its prompt end."""
-    plan = cache.lookup(prompt)
-    if rewind and plan.checkpoint is not None and plan.entry is not None and plan.entry.prompt_end \
-            and plan.length == plan.entry.prompt_end and cache.rewind(plan.entry):
-        again = cache.lookup(prompt)
-        assert again.length == plan.length and again.checkpoint is None
-        plan = again
-    captures = {c.length: (c.kind, SizedSnapshot(SNAP))
-                for c in cache.plan_captures(prompt, plan)}
+    """One request through the server's own flow; ``reply`` None is reply reuse off. Returns
+    the tokens restored. ``rewind``: the server's lone-request loan, which rewinds an entry
+    that a prompt restores at its prompt end."""
+    flow = Admission.admit(cache, prompt)
+    before, rewinds = flow.plan, cache.stats["reply_rewinds"]
+    plan = flow.rewind() if rewind else before
+    if cache.stats["reply_rewinds"] > rewinds:
+        assert plan.length == before.length and plan.checkpoint is None
+    flow.restored() if plan.hit else flow.cold()
+    captures = {c.length: (c.kind, SizedSnapshot(SNAP)) for c in flow.captures()}
     if reply is None:
-        cache.commit(prompt, kv=SizedKV(KV, len(prompt) - 1), head=SizedSnapshot(SNAP), captures=captures)
+        flow.commit(kv=SizedKV(KV, len(prompt) - 1), head=SizedSnapshot(SNAP), captures=captures)
     else:
-        cache.commit_reply(prompt, reply, kv=SizedKV(KV, len(prompt) + len(reply)), head=SizedSnapshot(SNAP),
-                           prompt_head=SizedSnapshot(SNAP), captures=captures)
+        flow.commit_reply(reply, kv=SizedKV(KV, len(prompt) + len(reply)), head=SizedSnapshot(SNAP),
+                          prompt_head=SizedSnapshot(SNAP), captures=captures)
     return plan.length
 
 

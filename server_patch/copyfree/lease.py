@@ -19,6 +19,7 @@ A loan ends in one of two ways:
   (``give_back``). If the buffer is no longer where a lone row keeps it, the entry is
   dropped: a cold prefill later, never garbage.
 
+``LeaseBook`` keeps the loans in force, by the borrowing request's key, and ends them.
 Everything here runs on the generation thread, which is the only one that writes caches.
 """
 
@@ -26,11 +27,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from server_patch.state.layout import CacheLayout, MlxKV
 
 log = logging.getLogger("server_patch.copyfree")
+# Where a loan's end is told: the lineage log, with the commits (operators and tests read it).
+events = logging.getLogger("server_patch.lineage")
 
 
 @dataclass
@@ -83,4 +86,82 @@ def give_back(layout: CacheLayout, lease: Lease, caches: Sequence[Any] | None = 
         return False
 
 
-__all__ = ["Lease", "give_back", "lend", "lendable"]
+class LeaseBook:
+    """The loans in force, by the borrowing request's key, over one cache and its layout.
+    Ending a loan gives the rows back to the entry, or drops the entry if they are gone."""
+
+    def __init__(self, layout: CacheLayout | None = None, cache: Any = None) -> None:
+        self._layout, self._cache = layout, cache
+        self._loans: dict[Any, Lease] = {}
+
+    def __len__(self) -> int:
+        return len(self._loans)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._loans
+
+    def get(self, key: Any) -> Optional[Lease]:
+        return self._loans.get(key)
+
+    def lend(self, key: Any, entry: Any, snapshot: Any, length: int) -> list[Any]:
+        """Restored row caches around ``entry``'s own buffers, lent to request ``key``."""
+        assert self._layout is not None
+        warm = lend(self._layout, entry.kv, snapshot, length)
+        self._loans[key] = Lease(entry, key, list(warm))
+        return warm
+
+    def bind(self, key: Any, uid: Any) -> None:
+        """The borrower's generator uid, once its batch is built."""
+        lease = self._loans.get(key)
+        if lease is not None and lease.uid is None:
+            lease.uid = uid
+
+    def end(self, lease: Lease, caches: Optional[Sequence[Any]] = None, *, reason: str) -> bool:
+        """Give the lent rows back to their entry (or drop the entry if they are gone)."""
+        assert self._layout is not None and self._cache is not None
+        self._loans.pop(lease.key, None)
+        kept = give_back(self._layout, lease, caches, still_stored=self._cache.holds)
+        if not kept:
+            self._cache.drop(lease.entry.id, "lent rows lost")
+        events.info("apc_copyfree loan of entry %s ended: %s%s", lease.entry.id, reason,
+                    "" if kept else " (entry dropped)")
+        return kept
+
+    def end_of(self, uid: Any, caches: Optional[Sequence[Any]], *, reason: str) -> None:
+        """End the loans of borrower ``uid`` (``caches``: where its buffers are now)."""
+        if uid is None:
+            return
+        for lease in [lease for lease in self._loans.values() if lease.uid == uid]:
+            self.end(lease, caches, reason=reason)
+
+    def sweep(self, entry: Any, reclaimed: set[str], active: Optional[Iterable[Any]]) -> bool:
+        """Before a lookup builds anything: end the loan of ``entry`` (the rows this prompt
+        needs; its id goes into ``reclaimed``), loans whose borrower is not ``active`` any
+        more, and loans never merged (their batch was not a lone row). True if an entry had
+        to be dropped."""
+        alive = set(active) if active is not None else None
+        dropped = False
+        for lease in list(self._loans.values()):
+            if entry is lease.entry:
+                reason = "shared"
+                reclaimed.add(lease.entry.id)
+            elif not lease.merged:
+                reason = "unmerged"
+            elif alive is not None and lease.uid is not None and lease.uid not in alive:
+                reason = "orphan"
+            else:
+                continue
+            dropped = not self.end(lease, reason=reason) or dropped
+        return dropped
+
+    def settle(self) -> None:
+        """Loans whose entry was absorbed (by the borrower's own entry) or evicted are over:
+        the buffer belongs to whoever writes it now."""
+        assert self._cache is not None
+        for lease in list(self._loans.values()):
+            if not self._cache.holds(lease.entry):
+                del self._loans[lease.key]
+                events.info("apc_copyfree loan of entry %s ended: absorbed", lease.entry.id)
+
+
+__all__ = ["Lease", "LeaseBook", "give_back", "lend", "lendable"]

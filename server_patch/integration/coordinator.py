@@ -3,10 +3,11 @@
 0.7.10's batch generator already does the hard part: it asks the coordinator for a lookup at
 admission, for the lengths where prefill must stop, calls ``store_checkpoint`` exactly when a
 row has processed each length, and merges restored rows into the batch. We answer those calls
-from the lineage policy:
+from the lineage policy, through the request flow the simulator runs too
+(``server_patch.lineage.flow``: admission, captures, commits):
 
-* ``lookup``: the policy's restore point, built as truncated views (no restore clone). It
-  plans until the plan is stable (deferred entries committed, loans of the rows it needs
+* ``lookup``: the flow's admitted restore point, built as truncated views (no restore clone).
+  It plans until the plan is stable (deferred entries committed, loans of the rows it needs
   ended, a disk restore point loaded or its file rejected), so whatever plan is admitted has
   been swept; a lent entry cannot be built from at all (``CacheLayout.build`` raises: cold);
 * ``merge_rows``: the one copy of a warm turn, into batch buffers with room for the suffix
@@ -22,17 +23,17 @@ from the lineage policy:
   is adopted, truncated, once nothing writes it any more: when the request leaves the
   decoding batch (``rows_leaving``) or its rows are concatenated into a shared batch
   (``batches_joining``). A lookup that would restore from a deferred entry commits it first,
-  by a copy, so deferral never hides a restore point.
+  by a copy, so deferral never hides a restore point (``server_patch.copyfree.deferred``).
 
 Reply reuse (``APC_LINEAGE_REPLY_REUSE``, on by default): a row of the batched, non-speculative
 path is tracked from its prefill end (``server_patch.copyfree.replies``: the ids each decode
 step fed). When it leaves the decoding batch (finished, stopped, length, cancelled) and its
 caches provably hold prompt + exactly those ids, its entry's head moves past the reply
-(``LineageCache.commit_reply``): a lone row's buffer is adopted as it is (the reply's KV rows
+(``copyfree.deferred.commit_reply``): a lone row's buffer is adopted as it is (the reply's KV rows
 are already in it), a row of a multi-row batch is copied out once. The prompt end stays the
 entry's protected checkpoint; anything that does not check out leaves the entry there. A
 prompt that restores at that point and could be lent the buffer rewinds the entry to it first
-(``_rewound``). Off by explicit check: the single-sequence path (no uid, no decode hook),
+(``_may_rewind``). Off by explicit check: the single-sequence path (no uid, no decode hook),
 draft-model batches, and ``APC_LINEAGE_REPLY_REUSE=0``.
 
 Every request is named by its namespace and its tokens (``pending.request_key``): pending
@@ -55,39 +56,21 @@ import numpy as np
 from mlx_vlm.apc_coordinator import APCCoordinator
 
 from server_patch import canary
-from server_patch.copyfree import pool, replies
+from server_patch.copyfree import pool
+from server_patch.copyfree.deferred import Deferred, DeferredBook, commit_reply
 from server_patch.copyfree import lease as lending
 from server_patch.copyfree import merge as copyfree_merge
-from server_patch.copyfree.lease import Lease
 from server_patch.copyfree.replies import Reply, ReplyBook
 from server_patch.copyfree.settings import CopyFreeSettings
 from server_patch.integration import segments as SEGMENTS
 from server_patch.integration.pending import Pending, PendingBook, RequestKey, namespace_of, request_key
 from server_patch.integration.runtime import LineageRuntime, runtime_for
 from server_patch.lineage import ANCHOR, DISK, RestorePlan, as_tokens
+from server_patch.lineage.flow import Admission, cold
 from server_patch.state import rows
 from server_patch.state.layout import MlxKV
 
 log = logging.getLogger("server_patch.lineage")
-
-# Plans a lookup may make before it settles (each re-plan follows progress: a deferred entry
-# committed, a loan ended, a disk file loaded or rejected); past that it prefills cold.
-_PLANS_MAX = 8
-
-
-@dataclass
-class Deferred:
-    """An entry whose KV rows are still being written by their own request: a lone row
-    (``caches``: its own buffers), or with reply reuse a row sharing its batch (``shared``:
-    found by uid in the decoding batch when needed, and copied out once when it ends)."""
-
-    pending: Pending
-    head: Any
-    caches: list[Any]
-    uid: Any
-    since: float
-    shared: bool = False
-
 
 class LineageCoordinator(APCCoordinator):
     """APCCoordinator whose checkpoint mode is the lineage cache."""
@@ -101,8 +84,10 @@ class LineageCoordinator(APCCoordinator):
         self._pending = PendingBook()
         self.copyfree: CopyFreeSettings = pool.configure()
         self._generator: Callable[[], Any] | None = None
-        self._deferred: dict[Any, Deferred] = {}
-        self._leases: dict[RequestKey, Lease] = {}
+        self._deferred = DeferredBook(self.runtime and self.runtime.layout, self.copyfree,
+                                      self.runtime and self.runtime.timings, self._store)
+        self._leases = lending.LeaseBook(*(() if self.runtime is None else
+                                           (self.runtime.layout, self.runtime.cache)))
         self._replies = ReplyBook()
 
     def attach_generator(self, generator: Any) -> None:
@@ -124,71 +109,55 @@ class LineageCoordinator(APCCoordinator):
         namespace = namespace_of(extra_hash)
         key = request_key(namespace, prompt)
         record = self.runtime.timings.open(key, int(prompt.shape[0]))
-        plan, promoted, reclaimed = self._settled_plan(prompt, namespace)
+        if len(self._replies):
+            active = self._active_uids()
+            if active is not None:
+                self._replies.sweep(active)
+        reclaimed: set[str] = set()  # entries whose loans this lookup ended: never lent again now
+        disk = self.runtime.disk
+        admission = Admission.admit(cache, prompt, namespace, disk=_Loader(disk) if disk is not None else None,
+                                    settle=lambda plan: self._settle(prompt, namespace, plan, reclaimed),
+                                    disk_refused=lambda: canary.refuses(DISK))
+        plan = admission.plan
         if key not in self._leases and plan.entry is not None and plan.entry.id not in reclaimed:
-            plan = self._rewound(plan, prompt, namespace)
+            plan = admission.rewind(self._may_rewind)
         if plan.hit and canary.refuses(plan.kind):  # a failed canary check (ON_FAIL=cold): cold
-            plan = _cold(plan)
+            plan = admission.refuse()
         warm = None
         lent = False
         if plan.hit and plan.length >= safe_lookup_min and suffix_is_text_only(plan.length):
             try:
                 if key not in self._leases and plan.entry.id not in reclaimed and self._may_lend(plan):
-                    warm = lending.lend(layout, plan.entry.kv, plan.state, plan.length)
-                    self._leases[key] = Lease(plan.entry, key, list(warm))
+                    warm = self._leases.lend(key, plan.entry, plan.state, plan.length)
                     lent = True
                 else:
                     warm = layout.build(plan.entry.kv, plan.state, plan.length)  # raises if lent
             except Exception as exc:  # fail closed: a cold prefill, never garbage
                 log.warning("apc_lineage restore of %s at %d failed: %s", plan.entry.id, plan.length, exc)
-        self._pending.remember(Pending(prompt, namespace, plan if warm is not None else _cold(plan)))
+        if warm is None:
+            admission.refuse()
+        self._pending.remember(Pending(prompt, namespace, admission.plan))
         record.lookup_ms = (time.perf_counter() - start) * 1000
         if warm is None:
-            cache.note_cold(plan)
+            admission.cold()
             return None
-        admission = "lent" if lent else "copied"
-        cache.note_restore(plan, admission)
-        record.restore_kind = DISK if plan.entry.id in promoted else plan.kind
+        kv_admission = "lent" if lent else "copied"
+        admission.restored(kv_admission)
+        record.restore_kind = DISK if admission.tier == DISK else plan.kind
         record.restored_tokens = plan.length
         record.entry_id = plan.entry.id
-        record.kv_admission = admission
+        record.kv_admission = kv_admission
         record.admission_ms = record.lookup_ms
         return {"matched_blocks": [], "warm_cache": warm, "prefix_len": plan.length,
                 "extra_hash": extra_hash, "full_input_ids": list(token_ids), "cache_plan": self.plan}
 
-    def _settled_plan(self, prompt: np.ndarray, namespace: str) -> tuple[RestorePlan, set[str], set[str]]:
-        """Plan until the plan is stable, so the one admitted has been swept like the first:
-        deferred entries it would restore from are committed, loans of its rows end, a disk
-        restore point is loaded (or its file rejected), and after each of these it plans
-        again. Returns (plan, ids of entries loaded from disk, ids of entries reclaimed)."""
-        assert self.runtime is not None
-        cache, disk = self.runtime.cache, self.runtime.disk
-        promoted: set[str] = set()
-        reclaimed: set[str] = set()
-        loaded_ids: set[str] = set()
-        if len(self._replies):
-            active = self._active_uids()
-            if active is not None:
-                self._replies.sweep(active)
-        plan = cache.lookup(prompt, namespace)
-        for _ in range(_PLANS_MAX):
-            if self._deferred and self._surface_deferred(prompt, namespace, plan.length):
-                pass  # a deferred entry was committed: there may be a longer restore point
-            elif self._leases and self._sweep_leases(plan, reclaimed):
-                pass  # an entry was dropped: plan again
-            elif plan.tier == DISK and (disk is None or plan.record.id in loaded_ids or canary.refuses(DISK)):
-                break  # loaded once already and gone again (no room in RAM), or a suspect tier: cold
-            elif plan.tier == DISK:
-                loaded_ids.add(plan.record.id)
-                loaded, why = _load(disk, plan.record)
-                if cache.promote(plan.record, loaded, reason=why) is not None:
-                    promoted.add(plan.record.id)
-            else:
-                return plan, promoted, reclaimed
-            plan = cache.lookup(prompt, namespace)
-        else:
-            log.warning("apc_lineage lookup did not settle after %d plans: cold prefill", _PLANS_MAX)
-        return _cold(plan), promoted, reclaimed
+    def _settle(self, prompt: np.ndarray, namespace: str, plan: RestorePlan, reclaimed: set[str]) -> bool:
+        """The flow's settle hook: commit deferred entries this plan would miss, end loans of
+        the rows it needs. True if the plan may have changed (plan again)."""
+        if self._deferred and self._deferred.surface(prompt, namespace, plan.length, active=self._active_uids(),
+                                                     row_of=self._row_of, forget=self._replies.take):
+            return True  # a deferred entry was committed: there may be a longer restore point
+        return bool(self._leases) and self._leases.sweep(plan.entry, reclaimed, self._active_uids())
 
     def merge_rows(self, picks: Sequence[Optional[dict]], prefix_lens: Sequence[int], *,
                    kv_quant_config: Optional[dict] = None):
@@ -222,13 +191,13 @@ class LineageCoordinator(APCCoordinator):
         lone = leases[0] if len(picks) == 1 else None
         for lease in leases:
             if lease is not None and lease is not lone:  # rows sharing a batch: the merge copies
-                self._end_lease(lease, reason="batch")
+                self._leases.end(lease, reason="batch")
         headroom = self.copyfree.lend_headroom if len(picks) == 1 and self.copyfree.lending else 0
         caches = copyfree_merge.merge_rows(row_caches, prefix_lens, suffixes, self.copyfree.decode_reserve,
                                            headroom=headroom, lend=lone is not None)
         if caches is None:
             if lone is not None:
-                self._end_lease(lone, reason="fallback")
+                self._leases.end(lone, reason="fallback")
             return None
         if lone is not None:
             lone.holder, lone.merged = list(caches), True
@@ -244,9 +213,7 @@ class LineageCoordinator(APCCoordinator):
             if meta is not None and "full_input_ids" in meta:
                 key = _key_of(meta)
                 self.runtime.timings.bind(uid, key)
-                lease = self._leases.get(key)
-                if lease is not None and lease.uid is None:
-                    lease.uid = uid
+                self._leases.bind(key, uid)
 
     # ------------------------------------------------------------------ captures
 
@@ -271,9 +238,7 @@ class LineageCoordinator(APCCoordinator):
         assert self.runtime is not None
         info = SEGMENTS.boundaries(pending.tokens)  # anchor + chat-template segment boundaries
         pending.anchor_label = info.anchor_label
-        captures = self.runtime.cache.plan_captures(pending.tokens, pending.plan,
-                                                    namespace=pending.namespace or "",
-                                                    anchor_len=info.anchor_len, segments=info.segments)
+        captures = self._flow(pending).captures(anchor_len=info.anchor_len, segments=info.segments)
         pending.wanted = {c.length: c.kind for c in captures if c.length <= pending.final}
 
     def store_checkpoint(self, token_ids: Sequence[int], prompt_cache: Sequence[Any], *,
@@ -308,8 +273,8 @@ class LineageCoordinator(APCCoordinator):
         if lone or (self.copyfree.enabled and self._reply_reuse(pending, uid)):
             # A row sharing its batch is copied out once, when it ends, past its reply.
             head = rows.capture(runtime.layout, prompt_cache, batch_idx, pending.final)
-            self._deferred[uid] = Deferred(pending, head, list(prompt_cache) if lone else [], uid,
-                                           time.monotonic(), shared=not lone)
+            self._deferred.add(Deferred(pending, head, list(prompt_cache) if lone else [], uid,
+                                        time.monotonic(), shared=not lone))
             self._track_reply(pending, head, uid)
             self._note_commit(pending, uid, start)
             return True
@@ -323,10 +288,10 @@ class LineageCoordinator(APCCoordinator):
         assert self.runtime is not None
         if pending.wanted.get(pending.final) == ANCHOR:
             pending.taken[pending.final] = (ANCHOR, head)
-        entry = self.runtime.cache.commit(pending.tokens, kv=kv, head=head, captures=pending.taken,
-                                          namespace=pending.namespace, anchor_label=pending.anchor_label)
+        entry = self._flow(pending).commit(kv=kv, head=head, captures=pending.taken,
+                                           anchor_label=pending.anchor_label)
         if self._leases:
-            self._settle_leases()
+            self._leases.settle()
         return entry is not None
 
     # ------------------------------------------------------------------ reply reuse
@@ -339,8 +304,7 @@ class LineageCoordinator(APCCoordinator):
         assert self.runtime is not None
         if not self.runtime.config.reply_reuse or uid is None:
             return False
-        generator = self._generator() if self._generator is not None else None
-        if generator is None or getattr(generator, "draft_model", None) is not None:
+        if not self._plain_generator():
             return False
         return pending.final == int(pending.tokens.shape[0]) - self.runtime.config.entry_offset
 
@@ -357,46 +321,16 @@ class LineageCoordinator(APCCoordinator):
 
     def _commit_reply(self, reply: Reply, batch: Any, idx: int, *, alone: bool,
                       deferred: Optional[Deferred]) -> bool:
-        """Move the row's entry past its reply: adopt a lone row's buffer (views), copy a
-        shared batch's row once. False (nothing stored) if the row does not check out."""
-        start = time.perf_counter()
-        runtime = self.runtime
-        assert runtime is not None
-        fed = replies.validated(runtime.layout, reply, batch, idx)
-        if fed is None:
-            log.info("apc_lineage reply of %d tokens not kept: the row's cache does not hold prompt + "
-                     "reply (entry stays at the prompt end)", len(reply.fed))
-            return False
-        pending, caches, length = reply.pending, list(batch.prompt_cache), reply.fed_length
-        capacity = rows.buffer_rows(caches)
-        adopt = alone and self.copyfree.enabled and self.copyfree.adopt and \
-            self.copyfree.adoptable(length, capacity)
-        captures = dict(pending.taken) if deferred is not None else {}  # else the stored entry has them
-        if deferred is not None and pending.wanted.get(pending.final) == ANCHOR:
-            captures[pending.final] = (ANCHOR, reply.prompt_head)
-        try:
-            kv = rows.kv_rows(runtime.layout, caches, idx, length, copy=not adopt)
-            head = rows.capture(runtime.layout, caches, idx, length)
-            runtime.cache.commit_reply(pending.tokens, fed, kv=kv, head=head, prompt_head=reply.prompt_head,
-                                       captures=captures, namespace=pending.namespace or "",
-                                       anchor_label=pending.anchor_label)
-        except Exception as exc:  # fail closed: the prompt-end entry (or its deferral) stands
-            log.warning("apc_lineage reply commit of %d tokens failed: %s", length, exc)
-            return False
+        """Move the row's entry past its reply (``copyfree.deferred.commit_reply``)."""
+        assert self.runtime is not None
+        return commit_reply(self.runtime.layout, self.copyfree, reply, batch, idx, alone=alone,
+                            deferred=deferred, settle=self._settle_leases,
+                            store=lambda pending, fed, **state: self._flow(pending).commit_reply(
+                                fed, anchor_label=pending.anchor_label, **state))
+
+    def _settle_leases(self) -> None:
         if self._leases:
-            self._settle_leases()
-        elapsed = (time.perf_counter() - start) * 1000
-        if reply.record is not None:
-            reply.record.commit_ms += elapsed
-            reply.record.reply_tokens = len(fed)
-        if deferred is not None:  # the deferred entry's commit, past its reply
-            log.info("apc_copyfree commit uid=%s mode=%s reason=end tokens=%d kv_bytes=%d buffer_rows=%d "
-                     "deferred_s=%.2f ms=%.1f reply=%d", deferred.uid, "adopt" if adopt else "copy", length,
-                     kv.nbytes, capacity, time.monotonic() - deferred.since, elapsed, len(fed))
-        else:  # its entry was stored at the prompt end already (a join, a lookup surfaced it)
-            log.info("apc_lineage reply kept uid=%s mode=%s tokens=%d kv_bytes=%d ms=%.1f reply=%d",
-                     batch.uids[idx], "adopt" if adopt else "copy", length, kv.nbytes, elapsed, len(fed))
-        return True
+            self._leases.settle()
 
     def _note_commit(self, pending: Pending, uid: Any, start: float) -> None:
         assert self.runtime is not None
@@ -412,8 +346,7 @@ class LineageCoordinator(APCCoordinator):
         """A lone row of a plain (non-speculative) batch: its buffer is its own to hand over."""
         if not (self.copyfree.enabled and self.copyfree.adopt) or uid is None:
             return False
-        generator = self._generator() if self._generator is not None else None
-        if generator is None or getattr(generator, "draft_model", None) is not None:
+        if not self._plain_generator():
             return False
         return rows.batch_size(prompt_cache) == 1
 
@@ -429,12 +362,12 @@ class LineageCoordinator(APCCoordinator):
             if i in kept:
                 continue
             reply = self._replies.take(uid)
-            deferred = self._deferred.pop(uid, None)
+            deferred = self._deferred.pop(uid)
             kept_reply = reply is not None and self._commit_reply(reply, batch, i, alone=alone,
                                                                   deferred=deferred)
             if deferred is not None and not kept_reply:
-                self._resolve(deferred, list(batch.prompt_cache), i, adopt=alone, reason="end")
-            self._end_lease_of(uid, batch.prompt_cache if alone else None, reason="end")
+                self._deferred.resolve(deferred, list(batch.prompt_cache), i, adopt=alone, reason="end")
+            self._leases.end_of(uid, batch.prompt_cache if alone else None, reason="end")
 
     def batches_joining(self, existing: Any, incoming: Any) -> None:
         """Before ``existing.extend(incoming)``: a lone row's buffer is about to be replaced by
@@ -446,9 +379,9 @@ class LineageCoordinator(APCCoordinator):
             for i, uid in enumerate(list(batch.uids)):
                 deferred = self._deferred.get(uid)
                 if deferred is not None and not deferred.shared:  # shared rows move along, by uid
-                    self._resolve(self._deferred.pop(uid), list(batch.prompt_cache), i, adopt=alone,
-                                  reason="join")
-                self._end_lease_of(uid, batch.prompt_cache if alone else None, reason="join")
+                    self._deferred.resolve(self._deferred.pop(uid), list(batch.prompt_cache), i, adopt=alone,
+                                           reason="join")
+                self._leases.end_of(uid, batch.prompt_cache if alone else None, reason="join")
 
     def request_removed(self, uid: Any) -> None:
         """A request is taken out of the prompt batch mid-prefill: its loan ends now, it will
@@ -458,33 +391,9 @@ class LineageCoordinator(APCCoordinator):
         if deferred is not None and deferred.shared:
             found = self._row_of(uid)
             if found is not None:
-                del self._deferred[uid]
-                self._resolve(deferred, found[0], found[1], adopt=False, reason="removed")
-        self._end_lease_of(uid, None, reason="removed")
-
-    def _surface_deferred(self, prompt: np.ndarray, namespace: str, restorable: int) -> bool:
-        """Commit deferred entries a lookup would restore from (or that nobody writes any more)."""
-        active = self._active_uids()
-        surfaced = False
-        for uid, deferred in list(self._deferred.items()):
-            orphan = active is not None and uid not in active
-            useful = deferred.pending.namespace == namespace and \
-                _best_restore(deferred.pending, prompt) > restorable
-            if orphan:
-                self._replies.take(uid)
-            if orphan or useful:
-                del self._deferred[uid]
-                reason = "orphan" if orphan else "lookup"
-                if not deferred.shared:
-                    self._resolve(deferred, deferred.caches, 0, adopt=orphan, reason=reason)
-                elif (found := self._row_of(uid)) is not None:
-                    self._resolve(deferred, found[0], found[1], adopt=False, reason=reason)
-                else:  # its row is gone and nothing saw it leave: no entry, never garbage
-                    log.warning("apc_lineage deferred entry of %d tokens lost: its row left unseen",
-                                deferred.pending.final)
-                    continue
-                surfaced = surfaced or useful
-        return surfaced
+                self._deferred.pop(uid)
+                self._deferred.resolve(deferred, found[0], found[1], adopt=False, reason="removed")
+        self._leases.end_of(uid, None, reason="removed")
 
     def _row_of(self, uid: Any) -> Optional[tuple[list[Any], int]]:
         """Where row ``uid`` is now: (its batch's caches, its index) in the decoding batch or
@@ -497,6 +406,12 @@ class LineageCoordinator(APCCoordinator):
                 return list(batch.prompt_cache), uids.index(uid)
         return None
 
+    def _plain_generator(self) -> bool:
+        """A generator is attached and it has no draft model (``SpeculativeGenerationBatch``
+        reports no fed ids, and its caches hold draft rows it may roll back)."""
+        generator = self._generator() if self._generator is not None else None
+        return generator is not None and getattr(generator, "draft_model", None) is None
+
     def _active_uids(self) -> set[Any] | None:
         generator = self._generator() if self._generator is not None else None
         if generator is None:
@@ -507,29 +422,6 @@ class LineageCoordinator(APCCoordinator):
             active.update(prompt_batch.uids)
         return active
 
-    def _resolve(self, deferred: Deferred, caches: list[Any], idx: int, *, adopt: bool,
-                 reason: str) -> None:
-        """Commit a deferred entry: adopt the row's buffer (views) or copy the row."""
-        start = time.perf_counter()
-        runtime = self.runtime
-        assert runtime is not None
-        final = deferred.pending.final
-        capacity = rows.buffer_rows(caches)
-        adopt = adopt and self.copyfree.adoptable(final, capacity)
-        try:
-            kv = rows.kv_rows(runtime.layout, caches, idx, final, copy=not adopt)
-            self._store(deferred.pending, kv, deferred.head)
-        except Exception as exc:  # the row is gone (removed mid-prefill): no entry, never garbage
-            log.warning("apc_lineage deferred commit of %d tokens dropped (%s): %s", final, reason, exc)
-            return
-        elapsed = (time.perf_counter() - start) * 1000
-        record = runtime.timings.by_uid(deferred.uid)
-        if record is not None:
-            record.commit_ms += elapsed
-        log.info("apc_copyfree commit uid=%s mode=%s reason=%s tokens=%d kv_bytes=%d buffer_rows=%d "
-                 "deferred_s=%.2f ms=%.1f", deferred.uid, "adopt" if adopt else "copy", reason, final,
-                 kv.nbytes, capacity, time.monotonic() - deferred.since, elapsed)
-
     # ------------------------------------------------------------------ lent buffers
 
     def _may_lend(self, plan: RestorePlan) -> bool:
@@ -539,80 +431,23 @@ class LineageCoordinator(APCCoordinator):
             return False
         if plan.entry.is_anchor or plan.length != plan.entry.length:
             return False
-        generator = self._generator() if self._generator is not None else None
-        if generator is None or getattr(generator, "draft_model", None) is not None:
+        if not self._plain_generator():
             return False
         rows_needed = plan.prompt_len + self.copyfree.decode_reserve
         return lending.lendable(plan.entry.kv, plan.length, rows_needed)
 
-    def _rewound(self, plan: RestorePlan, prompt: np.ndarray, namespace: str) -> RestorePlan:
+    def _may_rewind(self, plan: RestorePlan) -> bool:
         """A prompt that restores at an entry's protected prompt end (it did not re-render the
-        reply) would be lent the buffer if the head sat there: rewind the entry (give up the
-        reply's state, ``LineageCache.rewind``) and plan again, so the turn appends in place
-        as it would without reply reuse instead of copying the entry."""
+        reply) would be lent the buffer if the head sat there: the flow may rewind the entry
+        (give up the reply's state, ``LineageCache.rewind``) so the turn appends in place as it
+        would without reply reuse instead of copying the entry."""
         entry = plan.entry
-        assert self.runtime is not None and entry is not None
-        if plan.checkpoint is None or not entry.prompt_end or plan.length != entry.prompt_end:
-            return plan
+        assert entry is not None
         if not self.copyfree.lending or entry.is_anchor or not isinstance(entry.kv, MlxKV) or entry.kv.lent:
-            return plan
-        generator = self._generator() if self._generator is not None else None
-        if generator is None or getattr(generator, "draft_model", None) is not None:
-            return plan
-        if entry.kv.capacity("keys") < plan.prompt_len + self.copyfree.decode_reserve:
-            return plan
-        if not self.runtime.cache.rewind(entry):
-            return plan
-        again = self.runtime.cache.lookup(prompt, namespace)
-        # The old plan stays buildable (its checkpoint's state, the truncated rows) if the
-        # new one is not the rewound head (it always is while nothing else changed).
-        return again if again.entry is entry and again.length == plan.length else plan
-
-    def _sweep_leases(self, plan: RestorePlan, reclaimed: set[str]) -> bool:
-        """Before a lookup builds anything: end loans whose rows this prompt needs, loans
-        whose borrower is gone, and loans never merged (their batch was not a lone row).
-        Returns True if an entry had to be dropped."""
-        active = self._active_uids()
-        dropped = False
-        for lease in list(self._leases.values()):
-            if plan.entry is lease.entry:
-                reason = "shared"
-                reclaimed.add(lease.entry.id)
-            elif not lease.merged:
-                reason = "unmerged"
-            elif active is not None and lease.uid is not None and lease.uid not in active:
-                reason = "orphan"
-            else:
-                continue
-            dropped = not self._end_lease(lease, reason=reason) or dropped
-        return dropped
-
-    def _end_lease_of(self, uid: Any, caches: Optional[Sequence[Any]], *, reason: str) -> None:
-        if uid is None:
-            return
-        for lease in [lease for lease in self._leases.values() if lease.uid == uid]:
-            self._end_lease(lease, caches, reason=reason)
-
-    def _end_lease(self, lease: Lease, caches: Optional[Sequence[Any]] = None, *, reason: str) -> bool:
-        """Give the lent rows back to their entry (or drop the entry if they are gone)."""
-        assert self.runtime is not None
-        self._leases.pop(lease.key, None)
-        cache = self.runtime.cache
-        kept = lending.give_back(self.runtime.layout, lease, caches, still_stored=cache.holds)
-        if not kept:
-            cache.drop(lease.entry.id, "lent rows lost")
-        log.info("apc_copyfree loan of entry %s ended: %s%s", lease.entry.id, reason,
-                 "" if kept else " (entry dropped)")
-        return kept
-
-    def _settle_leases(self) -> None:
-        """Loans whose entry was absorbed (by the borrower's own entry) or evicted are over:
-        the buffer belongs to whoever writes it now."""
-        assert self.runtime is not None
-        for lease in list(self._leases.values()):
-            if not self.runtime.cache.holds(lease.entry):
-                del self._leases[lease.key]
-                log.info("apc_copyfree loan of entry %s ended: absorbed", lease.entry.id)
+            return False
+        if not self._plain_generator():
+            return False
+        return entry.kv.capacity("keys") >= plan.prompt_len + self.copyfree.decode_reserve
 
     def commit(self, prompt_cache, token_ids, *, batch_idx=None, extra_hash=0,
                skip_first_n_tokens=0, blocks_in_use=()) -> bool:
@@ -623,43 +458,34 @@ class LineageCoordinator(APCCoordinator):
         self.manager.release(blocks_in_use)
         return False
 
+    def _flow(self, pending: Pending) -> Admission:
+        """The request flow of a pending prompt, at its admitted plan (captures, commits)."""
+        assert self.runtime is not None
+        return Admission(self.runtime.cache, pending.tokens, pending.namespace or "", pending.plan)
+
     def _unlooked(self, prompt: np.ndarray) -> Pending:
         """A prompt that skipped lookup: planned as cold, its namespace named by its first store."""
         assert self.runtime is not None
-        pending = Pending(prompt, None, _cold(RestorePlan(0, "cold", prompt_len=int(prompt.shape[0]))))
+        pending = Pending(prompt, None, cold(RestorePlan(0, "cold", prompt_len=int(prompt.shape[0]))))
         self._pending.remember(pending)
         return pending
 
 
-def _load(disk: Any, record: Any) -> tuple[Any, str]:
-    """The loaded entry, or None and why (the disk store counts its rejects by reason)."""
-    before = Counter(getattr(disk, "rejects", {}))
-    entry = disk.load(record)
-    if entry is not None:
-        return entry, ""
-    return None, ",".join(sorted(Counter(getattr(disk, "rejects", {})) - before)) or "failed validation"
+@dataclass
+class _Loader:
+    """The disk store as the flow's ``DiskLoader``: the loaded entry, or None and why (the
+    store counts its rejects by reason)."""
+
+    disk: Any
+
+    def load(self, record: Any) -> tuple[Any, str]:
+        before = Counter(getattr(self.disk, "rejects", {}))
+        entry = self.disk.load(record)
+        if entry is not None:
+            return entry, ""
+        return None, ",".join(sorted(Counter(getattr(self.disk, "rejects", {})) - before)) or "failed validation"
 
 
 def _key_of(meta: dict) -> RequestKey:
     """The request key of a lookup answer or a row's metadata (both carry ``extra_hash``)."""
     return request_key(namespace_of(meta.get("extra_hash", 0)), as_tokens(meta["full_input_ids"]))
-
-
-def _best_restore(pending: Pending, prompt: np.ndarray) -> int:
-    """The longest restore point a deferred entry (head at ``final``, its captures) offers."""
-    common = _common_prefix(prompt, pending.tokens[:pending.final])
-    lengths = [pending.final, *pending.taken]
-    return max((n for n in lengths if n <= common and n < prompt.shape[0]), default=0)
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(int(a.shape[0]), int(b.shape[0]))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
-
-
-def _cold(plan: RestorePlan) -> RestorePlan:
-    return RestorePlan(0, "cold", shared=plan.shared, prompt_len=plan.prompt_len)
-

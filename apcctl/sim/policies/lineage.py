@@ -1,12 +1,12 @@
 """The real ``LineageCache`` driven by trace time, over sized handles and an in-memory disk.
 
-Per request the adapter does what the server plumbing does: ``tick`` (idle disk writes),
-``lookup``, load and ``promote`` a disk hit, ``note_restore``/``note_cold``, ``plan_captures``
-with the trace's anchor length and segments, then ``commit`` the state at n - 1 with one
-snapshot per capture, or, with reply reuse and a trace that carries the request's reply,
-``commit_reply``: the state after prompt + reply, the n - 1 state kept as its checkpoint (and,
-as the server does before lending a buffer, ``rewind`` an entry a prompt restores at its prompt
-end). Stored bytes: the entry's KV rows are one row-extraction copy per commit that creates an
+Per request the adapter runs the server's own request flow (``server_patch.lineage.flow``)
+after a ``tick`` (idle disk writes): admission (plan, load and promote a disk hit, plan again),
+``rewind`` of an entry a prompt restores at its prompt end (as the server does before lending
+a buffer), the restore or cold count, captures with the trace's anchor length and segments,
+then ``commit`` of the state at n - 1 with one snapshot per capture, or, with reply reuse and a
+trace that carries the request's reply, ``commit_reply``: the state after prompt + reply, the
+n - 1 state kept as its checkpoint. Stored bytes: the entry's KV rows are one row-extraction copy per commit that creates an
 entry; checkpoints are references to recurrent states prefill produced anyway (0 copies); an
 anchor copies its KV prefix (``KVHandle.prefix``).
 """
@@ -20,9 +20,9 @@ from apcctl.sim.policies.base import Ledger, Served
 from apcctl.sim.sizes import StateSizes
 from apcctl.sim.trace import Request
 from server_patch.lineage import (
-    DISK, Checkpoint, DiskRecord, Entry, Event, LineageCache, LineageConfig, RestorePlan,
-    SizedKV, SizedSnapshot,
+    Checkpoint, DiskRecord, Entry, Event, LineageCache, LineageConfig, SizedKV, SizedSnapshot,
 )
+from server_patch.lineage.flow import Admission
 
 
 @dataclass
@@ -76,46 +76,37 @@ class LineagePolicy:
 
     def serve(self, req: Request) -> Served:
         self._advance(req.t)
-        cache, ns = self.cache, req.namespace
-        plan = cache.lookup(req.tokens, ns)
-        if plan.hit and plan.tier == DISK:
-            self._load(plan)
-        if plan.checkpoint is not None and plan.entry is not None and plan.entry.prompt_end and \
-                plan.length == plan.entry.prompt_end and cache.rewind(plan.entry):
-            plan = cache.lookup(req.tokens, ns)  # the server rewinds to lend the buffer: same length
+        flow = Admission.admit(self.cache, req.tokens, req.namespace, disk=self)
+        plan = flow.rewind()  # the server rewinds to lend the buffer: same length
         if plan.hit:
-            cache.note_restore(plan)
+            flow.restored()
         else:
-            cache.note_cold(plan)
-        captures = cache.plan_captures(
-            req.tokens, plan, namespace=ns, anchor_len=req.anchor_len,
-            segments=req.segments if self.use_segments else (),
-        )
+            flow.cold()
+        captures = flow.captures(anchor_len=req.anchor_len,
+                                 segments=req.segments if self.use_segments else ())
         snap = self.sizes.snapshot_bytes
         taken = {c.length: (c.kind, SizedSnapshot(snap)) for c in captures}
-        if cache.config.reply_reuse and req.reply is not None:
+        if self.cache.config.reply_reuse and req.reply is not None:
             # The request ends: the head moves past the reply it generated (a lone row's own
             # buffer, adopted), the prompt end stays a checkpoint.
             kv = SizedKV(self.sizes.kv_per_token, req.n + int(req.reply.shape[0]))
-            entry = cache.commit_reply(req.tokens, req.reply, kv=kv, head=SizedSnapshot(snap),
-                                       prompt_head=SizedSnapshot(snap), captures=taken, namespace=ns)
+            entry = flow.commit_reply(req.reply, kv=kv, head=SizedSnapshot(snap),
+                                      prompt_head=SizedSnapshot(snap), captures=taken)
         else:
-            kv = SizedKV(self.sizes.kv_per_token, req.n - cache.config.entry_offset)
-            entry = cache.commit(req.tokens, kv=kv, head=SizedSnapshot(snap), namespace=ns,
-                                 captures=taken)
+            kv = SizedKV(self.sizes.kv_per_token, req.n - self.cache.config.entry_offset)
+            entry = flow.commit(kv=kv, head=SizedSnapshot(snap), captures=taken)
         if entry is not None and entry.kv is kv:
             self.ledger.bytes_cloned += kv.nbytes  # the row extraction this entry now holds
-        return Served(plan.length, _source(plan))
+        return Served(plan.length, f"{flow.tier}:{plan.kind}" if plan.hit else "cold")
 
     def _advance(self, t: float) -> None:
         """Trace time drives the clock; idle entries are written as the server's tick would."""
         self.now = max(self.now, t)
         self.cache.tick(self.now)
 
-    def _load(self, plan: RestorePlan) -> None:
-        """What the plumbing does on a disk hit: read the file, rebuild the entry, promote it."""
-        record = plan.record
-        assert record is not None
+    def load(self, record: DiskRecord) -> tuple[Entry | None, str]:
+        """The flow's ``DiskLoader``: what the plumbing does on a disk hit (read the file,
+        rebuild the entry; the flow promotes it and plans again)."""
         snap = self.sizes.snapshot_bytes
         entry = Entry(
             id=record.id, tokens=record.tokens.copy(), kv=SizedKV(self.sizes.kv_per_token, record.length),
@@ -125,7 +116,7 @@ class LineagePolicy:
                          for length, kind in record.checkpoints],
         )
         self.ledger.disk_bytes_read += record.nbytes
-        self.cache.promote(record, entry)
+        return entry, ""
 
     def _on_event(self, event: Event) -> None:
         if event.kind == "pin" and event.detail == "captured":
@@ -160,7 +151,3 @@ class LineagePolicy:
 
     def stats(self) -> dict[str, int]:
         return dict(self.cache.stats)
-
-
-def _source(plan: RestorePlan) -> str:
-    return f"{plan.tier}:{plan.kind}" if plan.hit else "cold"

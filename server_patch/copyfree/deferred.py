@@ -1,0 +1,169 @@
+"""Entries committed once nothing writes their rows any more: deferred commits and reply commits.
+
+At the prefill end a row alone in its batch is *deferred*: its snapshot is kept (references)
+and its own KV buffer is adopted, truncated, once its request stops writing it (it leaves the
+decoding batch, or its rows are concatenated into a shared batch). With reply reuse a row
+sharing its batch is deferred too, found by uid when needed and copied out once when it ends.
+A lookup that would restore from a deferred entry commits it first (``DeferredBook.surface``),
+by a copy, so deferral never hides a restore point.
+
+When a tracked row ends and its cache provably holds prompt + the ids it was fed
+(``replies.validated``), ``commit_reply`` moves its entry's head past the reply: a lone row's
+buffer is adopted as it is, a row of a multi-row batch is copied out once.
+
+The coordinator calls these on the generation thread, which is the only one writing caches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+
+from server_patch.copyfree import replies
+from server_patch.copyfree.replies import Reply
+from server_patch.copyfree.settings import CopyFreeSettings
+from server_patch.lineage import ANCHOR
+from server_patch.lineage.lookup import common_prefix_len
+from server_patch.state import rows
+
+# The commit lines go to the lineage log (operators and tests read them there).
+log = logging.getLogger("server_patch.lineage")
+
+RowFinder = Callable[[Any], Optional[tuple[list[Any], int]]]  # uid -> (its batch's caches, index)
+
+
+@dataclass
+class Deferred:
+    """An entry whose KV rows are still being written by their own request: a lone row
+    (``caches``: its own buffers), or with reply reuse a row sharing its batch (``shared``:
+    found by uid in the decoding batch when needed, and copied out once when it ends)."""
+
+    pending: Any  # the request's ``Pending``
+    head: Any
+    caches: list[Any]
+    uid: Any
+    since: float
+    shared: bool = False
+
+
+class DeferredBook:
+    """Deferred entries by uid, and their commits. ``store(pending, kv, head)`` commits an
+    entry at its prompt end (the coordinator's, through the request flow)."""
+
+    def __init__(self, layout: Any, settings: CopyFreeSettings, timings: Any,
+                 store: Callable[[Any, Any, Any], bool]) -> None:
+        self._layout, self._settings, self._timings, self._store = layout, settings, timings, store
+        self._items: dict[Any, Deferred] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, deferred: Deferred) -> None:
+        self._items[deferred.uid] = deferred
+
+    def get(self, uid: Any) -> Optional[Deferred]:
+        return self._items.get(uid)
+
+    def pop(self, uid: Any) -> Optional[Deferred]:
+        return self._items.pop(uid, None)
+
+    def resolve(self, deferred: Deferred, caches: list[Any], idx: int, *, adopt: bool, reason: str) -> None:
+        """Commit a deferred entry: adopt the row's buffer (views) or copy the row."""
+        start = time.perf_counter()
+        final = deferred.pending.final
+        capacity = rows.buffer_rows(caches)
+        adopt = adopt and self._settings.adoptable(final, capacity)
+        try:
+            kv = rows.kv_rows(self._layout, caches, idx, final, copy=not adopt)
+            self._store(deferred.pending, kv, deferred.head)
+        except Exception as exc:  # the row is gone (removed mid-prefill): no entry, never garbage
+            log.warning("apc_lineage deferred commit of %d tokens dropped (%s): %s", final, reason, exc)
+            return
+        elapsed = (time.perf_counter() - start) * 1000
+        record = self._timings.by_uid(deferred.uid)
+        if record is not None:
+            record.commit_ms += elapsed
+        log.info("apc_copyfree commit uid=%s mode=%s reason=%s tokens=%d kv_bytes=%d buffer_rows=%d "
+                 "deferred_s=%.2f ms=%.1f", deferred.uid, "adopt" if adopt else "copy", reason, final,
+                 kv.nbytes, capacity, time.monotonic() - deferred.since, elapsed)
+
+    def surface(self, prompt: np.ndarray, namespace: str, restorable: int, *,
+                active: Optional[Iterable[Any]], row_of: RowFinder, forget: Callable[[Any], Any]) -> bool:
+        """Commit deferred entries a lookup would restore from (``restorable``: what it
+        restores now), and those nobody writes any more (not ``active``; ``forget`` drops
+        their tracked reply). True if a useful one was committed (plan again)."""
+        alive = set(active) if active is not None else None
+        surfaced = False
+        for uid, deferred in list(self._items.items()):
+            orphan = alive is not None and uid not in alive
+            useful = deferred.pending.namespace == namespace and best_restore(deferred.pending, prompt) > restorable
+            if orphan:
+                forget(uid)
+            if orphan or useful:
+                del self._items[uid]
+                reason = "orphan" if orphan else "lookup"
+                if not deferred.shared:
+                    self.resolve(deferred, deferred.caches, 0, adopt=orphan, reason=reason)
+                elif (found := row_of(uid)) is not None:
+                    self.resolve(deferred, found[0], found[1], adopt=False, reason=reason)
+                else:  # its row is gone and nothing saw it leave: no entry, never garbage
+                    log.warning("apc_lineage deferred entry of %d tokens lost: its row left unseen",
+                                deferred.pending.final)
+                    continue
+                surfaced = surfaced or useful
+        return surfaced
+
+
+def commit_reply(layout: Any, settings: CopyFreeSettings, reply: Reply, batch: Any, idx: int, *,
+                 alone: bool, deferred: Optional[Deferred], store: Callable[..., Any],
+                 settle: Callable[[], None]) -> bool:
+    """Move the row's entry past its reply: adopt a lone row's buffer (views), copy a shared
+    batch's row once. ``store(pending, fed, kv=, head=, prompt_head=, captures=)`` commits it
+    (the flow's ``commit_reply``); ``settle`` runs after a commit. False (nothing stored) if
+    the row does not check out."""
+    start = time.perf_counter()
+    fed = replies.validated(layout, reply, batch, idx)
+    if fed is None:
+        log.info("apc_lineage reply of %d tokens not kept: the row's cache does not hold prompt + "
+                 "reply (entry stays at the prompt end)", len(reply.fed))
+        return False
+    pending, caches, length = reply.pending, list(batch.prompt_cache), reply.fed_length
+    capacity = rows.buffer_rows(caches)
+    adopt = alone and settings.enabled and settings.adopt and settings.adoptable(length, capacity)
+    captures = dict(pending.taken) if deferred is not None else {}  # else the stored entry has them
+    if deferred is not None and pending.wanted.get(pending.final) == ANCHOR:
+        captures[pending.final] = (ANCHOR, reply.prompt_head)
+    try:
+        kv = rows.kv_rows(layout, caches, idx, length, copy=not adopt)
+        head = rows.capture(layout, caches, idx, length)
+        store(pending, fed, kv=kv, head=head, prompt_head=reply.prompt_head, captures=captures)
+    except Exception as exc:  # fail closed: the prompt-end entry (or its deferral) stands
+        log.warning("apc_lineage reply commit of %d tokens failed: %s", length, exc)
+        return False
+    settle()
+    elapsed = (time.perf_counter() - start) * 1000
+    if reply.record is not None:
+        reply.record.commit_ms += elapsed
+        reply.record.reply_tokens = len(fed)
+    if deferred is not None:  # the deferred entry's commit, past its reply
+        log.info("apc_copyfree commit uid=%s mode=%s reason=end tokens=%d kv_bytes=%d buffer_rows=%d "
+                 "deferred_s=%.2f ms=%.1f reply=%d", deferred.uid, "adopt" if adopt else "copy", length,
+                 kv.nbytes, capacity, time.monotonic() - deferred.since, elapsed, len(fed))
+    else:  # its entry was stored at the prompt end already (a join, a lookup surfaced it)
+        log.info("apc_lineage reply kept uid=%s mode=%s tokens=%d kv_bytes=%d ms=%.1f reply=%d",
+                 batch.uids[idx], "adopt" if adopt else "copy", length, kv.nbytes, elapsed, len(fed))
+    return True
+
+
+def best_restore(pending: Any, prompt: np.ndarray) -> int:
+    """The longest restore point a deferred entry (head at ``final``, its captures) offers."""
+    common = common_prefix_len(prompt, pending.tokens[:pending.final])
+    lengths = [pending.final, *pending.taken]
+    return max((n for n in lengths if n <= common and n < prompt.shape[0]), default=0)
+
+
+__all__ = ["Deferred", "DeferredBook", "RowFinder", "best_restore", "commit_reply"]
