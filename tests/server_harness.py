@@ -340,3 +340,18 @@ def cached_tokens(answer: dict[str, Any]) -> int:
 
 def prompt_tokens(answer: dict[str, Any]) -> int:
     return int(answer["usage"]["prompt_tokens"])
+
+
+def fed_tokens(answer: dict[str, Any]) -> int:
+    """Tokens the model was fed for ``answer``: the prompt and every reply token it emitted
+    (the one it sampled last is never fed). With reply reuse, its entry's head."""
+    return prompt_tokens(answer) + int(answer["usage"]["completion_tokens"])
+
+
+def assert_next_turn_restored(previous: dict[str, Any], answer: dict[str, Any], kind: str) -> None:
+    """The next turn of ``previous``'s lineage restores past its reply (the entry's head) when
+    the model's template re-renders the reply verbatim, else at ``previous``'s prompt end (the
+    ``final`` checkpoint the entry keeps there): never less than before reply reuse."""
+    restored = (kind, cached_tokens(answer))
+    expected = {("entry", fed_tokens(previous)), ("final", prompt_tokens(previous) - 1)}
+    assert restored in expected, (restored, sorted(expected))

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from server_harness import PatchedServer, text, words
+from server_harness import PatchedServer, fed_tokens, text, words
 
 TENANT = "anchor-suite"
 # With the tools block (~410 tokens) the system + tools prefix is ~1100 tokens, so with a
@@ -82,9 +82,7 @@ class Step:
 
     @property
     def fed(self) -> int:
-        """Tokens the model was fed: the prompt and every reply token it emitted (the token it
-        sampled last is never emitted nor fed: ``server_patch.copyfree.replies``)."""
-        return self.prompt + int(self.lineage["usage"]["completion_tokens"])
+        return fed_tokens(self.lineage)
 
 
 @dataclass

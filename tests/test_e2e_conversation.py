@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from server_harness import cached_tokens, PatchedServer, prompt_tokens, reply_text, text
+from server_harness import cached_tokens, fed_tokens as fed, PatchedServer, prompt_tokens, reply_text, text
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +28,6 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     srv.start()
     yield srv
     srv.stop()
-
-
-def fed(answer: dict[str, Any]) -> int:
-    """Tokens the model was fed for ``answer``: its entry's head with reply reuse."""
-    return prompt_tokens(answer) + answer["usage"]["completion_tokens"]
-
-
-def after(answer: dict[str, Any]) -> tuple[int, int]:
-    """Where the next turn restores: past the reply when the template and tokenizer re-render
-    it token for token (the tiny model's BPE does not always), else the prompt end, n - 1."""
-    return prompt_tokens(answer) - 1, fed(answer)
 
 
 def _last_restore(server: PatchedServer, before: int) -> dict[str, str]:
@@ -100,7 +89,7 @@ def test_multi_turn_hits_its_lineage_and_keeps_one_entry(server: PatchedServer) 
 
     # Every later turn restores the previous turn's entry, whose head sits past its reply.
     assert kinds[1:] == ["entry"] * 3, kinds
-    assert all(c in (n - 1, f) for c, n, f in zip(cached[1:], prompts, fed_lengths)), (prompts, cached)
+    assert cached[1:] == fed_lengths[:-1], (prompts, cached)
     assert kinds[0] == "cold" and cached[0] == 0
     # The first warm turn copies the entry once, into a buffer with room; the next turns are
     # lent the previous entry's own buffer and append in place.
@@ -127,7 +116,7 @@ def test_edit_regenerate_and_dropped_stream_retry_are_warm(server: PatchedServer
     turn1 = turn0 + [{"role": "assistant", "content": reply_text(first)},
                      {"role": "user", "content": text(150, 23)}]
     second, line = _chat_logged(server, turn1, tenant=tenant, max_tokens=4)
-    assert line["kind"] == "entry" and cached_tokens(second) in after(first)
+    assert line["kind"] == "entry" and cached_tokens(second) == fed(first)
 
     # An edited last message: the previous turn boundary (a final checkpoint) or later.
     edited = turn1[:-1] + [{"role": "user", "content": text(150, 24)}]
@@ -158,7 +147,7 @@ def test_edit_regenerate_and_dropped_stream_retry_are_warm(server: PatchedServer
     lines = server.lineage_lines("restore")
     assert len(lines) == before + 2, server.log_tail()
     dropped_line, retry_line = lines[-2], lines[-1]
-    assert dropped_line["kind"] == "entry" and int(dropped_line["restored"]) in after(second)
+    assert dropped_line["kind"] == "entry" and int(dropped_line["restored"]) == fed(second)
     assert retry_line["kind"] == "entry", retry_line
     assert cached_tokens(retry) == prompt_tokens(retry) - 1
 
@@ -166,7 +155,7 @@ def test_edit_regenerate_and_dropped_stream_retry_are_warm(server: PatchedServer
     turn3 = turn2 + [{"role": "assistant", "content": reply_text(retry)},
                      {"role": "user", "content": text(40, 26)}]
     answer, line = _chat_logged(server, turn3, tenant=tenant, max_tokens=4)
-    assert line["kind"] == "entry" and cached_tokens(answer) in after(retry)
+    assert line["kind"] == "entry" and cached_tokens(answer) == fed(retry)
 
 
 def _run_concurrently(calls: list) -> list[Any]:
@@ -215,7 +204,7 @@ def test_parallel_conversations_hit_their_lineages(server: PatchedServer) -> Non
         ])
         for i, answer in enumerate(answers):
             if previous[i] is not None:
-                assert cached_tokens(answer) in after(previous[i]), (turn, i, answer["usage"])
+                assert cached_tokens(answer) == fed(previous[i]), (turn, i, answer["usage"])
             previous[i] = answer
             convs[i] = convs[i] + [{"role": "assistant", "content": reply_text(answer)},
                                    {"role": "user", "content": text(50, 40 + 2 * turn + i)}]

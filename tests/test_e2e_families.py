@@ -13,7 +13,7 @@ import pytest
 
 from apcctl.tiny_servable import SERVED_END_TO_END
 
-from server_harness import (PatchedServer, assert_same_output, cached_tokens, prompt_tokens,
+from server_harness import (PatchedServer, assert_next_turn_restored, assert_same_output, cached_tokens,
                             reply_text, text)
 
 PARAMS = {"max_tokens": 4, "logprobs": True, "top_logprobs": 5}
@@ -48,7 +48,7 @@ def test_entry_and_anchor_restores_equal_cold(server):
     assert kind == "cold"
     messages += [{"role": "assistant", "content": reply_text(first)}, {"role": "user", "content": text(40, 3)}]
     warm, kind = _chat(server, messages, "family")
-    assert kind == "entry" and cached_tokens(warm) == prompt_tokens(first) - 1
+    assert_next_turn_restored(first, warm, kind)
     cold, kind = _chat(server, messages, "family-cold-1")
     assert kind == "cold"
     assert_same_output(warm, cold)

@@ -15,7 +15,7 @@ import itertools
 
 import pytest
 
-from server_harness import (PatchedServer, assert_same_output, cached_tokens, prompt_tokens,
+from server_harness import (PatchedServer, assert_next_turn_restored, assert_same_output, cached_tokens,
                             reply_text, text)
 
 _cold_tenants = itertools.count()
@@ -65,7 +65,7 @@ def test_growing_conversation_restores_its_entry_and_equals_cold(server):
         messages += [{"role": "assistant", "content": reply_text(first)},
                      {"role": "user", "content": text(40, 3 + turn)}]
         answer, line = _chat(server, messages, "conversation")
-        assert line["kind"] == "entry" and cached_tokens(answer) == prompt_tokens(first) - 1, line
+        assert_next_turn_restored(first, answer, line["kind"])
         _assert_equals_cold(server, messages, answer)
         first = answer
 
@@ -116,7 +116,7 @@ def test_image_prompt_restores_only_in_its_own_media_namespace(server):
     assert line["kind"] == "cold"
     red = conversation("red", reply_text(first))
     answer, line = _chat(server, red, "media")
-    assert line["kind"] == "entry" and cached_tokens(answer) == prompt_tokens(first) - 1, line
+    assert_next_turn_restored(first, answer, line["kind"])
     _assert_equals_cold(server, red, answer)
     # Same tokens around the image, other pixels: nothing of the red namespace may be reused.
     blue = conversation("blue", reply_text(first))

@@ -214,6 +214,17 @@ class LineageCoordinator(APCCoordinator):
                 key = _key_of(meta)
                 self.runtime.timings.bind(uid, key)
                 self._leases.bind(key, uid)
+                self._track_resend(key, uid)
+
+    def _track_resend(self, key: RequestKey, uid: Any) -> None:
+        """A prompt restored at its own prompt end (a regenerate, a retry) has nothing left to
+        prefill, so no ``store_checkpoint`` commits it: its reply is tracked here, with the
+        restored state as the prompt-end snapshot, so the entry still moves past the new reply."""
+        pending = self._pending.get(key)
+        if pending is None or not pending.final or not pending.plan.hit or pending.plan.length != pending.final:
+            return
+        self._pending.forget(pending)
+        self._track_reply(pending, pending.plan.state, uid)
 
     # ------------------------------------------------------------------ captures
 

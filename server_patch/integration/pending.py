@@ -84,6 +84,10 @@ class PendingBook:
         with self._lock:
             return [p for k, p in self._items.items() if k[1:] == key and np.array_equal(p.tokens, prompt)]
 
+    def get(self, key: tuple[Optional[str], int, int]) -> Optional[Pending]:
+        with self._lock:
+            return self._items.get(key)
+
     def forget(self, pending: Pending) -> None:
         with self._lock:
             if self._items.get(pending.key) is pending:
