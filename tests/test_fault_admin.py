@@ -303,8 +303,14 @@ def test_auth_probes_are_401_json(server: PatchedServer, probe: str, method: str
 
 @pytest.mark.server
 def test_management_routes_work_with_the_token(server: PatchedServer) -> None:
+    messages = [{"role": "user", "content": text(80, 31)}]
+    server.chat(messages, tenant="reset", max_tokens=2)
+    assert any(e["tier"] != "disk" for e in call(server, "GET", "/admin/entries?tier=ram", token=server.token)[2]["entries"])
     status, _, body = call(server, "POST", "/v1/cache/reset", token=server.token)
     assert status == 200 and body["enabled"] is True
+    # The reset clears the lineage cache's RAM entries too, as stock clears its own.
+    assert call(server, "GET", "/admin/entries?tier=ram", token=server.token)[2]["entries"] == []
+    assert status_of(server)["lineage"]["stats"]["resets"] >= 1
     status, _, body = call(server, "PATCH", "/v1/settings", {}, token=server.token)
     assert status == 200 and body["applied"] == {} and "current" in body
     assert call(server, "GET", "/v1/settings", token=None)[0] == 200  # reading stays as stock

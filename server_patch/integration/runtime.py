@@ -91,7 +91,21 @@ def runtime_for(manager: Any, language_model: Any) -> LineageRuntime:
             runtime = LineageRuntime(language_model)
             manager._apc_lineage_runtime = runtime
             RUNTIMES[id(manager)] = runtime
+            _clear_with(manager, runtime)
         return runtime
+
+
+def _clear_with(manager: Any, runtime: LineageRuntime) -> None:
+    """mlx-vlm's ``POST /v1/cache/reset`` calls ``manager.clear()`` (stock: its RAM entries
+    go, its disk files stay): the lineage cache's RAM entries go with them, or an operator's
+    reset would leave every lineage restorable."""
+    stock_clear = manager.clear
+
+    def clear() -> None:
+        stock_clear()
+        runtime.cache.clear()
+
+    manager.clear = clear
 
 
 def current() -> LineageRuntime | None:

@@ -820,9 +820,13 @@ class LineageCache:
             return self._entries.get(entry.id) is entry
 
     def clear(self) -> None:
-        """Forget RAM entries (disk files stay); mlx-vlm's /cache/reset semantics."""
+        """Forget RAM entries, anchors included (disk files stay): mlx-vlm's ``/v1/cache/reset``
+        (``integration.runtime``). A lent entry's loan then ends with its entry gone (dropped)."""
         with self.lock:
+            for entry in list(self._entries.values()):
+                self._emit(Event("evict", entry.id, entry.length, entry.nbytes, "reset"))
             self._entries.clear()
+            self.stats["resets"] += 1
 
     def _require(self, entry_id: str) -> Entry:
         entry = self._entries.get(entry_id)
