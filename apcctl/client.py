@@ -1,11 +1,13 @@
 """The one HTTP client of the admin endpoint, shared by the CLI and the dashboard.
 
-Standard library only (urllib), so it works wherever apcctl installs. Errors are
+Standard library only (urllib; psutil to know this machine's addresses), so it works wherever
+apcctl installs. Errors are
 ``AdminError`` with the HTTP status and the server's JSON message, never a traceback.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import socket
 import threading
@@ -14,6 +16,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from typing import Any, Iterator
+
+import psutil
 
 
 class AdminError(RuntimeError):
@@ -25,6 +29,23 @@ class AdminError(RuntimeError):
         self.message = message
 
 
+
+def is_local_url(url: str) -> bool:
+    """The URL's host is this machine: ``localhost``, a loopback or wildcard address, or an
+    address of one of its interfaces. Other names are not resolved: they may be anywhere."""
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_unspecified or str(address) in _interface_addresses()
+
+
+def _interface_addresses() -> set[str]:
+    return {a.address.split("%", 1)[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)}
 
 def hits_of(status: dict[str, Any] | None) -> dict[str, Any]:
     """The server's own hit summary (``lineage.hits`` of ``/admin/status``: requests, hits and

@@ -20,19 +20,16 @@ dashboard can drive the same code.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import secrets
-import socket
 import subprocess
 import time
-import urllib.parse
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 import psutil
 
-from apcctl.client import AdminClient, AdminError
+from apcctl.client import AdminClient, AdminError, is_local_url
 from apcctl.config import Target
 from apcctl.manage import (CREATE_TIME_TOLERANCE_S, GRACE_MARGIN_S, LAUNCHER, ManageError, ServerSpec,
                            default_grace, same_process, terminate)
@@ -121,24 +118,6 @@ def supervisor_command(supervisor: str, service: str) -> list[str]:
     if supervisor == "systemd":
         return ["systemctl", "--user", "restart", service]
     raise ValueError(f"no restart command for supervisor {supervisor!r}")
-
-
-def is_local_url(url: str) -> bool:
-    """The URL's host is this machine: ``localhost``, a loopback or wildcard address, or an
-    address of one of its interfaces. Other names are not resolved: they may be anywhere."""
-    host = (urllib.parse.urlsplit(url).hostname or "").lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return False
-    return address.is_loopback or address.is_unspecified or str(address) in _interface_addresses()
-
-
-def _interface_addresses() -> set[str]:
-    return {a.address.split("%", 1)[0] for addrs in psutil.net_if_addrs().values() for a in addrs
-            if a.family in (socket.AF_INET, socket.AF_INET6)}
 
 
 def grace_for(status: dict[str, Any], spec: ServerSpec | None) -> float:

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import psutil
 
-from apcctl.client import AdminClient, AdminError
+from apcctl.client import AdminClient, AdminError, is_local_url
 
 Emit = Callable[[str, dict[str, Any]], None]
-LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0"})
 
 
 class SourceError(RuntimeError):
@@ -111,8 +109,7 @@ class LiveSource:
         self.client = client
         self.name = client.base_url.rstrip("/")
         self.stream_timeout = stream_timeout
-        host = urllib.parse.urlsplit(client.base_url).hostname or ""
-        self._sampler = ProcessSampler() if host in LOCAL_HOSTS else None
+        self._sampler = ProcessSampler() if is_local_url(client.base_url) else None
 
     def now(self) -> float:
         return time.time()

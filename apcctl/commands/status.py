@@ -4,20 +4,18 @@ for a server a fleet's gateway fronts, the gateway's state of it (``apcctl.fleet
 from __future__ import annotations
 
 import time
-import urllib.parse
 from typing import Any
 
 import click
 import psutil
 
 from apcctl import render
-from apcctl.client import hits_of
+from apcctl.client import hits_of, is_local_url
 from apcctl.commands.common import (EXIT_CODES_SHORT, Targets, emit_results, for_each, json_option, server_options,
                                     watch_option, watching)
 from apcctl.commands.verify import canary_line, canary_state
 from apcctl.config import Target
 
-_LOCAL = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -27,8 +25,7 @@ def register(main: click.Group, bench: click.Group) -> None:
 
 def process_info(target: Target, pid: int | None) -> dict[str, Any] | None:
     """RSS, CPU and uptime from psutil, when the server runs on this machine."""
-    host = urllib.parse.urlsplit(target.url).hostname or ""
-    if pid is None or (host not in _LOCAL and target.managed is None):
+    if pid is None or (not is_local_url(target.url) and target.managed is None):
         return None
     try:
         process = psutil.Process(pid)

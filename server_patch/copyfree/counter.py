@@ -94,16 +94,6 @@ def since(before: dict[str, int] | None) -> dict[str, int]:
     return {} if before is None else delta(snapshot(), before)
 
 
-def total(counts: dict[str, int], kind: str = "kv", ops: tuple[str, ...] | None = None) -> int:
-    """Bytes of ``kind`` in ``counts``, over ``ops`` (default: every op)."""
-    out = 0
-    for key, value in counts.items():
-        op, _, k = key.partition(".")
-        if k == kind and (ops is None or op in ops):
-            out += value
-    return out
-
-
 def reset() -> None:
     with _lock:
         _totals.clear()
