@@ -77,6 +77,12 @@ def same_process(process: psutil.Process, create_time: float) -> bool:
         return False
 
 
+def plain_name(name: object) -> bool:
+    """A server or fleet name that is one directory under its root: not empty, no ``/``, not
+    hidden (so it can never reach outside the root or collide with a lock or temp file)."""
+    return isinstance(name, str) and bool(name) and "/" not in name and not name.startswith(".")
+
+
 def servers_root() -> Path:
     return state_dir() / "servers"
 
@@ -136,7 +142,7 @@ class ManagedServer:
     """The files of one managed server, and the verbs on its process."""
 
     def __init__(self, name: str, root: Path | None = None) -> None:
-        if not name or "/" in name or name.startswith("."):
+        if not plain_name(name):
             raise ManageError(f"bad server name {name!r}")
         self.name = name
         self.directory = (root or servers_root()) / name

@@ -23,6 +23,7 @@ from typing import Any
 from apcctl.config import ConfigError, load_config
 from apcctl.fleet.gateway import DEFAULT_POLICY, POLICIES
 from apcctl.fleet.state import DEFAULT_FLEET
+from apcctl.manage import plain_name
 
 DEFAULT_GATEWAY_PORT = 30000
 _KEYS = {"name", "servers", "port", "host", "policy", "cache_boundaries", "gateway_args", "metrics_port"}
@@ -81,7 +82,7 @@ def parse_fleet(table: Any, path: Path | str, known: set[str]) -> FleetConfig:
     if not isinstance(args, list):
         raise ConfigError(f"{where} gateway_args must be a list of strings")
     name = table.get("name", DEFAULT_FLEET)
-    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+    if not plain_name(name):
         raise ConfigError(f"{where} name must be a plain name")
     return FleetConfig(servers=tuple(servers), name=name, port=port, host=str(table.get("host", "127.0.0.1")),
                        policy=policy, cache_boundaries=tuple(sorted(boundaries)),

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from apcctl.fleet.gateway import GatewayProcess, GatewaySpec
-from apcctl.manage import write_private
+from apcctl.manage import plain_name, write_private
 from server_patch.paths import state_dir
 
 SPEC_FILE = "fleet.json"
@@ -50,7 +50,7 @@ class FleetState:
     """The files of one fleet."""
 
     def __init__(self, name: str = DEFAULT_FLEET, root: Path | None = None) -> None:
-        if not name or "/" in name or name.startswith("."):
+        if not plain_name(name):
             raise ValueError(f"bad fleet name {name!r}")
         self.name = name
         self.directory = (root or fleets_root()) / name
