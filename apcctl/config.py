@@ -35,15 +35,15 @@ from typing import Any
 
 import click
 
-from apcctl.client import AdminClient
-from apcctl.manage import ManagedServer, managed_names
+from apcctl.core.client import AdminClient
+from apcctl.core.manage import ManagedServer, managed_names
+from apcctl.core.restart import SUPERVISORS
 from server_patch import settings as registry
 from server_patch.envconfig import parse_size
 
 DEFAULT_PORT = 8080
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_NAME = "default"
-SUPERVISORS = ("none", "launchd", "systemd")
 # Budget keys of a [servers.NAME] table -> the server's environment at ``apcctl serve``.
 BUDGET_KEYS = {"ram_budget": "APC_LINEAGE_RAM_BUDGET_BYTES", "disk_budget": "APC_LINEAGE_DISK_MAX_BYTES",
                "anchor_budget": "APC_LINEAGE_ANCHOR_MAX_BYTES", "max_anchors": "APC_LINEAGE_ANCHOR_MAX_ENTRIES"}

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from server_patch.integration.journal import journal_files
+from server_patch.lineage.model import EventKind
 
 PHASES = ("lookup", "admission", "prefill", "commit", "ttft")
 TIER_POINTS = 24  # rows of the bytes-per-tier table
@@ -105,7 +106,7 @@ def _requests(requests: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _evictions(cache: list[dict[str, Any]]) -> dict[str, Any]:
-    evicts = [c for c in cache if c.get("event") == "evict"]
+    evicts = [c for c in cache if c.get("event") == EventKind.EVICT]
     reasons = Counter(str(c.get("detail") or "-") for c in evicts)
     return {"count": len(evicts), "bytes": sum(int(c.get("bytes", 0)) for c in evicts),
             "by_reason": dict(reasons.most_common()),

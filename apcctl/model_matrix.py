@@ -1,7 +1,7 @@
 """The support matrix of every model family in the installed mlx-vlm, computed, never hand-written.
 
 Rows come from ``server_patch.state.families`` (the cache classes each family's ``make_cache``
-builds, read from its code) and ``apcctl.tiny_families`` (which families have a tiny model
+builds, read from its code) and ``apcctl.tinymodel.families`` (which families have a tiny model
 in the conformance test, and why the others have none). ``docs/models.md`` is this module's
 markdown output; a test checks that the committed file still equals it.
 """
@@ -53,9 +53,8 @@ def _path(f: FamilyCaches) -> str:
 
 
 def _tested(f: FamilyCaches, path: str) -> str:
-    from apcctl.tiny_families import FAMILIES, not_built
-
-    from apcctl.tiny_servable import SERVED_END_TO_END
+    from apcctl.tinymodel.families import FAMILIES, not_built
+    from apcctl.tinymodel.servable import SERVED_END_TO_END
 
     if f.family in FAMILIES:
         served = "; served end to end (real server)" if f.family in SERVED_END_TO_END else ""

@@ -10,8 +10,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``apcctl.tiny_model`` preset "tiny", seed 0, built once (a few seconds) and reused."""
-    from apcctl.tiny_model import build_model
+    """``apcctl.tinymodel.build`` preset "tiny", seed 0, built once (a few seconds) and reused."""
+    from apcctl.tinymodel.build import build_model
 
     return build_model(tmp_path_factory.mktemp("tiny-model") / "tiny", "tiny", seed=0)
 

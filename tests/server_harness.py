@@ -25,7 +25,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from apcctl.core.hosts import free_port  # the one picker; tests import it from here too
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -46,13 +47,6 @@ BASE_ENV = {
 
 
 ADMIN_TOKEN = "test-admin-token"
-
-
-def free_port(host: str = HOST) -> int:
-    """A port nothing listens on right now (the kernel picks it; a small race remains)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class ServerError(RuntimeError):

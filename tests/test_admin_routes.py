@@ -90,7 +90,7 @@ def test_status_after_a_request(server: PatchedServer) -> None:
     assert lineage["budgets"]["entries"] >= 1 and lineage["stats"]["lookups"] >= 1
     assert lineage["disk_path"]
     # The server's own hit summary: every request counted once by how it started.
-    hits, stats = lineage["hits"], lineage["stats"]
+    hits, stats = body["hits"], lineage["stats"]
     assert hits["requests"] == sum(v for k, v in stats.items() if k.startswith("hits_")) >= 1
     assert hits["by_kind"]["cold"] == stats["hits_cold"] and hits["hits"] == hits["requests"] - stats["hits_cold"]
     assert hits["prefill_tokens"] == stats["prefill_tokens"] > 0

@@ -125,7 +125,7 @@ def test_check_does_not_import_the_server():
 
 
 def test_a_managed_servers_disk_path_is_its_default(disk, monkeypatch, tmp_path):
-    from apcctl.manage import ManagedServer, build_spec
+    from apcctl.core.manage import ManagedServer, build_spec
 
     monkeypatch.setenv("APC_STATE_DIR", str(tmp_path / "state"))
     for key in ("APCCTL_SERVER", "APCCTL_CONFIG"):

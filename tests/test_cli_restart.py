@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from apcctl.client import AdminClient, AdminError
 from apcctl.config import select
-from apcctl.restart import RestartStep, rolling_restart
+from apcctl.core.client import AdminClient, AdminError
+from apcctl.core.restart import RestartStep, rolling_restart
 from test_cli_server import chat, run, run_json, serve
 
 pytestmark = pytest.mark.server

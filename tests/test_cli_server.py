@@ -6,7 +6,6 @@ One managed server per module, in a private state dir; ``--json`` output is pars
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +13,9 @@ import pytest
 from click.testing import CliRunner, Result
 
 from apcctl.cli import main
-from apcctl.client import AdminClient, AdminError
 from apcctl.commands.common import ExitStatus
+from apcctl.core.client import AdminClient, AdminError
+from apcctl.core.hosts import free_port
 
 pytestmark = pytest.mark.server
 
@@ -33,14 +33,8 @@ def run_json(*args: str) -> Any:
     return json.loads(run(*args, "--json").stdout)
 
 
-def unused_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def serve(name: str, model: Path) -> dict[str, Any]:
-    return run_json("serve", "--name", name, "--model", str(model), "--port", str(unused_port()))
+    return run_json("serve", "--name", name, "--model", str(model), "--port", str(free_port()))
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +71,16 @@ def test_serve_refuses_a_running_name_and_a_busy_port(served: dict[str, Any], ti
     port = served["url"].rsplit(":", 1)[1]
     busy = run("serve", "--name", "other", "--model", str(tiny_model_dir), "--port", port, code=ExitStatus.FAILED)
     assert "already in use" in busy.output
+
+
+def test_status_carries_the_hit_summary_before_the_cache_starts(served: dict[str, Any], client: AdminClient) -> None:
+    """``hits`` is the server's own summary from the first second (zeros, no rates), so no reader
+    rebuilds an empty one; ``apcctl status --json`` passes it through."""
+    body = client.status()
+    assert body["lineage"] is None  # no request yet: the cache does not exist
+    assert body["hits"] == {"requests": 0, "hits": 0, "hit_rate": None, "by_kind": {}, "reused_tokens": 0,
+                            "prefill_tokens": 0, "token_hit_rate": None}
+    assert run_json("status", "--server", NAME)["hits"] == body["hits"]
 
 
 def test_status_json_has_process_budgets_and_hits(served: dict[str, Any], client: AdminClient) -> None:

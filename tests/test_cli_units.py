@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +16,18 @@ import pytest
 from conftest import isolate_cli
 from click.testing import CliRunner
 
-from apcctl import render
 from apcctl.cli import main
-from apcctl.client import AdminError
 from apcctl.commands import MODULES
 from apcctl.commands.common import ExitStatus, exit_status_for
 from apcctl.config import ConfigError, ServerConfig, Target, load_config, select
+from apcctl.core import render
+from apcctl.core.client import AdminError
+from apcctl.core.hosts import free_port
+from apcctl.core.manage import ManagedServer, build_spec
+from apcctl.core.process import ProcessSampler, sample_once
+from apcctl.core.restart import (Phase, RestartResult, RestartStep, ServerRestart, rolling_restart,
+                                 supervisor_command)
 from apcctl.journal_report import parse_since, percentiles, read_journal, report, summarize
-from apcctl.manage import ManagedServer, build_spec
-from apcctl.restart import RestartStep, rolling_restart, supervisor_command
 from server_patch.integration.journal import FILE_NAME, Journal, journal_files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,12 +45,6 @@ def write_config(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "apcctl.toml"
     path.write_text(text, encoding="utf-8")
     return path
-
-
-def unused_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ------------------------------------------------------------------ config
@@ -104,6 +102,20 @@ def test_top_fleet_names_a_missing_fleet_and_exits_not_found() -> None:
         assert "no fleet" in result.output and "apcctl fleet up" in result.output
 
 
+def test_top_fleet_reads_the_config_it_is_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fleet's name comes from ``--config`` (or APCCTL_CONFIG), not only from the default file."""
+    config = write_config(tmp_path, "[servers.a]\nurl = 'http://127.0.0.1:2'\n\n[fleet]\nname = 'edge'\nservers = ['a']\n")
+    result = CliRunner().invoke(main, ["top", "--fleet", "--config", str(config)])
+    assert result.exit_code == ExitStatus.NOT_FOUND, result.output
+    assert "no fleet 'edge'" in result.output
+    monkeypatch.setenv("APCCTL_CONFIG", str(config))
+    result = CliRunner().invoke(main, ["top", "--fleet"])
+    assert result.exit_code == ExitStatus.NOT_FOUND and "no fleet 'edge'" in result.output, result.output
+    bad = write_config(tmp_path, "[fleet]\nname = 'edge'\nservers = ['nosuch']\n")
+    result = CliRunner().invoke(main, ["top", "--fleet", "--config", str(bad)])
+    assert result.exit_code == ExitStatus.USAGE and "nosuch" in result.output, result.output
+
+
 def test_unknown_server_name_is_a_usage_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["entries", "--server", "nosuch"])
     assert result.exit_code == ExitStatus.USAGE
@@ -134,14 +146,14 @@ def test_http_status_to_exit_code(status: int, code: int) -> None:
 
 
 def test_unreachable_server_exits_3_for_every_read_command() -> None:
-    url = f"http://127.0.0.1:{unused_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     for args in (["status"], ["entries"], ["anchors", "list"], ["requests"], ["flush"], ["drain"]):
         result = CliRunner().invoke(main, [*args, "--server", url, "--json"])
         assert result.exit_code == ExitStatus.UNREACHABLE, (args, result.output)
 
 
 def test_stop_and_logs_of_an_unmanaged_server_exit_5() -> None:
-    url = f"http://127.0.0.1:{unused_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     assert CliRunner().invoke(main, ["stop", "--server", url]).exit_code == ExitStatus.NOT_FOUND
     assert CliRunner().invoke(main, ["logs", "--server", url]).exit_code == ExitStatus.NOT_FOUND
 
@@ -423,9 +435,30 @@ def test_launchd_restart_command_uses_kickstart() -> None:
 
 
 def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path: Path) -> None:
-    ManagedServer("p1").save(build_spec("p1", model=str(tmp_path), port=unused_port()))
+    ManagedServer("p1").save(build_spec("p1", model=str(tmp_path), port=free_port()))
     result = CliRunner().invoke(main, ["restart", "--server", "p1", "--dry-run", "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert out["dry_run"] and out["ok"] and out["servers"][0]["phase"] == "plan"
     assert "server_patch.launch" in out["servers"][0]["how"]
+
+
+def test_restart_phases_keep_their_words_in_json_and_lines() -> None:
+    """``Phase`` is a StrEnum: the JSON and the progress lines read as the bare strings always did."""
+    assert [str(p) for p in Phase] == ["plan", "draining", "waiting", "flushing", "stopping", "starting", "ready",
+                                       "probing", "rollback", "done", "failed"]
+    result = RestartResult(False, False, [ServerRestart("a", phase=Phase.FAILED)])
+    assert json.loads(json.dumps(result.as_dict()))["servers"][0]["phase"] == "failed"
+    assert f"{Phase.WAITING:<9}|" == "waiting  |" and Phase("probing") is Phase.PROBING
+
+
+def test_process_readings_of_a_live_and_a_gone_process() -> None:
+    live = sample_once(os.getpid(), cpu_interval=0.0)
+    assert live is not None and live.pid == os.getpid() and live.rss_bytes > 0 and live.threads >= 1
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert sample_once(gone.pid) is None and sample_once(None) is None
+    sampler = ProcessSampler()
+    first = sampler.sample(os.getpid())
+    assert first is not None and first.rss_bytes > 0
+    assert sampler.sample(gone.pid) is None and sampler.sample(os.getpid()) is not None  # starts over

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from apcctl.client import AdminClient, AdminError
+from apcctl.core.client import AdminClient, AdminError
 from server_harness import ADMIN_TOKEN, PatchedServer, text
 
 

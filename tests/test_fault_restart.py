@@ -26,13 +26,13 @@ from typing import Any, Callable
 import psutil
 import pytest
 
-from apcctl.client import AdminClient
 from apcctl.config import ServerConfig, Target, select
-from apcctl.manage import (PID_FILE, SHUTDOWN_FLUSH_S, ManagedServer, ServerSpec, build_spec, default_grace,
-                           shutdown_flush_s)
-from apcctl.restart import (RestartResult, RestartStep, _reported_matches, _run, anchor_cap_full, is_local_url,
-                            rolling_restart)
-from test_cli_server import run_json, unused_port
+from apcctl.core.client import AdminClient
+from apcctl.core.hosts import free_port as unused_port, is_local_url
+from apcctl.core.manage import (PID_FILE, SHUTDOWN_FLUSH_S, ManagedServer, ServerSpec, build_spec, default_grace,
+                                shutdown_flush_s)
+from apcctl.core.restart import RestartResult, RestartStep, _reported_matches, _run, anchor_cap_full, rolling_restart
+from test_cli_server import run_json
 
 NAME = "fault"
 STREAMS = 3

@@ -24,14 +24,14 @@ from typing import Any, Iterator
 import psutil
 import pytest
 
-from apcctl.client import AdminError
 from apcctl.commands.common import ExitStatus
-from apcctl.fleet.config import parse_fleet
-from apcctl.fleet.gateway import GatewayClient
-from apcctl.fleet.status import worker_state
 from apcctl.config import ConfigError
+from apcctl.core.client import AdminError
+from apcctl.core.gateway import GatewayClient, worker_state
+from apcctl.core.hosts import free_port
+from apcctl.core.manage import ManagedServer
+from apcctl.fleet.config import parse_fleet
 from apcctl.fleet.traffic import RecordingClient, replay
-from apcctl.manage import ManagedServer
 from server_harness import assert_same_output
 from tui.fleet import LiveFleetSource
 from test_cli_server import run, run_json
@@ -45,9 +45,7 @@ LOGPROBS = {"logprobs": True, "top_logprobs": 5}
 def free_ports(count: int) -> int:
     """The first of ``count`` consecutive ports that nothing listens on (a small race remains)."""
     for _ in range(50):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            first = sock.getsockname()[1]
+        first = free_port()
         if first + count >= 65535:
             continue
         if all(_free(first + i) for i in range(count)):

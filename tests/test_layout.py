@@ -11,6 +11,9 @@
   mlx-vlm, not even through what they import (checked on the parsed graph and in a fresh
   interpreter).
 * ``server_patch`` never imports the CLI (``apcctl``) or the dashboard (``tui``).
+* The dashboard (``tui``) imports nothing of ``apcctl`` but the shared core, ``apcctl.core``; the
+  core imports no other ``apcctl`` module (so never ``apcctl.commands``) and never ``tui``, at
+  load or call time (``if TYPE_CHECKING:`` imports are types only and do not count).
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ def module_name(path: Path) -> str:
 
 
 @cache
-def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted((REPO / "server_patch").rglob("*.py"))}
+def modules(package: str = "server_patch") -> dict[str, Path]:
+    return {module_name(p): p for p in sorted((REPO / package).rglob("*.py"))}
 
 
 def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
@@ -58,8 +61,15 @@ def _is_type_checking(node: ast.If) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+OURS = ("server_patch", "apcctl", "tui")
+
+
+def _is_module(name: str) -> bool:
+    top = name.split(".")[0]
+    return top in OURS and name in modules(top)
+
+
 def imports_of(module: str, path: Path) -> list[Import]:
-    known = modules()
     out: list[Import] = []
 
     def visit(node: ast.AST, eager: bool) -> None:
@@ -75,7 +85,7 @@ def imports_of(module: str, path: Path) -> list[Import]:
                 base = _resolve(module, path, child)
                 for alias in child.names:
                     sub = f"{base}.{alias.name}"
-                    out.append(Import(module, sub if sub in known else base, eager))
+                    out.append(Import(module, sub if _is_module(sub) else base, eager))
             else:
                 visit(child, eager)
 
@@ -84,12 +94,16 @@ def imports_of(module: str, path: Path) -> list[Import]:
 
 
 @cache
-def all_imports() -> tuple[Import, ...]:
-    return tuple(i for name, path in modules().items() for i in imports_of(name, path))
+def all_imports(package: str = "server_patch") -> tuple[Import, ...]:
+    return tuple(i for name, path in modules(package).items() for i in imports_of(name, path))
 
 
 def _top(target: str) -> str:
     return target.split(".")[0]
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def _loaded_with(target: str) -> list[str]:
@@ -200,3 +214,33 @@ def test_pure_packages_load_without_mlx_in_a_fresh_interpreter():
 def test_the_server_never_imports_the_cli_or_the_dashboard():
     wrong = [i for i in all_imports() if _top(i.target) in ("apcctl", "tui")]
     assert not wrong, wrong
+
+
+CORE = "apcctl.core"
+
+
+def test_the_parser_sees_the_cli_and_dashboard_imports():
+    found = {(i.source, i.target) for i in all_imports("tui") + all_imports("apcctl")}
+    assert ("tui.source", "apcctl.core.client") in found
+    assert ("tui.widgets.gauge", "apcctl.core.render") in found  # ``from apcctl.core import render``
+    assert ("apcctl.core.roll", "apcctl.core.fleet_state") in found
+    assert ("apcctl.commands.restart", "apcctl.core.roll") in found
+
+
+def test_the_dashboard_imports_only_the_shared_core():
+    wrong = [i for i in all_imports("tui") if _top(i.target) == "apcctl" and not _within(i.target, CORE)]
+    assert not wrong, wrong
+
+
+def test_the_core_imports_neither_the_rest_of_the_cli_nor_the_dashboard():
+    core = [i for i in all_imports("apcctl") if _within(i.source, CORE)]
+    assert core, "no imports parsed in apcctl.core"
+    wrong = [i for i in core if _top(i.target) == "tui" or (_top(i.target) == "apcctl" and not _within(i.target, CORE))]
+    assert not wrong, wrong
+
+
+def test_the_dashboard_loads_no_cli_module_in_a_fresh_interpreter():
+    code = ("import sys; import tui.app, tui.fleet, tui.recorded, tui.testing, apcctl.core.roll; "
+            "print(sorted(m for m in sys.modules if m.startswith('apcctl.') and not m.startswith('apcctl.core')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

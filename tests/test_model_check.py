@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from apcctl import tiny_families
+from apcctl.tinymodel import families as tiny_families
 from apcctl.cli import main
 from apcctl.model_check import PROBE_TOKENS, check_language_model, check_model_dir
 from server_patch.state.families import all_families, inspect_family, model_families

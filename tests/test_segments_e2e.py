@@ -193,7 +193,7 @@ def both(model_dir: Path, log_dir: Path, env: dict[str, str] | None = None,
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from apcctl.tiny_model import build_model
+    from apcctl.tinymodel.build import build_model
 
     return build_model(tmp_path_factory.mktemp("seg-e2e") / "tiny", "tiny", seed=0)
 
@@ -289,7 +289,7 @@ def _serve(argv: list[str]) -> None:
 def _report() -> None:
     import tempfile
 
-    from apcctl.tiny_model import build_model
+    from apcctl.tinymodel.build import build_model
 
     root = Path(tempfile.mkdtemp(prefix="seg-e2e-"))
     model_dir = build_model(root / "tiny", "tiny", seed=0)

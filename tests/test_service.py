@@ -27,7 +27,7 @@ from click.testing import CliRunner
 
 from apcctl.cli import main
 from apcctl.commands.common import ExitStatus
-from apcctl.manage import default_grace
+from apcctl.core.manage import default_grace
 from apcctl.service import units
 from apcctl.service.record import read_record
 

@@ -9,16 +9,18 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from apcctl import tiny_model
-from apcctl.tiny_model import (
+from apcctl.tinymodel.build import STAMP_FILE, build_model
+from apcctl.tinymodel.config import cache_bytes, make_config
+from apcctl.tinymodel.fingerprint import weights_fingerprint
+from apcctl.tinymodel.presets import PRESETS
+from apcctl.tinymodel.template import CHAT_TEMPLATE
+from apcctl.tinymodel.vocab import (
     CONTROL_TOKENS,
+    EOS_TOKENS,
     MARKUP_TOKENS,
-    PRESETS,
-    STAMP_FILE,
-    build_model,
-    cache_bytes,
-    make_config,
-    weights_fingerprint,
+    UNK_TOKEN,
+    generatable,
+    vocabulary,
 )
 
 
@@ -113,7 +115,7 @@ def test_tokenizer_spells_unknown_words_and_keeps_markup(tiny: Path) -> None:
     # A word outside the list is spelled from characters; one with an unknown character is [UNK].
     spelled = tok.encode("wörld").ids
     assert len(spelled) == 5 and tok.decode(spelled) == "wörld"
-    assert tok.encode("🙂").ids == [tok.token_to_id(tiny_model.UNK_TOKEN)]
+    assert tok.encode("🙂").ids == [tok.token_to_id(UNK_TOKEN)]
     for token in CONTROL_TOKENS + MARKUP_TOKENS:
         assert tok.encode(token).ids == [tok.token_to_id(token)]
     # Control tokens vanish when decoding for the user; parser markup must survive.
@@ -126,9 +128,9 @@ def test_every_sequence_of_generatable_ids_survives_decode_and_re_encode(tiny: P
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tiny / "tokenizer.json"))
-    vocab = tiny_model.vocabulary()
+    vocab = vocabulary()
     assert tok.get_vocab_size() == len(vocab) and all(tok.token_to_id(t) == i for i, t in enumerate(vocab))
-    allowed = [i for i, t in enumerate(vocab) if tiny_model.generatable(t) and t not in tiny_model.EOS_TOKENS]
+    allowed = [i for i, t in enumerate(vocab) if generatable(t) and t not in EOS_TOKENS]
     assert len(allowed) > 500
     rng = np.random.RandomState(0)
     for _ in range(20):
@@ -143,8 +145,8 @@ def test_the_model_never_samples_control_markup_or_continuation_tokens(loaded, t
     import mlx.core as mx
 
     model, _ = loaded
-    vocab = tiny_model.vocabulary()
-    allowed = np.array([tiny_model.generatable(t) for t in vocab])
+    vocab = vocabulary()
+    allowed = np.array([generatable(t) for t in vocab])
     rng = np.random.RandomState(1)
     # Inputs with every kind of token, control and markup included, at every position.
     ids = mx.array([rng.randint(0, len(vocab), 400).tolist()])
@@ -238,7 +240,7 @@ def test_a_reply_re_sent_as_content_re_renders_as_the_generated_ids(loaded) -> N
 
     model, processor = loaded
     tok = processor.tokenizer
-    eos = {tok.convert_tokens_to_ids(t) for t in tiny_model.EOS_TOKENS}
+    eos = {tok.convert_tokens_to_ids(t) for t in EOS_TOKENS}
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     for turn in range(2):
         prompt = apply_chat_template(processor, model.config, messages)
@@ -256,8 +258,42 @@ def test_a_reply_re_sent_as_content_re_renders_as_the_generated_ids(loaded) -> N
 
 def test_jinja_file_and_inline_template_agree(tiny: Path) -> None:
     inline = json.loads((tiny / "tokenizer_config.json").read_text())["chat_template"]
-    assert (tiny / "chat_template.jinja").read_text() == inline == tiny_model.CHAT_TEMPLATE
+    assert (tiny / "chat_template.jinja").read_text() == inline == CHAT_TEMPLATE
 
+
+
+# sha256 of what builder version 2 derives from data/ (measured before the data left the code).
+# A change here changes every built model: bump BUILDER_VERSION with it, then update these.
+DATA_DIGESTS = {
+    "chat_template": "e3576840a978c72d15c150e7bc03da0f1c1975447b9bcc50de805f47e45838a0",
+    "vocabulary": "6b30abede1bcd04e34ad1bec788ee0a6776b4b5d90cd542f3be61e341e53d6a7",
+    "training_corpus": "c2ba46a1cfd9333fe6f0950319f8bd0e72c271f86917468ebdb18817aa1161f5",
+}
+
+
+def test_data_files_give_builder_version_2_template_vocabulary_and_corpus() -> None:
+    import hashlib
+
+    from apcctl.tinymodel.build import BUILDER_VERSION
+    from apcctl.tinymodel.corpus import training_corpus
+
+    derived = {"chat_template": CHAT_TEMPLATE, "vocabulary": json.dumps(vocabulary()),
+               "training_corpus": json.dumps(training_corpus())}
+    digests = {name: hashlib.sha256(text.encode()).hexdigest() for name, text in derived.items()}
+    assert (BUILDER_VERSION, digests) == ("2", DATA_DIGESTS)
+
+
+def test_every_data_file_is_declared_package_data() -> None:
+    """An editable install reads data/ from the checkout; a wheel holds only what the globs name."""
+    import fnmatch
+    import tomllib
+    from importlib import resources
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["apcctl.tinymodel"]
+    names = [f"data/{f.name}" for f in resources.files("apcctl.tinymodel").joinpath("data").iterdir()]
+    assert len(names) >= 5
+    assert [n for n in names if not any(fnmatch.fnmatch(n, g) for g in globs)] == []
 
 def test_loads_and_generates_greedily_and_deterministically(loaded) -> None:
     from mlx_vlm import generate

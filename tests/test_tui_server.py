@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from apcctl.client import AdminClient
 from apcctl.config import select
+from apcctl.core.client import AdminClient
 from server_harness import ADMIN_TOKEN, PatchedServer
 from test_cli_server import serve
 from tui.app import DashboardApp, make_app, restarter_for

@@ -12,10 +12,11 @@ from rich.color import Color
 from rich.console import Console
 
 from apcctl.cli import main
-from apcctl.client import AdminClient
+from apcctl.core.client import AdminClient
+from apcctl.core.process import ProcessInfo
 from tui import impact, series
 from tui.app import run_dashboard
-from tui.source import ProcessInfo, Snapshot
+from tui.source import Snapshot
 from tui.state import DashboardState, hit_ratio, percentile
 from tui.widgets.gauge import gauge_text
 from tui.widgets.header import Mode, header_text
@@ -217,7 +218,7 @@ def test_top_refuses_a_zero_interval(tmp_path, monkeypatch) -> None:
 
 
 def test_a_fleet_with_nothing_answering_is_a_source_error_and_a_quiet_server_reads_unreachable() -> None:
-    from apcctl.fleet.gateway import free_port
+    from apcctl.core.hosts import free_port
     from tui.fleet import FleetServer, FleetSnapshot, LiveFleetSource
     from tui.panes.fleet import gateway_line
     from tui.source import SourceError

@@ -29,7 +29,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Input, TabbedContent, TabPane
 from textual.worker import Worker, WorkerState
 
-from apcctl.client import AdminClient
+from apcctl.core.client import AdminClient
 from tui import impact
 from tui.fleet import FleetSource
 from tui.messages import EntryRequested, EventsArrived, NewAnchorRequested, RestartRequested, VerbRequested
@@ -435,8 +435,8 @@ def make_app(source: DashboardSource, *, read_only: bool = False, restarter: Res
 def restarter_for(targets: Sequence[Any] | None) -> Restarter | None:
     """A restarter over ``targets`` (``apcctl.config.Target``), in order, or None.
 
-    The plan is ``apcctl.restart.rolling_restart``'s dry run; the roll is
-    ``apcctl.fleet.roll.restart_targets``, as ``apcctl restart`` runs it: a server behind a running
+    The plan is ``apcctl.core.restart.rolling_restart``'s dry run; the roll is
+    ``apcctl.core.roll.restart_targets``, as ``apcctl restart`` runs it: a server behind a running
     fleet's gateway leaves the gateway first and rejoins it after, so the fleet's clients never
     get a 503, and the Restart tab follows the roll from server to server."""
     if not targets:
@@ -444,8 +444,8 @@ def restarter_for(targets: Sequence[Any] | None) -> Restarter | None:
     chosen = list(targets)
 
     def restart(*, on_progress: Any, dry_run: bool = False) -> Any:
-        from apcctl.fleet.roll import restart_targets
-        from apcctl.restart import rolling_restart
+        from apcctl.core.restart import rolling_restart
+        from apcctl.core.roll import restart_targets
 
         if dry_run:
             return rolling_restart(chosen, on_progress=on_progress, dry_run=True)

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from rich.text import Text
 
-from apcctl import render
+from apcctl.core import render
 from tui.state import Keyed, reuse_fraction
 from tui.widgets.keyed_table import Column
 

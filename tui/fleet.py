@@ -16,9 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from apcctl.client import AdminClient, AdminError, hits_of
-from apcctl.fleet.gateway import GatewayClient
-from apcctl.fleet.status import worker_state
+from apcctl.core.client import AdminClient, AdminError, hits_of
+from apcctl.core.gateway import GatewayClient, worker_state
 from tui.source import SourceError
 from tui.state import Keyed
 
@@ -31,7 +30,7 @@ class FleetServer:
 
     name: str
     url: str
-    state: str  # apcctl.fleet.status.STATES: healthy, draining, unhealthy, absent
+    state: str  # apcctl.core.gateway.STATES: healthy, draining, unhealthy, absent
     load: int | None = None
     status: dict[str, Any] | None = None  # its /admin/status; None when it does not answer
     error: str = ""

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from apcctl import render
+from apcctl.core import render
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from apcctl.client import AdminClient
-from tui.source import Emit, LiveSource, ProcessInfo, Snapshot, SourceError
+from apcctl.core.client import AdminClient
+from apcctl.core.process import ProcessInfo
+from tui.source import Emit, LiveSource, Snapshot, SourceError
 
 
 class RecordedSource:

@@ -2,9 +2,10 @@
 
 The app never talks HTTP itself. It asks a ``DashboardSource`` for snapshots (status and
 entries, polled) and for a stream of events (requests and cache events, pushed), and sends the
-operator's verbs through it. ``LiveSource`` does that over ``apcctl.client.AdminClient``; the
-recorded source in ``tui.recorded`` does it from a JSON file, so snapshot tests and offline
-demos see exactly the same screens.
+operator's verbs through it. ``LiveSource`` does that over ``apcctl.core.client.AdminClient``,
+and samples a local server's process with ``apcctl.core.process``; the recorded source in
+``tui.recorded`` does it from a JSON file, so snapshot tests and offline demos see exactly the
+same screens.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-import psutil
-
-from apcctl.client import AdminClient, AdminError, is_local_url
+from apcctl.core.client import AdminClient, AdminError
+from apcctl.core.hosts import is_local_url
+from apcctl.core.process import ProcessInfo, ProcessSampler
 
 Emit = Callable[[str, dict[str, Any]], None]
 
@@ -27,15 +28,6 @@ class SourceError(RuntimeError):
     def __init__(self, message: str, status: int = 0) -> None:
         super().__init__(message)
         self.status = status
-
-
-@dataclass(frozen=True)
-class ProcessInfo:
-    """The server process as this machine sees it; only known when the server is local."""
-
-    pid: int
-    rss_bytes: int
-    cpu_percent: float
 
 
 @dataclass(frozen=True)
@@ -76,26 +68,6 @@ class DashboardSource(Protocol):
     def evict(self, entry_id: str) -> dict[str, Any]: ...
 
     def new_anchor(self, system: str, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]: ...
-
-
-class ProcessSampler:
-    """RSS and CPU of a local pid; keeps the ``psutil.Process`` so CPU% is measured between samples."""
-
-    def __init__(self) -> None:
-        self._process: psutil.Process | None = None
-
-    def sample(self, pid: int | None) -> ProcessInfo | None:
-        if pid is None:
-            return None
-        try:
-            if self._process is None or self._process.pid != pid:
-                self._process = psutil.Process(pid)
-                self._process.cpu_percent(None)  # the first call only starts the measurement
-            with self._process.oneshot():
-                return ProcessInfo(pid, self._process.memory_info().rss, self._process.cpu_percent(None))
-        except psutil.Error:
-            self._process = None
-            return None
 
 
 def _source_error(exc: AdminError) -> SourceError:

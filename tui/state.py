@@ -13,8 +13,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
-from apcctl.client import hits_of
-from tui.source import ProcessInfo, Snapshot
+from apcctl.core.client import hits_of
+from apcctl.core.process import ProcessInfo
+from tui.source import Snapshot
 
 if TYPE_CHECKING:
     from tui.fleet import FleetSnapshot
@@ -166,7 +167,7 @@ class DashboardState:
 
     @property
     def hits(self) -> dict[str, Any]:
-        """The server's hit summary (``lineage.hits``)."""
+        """The server's hit summary (``/admin/status``'s ``hits``)."""
         return hits_of(self.status)
 
     def anchors(self) -> list[dict[str, Any]]:

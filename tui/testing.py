@@ -14,17 +14,17 @@ from typing import Any, Awaitable, Callable
 from textual.pilot import Pilot
 from textual.widget import Widget
 
-from apcctl.restart import RestartResult, RestartStep, ServerRestart
+from apcctl.core.restart import Phase, RestartResult, RestartStep, ServerRestart
 from tui.app import DashboardApp
 from tui.fleet import FleetServer, FleetSnapshot
 from tui.state import Keyed
 
-PHASES = (("draining", 0, "new requests get 503, Retry-After 5s"), ("waiting", 2, "2 in flight"),
-          ("waiting", 1, "1 in flight"), ("waiting", 0, "0 in flight"),
-          ("flushing", 0, "writing RAM entries the disk lacks"), ("stopping", 0, "SIGTERM, then start again"),
-          ("starting", 0, ""), ("ready", 0, "pid 4242 answers /health and /admin/status"),
-          ("probing", 0, "a request with the probe's system prompt must restore from disk"),
-          ("done", 0, "pid 4141 -> 4242"))
+PHASES = ((Phase.DRAINING, 0, "new requests get 503, Retry-After 5s"), (Phase.WAITING, 2, "2 in flight"),
+          (Phase.WAITING, 1, "1 in flight"), (Phase.WAITING, 0, "0 in flight"),
+          (Phase.FLUSHING, 0, "writing RAM entries the disk lacks"), (Phase.STOPPING, 0, "SIGTERM, then start again"),
+          (Phase.STARTING, 0, ""), (Phase.READY, 0, "pid 4242 answers /health and /admin/status"),
+          (Phase.PROBING, 0, "a request with the probe's system prompt must restore from disk"),
+          (Phase.DONE, 0, "pid 4141 -> 4242"))
 
 
 def sync(test: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
@@ -83,7 +83,7 @@ class ScriptedRestarter:
 
     def __call__(self, *, on_progress: Callable[[RestartStep], None], dry_run: bool = False) -> RestartResult:
         for server in self.servers:
-            on_progress(RestartStep(server, "plan", message="drain, wait <= 300s, flush, SIGTERM, then start "
+            on_progress(RestartStep(server, Phase.PLAN, message="drain, wait <= 300s, flush, SIGTERM, then start "
                                     "again, wait ready, probe an anchor from disk"))
         if dry_run:
             return RestartResult(True, True, [ServerRestart(server=s) for s in self.servers])
@@ -94,7 +94,7 @@ class ScriptedRestarter:
                 if self.hold_at is not None and index == self.hold_at and server == self.hold_server:
                     self._hold()
                 on_progress(RestartStep(server, phase, in_flight, message, elapsed_s=0.5 * index))
-            results.append(ServerRestart(server=server, ok=True, phase="done", old_pid=4141, new_pid=4242))
+            results.append(ServerRestart(server=server, ok=True, phase=Phase.DONE, old_pid=4141, new_pid=4242))
         return RestartResult(True, False, results)
 
 

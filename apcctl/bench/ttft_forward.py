@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     if model_dir is None:
         import tempfile
 
-        from apcctl.tiny_model import build_model
+        from apcctl.tinymodel.build import build_model
 
         model_dir = build_model(Path(tempfile.gettempdir()) / "apcctl-bench-model", preset="bench", seed=0)
     if args.explain:

@@ -7,12 +7,12 @@ from typing import Any, Callable
 
 import click
 
-from apcctl import render
-from apcctl.client import AdminClient
 from apcctl.commands.common import (EXIT_CODES_SHORT, Targets, for_each, json_option, one, server_options,
                                     talking_to)
 from apcctl.commands.entries import show_entries
 from apcctl.config import Target
+from apcctl.core import render
+from apcctl.core.client import AdminClient
 
 
 def register(main: click.Group, bench: click.Group) -> None:

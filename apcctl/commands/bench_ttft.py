@@ -42,7 +42,7 @@ def ttft(model_dir: Path | None, context: int, questions: int, max_tokens: int, 
     """Warm-turn time to first token, tokens restored and prefilled, KV bytes copied per turn."""
     from apcctl.bench import ttft as bench
     from apcctl.bench.ttft_report import render
-    from apcctl.tiny_model import build_model
+    from apcctl.tinymodel.build import build_model
 
     selected = [m.strip() for m in modes.split(",") if m.strip()]
     unknown = sorted(set(selected) - set(bench.MODES))

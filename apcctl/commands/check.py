@@ -54,7 +54,7 @@ def check(targets: list[Target], disk_path: Path | None, fix: bool, as_json: boo
       apcctl check --disk-path ~/.cache/apcctl/lineage --fix
       apcctl check --server main --json
     """
-    from apcctl import render
+    from apcctl.core import render
     from server_patch.disk.fsck import DiskInUse, check_dir
 
     root = (disk_path or disk_path_of(one(targets))).expanduser()

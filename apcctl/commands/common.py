@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from apcctl.client import AdminError
 from apcctl.config import ConfigError, Target, select
-from apcctl.manage import ManagedServer, ManageError
+from apcctl.core.client import AdminError
+from apcctl.core.manage import ManagedServer, ManageError
 
 
 # Set while --watch --json repeats a command: each result is one line.
@@ -90,16 +90,18 @@ def talking_to(target: Target) -> Iterator[None]:
 
 class Targets(list[Target]):
     """The selected servers. ``many`` (``--all``): results are a list, even of one server, and a
-    failing server is reported among them instead of ending the command."""
+    failing server is reported among them instead of ending the command. ``config_path`` is the
+    ``--config`` (or ``APCCTL_CONFIG``) they were read from, for a command that reads more of it."""
 
-    def __init__(self, targets: list[Target], many: bool = False) -> None:
+    def __init__(self, targets: list[Target], many: bool = False, config_path: Path | None = None) -> None:
         super().__init__(targets)
         self.many = many
+        self.config_path = config_path
 
 
 def emit_results(targets: Targets, results: list[Any], one: Callable[[Any], Any] = lambda r: r) -> None:
     """JSON of per-server results: the list with ``--all``, else ``one(result)`` of the only server."""
-    from apcctl import render
+    from apcctl.core import render
 
     emit = render.emit_json_line if _JSON_LINES.get() else render.emit_json
     emit(results if targets.many else one(results[0]))
@@ -113,7 +115,8 @@ def server_options(*, allow_all: bool = False) -> Callable[[Callable[..., Any]],
         def wrapper(*args: Any, server: str | None, token: str | None, config_path: Path | None,
                     all_servers: bool = False, **kwargs: Any) -> Any:
             try:
-                targets = Targets(select(server, token, config_path, all_servers), many=all_servers)
+                targets = Targets(select(server, token, config_path, all_servers), many=all_servers,
+                                  config_path=config_path)
             except (ConfigError, ManageError) as exc:
                 raise click.UsageError(str(exc)) from None
             return fn(*args, targets=targets, **kwargs)

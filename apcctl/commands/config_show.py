@@ -13,9 +13,9 @@ from typing import Any
 
 import click
 
-from apcctl import render
 from apcctl.commands.common import CommandError, ExitStatus
 from apcctl.config import ConfigError, load_config, server_name
+from apcctl.core import render
 from server_patch import settings as registry
 
 

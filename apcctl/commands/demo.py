@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import queue
-import socket
 import threading
 from typing import Any, Callable
 
 import click
 
-from apcctl import render
-from apcctl.client import AdminError, hits_of
 from apcctl.commands.common import EXIT_CODES_SHORT, CommandError, json_option
 from apcctl.commands.demo_traffic import AgentTraffic
 from apcctl.commands.requests import format_request, header
 from apcctl.config import ServerConfig, Target
-from apcctl.manage import ManagedServer, ManageError, build_spec
+from apcctl.core import render
+from apcctl.core.client import AdminError
+from apcctl.core.hosts import free_port
+from apcctl.core.manage import ManagedServer, ManageError, build_spec
 from server_patch.paths import state_dir
 
 NAME = "demo"
@@ -24,12 +24,6 @@ NAME = "demo"
 def register(main: click.Group, bench: click.Group) -> None:
     del bench
     main.add_command(demo)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _dashboard() -> Callable[..., Any] | None:
@@ -103,13 +97,13 @@ def demo(max_requests: int, duration: float | None, no_dashboard: bool, port: in
     Example:
       apcctl demo --no-dashboard --requests 20
     """
-    from apcctl.tiny_model import build_model
+    from apcctl.tinymodel.build import build_model
 
     # Its own directory, outside servers/, so 'apcctl status --all' never lists the demo.
     server = ManagedServer(NAME, root=state_dir())
     server.stop(grace=10)  # a demo left over from an interrupted run
     model = build_model(server.directory / "model", "tiny")
-    spec = build_spec(NAME, model=str(model), port=port or _free_port(), env={"HF_HUB_OFFLINE": "1"},
+    spec = build_spec(NAME, model=str(model), port=port or free_port(), env={"HF_HUB_OFFLINE": "1"},
                       directory=server.directory)
     click.echo(f"demo: tiny model {model}\ndemo: starting the patched server at {spec.url} (log {server.log_path})",
                err=as_json)
@@ -146,4 +140,4 @@ def demo(max_requests: int, duration: float | None, no_dashboard: bool, port: in
 
 def _summary(target: Target, traffic: AgentTraffic) -> dict[str, Any]:
     status = target.client().status()
-    return {"sent": traffic.sent, "failed": traffic.failed, "hits": hits_of(status), "url": target.url}
+    return {"sent": traffic.sent, "failed": traffic.failed, "hits": status["hits"], "url": target.url}

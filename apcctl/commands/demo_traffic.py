@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from apcctl.client import AdminClient, AdminError
-from apcctl.tiny_model import training_corpus
+from apcctl.core.client import AdminClient, AdminError
+from apcctl.tinymodel.corpus import training_corpus
 
 Messages = list[dict[str, str]]
 

@@ -6,10 +6,10 @@ from typing import Any
 
 import click
 
-from apcctl import render
 from apcctl.commands.common import (EXIT_CODES_SHORT, Targets, emit_results, for_each, json_option, server_options,
                                     watch_option, watching)
 from apcctl.config import Target
+from apcctl.core import render
 
 COLUMNS = ("ID", "KIND", "PIN", "TIER", "TOKENS", "RAM", "DISK", "HITS", "LAST USED", "CKPTS", "LABEL")
 NUMERIC = ("TOKENS", "RAM", "DISK", "HITS", "CKPTS")

@@ -12,17 +12,17 @@ from typing import Any
 
 import click
 
-from apcctl import render
 from apcctl.commands.common import EXIT_CODES_SHORT, CommandError, ExitStatus, json_option
 from apcctl.config import ConfigError, load_config
+from apcctl.core import render
+from apcctl.core.fleet_state import DEFAULT_FLEET, FleetMember, FleetSpec, FleetState
+from apcctl.core.gateway import DEFAULT_POLICY, POLICIES, GatewayClient, GatewayError, GatewaySpec, smg_executable
+from apcctl.core.hosts import free_port
+from apcctl.core.manage import ServerSpec
 from apcctl.fleet.config import DEFAULT_GATEWAY_PORT, FleetConfig, load_fleet
-from apcctl.fleet.gateway import (DEFAULT_POLICY, POLICIES, GatewayClient, GatewayError, GatewaySpec, free_port,
-                                  smg_executable)
 from apcctl.fleet.lifecycle import STOP_GRACE_S, FleetError, down, up
-from apcctl.fleet.state import DEFAULT_FLEET, FleetMember, FleetSpec, FleetState
 from apcctl.fleet.status import fleet_status
 from apcctl.fleet.traffic import TRACES
-from apcctl.manage import ServerSpec
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -191,7 +191,7 @@ def _configured(table: FleetConfig, config_path: Path | None,
 
 def _check_ports(gateway: GatewaySpec, server_specs: dict[str, ServerSpec]) -> None:
     from apcctl.commands.serve import port_busy
-    from apcctl.manage import ManagedServer
+    from apcctl.core.manage import ManagedServer
 
     if port_busy(gateway.host, gateway.port):
         raise CommandError(f"gateway port {gateway.port} on {gateway.host} is already in use")
@@ -297,7 +297,7 @@ def bench_fleet(model: str | None, servers: int, requests: int, trace: str, max_
     import tempfile
 
     from apcctl.fleet.bench import run_bench
-    from apcctl.tiny_model import build_model
+    from apcctl.tinymodel.build import build_model
 
     root = Path(tempfile.mkdtemp(prefix="apcctl-bench-fleet-"))  # servers, disk tiers, logs: kept only on failure
     model = model or str(build_model(root / "model", "tiny"))
@@ -339,8 +339,8 @@ def fleet_restart_command(fleet_name: str | None, timeout: float, grace: float |
     """Restart the fleet's servers one at a time through the gateway: each is taken out of smg
     (it drains there), restarted like 'apcctl restart' (flush, stop, start, probe; a failure rolls
     it back and stops the roll), and put back; clients of the gateway never get a 503."""
-    from apcctl.fleet.roll import fleet_restart
-    from apcctl.restart import RestartStep
+    from apcctl.core.restart import RestartStep
+    from apcctl.core.roll import fleet_restart
 
     state, spec, targets = _members(fleet_name, config_path, only)
 

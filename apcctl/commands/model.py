@@ -25,7 +25,9 @@ def model() -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 def build(out: Path, preset: str, seed: int) -> None:
     """Build a model into OUT (reused when OUT already holds this preset and seed)."""
-    from apcctl.tiny_model import build_model, cache_bytes, weights_fingerprint
+    from apcctl.tinymodel.build import build_model
+    from apcctl.tinymodel.config import cache_bytes
+    from apcctl.tinymodel.fingerprint import weights_fingerprint
 
     try:
         path = build_model(out, preset=preset, seed=seed)
@@ -47,7 +49,7 @@ def build(out: Path, preset: str, seed: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
 def fingerprint(model_dir: Path, as_json: bool) -> None:
     """Print the sha256 over config.json and the weight files of MODEL_DIR."""
-    from apcctl.tiny_model import weights_fingerprint
+    from apcctl.tinymodel.fingerprint import weights_fingerprint
 
     try:
         digest = weights_fingerprint(model_dir)

@@ -6,9 +6,9 @@ from typing import Any, Callable
 
 import click
 
-from apcctl.client import AdminClient
 from apcctl.commands.common import EXIT_CODES_SHORT, Targets, emit_results, for_each, json_option, server_options
 from apcctl.config import Target
+from apcctl.core.client import AdminClient
 
 
 def register(main: click.Group, bench: click.Group) -> None:

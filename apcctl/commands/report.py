@@ -10,9 +10,9 @@ from typing import Any
 import click
 from rich.table import Table
 
-from apcctl import render
 from apcctl.commands.common import EXIT_CODES_SHORT, CommandError, ExitStatus, json_option, one, server_options
 from apcctl.config import Target
+from apcctl.core import render
 from apcctl.journal_report import PHASES, parse_since, report as build_report
 from server_patch.integration.journal import directory_from_env
 

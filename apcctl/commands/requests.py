@@ -7,10 +7,10 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from apcctl import render
-from apcctl.client import AdminClient, AdminError
 from apcctl.commands.common import EXIT_CODES_SHORT, json_option, one, server_options, talking_to
 from apcctl.config import Target
+from apcctl.core import render
+from apcctl.core.client import AdminClient, AdminError
 
 COLUMNS = ("SEQ", "TIME", "KIND", "PROMPT", "REUSED", "LOOKUP", "ADMIT", "PREFILL", "COMMIT", "TTFT ms", "ENTRY")
 NUMERIC = ("SEQ", "PROMPT", "REUSED", "LOOKUP", "ADMIT", "PREFILL", "COMMIT", "TTFT ms")

@@ -1,4 +1,4 @@
-"""``apcctl restart``: idle-checked rolling restart, drawn from ``apcctl.restart``'s progress steps."""
+"""``apcctl restart``: idle-checked rolling restart, drawn from ``apcctl.core.restart``'s progress steps."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import sys
 import click
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from apcctl import render
 from apcctl.commands.common import EXIT_CODES_SHORT, ExitStatus, server_options
 from apcctl.config import Target
-from apcctl.manage import GRACE_MARGIN_S
-from apcctl.fleet.roll import restart_targets
-from apcctl.restart import SUPERVISORS, RestartStep, rolling_restart
+from apcctl.core import render
+from apcctl.core.manage import GRACE_MARGIN_S
+from apcctl.core.restart import SUPERVISORS, Phase, RestartStep, rolling_restart
+from apcctl.core.roll import restart_targets
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -32,7 +32,7 @@ class ProgressPrinter:
         self.tty = (sys.stderr if err else sys.stdout).isatty()
 
     def __call__(self, step: RestartStep) -> None:
-        if step.phase == "waiting" and not step.message.startswith("warning:"):
+        if step.phase == Phase.WAITING and not step.message.startswith("warning:"):
             self._waiting(step)
             return
         self._close_bar()
@@ -42,7 +42,7 @@ class ProgressPrinter:
     def _waiting(self, step: RestartStep) -> None:
         if not self.tty:
             if step.in_flight != self.last_in_flight:
-                click.echo(f"{step.server:<12} {'waiting':<9} {step.in_flight} requests in flight", err=self.err)
+                click.echo(f"{step.server:<12} {Phase.WAITING:<9} {step.in_flight} requests in flight", err=self.err)
             self.last_in_flight = step.in_flight
             return
         if self.bar is None:
@@ -93,7 +93,7 @@ def restart(targets: list[Target], timeout: float, force: bool, supervisor: str 
     progress = ProgressPrinter(err=as_json, timeout=timeout)
     # Every target is planned (and a bad plan refused) before anything is touched; then a server
     # behind a running fleet's gateway is taken out of the gateway instead of being drained
-    # (apcctl.fleet.roll), so the fleet's clients never see a 503.
+    # (apcctl.core.roll), so the fleet's clients never see a 503.
     planned: list[RestartStep] = []
     result = rolling_restart(targets, on_progress=progress if dry_run else planned.append, timeout=timeout,
                              supervisor=supervisor, dry_run=True, grace=grace)
@@ -106,7 +106,7 @@ def restart(targets: list[Target], timeout: float, force: bool, supervisor: str 
     if as_json:
         render.emit_json(result.as_dict())
     if not result.ok:
-        failed = next((s for s in result.servers if s.phase == "failed"), None)
+        failed = next((s for s in result.servers if s.phase == Phase.FAILED), None)
         if not as_json and failed is not None:
             click.echo(f"Error: {failed.server}: {failed.message}", err=True)
         raise click.exceptions.Exit(int(ExitStatus.FAILED))

@@ -10,11 +10,11 @@ from typing import Any, BinaryIO, Callable
 
 import click
 
-from apcctl import render
 from apcctl.commands.common import (EXIT_CODES_HELP, EXIT_CODES_SHORT, CommandError, ExitStatus, Targets,
                                     emit_results, for_each, json_option, managed, one, server_options, talking_to)
 from apcctl.config import DEFAULT_HOST, DEFAULT_PORT, ConfigError, Target, load_config, server_name
-from apcctl.manage import ManagedServer, ManageError, ServerSpec, build_spec
+from apcctl.core import render
+from apcctl.core.manage import ManagedServer, ManageError, ServerSpec, build_spec
 from apcctl.service.record import read_record
 
 

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import click
 
-from apcctl import render
 from apcctl.commands.common import EXIT_CODES_SHORT, CommandError, ExitStatus, json_option
 from apcctl.commands.serve import port_busy, server_spec, sizing_lines, spec_sizing
 from apcctl.config import ConfigError, load_config, server_name
-from apcctl.manage import ManagedServer, ManageError
+from apcctl.core import render
+from apcctl.core.manage import ManagedServer, ManageError
 from apcctl.service import install as installer
 from apcctl.service.ready import wait_healthy
 from apcctl.service.record import read_record

@@ -3,19 +3,18 @@ for a server a fleet's gateway fronts, the gateway's state of it (``apcctl.fleet
 
 from __future__ import annotations
 
-import time
+from dataclasses import asdict
 from typing import Any
 
 import click
-import psutil
 
-from apcctl import render
-from apcctl.client import hits_of, is_local_url
 from apcctl.commands.common import (EXIT_CODES_SHORT, Targets, emit_results, for_each, json_option, server_options,
                                     watch_option, watching)
 from apcctl.commands.verify import canary_line, canary_state
 from apcctl.config import Target
-
+from apcctl.core import render
+from apcctl.core.hosts import is_local_url
+from apcctl.core.process import sample_once
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -24,22 +23,17 @@ def register(main: click.Group, bench: click.Group) -> None:
 
 
 def process_info(target: Target, pid: int | None) -> dict[str, Any] | None:
-    """RSS, CPU and uptime from psutil, when the server runs on this machine."""
-    if pid is None or (not is_local_url(target.url) and target.managed is None):
+    """RSS, CPU, threads and uptime, when the server runs on this machine."""
+    if not is_local_url(target.url) and target.managed is None:
         return None
-    try:
-        process = psutil.Process(pid)
-        with process.oneshot():
-            return {"pid": pid, "rss_bytes": process.memory_info().rss, "cpu_percent": process.cpu_percent(0.1),
-                    "threads": process.num_threads(), "uptime_s": max(0.0, time.time() - process.create_time())}
-    except psutil.Error:
-        return None
+    sample = sample_once(pid)
+    return asdict(sample) if sample is not None else None
 
 
 def collect(target: Target) -> dict[str, Any]:
     body = target.client().status()
     return {"server": target.name, "url": target.url, "managed": target.managed is not None, "status": body,
-            "process": process_info(target, body["server"].get("pid")), "hits": hits_of(body),
+            "process": process_info(target, body["server"].get("pid")), "hits": body["hits"],
             "canary": canary_state(target.client()) if body.get("lineage") else None}
 
 

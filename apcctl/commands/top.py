@@ -6,8 +6,7 @@ from pathlib import Path
 
 import click
 
-from apcctl.commands.common import EXIT_CODES_SHORT, one, server_options
-from apcctl.config import Target
+from apcctl.commands.common import EXIT_CODES_SHORT, Targets, one, server_options
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -26,7 +25,7 @@ def register(main: click.Group, bench: click.Group) -> None:
                                       "event stream (requests, cache events) is pushed and does not wait on it.")
 @click.option("--fleet", "fleet_name", is_flag=False, flag_value="", default=None, metavar="[NAME]",
               help="Open the fleet's dashboard (its first server, plus the Fleet tab), as `apcctl fleet top`.")
-def top(targets: list[Target], read_only: bool, replay: Path | None, interval: float,
+def top(targets: Targets, read_only: bool, replay: Path | None, interval: float,
         fleet_name: str | None) -> None:
     """Live dashboard of one server: requests, hit ratio and TTFT, budgets,
     lineage entries with their checkpoints, anchors, and the rolling restart.
@@ -50,7 +49,8 @@ def top(targets: list[Target], read_only: bool, replay: Path | None, interval: f
     if fleet_name is not None:
         from apcctl.commands.fleet import open_fleet_dashboard
 
-        open_fleet_dashboard(fleet_name or None, None, read_only=read_only, interval=interval, config_path=None)
+        open_fleet_dashboard(fleet_name or None, None, read_only=read_only, interval=interval,
+                             config_path=targets.config_path)
         return
     from tui.app import run_dashboard
 

@@ -6,10 +6,10 @@ from typing import Any
 
 import click
 
-from apcctl import render
-from apcctl.client import AdminClient
 from apcctl.commands.common import CommandError, ExitStatus, json_option, one, server_options, talking_to
 from apcctl.config import Target
+from apcctl.core import render
+from apcctl.core.client import AdminClient
 
 COLUMNS = ("KIND", "TIER", "ENTRY", "LENGTH", "CHECKED", "MODE", "MAX DIFF", "TOL", "TOP-K", "GREEDY", "RESULT")
 NUMERIC = ("LENGTH", "CHECKED", "MAX DIFF", "TOL", "TOP-K")
@@ -22,7 +22,7 @@ def register(main: click.Group, bench: click.Group) -> None:
 
 def canary_state(client: AdminClient) -> dict[str, Any] | None:
     """``GET /admin/verify`` (counters, last result, suspects), or None from a server without it."""
-    from apcctl.client import AdminError
+    from apcctl.core.client import AdminError
 
     try:
         return client.canary()

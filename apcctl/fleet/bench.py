@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from apcctl.client import AdminClient, hits_of
-from apcctl.fleet.gateway import GatewayClient, GatewayProcess, GatewaySpec, free_port
+from apcctl.core.client import AdminClient
+from apcctl.core.gateway import GatewayClient, GatewayProcess, GatewaySpec
+from apcctl.core.hosts import free_port
+from apcctl.core.manage import ManagedServer, build_spec
 from apcctl.fleet.traffic import TraceResult, replay, system_prompts
-from apcctl.manage import ManagedServer, build_spec
 
 
 @dataclass(frozen=True)
@@ -143,5 +144,5 @@ def _counters(admin: AdminClient) -> tuple[int, int]:
     """Requests this server has answered (lookups of its lineage cache, hits and colds) and the
     prompt tokens it prefilled."""
 
-    hits = hits_of(admin.status())
+    hits = admin.status()["hits"]
     return int(hits["requests"]), int(hits["prefill_tokens"])

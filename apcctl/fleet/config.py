@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from apcctl.config import ConfigError, load_config
-from apcctl.fleet.gateway import DEFAULT_POLICY, POLICIES
-from apcctl.fleet.state import DEFAULT_FLEET
-from apcctl.manage import plain_name
+from apcctl.core.fleet_state import DEFAULT_FLEET
+from apcctl.core.gateway import DEFAULT_POLICY, POLICIES
+from apcctl.core.manage import plain_name
 
 DEFAULT_GATEWAY_PORT = 30000
 _KEYS = {"name", "servers", "port", "host", "policy", "cache_boundaries", "gateway_args", "metrics_port"}

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from apcctl.fleet.gateway import GatewayClient, GatewayError
-from apcctl.fleet.state import FleetSpec, FleetState
-from apcctl.manage import ManagedServer, ManageError, ServerSpec, StopResult
+from apcctl.core.fleet_state import FleetSpec, FleetState
+from apcctl.core.gateway import GatewayClient, GatewayError
+from apcctl.core.manage import ManagedServer, ManageError, ServerSpec, StopResult
 
 Progress = Callable[[str], None]
 STOP_GRACE_S = 30.0  # a fleet's servers flush on SIGTERM; `fleet down --grace` overrides

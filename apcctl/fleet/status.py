@@ -5,25 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable
 
-from apcctl.client import AdminError, hits_of
 from apcctl.config import ConfigError, load_config, resolve
-from apcctl.fleet.gateway import GatewayClient, is_ready
-from apcctl.fleet.state import SPEC_FILE, FleetState, fleets_root
+from apcctl.core.client import AdminError
+from apcctl.core.fleet_state import SPEC_FILE, FleetState, fleets_root
+from apcctl.core.gateway import GatewayClient, worker_state
 
 WORKER_KEYS = ("id", "status", "is_healthy", "load")
-# What the gateway does with a server, in one word: it routes to it (healthy), finishes what it sent
-# there and sends nothing new (draining), lists it but does not route to it (unhealthy), or does not
-# list it at all (absent: out of rotation, e.g. mid-restart, or the gateway is down).
-STATES = ("healthy", "draining", "unhealthy", "absent")
-
-
-def worker_state(worker: dict[str, Any] | None) -> str:
-    """One of ``STATES`` for smg's ``GET /workers`` entry of a server (None: not listed)."""
-    if worker is None:
-        return "absent"
-    if worker.get("status") == "draining":
-        return "draining"
-    return "healthy" if is_ready(worker) else "unhealthy"
 
 
 def _key(url: str) -> str:
@@ -75,7 +62,7 @@ def server_view(name: str, url: str, config_path: Path | None = None) -> dict[st
     except AdminError as exc:
         return {"reachable": False, "error": exc.message}
     idle = body.get("idle") or {}
-    hits = hits_of(body)
+    hits = body["hits"]
     return {"reachable": True, "pid": body["server"].get("pid"), "in_flight": idle.get("in_flight"),
             "draining": idle.get("draining"), "requests": hits["requests"], "hit_rate": hits["hit_rate"],
             "token_hit_rate": hits["token_hit_rate"]}

@@ -21,9 +21,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from apcctl.client import AdminClient, AdminError
 from apcctl.commands.demo_traffic import AgentTraffic
-from apcctl.fleet.gateway import ROUTING_KEY_HEADER
+from apcctl.core.client import AdminClient, AdminError
+from apcctl.core.gateway import ROUTING_KEY_HEADER
 from apcctl.fleet.holdout import ConversationTraffic
 
 TENANT_HEADER = "X-APC-Tenant"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from apcctl.manage import ENV_PREFIXES, ServerSpec, default_grace, servers_root
+from apcctl.core.manage import ENV_PREFIXES, ServerSpec, default_grace, servers_root
 from apcctl.service import units
 from apcctl.service.record import ServiceRecord, read_record, remove_record, write_record
 from apcctl.service.runner import SupervisorError, run_supervisor

@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from apcctl.manage import servers_root
+from apcctl.core.manage import servers_root
 
 RECORD_FILE = "service.json"
 

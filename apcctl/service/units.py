@@ -47,7 +47,7 @@ class ServiceSpec:
     env: dict[str, str] = field(default_factory=dict)
     working_dir: Path = Path("/")
     log_path: Path = Path("/dev/null")  # the supervisor's capture (early output)
-    stop_timeout_s: float = 75.0  # the shutdown flush plus a margin (apcctl.manage.default_grace)
+    stop_timeout_s: float = 75.0  # the shutdown flush plus a margin (apcctl.core.manage.default_grace)
     health_url: str = "http://127.0.0.1:8080"
     ready_timeout_s: int = READY_TIMEOUT_S
     python: str = "python3"  # runs the readiness check

@@ -35,7 +35,7 @@ class Variant:
     """One template with the kwargs a client passes (``enable_thinking``, ``clear_thinking``)."""
 
     name: str
-    template: str  # file under apcctl/templates, or "tiny" for apcctl.tiny_model.CHAT_TEMPLATE
+    template: str  # file under apcctl/templates, or "tiny" for apcctl.tinymodel.template.CHAT_TEMPLATE
     kwargs: dict[str, Any] = field(default_factory=dict)
     end_marker: str | None = None  # what the model samples to end its turn (None: the next role tag)
 
@@ -67,7 +67,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("qwen3 nothink", "qwen3.jinja", {"enable_thinking": False}, end_marker="<|im_end|>"),
 )
 
-# The tiny test model's template (apcctl.tiny_model.CHAT_TEMPLATE), with thinking on and with
+# The tiny test model's template (apcctl.tinymodel.template.CHAT_TEMPLATE), with thinking on and with
 # thinking off as mlx-vlm's server renders it by default: it should behave like glm45.
 TINY_VARIANTS: tuple[Variant, ...] = (
     Variant("tiny", "tiny"),
@@ -134,7 +134,7 @@ def _raise(message: str) -> None:
 @lru_cache(maxsize=None)
 def template_source(name: str) -> str:
     if name == "tiny":
-        from apcctl.tiny_model import CHAT_TEMPLATE
+        from apcctl.tinymodel.template import CHAT_TEMPLATE
 
         return CHAT_TEMPLATE
     return resources.files("apcctl").joinpath("templates", name).read_text(encoding="utf-8")

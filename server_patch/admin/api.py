@@ -33,7 +33,7 @@ from server_patch.canary.admin import verify_router
 from server_patch.canary.book import BOOK
 from server_patch.integration import runtime as lineage_runtime
 from server_patch.lineage.summary import hit_summary
-from server_patch.integration.anchors import label as anchor_label
+from server_patch.boundaries.anchors import anchor_label
 from server_patch.lineage import CacheError, LineageConfig
 
 log = logging.getLogger("server_patch.admin")
@@ -125,6 +125,8 @@ def status() -> dict[str, Any]:
         "pool": _pool(),
         "admin": {"event_streams": STREAMS.open, **asdict(router.limits)},
         "canary": {"suspects": sorted(BOOK.suspects), "on_fail": BOOK.on_fail},
+        # Always, so no reader rebuilds the empty summary: zeros before the cache starts.
+        "hits": hit_summary(current.cache.stats if current is not None else {}),
         "lineage": None,
     }
     if current is not None:
@@ -132,7 +134,6 @@ def status() -> dict[str, Any]:
         body["lineage"] = {
             "budgets": current.cache.budgets(),
             "stats": dict(current.cache.stats),
-            "hits": hit_summary(current.cache.stats),
             "layout": current.layout.describe(),
             "disk_path": str(current.disk.root) if current.disk else None,
             "disk_pending_writes": current.disk.pending if current.disk else 0,

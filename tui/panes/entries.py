@@ -9,7 +9,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Static
 
-from apcctl import render
+from apcctl.core import render
 from tui.messages import NewAnchorRequested
 from tui.panes.base import EntryPane
 from tui.state import DashboardState

@@ -13,7 +13,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Static
 
-from apcctl import render
+from apcctl.core import render
 from tui.columns import request_columns
 from tui.fleet import FleetServer, FleetSnapshot
 from tui.panes.base import Pane

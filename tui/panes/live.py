@@ -16,7 +16,7 @@ from textual.binding import Binding
 from textual.containers import Container, Horizontal
 from textual.widgets import DataTable, Static
 
-from apcctl import render
+from apcctl.core import render
 from tui import series
 from tui.columns import kind_text, request_columns
 from tui.messages import EntryRequested

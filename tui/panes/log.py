@@ -12,7 +12,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import RichLog
 
-from apcctl import render
+from apcctl.core import render
 from tui.columns import kind_text
 from tui.panes.base import Pane
 from tui.state import DashboardState, LogItem, LOG_LINES, reuse_fraction

@@ -18,13 +18,14 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Static
 
-from apcctl.restart import RestartResult, RestartStep
+from apcctl.core.restart import Phase, RestartResult, RestartStep
 from tui.messages import RestartRequested
 from tui.panes.base import Pane
 
 Restarter = Callable[..., RestartResult]  # called as restarter(on_progress=..., dry_run=...)
-STEPS = (("draining", "drain"), ("waiting", "wait idle"), ("flushing", "flush"), ("stopping", "stop"),
-         ("starting", "start"), ("ready", "ready"), ("probing", "anchor probe"), ("done", "done"))
+STEPS = ((Phase.DRAINING, "drain"), (Phase.WAITING, "wait idle"), (Phase.FLUSHING, "flush"),
+         (Phase.STOPPING, "stop"), (Phase.STARTING, "start"), (Phase.READY, "ready"),
+         (Phase.PROBING, "anchor probe"), (Phase.DONE, "done"))
 ORDER = [phase for phase, _ in STEPS]
 LOG_LINES = 14
 
@@ -32,17 +33,17 @@ LOG_LINES = 14
 def stepper(steps: Sequence[RestartStep]) -> Text:
     """``✓ drain ✓ wait idle ● flush ○ stop ...`` for one server's steps so far."""
     reached = [s.phase for s in steps if s.phase in ORDER]
-    failed = any(s.phase == "failed" for s in steps)
+    failed = any(s.phase == Phase.FAILED for s in steps)
     current = ORDER.index(reached[-1]) if reached else -1
     text = Text()
     for index, (phase, label) in enumerate(STEPS):
-        if index < current or (index == current and phase == "done"):
+        if index < current or (index == current and phase == Phase.DONE):
             mark, style = "✓", "green"
         elif index == current:
             mark, style = ("✗", "bold red") if failed else ("●", "bold yellow")
         else:
             mark, style = "○", "grey42"
-        if phase == "waiting" and index == current and not failed:
+        if phase == Phase.WAITING and index == current and not failed:
             label = f"wait idle ({steps[-1].in_flight} in flight)"
         text.append(f"{mark} {label}  ", style=style)
     return text
@@ -54,12 +55,12 @@ def progress_view(servers: Sequence[str], steps: Sequence[RestartStep], result: 
     table.add_column()
     table.add_column(style="grey62", justify="right")
     for server in servers:
-        mine = [s for s in steps if s.server == server and s.phase != "plan"]
+        mine = [s for s in steps if s.server == server and s.phase != Phase.PLAN]
         elapsed = f"{getattr(mine[-1], 'elapsed_s', 0.0):.1f}s" if mine else ""
         table.add_row(server, stepper(mine) if mine else Text("waiting its turn", style="grey62"), elapsed)
     parts: list[Any] = [table]
     if result is not None:
-        failed = next((s for s in result.servers if not s.ok and s.phase == "failed"), None)
+        failed = next((s for s in result.servers if not s.ok and s.phase == Phase.FAILED), None)
         if result.ok:
             parts.append(Text(f"✓ restarted {len(result.servers)} server(s): "
                               + ", ".join(f"{s.server} pid {s.old_pid} -> {s.new_pid}" for s in result.servers),
@@ -73,7 +74,7 @@ def progress_view(servers: Sequence[str], steps: Sequence[RestartStep], result: 
 def log_view(steps: Sequence[RestartStep]) -> Text:
     text = Text()
     for step in steps[-LOG_LINES:]:
-        style = "yellow" if step.message.startswith("warning:") else "red" if step.phase == "failed" else ""
+        style = "yellow" if step.message.startswith("warning:") else "red" if step.phase == Phase.FAILED else ""
         text.append(f"{getattr(step, 'elapsed_s', 0.0):6.1f}s ", style="grey62")
         text.append(f"{step.server:<12} {step.phase:<9} ", style="bold")
         text.append(f"{step.message}\n", style=style)
@@ -131,7 +132,7 @@ class RestartPane(Pane, can_focus=True):
         if action == "restart":
             if self.read_only or self.restarter is None:
                 return False
-            refused = any(step.phase == "failed" for step in self.plan)  # the dry run says it cannot work
+            refused = any(step.phase == Phase.FAILED for step in self.plan)  # the dry run says it cannot work
             return None if self.running or refused else True
         return True
 
@@ -149,7 +150,7 @@ class RestartPane(Pane, can_focus=True):
         try:
             result = self.restarter(on_progress=lambda step: self.app.call_from_thread(self.add_step, step))
         except Exception as exc:  # a bug or an unexpected error must still end the roll on screen
-            self.app.call_from_thread(self.add_step, RestartStep("dashboard", "failed", message=str(exc)))
+            self.app.call_from_thread(self.add_step, RestartStep("dashboard", Phase.FAILED, message=str(exc)))
             result = None
         self.app.call_from_thread(self.finished, result)
 
@@ -167,8 +168,8 @@ class RestartPane(Pane, can_focus=True):
             plan = Text()
             for step in self.plan:
                 plan.append(f"{step.server:<12} ", style="bold")
-                plan.append(f"{step.phase:<7} {step.message}\n", style="red" if step.phase == "failed" else "")
-            if any(step.phase == "failed" for step in self.plan):
+                plan.append(f"{step.phase:<7} {step.message}\n", style="red" if step.phase == Phase.FAILED else "")
+            if any(step.phase == Phase.FAILED for step in self.plan):
                 plan.append("The plan was refused, so R is off: see apcctl restart --help.", style="grey62")
             else:
                 plan.append("R starts the roll (after a confirmation); one server at a time, the first failure "
@@ -176,6 +177,6 @@ class RestartPane(Pane, can_focus=True):
             self.query_one("#restart-plan", Static).update(plan)
         if self.servers:
             self.query_one("#restart-progress", Static).update(progress_view(self.servers, self.steps, self.result))
-        steps = [s for s in self.steps if s.phase != "plan"]  # the plan has its own box
+        steps = [s for s in self.steps if s.phase != Phase.PLAN]  # the plan has its own box
         self.query_one("#restart-log", Static).update(
             log_view(steps) if steps else Text("Not started.", style="grey62"))

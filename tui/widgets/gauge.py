@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from apcctl import render
+from apcctl.core import render
 
 BAR = "━"
 MIN_BAR = 4

@@ -8,7 +8,7 @@ from pathlib import PurePath
 from rich.text import Text
 from textual.widgets import Static
 
-from apcctl import render
+from apcctl.core import render
 from tui.state import DashboardState
 
 

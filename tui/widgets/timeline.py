@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.widget import Widget
 
-from apcctl import render
+from apcctl.core import render
 
 MARKS = {  # checkpoint kind -> (glyph, style)
     "final": ("◆", "bold green"),

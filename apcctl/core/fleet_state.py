@@ -2,7 +2,7 @@
 
 ``fleet.json`` names the servers (each a managed server under ``<state dir>/servers/``, or a URL the
 fleet does not start) and the gateway's command; ``gateway.pid`` / ``gateway.log`` belong to the
-gateway process (``apcctl.fleet.gateway``).
+gateway process (``apcctl.core.gateway``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from apcctl.fleet.gateway import GatewayProcess, GatewaySpec
-from apcctl.manage import plain_name, write_private
+from apcctl.core.gateway import GatewayProcess, GatewaySpec
+from apcctl.core.manage import plain_name, write_private
 from server_patch.paths import state_dir
 
 SPEC_FILE = "fleet.json"
@@ -72,7 +72,7 @@ class FleetState:
 
 def fleet_for(url: str) -> FleetState | None:
     """The fleet whose running gateway fronts the server at ``url`` (for ``apcctl restart``,
-    which must take such a server out of the gateway first: ``apcctl.fleet.roll``)."""
+    which must take such a server out of the gateway first: ``apcctl.core.roll``)."""
     root = fleets_root()
     wanted = url.rstrip("/")
     for path in sorted(root.glob(f"*/{SPEC_FILE}")) if root.is_dir() else []:

@@ -25,17 +25,37 @@ import secrets
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import psutil
 
-from apcctl.client import AdminClient, AdminError, is_local_url
-from apcctl.config import Target
-from apcctl.manage import (CREATE_TIME_TOLERANCE_S, GRACE_MARGIN_S, LAUNCHER, ManageError, ServerSpec,
-                           default_grace, same_process, terminate)
+from apcctl.core.client import AdminClient, AdminError
+from apcctl.core.hosts import is_local_url
+from apcctl.core.manage import (CREATE_TIME_TOLERANCE_S, GRACE_MARGIN_S, LAUNCHER, ManageError, ServerSpec,
+                                default_grace, same_process, terminate)
+from server_patch.lineage.model import ANCHOR, DISK
 
-PHASES = ("plan", "draining", "waiting", "flushing", "stopping", "starting", "ready", "probing", "rollback",
-          "done", "failed")
+if TYPE_CHECKING:  # the CLI's resolved server (the engine reads only its fields; no import at run time)
+    from apcctl.config import Target
+
+
+class Phase(StrEnum):
+    """Where one server's restart is, in order; the values are the JSON's and the progress lines' words."""
+
+    PLAN = "plan"
+    DRAINING = "draining"
+    WAITING = "waiting"
+    FLUSHING = "flushing"
+    STOPPING = "stopping"
+    STARTING = "starting"
+    READY = "ready"
+    PROBING = "probing"
+    ROLLBACK = "rollback"
+    DONE = "done"
+    FAILED = "failed"
+
+
 SUPERVISORS = ("none", "launchd", "systemd")
 # A system prompt no client sends: its anchor is created before the stop and must restore after.
 # The nonce comes first, so no entry left by an earlier probe shares more than the template's
@@ -43,7 +63,7 @@ SUPERVISORS = ("none", "launchd", "systemd")
 PROBE_SYSTEM = ("[apcctl restart probe {nonce}] You are the apcctl restart probe. This system prompt exists so "
                 "that a rolling restart can check that a pinned anchor comes back from the disk tier.")
 PROBE_USER = "Ready?"
-RESTORED_KINDS = ("anchor", "disk")
+RESTORED_KINDS = (ANCHOR, DISK)
 # Tokens a chat template may add around the probe's system prompt (an upper bound, for the cap check).
 TEMPLATE_TOKENS = 64
 RAM_TIERS = ("ram", "ram+disk")
@@ -55,7 +75,7 @@ class RestartStep:
     """One progress report: which server, which phase, how many requests are still in flight."""
 
     server: str
-    phase: str
+    phase: Phase
     in_flight: int = 0
     message: str = ""
     elapsed_s: float = 0.0  # since this server's turn began
@@ -67,7 +87,7 @@ class ServerRestart:
 
     server: str
     ok: bool = False
-    phase: str = "plan"  # the last phase reached
+    phase: Phase = Phase.PLAN  # the last phase reached
     message: str = ""
     how: str = ""  # how it is stopped and started
     old_pid: int | None = None
@@ -92,7 +112,7 @@ class RestartResult:
 class RestartFailed(RuntimeError):
     """A step failed; the roll stops here. ``phase`` is where, when the message already says it."""
 
-    def __init__(self, message: str, phase: str | None = None) -> None:
+    def __init__(self, message: str, phase: Phase | None = None) -> None:
         super().__init__(message)
         self.phase = phase
 
@@ -203,10 +223,10 @@ def rolling_restart(targets: Sequence[Target], *, on_progress: Progress, timeout
             plan.check()
             result.how = plan.how
         except RestartFailed as exc:
-            result.phase, result.message = "failed", str(exc)
-            on_progress(RestartStep(result.server, "failed", message=result.message))
+            result.phase, result.message = Phase.FAILED, str(exc)
+            on_progress(RestartStep(result.server, Phase.FAILED, message=result.message))
             return RestartResult(False, dry_run, results)
-        on_progress(RestartStep(result.server, "plan", message=f"drain, wait <= {timeout:.0f}s, flush, "
+        on_progress(RestartStep(result.server, Phase.PLAN, message=f"drain, wait <= {timeout:.0f}s, flush, "
                                 f"{result.how}, wait ready, probe an anchor from disk"))
     if dry_run:
         return RestartResult(True, True, results)
@@ -235,7 +255,7 @@ class _OneServer:
         self.probe: dict[str, Any] | None = None  # the probe anchor, until it is removed
         self.model: str | None = None
 
-    def emit(self, phase: str, message: str = "", in_flight: int = 0) -> None:
+    def emit(self, phase: Phase, message: str = "", in_flight: int = 0) -> None:
         self.result.phase = phase
         self.result.message = message or self.result.message
         self.on_progress(RestartStep(self.result.server, phase, in_flight, message,
@@ -251,10 +271,10 @@ class _OneServer:
             self._steps()
         except (RestartFailed, *FAILURES) as exc:
             phase = getattr(exc, "phase", None) or self.result.phase
-            self.emit("failed", f"{phase}: {_message(exc)}")
+            self.emit(Phase.FAILED, f"{phase}: {_message(exc)}")
             return False
         self.result.ok = True
-        self.emit("done", f"pid {self.result.old_pid} -> {self.result.new_pid}")
+        self.emit(Phase.DONE, f"pid {self.result.old_pid} -> {self.result.new_pid}")
         return True
 
     def _steps(self) -> None:
@@ -272,14 +292,14 @@ class _OneServer:
             self._forget_probe()
 
     def _roll(self) -> None:
-        self.emit("draining", f"new requests get 503, Retry-After {self.retry_after}s")
+        self.emit(Phase.DRAINING, f"new requests get 503, Retry-After {self.retry_after}s")
         try:
             self.client.drain(self.retry_after)  # inside: a drain that timed out may still have landed
             self._wait_idle()
             self._flush()
-            self.emit("stopping", f"{self.result.how} (SIGKILL after {self.grace:.0f}s)")
+            self.emit(Phase.STOPPING, f"{self.result.how} (SIGKILL after {self.grace:.0f}s)")
             self._stop()
-            self.emit("starting")
+            self.emit(Phase.STARTING)
             self._start()
             self.result.new_pid = self._wait_ready()
         except (RestartFailed, *FAILURES) as exc:
@@ -289,9 +309,9 @@ class _OneServer:
             if self._old_alive():
                 self._undrain()
             raise
-        self.emit("ready", f"pid {self.result.new_pid} answers /health and /admin/status")
+        self.emit(Phase.READY, f"pid {self.result.new_pid} answers /health and /admin/status")
         if self.probe is not None:
-            self.emit("probing", "a request with the probe's system prompt must restore from disk")
+            self.emit(Phase.PROBING, "a request with the probe's system prompt must restore from disk")
             self.result.probe = self._check_probe()
             if self.result.probe.get("failure"):
                 raise RestartFailed(self.result.probe["failure"])
@@ -390,13 +410,13 @@ class _OneServer:
                 # no reason to give up the restart before the wait itself runs out.
                 if exc.status != 0 or time.monotonic() - start >= self.timeout:
                     raise
-                self.emit("waiting", f"no answer to a status poll ({exc.message}); still waiting")
+                self.emit(Phase.WAITING, f"no answer to a status poll ({exc.message}); still waiting")
                 time.sleep(self.poll_s)
                 continue
             in_flight = int(idle.get("in_flight", 0)) + int(idle.get("queued", 0))
             waited = time.monotonic() - start
             self.result.waited_s = waited
-            self.emit("waiting", f"{in_flight} in flight", in_flight)
+            self.emit(Phase.WAITING, f"{in_flight} in flight", in_flight)
             if in_flight == 0:
                 return
             if waited >= self.timeout:
@@ -408,7 +428,7 @@ class _OneServer:
             time.sleep(self.poll_s)
 
     def _flush(self) -> None:
-        self.emit("flushing", "writing RAM entries the disk lacks")
+        self.emit(Phase.FLUSHING, "writing RAM entries the disk lacks")
         try:
             answer = self.client.flush(timeout=min(self.timeout, 600.0))
         except AdminError as exc:
@@ -483,7 +503,7 @@ class _OneServer:
         assert self.managed is not None and self.previous is not None and self.grace is not None
         managed, previous = self.managed, self.previous
         self.result.rolled_back = True
-        self.emit("rollback", f"starting the previous command again: {' '.join(previous.argv)}")
+        self.emit(Phase.ROLLBACK, f"starting the previous command again: {' '.join(previous.argv)}")
         try:
             if managed.process() is not None:  # the new process, up but never ready
                 managed.stop(self.grace)

@@ -2,7 +2,7 @@
 
 For each server, one after the other: take it out of the gateway (``DELETE /workers/{id}``: smg
 stops routing to it and lets its requests finish), wait until smg no longer lists it, then the
-single-server steps of ``apcctl.restart.rolling_restart`` (drain, wait idle, flush, stop, start,
+single-server steps of ``apcctl.core.restart.rolling_restart`` (drain, wait idle, flush, stop, start,
 probe; a failure rolls that server back), then put it back (``POST /workers``) and wait until
 smg lists it as ready. The first failure stops the roll; a server that still answers ``/health``
 after a failure (undrained or rolled back) is put back in the gateway first, so the fleet does
@@ -12,12 +12,15 @@ not stay a server short.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from apcctl.client import AdminError
-from apcctl.config import Target
-from apcctl.fleet.gateway import GatewayClient, GatewayError
-from apcctl.restart import Progress, RestartResult, RestartStep, ServerRestart, rolling_restart
+from apcctl.core.client import AdminError
+from apcctl.core.fleet_state import fleet_for
+from apcctl.core.gateway import GatewayClient, GatewayError
+from apcctl.core.restart import Phase, Progress, RestartResult, RestartStep, ServerRestart, rolling_restart
+
+if TYPE_CHECKING:
+    from apcctl.config import Target
 
 
 def fleet_restart(gateway: GatewayClient, targets: Sequence[Target], *, on_progress: Progress,
@@ -28,8 +31,8 @@ def fleet_restart(gateway: GatewayClient, targets: Sequence[Target], *, on_progr
         try:
             _out_of_rotation(gateway, target, on_progress, timeout)
         except (GatewayError, AdminError) as exc:
-            failed = ServerRestart(target.name, phase="failed", message=f"gateway: {exc}")
-            on_progress(RestartStep(target.name, "failed", message=failed.message))
+            failed = ServerRestart(target.name, phase=Phase.FAILED, message=f"gateway: {exc}")
+            on_progress(RestartStep(target.name, Phase.FAILED, message=failed.message))
             return RestartResult(False, False, done + [failed] + _untouched(targets[n + 1:]))
         result = rolling_restart([target], on_progress=on_progress, timeout=timeout, grace=grace, force=force)
         server = result.servers[0]
@@ -38,7 +41,7 @@ def fleet_restart(gateway: GatewayClient, targets: Sequence[Target], *, on_progr
         except (GatewayError, AdminError) as exc:
             server.ok = False
             server.warnings.append(f"could not put {target.url} back in the gateway: {exc}")
-            on_progress(RestartStep(target.name, "failed", message=server.warnings[-1]))
+            on_progress(RestartStep(target.name, Phase.FAILED, message=server.warnings[-1]))
         done.append(server)
         if not server.ok:
             return RestartResult(False, False, done + _untouched(targets[n + 1:]))
@@ -51,8 +54,6 @@ def restart_targets(targets: Sequence[Target], *, on_progress: Progress, timeout
     gateway goes through the gateway (``fleet_restart``), so the fleet's clients never get a
     503; any other server is restarted directly (``rolling_restart``, with ``direct``'s
     options). The first failure stops the roll; later servers are untouched."""
-    from apcctl.fleet.state import fleet_for
-
     done: list[ServerRestart] = []
     for n, target in enumerate(targets):
         fleet = fleet_for(target.url)
@@ -78,7 +79,7 @@ def _out_of_rotation(gateway: GatewayClient, target: Target, on_progress: Progre
     worker = gateway.worker_for(target.url)
     if worker is None:
         raise GatewayError(f"{target.url} is not a worker of the gateway at {gateway.base_url}")
-    on_progress(RestartStep(target.name, "draining", message=f"out of the gateway (worker {worker['id']}); "
+    on_progress(RestartStep(target.name, Phase.DRAINING, message=f"out of the gateway (worker {worker['id']}); "
                             "smg finishes its requests there and sends new ones to the other servers"))
     gateway.remove_worker(str(worker["id"]))
     deadline = time.monotonic() + timeout
@@ -95,4 +96,4 @@ def _back_in_rotation(gateway: GatewayClient, target: Target, on_progress: Progr
         return  # nothing answers there: it stays out of the gateway, and the failure says why
     gateway.add_worker(target.url)
     gateway.wait_ready([target.url], timeout)
-    on_progress(RestartStep(target.name, "done", message="back in the gateway, ready"))
+    on_progress(RestartStep(target.name, Phase.DONE, message="back in the gateway, ready"))

@@ -1,13 +1,11 @@
 """The one HTTP client of the admin endpoint, shared by the CLI and the dashboard.
 
-Standard library only (urllib; psutil to know this machine's addresses), so it works wherever
-apcctl installs. Errors are
+HTTP through the standard library (urllib), so it works wherever apcctl installs. Errors are
 ``AdminError`` with the HTTP status and the server's JSON message, never a traceback.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import socket
 import threading
@@ -17,7 +15,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-import psutil
+from server_patch.lineage.summary import hit_summary
 
 
 class AdminError(RuntimeError):
@@ -29,32 +27,12 @@ class AdminError(RuntimeError):
         self.message = message
 
 
-
-def is_local_url(url: str) -> bool:
-    """The URL's host is this machine: ``localhost``, a loopback or wildcard address, or an
-    address of one of its interfaces. Other names are not resolved: they may be anywhere."""
-    host = (urllib.parse.urlsplit(url).hostname or "").lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return False
-    return address.is_loopback or address.is_unspecified or str(address) in _interface_addresses()
-
-
-def _interface_addresses() -> set[str]:
-    return {a.address.split("%", 1)[0] for addrs in psutil.net_if_addrs().values() for a in addrs
-            if a.family in (socket.AF_INET, socket.AF_INET6)}
-
 def hits_of(status: dict[str, Any] | None) -> dict[str, Any]:
-    """The server's own hit summary (``lineage.hits`` of ``/admin/status``: requests, hits and
-    their rate, hits by restore kind, token reuse); zeros before its cache starts, or on stock."""
-    hits = ((status or {}).get("lineage") or {}).get("hits")
-    if hits:
-        return hits
-    return {"requests": 0, "hits": 0, "hit_rate": None, "by_kind": {}, "reused_tokens": 0, "prefill_tokens": 0,
-            "token_hit_rate": None}
+    """The server's own hit summary (``hits`` of ``/admin/status``, which every server sends:
+    requests, hits and their rate, hits by restore kind, token reuse); the server's empty
+    summary when there is no status (a server that does not answer)."""
+    return status["hits"] if status else hit_summary({})
+
 
 @dataclass
 class AdminClient:

@@ -2,13 +2,14 @@
 
 Why: qwen3_5 (Gated DeltaNet hybrid + a 1-block vision tower) is the hybrid most people run on
 a Mac, so besides the in-process conformance test it is served end to end by the real patched
-server; ``build_family_dir`` does the same for any family ``apcctl.tiny_families`` sizes (a
-sliding-window family through the server, for one). The text model is
-``apcctl.tiny_families``'s (3 Gated DeltaNet layers, 1 full-attention layer, hidden 64); the
-tokenizer is a byte-level BPE trained on ``apcctl.tiny_model``'s corpus with Qwen's ChatML
-control tokens, and the chat template is ChatML (system/user/assistant turns, images as
-``<|vision_start|><|image_pad|><|vision_end|>``). Weights are float32 with MLX-native names,
-so ``sanitize`` leaves them as they are. Deterministic by seed; about 2 MB.
+server; ``build_family_dir`` does the same for any family ``apcctl.tinymodel.families`` sizes
+(a sliding-window family through the server, for one). The text model is
+``apcctl.tinymodel.families``'s (3 Gated DeltaNet layers, 1 full-attention layer, hidden 64);
+the tokenizer is a byte-level BPE trained on ``apcctl.tinymodel.corpus`` with Qwen's ChatML
+control tokens, and the chat template is ChatML (``apcctl.tinymodel.template.CHATML_TEMPLATE``:
+system/user/assistant turns, images as ``<|vision_start|><|image_pad|><|vision_end|>``).
+Weights are float32 with MLX-native names, so ``sanitize`` leaves them as they are.
+Deterministic by seed; about 2 MB.
 """
 
 from __future__ import annotations
@@ -17,22 +18,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from apcctl.tinymodel.template import CHATML_TEMPLATE
+
 #: Families the real-server tests serve (tests/test_e2e_qwen35.py, tests/test_e2e_families.py).
 SERVED_END_TO_END = ("qwen3_5", "gpt_oss", "nemotron_h")
 
 CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 MARKUP_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
-
-CHAT_TEMPLATE = """\
-{%- for m in messages -%}
-<|im_start|>{{ m.role }}
-{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}\
-{% if c.type == 'text' %}{{ c.text }}{% elif c.type in ('image', 'image_url') %}\
-<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}{% endif %}<|im_end|>
-{% endfor -%}
-{%- if add_generation_prompt -%}<|im_start|>assistant
-{% endif -%}"""
 
 VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
           "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
@@ -46,7 +39,7 @@ PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 1
 def _tokenizer():
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from apcctl.tiny_model import training_corpus
+    from apcctl.tinymodel.corpus import training_corpus
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -61,8 +54,8 @@ def _tokenizer():
 
 
 def make_config(family: str, ids: dict[str, int], vocab_size: int) -> dict[str, Any]:
-    """``tiny_families``'s config of ``family`` with this tokenizer's vocabulary and ids."""
-    from apcctl.tiny_families import tiny_config
+    """``families``'s config of ``family`` with this tokenizer's vocabulary and ids."""
+    from apcctl.tinymodel.families import tiny_config
 
     config = tiny_config(family)
     text = config.get("text_config", config)
@@ -93,7 +86,7 @@ def build_family_dir(family: str, out_dir: Path, seed: int = 0) -> Path:
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE, "model_max_length": 131072,
+        "pad_token": "<|endoftext|>", "chat_template": CHATML_TEMPLATE, "model_max_length": 131072,
     }, indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     if "vision_config" in config and config["vision_config"]:

@@ -1,4 +1,5 @@
-"""The gateway process: ``smg launch`` in front of the servers, and its worker API.
+"""The gateway process: ``smg launch`` in front of the servers, and its worker API (``GatewayClient``,
+and ``worker_state``: what the gateway does with one server, for status, the roll and the dashboard).
 
 smg is a Rust binary shipped in a wheel (``pip install 'apcctl[fleet]'``); it renames its process
 (``smg::router``), so it is known by PID and create time like a managed server, never by name.
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,8 +19,9 @@ from typing import Any
 
 import psutil
 
-from apcctl.client import AdminClient, AdminError
-from apcctl.manage import StopResult, pid_file_owner, same_process, stop_recorded, write_pid_file
+from apcctl.core.client import AdminClient, AdminError
+from apcctl.core.hosts import free_port
+from apcctl.core.manage import StopResult, pid_file_owner, same_process, stop_recorded, write_pid_file
 from server_patch.launch import LOG_BACKUPS, LOG_MAX_BYTES, rotate_files
 
 SMG_VERSION = "1.13.0"  # the version pinned in the 'fleet' extra; flags below are checked against it
@@ -40,17 +41,14 @@ STARTUP_CHECK_S = 1
 # gateway logs warnings and errors (--gateway-arg=--log-level --gateway-arg=info for more), and
 # gateway.log is rotated at each start like server.log.
 LOG_LEVEL = "warn"
+# What the gateway does with a server, in one word: it routes to it (healthy), finishes what it sent
+# there and sends nothing new (draining), lists it but does not route to it (unhealthy), or does not
+# list it at all (absent: out of rotation, e.g. mid-restart, or the gateway is down).
+STATES = ("healthy", "draining", "unhealthy", "absent")
 
 
 class GatewayError(RuntimeError):
     """The gateway could not be found, started, stopped or asked; the message says why."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now (the kernel picks it; a small race remains)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def smg_executable() -> str:
@@ -186,3 +184,12 @@ class GatewayClient(AdminClient):
 
 def is_ready(worker: dict[str, Any]) -> bool:
     return worker.get("status") == "ready" and bool(worker.get("is_healthy", True))
+
+
+def worker_state(worker: dict[str, Any] | None) -> str:
+    """One of ``STATES`` for smg's ``GET /workers`` entry of a server (None: not listed)."""
+    if worker is None:
+        return "absent"
+    if worker.get("status") == "draining":
+        return "draining"
+    return "healthy" if is_ready(worker) else "unhealthy"

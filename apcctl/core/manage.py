@@ -24,7 +24,7 @@ from typing import Mapping, NoReturn
 
 import psutil
 
-from apcctl.client import AdminClient, AdminError
+from apcctl.core.client import AdminClient, AdminError
 from server_patch.launch import LOG_BACKUPS, LOG_FILE_ENV, LOG_MAX_BYTES, rotate_files
 from server_patch.lineage.config import LineageConfig
 from server_patch.paths import state_dir

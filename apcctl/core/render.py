@@ -12,6 +12,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from server_patch.lineage.model import KVAdmission
+
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 PIPE_WIDTH = 240
 
@@ -67,7 +69,7 @@ def restore_label(record: dict[str, Any]) -> str:
     """A request's restore kind; ``entry/lent`` when the entry lent it its own KV buffer (the
     warm turn copied no KV)."""
     kind = str(record.get("restore_kind", "?"))
-    return kind + ("/lent" if record.get("kv_admission") == "lent" else "")
+    return kind + ("/lent" if record.get("kv_admission") == KVAdmission.LENT else "")
 
 
 def console() -> Console:
