@@ -18,13 +18,14 @@ from prometheus_client.exposition import generate_latest
 
 from server_patch.canary.metrics import families as canary_families
 from server_patch.disk.integrity import FINGERPRINT, FORMAT_REASON, HASH, HEADER, IO, TRUNCATED
-from server_patch.lineage import RESTORE_KINDS
+from server_patch.lineage.model import COLD, DISK, LOG_KINDS, RAM, KVAdmission
+from server_patch.lineage.summary import hits_by_kind, kv_by_mode
 
 # Seconds, 1 ms to 10 min: a warm lookup is a millisecond, a cold 100k-token prefill minutes.
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                    30.0, 60.0, 120.0, 300.0, 600.0)
 REJECT_REASONS = (TRUNCATED, HEADER, FORMAT_REASON, HASH, FINGERPRINT, IO)  # each exported from 0
-REQUEST_KINDS = (*RESTORE_KINDS, "disk")  # the restore kinds a timing record can carry
+REQUEST_KINDS = LOG_KINDS  # the restore kinds a timing record can carry
 # (metric stage, record field, help): where a request's time to first token went.
 STAGES = (
     ("ttft", "ttft_ms", "Time to first token"),
@@ -58,7 +59,7 @@ class RequestMetrics:
 
     def observe(self, record: Any) -> None:
         """One finished ``RequestTiming``: its stage times and tokens."""
-        kind = record.restore_kind if record.restore_kind in REQUEST_KINDS else "cold"
+        kind = record.restore_kind if record.restore_kind in REQUEST_KINDS else COLD
         for stage, field, _ in STAGES:
             self.seconds[stage].labels(kind).observe(max(0.0, float(getattr(record, field))) / 1000)
         restored = max(0, int(record.restored_tokens))
@@ -90,15 +91,17 @@ class LineageCollector(Collector):
             return
         stats = dict(runtime.cache.stats)
         hits = CounterMetricFamily("apc_lineage_restores", "Requests by restore kind", labels=["kind"])
-        for kind in (*RESTORE_KINDS, "disk"):
-            hits.add_metric([kind], stats.get(f"hits_{kind}", 0))
+        by_kind = hits_by_kind(stats, known=LOG_KINDS)
+        for kind in LOG_KINDS:
+            hits.add_metric([kind], by_kind[kind])
         yield hits
         admissions = CounterMetricFamily("apc_lineage_kv_admissions",
                                          "Warm requests by how their KV reached the batch: lent (the "
                                          "entry's own buffer, no copy) or copied (one merge copy)",
                                          labels=["mode"])
-        for mode in ("lent", "copied"):
-            admissions.add_metric([mode], stats.get(f"kv_{mode}", 0))
+        by_mode = kv_by_mode(stats)
+        for mode in KVAdmission:
+            admissions.add_metric([mode], by_mode[mode])
         yield admissions
         for name, key, doc in (
             ("apc_lineage_reused_tokens", "reused_tokens", "Prompt tokens restored instead of computed"),
@@ -119,11 +122,11 @@ class LineageCollector(Collector):
         tier = GaugeMetricFamily("apc_lineage_bytes", "Bytes held by tier", labels=["tier"])
         tier.add_metric(["ram_conversations"], budgets["conversation_bytes"])
         tier.add_metric(["ram_anchors"], budgets["anchor_bytes"])
-        tier.add_metric(["disk"], budgets["disk_used"])
+        tier.add_metric([DISK], budgets["disk_used"])
         yield tier
         entries = GaugeMetricFamily("apc_lineage_entries", "Entries held", labels=["tier"])
-        entries.add_metric(["ram"], budgets["entries"])
-        entries.add_metric(["disk"], budgets["disk_files"])
+        entries.add_metric([RAM], budgets["entries"])
+        entries.add_metric([DISK], budgets["disk_files"])
         yield entries
 
 

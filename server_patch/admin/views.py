@@ -23,7 +23,7 @@ def entry_view(entry: Entry, record: DiskRecord | None = None) -> dict[str, Any]
         "length": entry.length,
         "bytes": entry.nbytes,
         "kv_bytes": int(entry.kv.nbytes),
-        "kv_buffer_bytes": int(getattr(entry.kv, "held_nbytes", entry.kv.nbytes)),
+        "kv_buffer_bytes": int(entry.kv.held_nbytes),
         "checkpoint_bytes": entry.checkpoint_bytes,
         "created": entry.created,
         "last_used": entry.last_used,

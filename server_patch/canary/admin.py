@@ -18,7 +18,7 @@ from server_patch.canary.book import BOOK
 from server_patch.canary.check import FAIL, PASS, SKIP
 from server_patch.canary.runner import RUNNER
 from server_patch.integration import runtime as lineage_runtime
-from server_patch.lineage import RESTORE_KINDS, CacheError
+from server_patch.lineage import LOG_KINDS, CacheError
 
 verify_router = APIRouter()
 
@@ -98,6 +98,6 @@ def verify_state() -> dict[str, Any]:
 @verify_router.post("/verify/clear", summary="Clear suspect restore kinds: requests restore them again")
 def verify_clear(body: Optional[ClearBody] = None) -> dict[str, Any]:
     kind = body.kind if body else None
-    if kind is not None and kind not in (*RESTORE_KINDS, "disk"):
+    if kind is not None and kind not in LOG_KINDS:
         raise HTTPException(422, detail=f"unknown restore kind {kind!r}")
     return {"cleared": BOOK.clear(kind), "suspects": sorted(BOOK.suspects)}

@@ -65,33 +65,37 @@ WRITE_WAIT_S = 10.0  # how long a commit waits for the writer to make room, at m
 
 
 def plan_eviction(order: Sequence[Entry], excess: int, needs_write: Callable[[Entry], bool],
-                  keep: Entry | None = None, *, lossless: bool = False) -> EvictionPass:
+                  keep: Entry | None = None, *, lossless: bool = False,
+                  size: Callable[[Entry], int] = lambda entry: entry.nbytes) -> EvictionPass:
     """Evict from ``order`` (evictable entries, first victim first) until ``excess`` bytes
     have left RAM. ``lossless``: every victim the disk lacks is written (its bytes then wait
     in the queue). Otherwise such a victim is written only where the slack, or further
-    entries already on disk (never ``keep``), make room for it in the queue; else dropped."""
+    entries already on disk (never ``keep``), make room for it in the queue; else dropped.
+    ``size``: an entry's bytes (the cache passes its running count, ``tally``)."""
     victims: list[Entry] = []
     for entry in order:
         if excess <= 0:
             break
         victims.append(entry)
-        excess -= entry.nbytes
+        excess -= size(entry)
     if lossless:
         return EvictionPass(victims, [e for e in victims if needs_write(e)])
     room = max(0, -excess)  # slack below the budget once every victim has left memory
     chosen = {id(e) for e in victims}
     spare = [e for e in order if id(e) not in chosen and e is not keep and not needs_write(e)]
+    spare_bytes = sum(size(e) for e in spare)
     written: list[Entry] = []
     for entry in list(victims):
         if not needs_write(entry):
             continue
-        if room + sum(e.nbytes for e in spare) < entry.nbytes:
+        if room + spare_bytes < size(entry):
             continue  # no room even with every on-disk entry gone: dropped unwritten
-        while room < entry.nbytes:
+        while room < size(entry):
             extra = spare.pop(0)
             victims.append(extra)
-            room += extra.nbytes
-        room -= entry.nbytes
+            room += size(extra)
+            spare_bytes -= size(extra)
+        room -= size(entry)
         written.append(entry)
     return EvictionPass(victims, written)
 

@@ -51,11 +51,17 @@ class LineageConfig:
     reply_reuse: bool = True
 
     @classmethod
+    def env_names(cls) -> dict[str, str]:
+        """``{field: variable}``: ``APC_LINEAGE_<FIELD>``, and ``APC_LINEAGE`` for ``enabled``
+        (the settings registry lists these same names)."""
+        return {f.name: "APC_LINEAGE" if f.name == "enabled" else f"APC_LINEAGE_{f.name.upper()}"
+                for f in fields(cls)}
+
+    @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "LineageConfig":
         """Build from ``APC_LINEAGE`` (on/off) and ``APC_LINEAGE_<FIELD>`` variables, then overrides."""
         env = os.environ if env is None else env
-        names = {f.name: f"APC_LINEAGE_{f.name.upper()}" for f in fields(cls)} | {"enabled": "APC_LINEAGE"}
-        config = replace(cls(), **(env_values(cls, names, env) | overrides))
+        config = replace(cls(), **(env_values(cls, cls.env_names(), env) | overrides))
         config.validate()
         return config
 

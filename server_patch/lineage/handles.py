@@ -20,10 +20,28 @@ class SnapshotHandle(Protocol):
 
 @runtime_checkable
 class KVHandle(Protocol):
-    """The append-only part of the cache: rows [:n] are the KV at n tokens."""
+    """The append-only part of the cache: rows [:n] are the KV at n tokens.
+
+    Its sizes are fixed for its life, except that a loan (``lent``) may end with other
+    buffers behind the same rows (the borrower's, grown): the policy counts a lent entry's
+    bytes again until its loan is over (``budget.RamTally``).
+    """
 
     @property
-    def nbytes(self) -> int: ...
+    def nbytes(self) -> int:
+        """Bytes of the rows [:n] themselves."""
+        ...
+
+    @property
+    def held_nbytes(self) -> int:
+        """Bytes holding the handle costs: the whole buffers behind the rows, spare rows
+        included (what the RAM budget counts)."""
+        ...
+
+    @property
+    def lent(self) -> bool:
+        """Its rows are lent to a running request: not evictable, writable nor rewindable."""
+        ...
 
     def prefix(self, length: int) -> "KVHandle":
         """An independent handle on rows [:length] (an anchor must outlive its lineage)."""
@@ -50,6 +68,14 @@ class SizedKV:
     @property
     def nbytes(self) -> int:
         return self.bytes_per_token * self.length
+
+    @property
+    def held_nbytes(self) -> int:
+        return self.nbytes  # no spare rows
+
+    @property
+    def lent(self) -> bool:
+        return False  # nothing to lend: the simulator copies nothing either way
 
     def prefix(self, length: int) -> "SizedKV":
         return SizedKV(self.bytes_per_token, min(length, self.length))

@@ -6,28 +6,84 @@ Plain data. The policy (``policy.py``) decides; these only describe.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Iterator
 
 import numpy as np
 
 from server_patch.lineage.handles import KVHandle, SnapshotHandle
 
-# Checkpoint kinds (a recurrent state at an earlier length sharing the entry's KV rows).
-GUARD = "guard"
-FINAL = "final"
-DIVERGENCE = "divergence"
-PERIODIC = "periodic"
-SEGMENT = "segment"
+class RestoreKind(StrEnum):
+    """Where a restore starts, and what a capture is for (the values are what stats keys,
+    logs, the admin and disk files show)."""
+
+    # Checkpoint kinds: a recurrent state at an earlier length sharing the entry's KV rows.
+    GUARD = "guard"
+    FINAL = "final"
+    DIVERGENCE = "divergence"
+    PERIODIC = "periodic"
+    SEGMENT = "segment"
+    # Or one of these.
+    ENTRY = "entry"  # the entry's own latest state
+    ANCHOR = "anchor"  # a pinned system-prompt-and-tools entry
+    COLD = "cold"
+
+
+class Tier(StrEnum):
+    """Where a restore point is stored; a disk hit's log kind is ``DISK`` too."""
+
+    RAM = "ram"
+    DISK = "disk"
+
+
+class KVAdmission(StrEnum):
+    """How a restored entry's KV reached the batch (the ``kv_<mode>`` stats keys)."""
+
+    LENT = "lent"  # the entry's own buffer, no copy
+    COPIED = "copied"  # one merge copy
+
+
+class EventKind(StrEnum):
+    """What a cache ``Event`` records (the admin event stream and the journal show the value)."""
+
+    STORE = "store"
+    ABSORB = "absorb"
+    CHECKPOINT = "checkpoint"
+    THIN = "thin"
+    EVICT = "evict"
+    PIN = "pin"
+    UNPIN = "unpin"
+    PROMOTE = "promote"
+    REWIND = "rewind"
+    DISK_WRITE = "disk_write"
+    DISK_WRITE_FAILED = "disk_write_failed"
+    DISK_DELETE = "disk_delete"
+    DISK_REJECT = "disk_reject"
+
+
+class Reason(StrEnum):
+    """Why an entry or a file went, or an anchor was pinned (an ``Event``'s ``detail``)."""
+
+    OPERATOR = "operator"  # an admin verb
+    CAPTURED = "captured"  # an anchor pinned by a capture
+    ANCHOR_CAP = "anchor cap"
+    RAM_BUDGET = "ram budget"
+    DISK_CAP = "disk cap"
+    SUPERSEDED = "superseded"  # a file whose entry's newer file replaces it
+    RESET = "reset"  # /v1/cache/reset
+    FAILED_VALIDATION = "failed validation"
+    PROMPT_END = "prompt end"  # a rewind's target
+    UNWRITTEN = "unwritten"  # suffix of an eviction reason: the disk lacks the state
+
+
+GUARD, FINAL, DIVERGENCE, PERIODIC, SEGMENT = (RestoreKind.GUARD, RestoreKind.FINAL, RestoreKind.DIVERGENCE,
+                                              RestoreKind.PERIODIC, RestoreKind.SEGMENT)
+ENTRY, ANCHOR, COLD = RestoreKind.ENTRY, RestoreKind.ANCHOR, RestoreKind.COLD
 CHECKPOINT_KINDS = (GUARD, FINAL, DIVERGENCE, PERIODIC, SEGMENT)
-
-# Restore kinds: a checkpoint kind, or one of these.
-ENTRY = "entry"  # the entry's own latest state
-ANCHOR = "anchor"  # a pinned system-prompt-and-tools entry
-COLD = "cold"
 RESTORE_KINDS = (ENTRY, ANCHOR, *CHECKPOINT_KINDS, COLD)
-
-RAM = "ram"
-DISK = "disk"
+RAM, DISK = Tier.RAM, Tier.DISK
+# What a request's log and the ``hits_<kind>`` stats name it by: its restore kind, or ``disk``.
+LOG_KINDS = (*RESTORE_KINDS, DISK)
 
 
 def as_tokens(tokens: Any) -> np.ndarray:
@@ -46,7 +102,7 @@ class Checkpoint:
     last_hit: float | None = None
     hits: int = 0
     # A FINAL point at the end of a generated reply (an absorbed head that sat past its reply,
-    # reply reuse): thinned before every other class. Not kept on disk (a file stores kinds).
+    # reply reuse): thinned before every other class. Kept on disk (``reply_ends``).
     reply_end: bool = False
 
     @property
@@ -87,14 +143,13 @@ class Entry:
     def nbytes(self) -> int:
         """Bytes held: the KV once (its whole buffers where a handle knows them, spare rows
         included), the head state, and every checkpoint's state."""
-        kv = int(getattr(self.kv, "held_nbytes", self.kv.nbytes))
-        return kv + int(self.head.nbytes) + sum(c.nbytes for c in self.checkpoints)
+        return int(self.kv.held_nbytes) + int(self.head.nbytes) + self.checkpoint_bytes
 
     @property
     def lent(self) -> bool:
         """Its KV rows are lent to the running request that extends them: not evictable nor
         writable until the request ends (its own entry then absorbs this one)."""
-        return bool(getattr(self.kv, "lent", False))
+        return bool(self.kv.lent)
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -174,14 +229,14 @@ class Capture:
     """A length at which prefill must stop and hand the snapshot layers' state to commit."""
 
     length: int
-    kind: str  # a checkpoint kind, or ANCHOR
+    kind: str  # a checkpoint kind (RestoreKind), or ANCHOR
 
 
 @dataclass(frozen=True)
 class Event:
     """A cache event for logs, the admin event stream and the journal."""
 
-    kind: str  # store, absorb, checkpoint, thin, evict, pin, unpin, promote, disk_write, ...
+    kind: str  # an EventKind
     entry_id: str
     length: int = 0
     nbytes: int = 0

@@ -29,8 +29,10 @@ from server_patch.lineage.handles import KVHandle, SnapshotHandle
 from server_patch.lineage.lookup import common_prefix_len
 from server_patch.lineage.model import (
     ANCHOR, COLD, DISK, DIVERGENCE, FINAL, GUARD, PERIODIC, RAM, SEGMENT,
-    Capture, Checkpoint, DiskRecord, Entry, Event, RestorePlan, as_tokens,
+    Capture, Checkpoint, DiskRecord, Entry, Event, EventKind, RestorePlan, Reason, as_tokens,
 )
+from server_patch.lineage.summary import hits_key, kv_key
+from server_patch.lineage.tally import EntryMap, RecordMap
 
 
 class DiskTier(Protocol):
@@ -76,8 +78,8 @@ class LineageCache:
         self.clock = clock
         self.on_event = on_event
         self.lock = threading.RLock()
-        self._entries: dict[str, Entry] = {}
-        self._records: dict[str, DiskRecord] = {}
+        self._entries = EntryMap()  # keeps their bytes as they change (``tally``)
+        self._records = RecordMap()
         self._superseded_by: dict[str, str] = {}
         self._queued = WriteQueue()  # what the disk writer holds: counted in the RAM budget
         self._written_cv = threading.Condition(self.lock)  # notified as each write lands
@@ -105,7 +107,7 @@ class LineageCache:
     def ram_bytes(self) -> int:
         """Bytes of the entries in RAM."""
         with self.lock:
-            return sum(e.nbytes for e in self._entries.values())
+            return self._entries.total
 
     @property
     def ram_used(self) -> int:
@@ -117,24 +119,25 @@ class LineageCache:
     @property
     def disk_bytes(self) -> int:
         with self.lock:
-            return sum(r.nbytes for r in self._records.values())
+            return self._records.total
 
     def budgets(self) -> dict[str, int]:
         """Used and limit per budget, for status screens and metrics."""
         with self.lock:
-            anchors = [e for e in self._entries.values() if e.is_anchor and e.pinned]
-            conv = sum(e.nbytes for e in self._entries.values() if e not in anchors)
+            anchors = self._entries.pinned_anchors()
+            anchor_bytes = sum(self._entries.counted(e.id) for e in anchors)
+            conv = self._entries.total - anchor_bytes
             queued = self._queued.bytes_outside(self._entries)
             return {
-                "ram_used": conv + sum(e.nbytes for e in anchors) + queued,
+                "ram_used": conv + anchor_bytes + queued,
                 "ram_limit": self.config.ram_budget_bytes,
                 "conversation_bytes": conv,
                 "disk_queue_bytes": queued,
-                "anchor_bytes": sum(e.nbytes for e in anchors),
+                "anchor_bytes": anchor_bytes,
                 "anchor_bytes_limit": self.config.anchor_max_bytes,
                 "anchor_count": len(anchors),
                 "anchor_count_limit": self.config.anchor_max_entries,
-                "disk_used": sum(r.nbytes for r in self._records.values()),
+                "disk_used": self._records.total,
                 "disk_limit": self.config.disk_max_bytes,
                 "entries": len(self._entries),
                 "disk_files": len(self._records),
@@ -207,15 +210,16 @@ class LineageCache:
 
     def note_restore(self, plan: RestorePlan, admission: str = "") -> None:
         """Count a restore that really happened (the plumbing calls this once it succeeded);
-        ``admission`` says how its KV reached the batch ("lent", "copied")."""
+        ``admission`` says how its KV reached the batch (a ``KVAdmission``)."""
         with self.lock:
             now = self.clock()
-            self.stats[f"hits_{plan.log_kind}"] += 1
+            self.stats[hits_key(plan.log_kind)] += 1
             if admission:
-                self.stats[f"kv_{admission}"] += 1
+                self.stats[kv_key(admission)] += 1
             self.stats["reused_tokens"] += plan.length
             self.stats["prefill_tokens"] += max(0, plan.prompt_len - plan.length)
             if plan.entry is not None and plan.entry.id in self._entries:
+                self._entries.resized(plan.entry)  # lent just now: counted again until given back
                 target: Any = plan.checkpoint or plan.entry
                 target.hits += 1
                 target.last_hit = now
@@ -227,7 +231,7 @@ class LineageCache:
     def note_cold(self, plan: RestorePlan) -> None:
         """Count a cold prefill (a miss, or a restore that failed validation)."""
         with self.lock:
-            self.stats["hits_cold"] += 1
+            self.stats[hits_key(COLD)] += 1
             self.stats["prefill_tokens"] += plan.prompt_len
 
     # ------------------------------------------------------------------ captures
@@ -388,7 +392,7 @@ class LineageCache:
                 self._absorb(entry, old, now)
             self._entries[entry.id] = entry
             self.stats["stores"] += 1
-            self._emit(Event("store", entry.id, length, entry.nbytes))
+            self._emit(Event(EventKind.STORE, entry.id, length, entry.nbytes))
             self._thin(entry)
             self._take_in([*anchors, entry])
             self._write_anchors(anchors)
@@ -412,8 +416,9 @@ class LineageCache:
             entry.head, entry.prompt_end, entry.dirty = point.state, 0, True
             entry.checkpoints = [c for c in entry.checkpoints if c.length < end]
             entry.hits += point.hits
+            self._entries.resized(entry)
             self.stats["reply_rewinds"] += 1
-            self._emit(Event("rewind", entry.id, end, entry.nbytes, "prompt end"))
+            self._emit(Event(EventKind.REWIND, entry.id, end, entry.nbytes, Reason.PROMPT_END))
             return True
 
     def _write_anchors(self, anchors: list[Entry]) -> None:
@@ -438,9 +443,9 @@ class LineageCache:
             entry.checkpoints.append(Checkpoint(cap_len, kind, state, created=now))
             have.add(cap_len)
             entry.dirty = True
-            self._emit(Event("checkpoint", entry.id, cap_len, int(state.nbytes), kind))
+            self._emit(Event(EventKind.CHECKPOINT, entry.id, cap_len, int(state.nbytes), kind))
         entry.checkpoints.sort(key=lambda c: c.length)
-        self._thin(entry)
+        self._thin(entry)  # counts the entry again
 
     def _adopt_captures(self, anchor: Entry, captures: dict[int, tuple[str, SnapshotHandle]],
                         now: float) -> None:
@@ -464,7 +469,7 @@ class LineageCache:
                        is_anchor=True, pinned=True, label=label)
         self._entries[anchor.id] = anchor
         self.stats["anchors_pinned"] += 1
-        self._emit(Event("pin", anchor.id, length, anchor.nbytes, "captured"))
+        self._emit(Event(EventKind.PIN, anchor.id, length, anchor.nbytes, Reason.CAPTURED))
         return anchor
 
     def _absorbable(self, new: Entry) -> list[Entry]:
@@ -496,7 +501,7 @@ class LineageCache:
         new.supersedes.extend(old.supersedes)
         self._superseded_by[old.id] = new.id
         self.stats["absorbs"] += 1
-        self._emit(Event("absorb", old.id, old.length, old.nbytes, f"into {new.id}"))
+        self._emit(Event(EventKind.ABSORB, old.id, old.length, old.nbytes, f"into {new.id}"))
 
     # ------------------------------------------------------------------ thinning
 
@@ -507,11 +512,12 @@ class LineageCache:
         while sum(1 for c in entry.checkpoints if c.length != entry.prompt_end) > cap:
             victim = self._thin_victim(entry)
             if victim is None:
-                return
+                break
             entry.checkpoints.remove(victim)
             entry.dirty = True
             self.stats["thinned"] += 1
-            self._emit(Event("thin", entry.id, victim.length, victim.nbytes, victim.kind))
+            self._emit(Event(EventKind.THIN, entry.id, victim.length, victim.nbytes, victim.kind))
+        self._entries.resized(entry)
 
     def _thin_victim(self, entry: Entry) -> Checkpoint | None:
         """Reply ends go first (what they add over the prompt ends is an edit of the message
@@ -586,22 +592,23 @@ class LineageCache:
         entry may leave RAM unwritten). Lent entries and entries whose write is in flight
         cannot leave: the passes go on over the others and stop only when none is left."""
         cfg = self.config
-        anchors = sorted((e for e in self._entries.values() if e.is_anchor and e.pinned),
-                         key=lambda e: e.last_used)
-        count, nbytes = len(anchors), sum(a.nbytes for a in anchors)
+        anchors = sorted(self._entries.pinned_anchors(), key=lambda e: e.last_used)
+        size = self._entries.counted
+        count, nbytes = len(anchors), sum(size(a.id) for a in anchors)
         for anchor in [a for a in anchors if self._evictable(a)]:
             if count <= cfg.anchor_max_entries and nbytes <= cfg.anchor_max_bytes:
                 break
-            count, nbytes = count - 1, nbytes - anchor.nbytes
-            self._evict_ram(anchor, "anchor cap")
+            count, nbytes = count - 1, nbytes - size(anchor.id)
+            self._evict_ram(anchor, Reason.ANCHOR_CAP)
         excess = self.ram_used - cfg.ram_budget_bytes
         if excess <= 0:
             return
         chosen = plan_eviction(self._eviction_order(keep, in_flight=lossless), excess,
-                               self._needs_write, keep, lossless=lossless)
+                               self._needs_write, keep, lossless=lossless,
+                               size=lambda e: self._entries.counted(e.id))
         written = {id(e) for e in chosen.written}
         for victim in chosen.victims:
-            self._evict_ram(victim, "ram budget", write=id(victim) in written)
+            self._evict_ram(victim, Reason.RAM_BUDGET, write=id(victim) in written)
 
     def _evictable(self, entry: Entry, in_flight: bool = False) -> bool:
         """Not lent; and, unless ``in_flight``, no write in flight (evicting it would free
@@ -634,8 +641,8 @@ class LineageCache:
         self.stats["evictions"] += 1
         if unwritten:
             self.stats["evicted_unwritten"] += 1
-        self._emit(Event("evict", entry.id, entry.length, entry.nbytes,
-                         f"{reason}, unwritten" if unwritten else reason))
+        self._emit(Event(EventKind.EVICT, entry.id, entry.length, entry.nbytes,
+                         f"{reason}, {Reason.UNWRITTEN}" if unwritten else reason))
 
     # ------------------------------------------------------------------ disk
 
@@ -673,7 +680,7 @@ class LineageCache:
             self._queued.done(entry.id)
             entry.dirty = True
             self.stats["disk_write_failures"] += 1
-            self._emit(Event("disk_write_failed", entry.id, entry.length, 0, str(exc)))
+            self._emit(Event(EventKind.DISK_WRITE_FAILED, entry.id, entry.length, 0, str(exc)))
 
     def _written(self, entry: Entry, record: DiskRecord | None) -> None:
         """Writer callback: index the file, delete what it supersedes, keep the disk cap."""
@@ -690,18 +697,18 @@ class LineageCache:
             entry.on_disk = True
             self.stats["disk_writes"] += 1
             self.stats["disk_bytes_written"] += record.nbytes
-            self._emit(Event("disk_write", entry.id, entry.length, record.nbytes))
+            self._emit(Event(EventKind.DISK_WRITE, entry.id, entry.length, record.nbytes))
             if absorber is not None:
                 # Absorbed while its write was in flight: the absorber's file will supersede it.
                 if absorber.on_disk and not absorber.dirty:
-                    self._delete_record(record.id, "superseded")
+                    self._delete_record(record.id, Reason.SUPERSEDED)
                 else:
                     absorber.supersedes.append(record.id)
             for old_id in entry.supersedes:
-                self._delete_record(old_id, "superseded")
+                self._delete_record(old_id, Reason.SUPERSEDED)
             entry.supersedes.clear()
             if record.nbytes > self.config.disk_max_bytes:  # can never fit: it goes, not the others
-                self._delete_record(record.id, "disk cap")
+                self._delete_record(record.id, Reason.DISK_CAP)
                 self.stats["disk_evictions"] += 1
             self._enforce_disk_cap()
 
@@ -728,12 +735,12 @@ class LineageCache:
             # RAM does (``_needs_write``), and the disk cap then keeps the most recent files.
             entry.on_disk = False
         self.stats["disk_deletes"] += 1
-        self._emit(Event("disk_delete", record_id, record.length, record.nbytes, reason))
+        self._emit(Event(EventKind.DISK_DELETE, record_id, record.length, record.nbytes, reason))
 
     def _enforce_disk_cap(self) -> None:
         """Evict least recently used files; pinned anchors are the last candidates, not exempt."""
         cap = self.config.disk_max_bytes
-        total = sum(r.nbytes for r in self._records.values())
+        total = self._records.total
         if total <= cap:
             return
         target = cap * self.config.disk_low_watermark
@@ -741,7 +748,7 @@ class LineageCache:
             if total <= target:
                 break
             total -= record.nbytes
-            self._delete_record(record.id, "disk cap")
+            self._delete_record(record.id, Reason.DISK_CAP)
             self.stats["disk_evictions"] += 1
 
     def promote(self, record: DiskRecord, entry: Entry | None, reason: str = "") -> Entry | None:
@@ -751,8 +758,8 @@ class LineageCache:
             if entry is None:
                 self._records.pop(record.id, None)
                 self.stats["disk_rejects"] += 1
-                self._emit(Event("disk_reject", record.id, record.length, record.nbytes,
-                                 reason or "failed validation"))
+                self._emit(Event(EventKind.DISK_REJECT, record.id, record.length, record.nbytes,
+                                 reason or Reason.FAILED_VALIDATION))
                 return None
             now = self.clock()
             entry.on_disk, entry.dirty = True, False
@@ -760,7 +767,7 @@ class LineageCache:
             entry.pinned = record.pinned
             record.last_used = now
             self._entries[entry.id] = entry
-            self._emit(Event("promote", entry.id, entry.length, entry.nbytes))
+            self._emit(Event(EventKind.PROMOTE, entry.id, entry.length, entry.nbytes))
             self._take_in([entry])
             return entry if self.holds(entry) else None
 
@@ -773,7 +780,8 @@ class LineageCache:
             entry.is_anchor = True
             if entry.id in self._records:
                 self._records[entry.id].pinned = True
-            self._emit(Event("pin", entry.id, entry.length, entry.nbytes, "operator"))
+            self._entries.resized(entry)  # an anchor now
+            self._emit(Event(EventKind.PIN, entry.id, entry.length, entry.nbytes, Reason.OPERATOR))
             self._enforce_budgets(keep=entry)
             return entry
 
@@ -783,7 +791,7 @@ class LineageCache:
             entry.pinned = False
             if entry.id in self._records:
                 self._records[entry.id].pinned = False
-            self._emit(Event("unpin", entry.id, entry.length, entry.nbytes))
+            self._emit(Event(EventKind.UNPIN, entry.id, entry.length, entry.nbytes))
             return entry
 
     def evict(self, entry_id: str) -> int:
@@ -795,12 +803,12 @@ class LineageCache:
                 raise CacheError(entry_id)
             freed = (entry.nbytes if entry is not None else 0) + (record.nbytes if record else 0)
             if record is not None:
-                self._delete_record(entry_id, "operator")
+                self._delete_record(entry_id, Reason.OPERATOR)
             if entry is not None:
                 for old_id in entry.supersedes:
-                    self._delete_record(old_id, "operator")
+                    self._delete_record(old_id, Reason.OPERATOR)
             self.stats["operator_evictions"] += 1
-            self._emit(Event("evict", entry_id, (entry or record).length, freed, "operator"))
+            self._emit(Event(EventKind.EVICT, entry_id, (entry or record).length, freed, Reason.OPERATOR))
             return freed
 
     def drop(self, entry_id: str, reason: str) -> bool:
@@ -811,7 +819,7 @@ class LineageCache:
             if entry is None:
                 return False
             self.stats["dropped"] += 1
-            self._emit(Event("evict", entry.id, entry.length, entry.nbytes, reason))
+            self._emit(Event(EventKind.EVICT, entry.id, entry.length, entry.nbytes, reason))
             return True
 
     def holds(self, entry: Entry) -> bool:
@@ -824,7 +832,7 @@ class LineageCache:
         (``integration.runtime``). A lent entry's loan then ends with its entry gone (dropped)."""
         with self.lock:
             for entry in list(self._entries.values()):
-                self._emit(Event("evict", entry.id, entry.length, entry.nbytes, "reset"))
+                self._emit(Event(EventKind.EVICT, entry.id, entry.length, entry.nbytes, Reason.RESET))
             self._entries.clear()
             self.stats["resets"] += 1
 

@@ -21,6 +21,7 @@ from apcctl.sim.policies.base import Ledger, Served
 from apcctl.sim.sizes import StateSizes
 from apcctl.sim.trace import Request
 from server_patch.lineage.lookup import common_prefix_len
+from server_patch.lineage.model import COLD, DISK, RAM
 
 GIB = 1 << 30
 MIN_TOKENS = 16  # APC_EXACT_MIN_TOKENS: shorter snapshots are never stored
@@ -157,11 +158,11 @@ class ExactSnapshotPolicy:
         prompt, n, now = req.tokens, req.n, req.t
         limit = n - 1
         hit = self.ram.best(prompt, limit)
-        prefix, source = (hit.length, "ram") if hit is not None else (0, "cold")
+        prefix, source = (hit.length, RAM) if hit is not None else (0, COLD)
         if prefix < limit:
             found = self.disk.best(prompt, limit, longer_than=prefix)
             if found is not None:
-                prefix, source = found.length, "disk"
+                prefix, source = found.length, DISK
                 self._load(found, now)
         for length, secondary in self.store_points(n, prefix):
             if MIN_TOKENS <= length and length > prefix:

@@ -20,7 +20,8 @@ from apcctl.sim.policies.base import Ledger, Served
 from apcctl.sim.sizes import StateSizes
 from apcctl.sim.trace import Request
 from server_patch.lineage import (
-    Checkpoint, DiskRecord, Entry, Event, LineageCache, LineageConfig, SizedKV, SizedSnapshot,
+    COLD, Checkpoint, DiskRecord, Entry, Event, EventKind, LineageCache, LineageConfig, Reason, SizedKV,
+    SizedSnapshot,
 )
 from server_patch.lineage.flow import Admission
 
@@ -97,14 +98,14 @@ class LineagePolicy:
             entry = flow.commit(kv=kv, head=SizedSnapshot(snap), captures=taken)
         if entry is not None and entry.kv is kv:
             self.ledger.bytes_cloned += kv.nbytes  # the row extraction this entry now holds
-        return Served(plan.length, f"{flow.tier}:{plan.kind}" if plan.hit else "cold")
+        return Served(plan.length, f"{flow.tier}:{plan.kind}" if plan.hit else COLD)
 
     def _advance(self, t: float) -> None:
         """Trace time drives the clock; idle entries are written as the server's tick would."""
         self.now = max(self.now, t)
         self.cache.tick(self.now)
 
-    def load(self, record: DiskRecord) -> tuple[Entry | None, str]:
+    def load_checked(self, record: DiskRecord) -> tuple[Entry | None, str]:
         """The flow's ``DiskLoader``: what the plumbing does on a disk hit (read the file,
         rebuild the entry; the flow promotes it and plans again)."""
         snap = self.sizes.snapshot_bytes
@@ -119,15 +120,15 @@ class LineagePolicy:
         return entry, ""
 
     def _on_event(self, event: Event) -> None:
-        if event.kind == "pin" and event.detail == "captured":
+        if event.kind == EventKind.PIN and event.detail == Reason.CAPTURED:
             self._anchor_ids.add(event.entry_id)
             self.ledger.bytes_cloned += self.sizes.kv_bytes(event.length)  # KVHandle.prefix copy
-        elif event.kind == "evict" and event.detail != "operator":
+        elif event.kind == EventKind.EVICT and event.detail != Reason.OPERATOR:
             if event.entry_id in self._anchor_ids:
                 self.ledger.anchor_evictions += 1
             else:
                 self.ledger.evictions += 1
-        elif event.kind == "disk_delete" and event.detail == "disk cap":
+        elif event.kind == EventKind.DISK_DELETE and event.detail == Reason.DISK_CAP:
             self.ledger.disk_evictions += 1
 
     # ------------------------------------------------------------------ end and sampling

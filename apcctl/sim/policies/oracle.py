@@ -11,6 +11,7 @@ from collections import defaultdict
 from apcctl.sim.policies.base import Ledger, Served
 from apcctl.sim.prefix import PrefixSet
 from apcctl.sim.trace import Request
+from server_patch.lineage.model import COLD
 
 
 class OraclePolicy:
@@ -25,7 +26,7 @@ class OraclePolicy:
         shared, _ = seen.longest(req.tokens)
         seen.add(req.tokens, req.index)
         reused = min(shared, req.n - 1)
-        return Served(reused, "any" if reused else "cold")
+        return Served(reused, "any" if reused else COLD)
 
     def finish(self, end_time: float) -> None:
         """Nothing to do."""

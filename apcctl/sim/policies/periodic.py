@@ -21,6 +21,7 @@ from apcctl.sim.prefix import PrefixSet
 from apcctl.sim.sizes import StateSizes
 from apcctl.sim.trace import Request
 from server_patch.lineage.lookup import common_prefix_len
+from server_patch.lineage.model import COLD, FINAL, PERIODIC, RAM
 
 STRIDE = 2048
 MAX_CHECKPOINTS = 4
@@ -71,7 +72,7 @@ class PeriodicPolicy:
             lineage.checkpoints[point] = now
         self._thin(lineage)
         self._enforce_budget(keep=lineage)
-        source = "cold" if owner is None else ("ram:final" if is_final else "ram:periodic")
+        source = COLD if owner is None else f"{RAM}:{FINAL if is_final else PERIODIC}"
         return Served(length, source)
 
     def _best(self, prompt: np.ndarray, limit: int) -> tuple[_Lineage | None, int, bool]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from apcctl.sim.policies.oracle import OraclePolicy
 from apcctl.sim.policies.base import Served
 from apcctl.sim.trace import Request
+from server_patch.lineage.model import COLD
 
 
 class SeenOraclePolicy(OraclePolicy):
@@ -20,4 +21,4 @@ class SeenOraclePolicy(OraclePolicy):
         shared, _ = seen.longest(req.tokens)
         seen.add(req.seen, req.index)  # covers req.tokens too: a prefix of it
         reused = min(shared, req.n - 1)
-        return Served(reused, "any" if reused else "cold")
+        return Served(reused, "any" if reused else COLD)
