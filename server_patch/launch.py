@@ -14,7 +14,10 @@ The arguments are mlx-vlm 0.7.10's own (``mlx_vlm.server --help``). Differences 
 * the budgets are printed at start, with a warning when the RAM budget exceeds physical memory
   or the disk cap exceeds the free space of its volume;
 * with the lineage disk tier on, the disk directory is locked for the life of the process, so
-  a second server on the same directory exits here with a message naming the holder's PID.
+  a second server on the same directory exits here with a message naming the holder's PID;
+* ``--copy-counter[=FILE]`` (or ``APC_COPY_COUNTER=1``) installs the copy counter, for
+  measurement only (``server_patch.copyfree.counter``; its totals as JSON in FILE), and is not
+  passed on to mlx-vlm.
 
 It works because ``mlx_vlm.server.cli.main`` parses ``sys.argv`` and then runs
 ``uvicorn.run("mlx_vlm.server:app", workers=1)`` in this same process, where the hook applies.
@@ -47,6 +50,22 @@ def lineage_enabled(environ: os._Environ[str] | dict[str, str] = os.environ) -> 
         return bool(settings.value("APC_LINEAGE", environ))
     except ValueError as exc:
         raise SystemExit(f"server_patch.launch: {exc}") from None
+
+
+COPY_COUNTER_FLAG = "--copy-counter"
+
+
+def take_copy_counter(args: list[str]) -> tuple[list[str], bool, str | None]:
+    """``args`` without ``--copy-counter[=FILE]``, whether it was given, and its FILE."""
+    rest, wanted, file = [], False, None
+    for arg in args:
+        if arg == COPY_COUNTER_FLAG:
+            wanted = True
+        elif arg.startswith(COPY_COUNTER_FLAG + "="):
+            wanted, file = True, arg.split("=", 1)[1] or None
+        else:
+            rest.append(arg)
+    return rest, wanted, file
 
 
 def server_argv(args: list[str]) -> list[str]:
@@ -271,7 +290,7 @@ def _end_streams_on_shutdown() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
+    args, copy_counter, copy_counter_file = take_copy_counter(list(sys.argv[1:] if argv is None else argv))
     if "--reload" in args:
         raise SystemExit("server_patch.launch: --reload is not supported (the reloader's child would run unpatched)")
     setup_log_file()
@@ -296,8 +315,8 @@ def main(argv: list[str] | None = None) -> None:
         print("server_patch.launch: APC_LINEAGE=0, running stock mlx-vlm", file=sys.stderr)
     from server_patch.copyfree import counter
 
-    if counter.requested():  # measurement only (APC_COPY_COUNTER=1): after the overlay, stock or patched
-        counter.install()
+    if copy_counter or counter.requested():  # measurement only: after the overlay, stock or patched
+        counter.install(copy_counter_file)
     _end_streams_on_shutdown()
     sys.argv = ["mlx_vlm.server", *server_argv(args)]
     from mlx_vlm.server.cli import main as server_main

@@ -148,7 +148,7 @@ _SCALARS: tuple[Setting, ...] = (
        "server_patch.launch"),
     _s("APC_LOG_BACKUPS", T.INT, 4, "Rotated log files kept.", "log", "server_patch.launch"),
     _s("APC_COPY_COUNTER", T.BOOL, False, "Count the bytes every cache copy moves (a debug counter for "
-       "benches; it wraps mlx-vlm methods).", "copy counter", "server_patch.copyfree.counter"),
+       "benches; it wraps mlx-vlm methods). Same as the launcher's `--copy-counter`.", "copy counter", "server_patch.copyfree.counter"),
     _s("APC_COPY_COUNTER_FILE", T.PATH, None, "Where the copy counter rewrites its totals as JSON.",
        "copy counter", "server_patch.copyfree.counter"),
     _s("APC_TENANT_FROM_USER", T.BOOL, False, "Take the cache tenant from a request's `metadata.user_id` "
@@ -206,8 +206,7 @@ class _Group:
 
 
 def _lineage_names(module: Any) -> dict[str, str]:
-    return {f.name: "APC_LINEAGE" if f.name == "enabled" else f"APC_LINEAGE_{f.name.upper()}"
-            for f in fields(module.LineageConfig)}
+    return module.LineageConfig.env_names()
 
 
 def _admin_names(module: Any) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """``apcctl bench ttft`` reads each turn's split as JSON from the real servers, consistently.
 
-Real servers (``server_patch.launch`` with ``APC_COPY_COUNTER=1``) on the tiny model, a short
+Real servers (``server_patch.launch --copy-counter``) on the tiny model, a short
 conversation per mode. Checked: what the bench reads from ``/admin/requests`` (patched) and
 mlx-vlm's ``/metrics`` + usage (stock) agrees with the HTTP responses and with the cache's
 own size; never a time.

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(r"""
     from queue import Queue
     from server_patch.overlay import install
     install()
-    from server_patch.copyfree import counter, pool
+    from server_patch.copyfree import counter, ledger, pool
     counter.install()
     import mlx.core as mx
     import numpy as np
@@ -139,10 +139,10 @@ SCRIPT = textwrap.dedent(r"""
     convo = [{"role": "system", "content": text(60, 1)}, {"role": "user", "content": text(150, 2)}]
     turns, held = [], None
     for turn in range(4):
-        before = counter.snapshot()
+        before = ledger.snapshot()
         answer = ask(convo)
         time.sleep(0.2)
-        answer["copies"] = counter.delta(counter.snapshot(), before)
+        answer["copies"] = ledger.delta(ledger.snapshot(), before)
         answer["messages"] = list(convo)
         if mode != "cold":
             answer["record"] = record_of(answer["prompt"])
@@ -215,13 +215,13 @@ SCRIPT = textwrap.dedent(r"""
             for i, (m, a) in enumerate(zip(pair, first))]
     commits.clear()
     rg.requests.expect = 2
-    before = counter.snapshot()
+    before = ledger.snapshot()
     out = [None, None]
     threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, ask(pair[i]))) for i in range(2)]
     [t.start() for t in threads]
     [t.join(120) for t in threads]
     time.sleep(0.2)
-    result["pair"] = {"copies": counter.delta(counter.snapshot(), before),
+    result["pair"] = {"copies": ledger.delta(ledger.snapshot(), before),
                       "records": [record_of(a["prompt"]) for a in out], "commits": list(commits),
                       "next": [record_of(ask(m + [{"role": "assistant", "content": a["text"] or "ok"},
                                                   {"role": "user", "content": "go on"}])["prompt"])
@@ -236,9 +236,9 @@ SCRIPT = textwrap.dedent(r"""
         "long", ask(long_convo, max_tokens=400, on_first=decoding, no_eos=True)))
     long_thread.start()
     decoding.wait(120)
-    before = counter.snapshot()
+    before = ledger.snapshot()
     joined = ask(convo)
-    joined["copies"] = counter.delta(counter.snapshot(), before)
+    joined["copies"] = ledger.delta(ledger.snapshot(), before)
     joined["record"] = record_of(joined["prompt"])
     long_thread.join(300)
     time.sleep(0.2)

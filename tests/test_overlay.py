@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from server_harness import PatchedServer
 from server_patch import PATCH_VERSION
-from server_patch.launch import lineage_enabled, server_argv
+from server_patch.launch import lineage_enabled, server_argv, take_copy_counter
 from server_patch.launch import main as launch_main
 from server_patch.overlay import (
     Edit,
@@ -170,6 +170,22 @@ def test_edits_from_two_topics_must_not_overlap(fake) -> None:
         verify_all(registry)
 
 
+def test_topics_are_listed_and_the_registry_is_built_afresh_without_import_side_effects() -> None:
+    import pkgutil
+
+    from server_patch.overlay import patches
+
+    on_disk = sorted(info.name for info in pkgutil.iter_modules(patches.__path__))
+    assert list(patches.TOPICS) == on_disk  # a new topic file must be listed to take effect
+    first = load_topics()
+    edits = [e.name for e in first["mlx_vlm.server.app"].edits]
+    first.clear()  # a caller's registry is its own: the next one is whole again
+    assert [e.name for e in load_topics()["mlx_vlm.server.app"].edits] == edits
+    assert not any(isinstance(v, dict) and v and all(isinstance(x, FilePatch) for x in v.values())
+                   for module in (patches, importlib.import_module("server_patch.overlay.edits"))
+                   for v in vars(module).values())  # no module-level registry to mutate
+
+
 def test_filepatch_checks_module_and_relpath_agree() -> None:
     with pytest.raises(PatchError, match="is not the file of module"):
         FilePatch("mlx_vlm.server.app", "mlx_vlm/server/openai.py", "0" * 64, ())
@@ -247,7 +263,7 @@ def test_verify_all_passes_on_the_installed_mlx_vlm() -> None:
 
 
 def test_version_pin_is_checked() -> None:
-    real = load_topics({})["mlx_vlm.server.app"]
+    real = load_topics()["mlx_vlm.server.app"]
     wrong = FilePatch(real.module, real.relpath, real.sha256, real.edits, version="0.7.9")
     with pytest.raises(PatchError, match="installed mlx-vlm is 0.7.10, the patch needs exactly 0.7.9"):
         verify_all({wrong.module: wrong})
@@ -274,7 +290,7 @@ def test_cli_patch_verify_and_diff(monkeypatch: pytest.MonkeyPatch) -> None:
     result = runner.invoke(main, ["patch", "diff"])
     assert result.exit_code == 0 and "+        **_apc_health_fields()," in result.output
 
-    real = load_topics({})["mlx_vlm.server.app"]
+    real = load_topics()["mlx_vlm.server.app"]
     broken = FilePatch(real.module, real.relpath, real.sha256, real.edits + (Edit("gone", "NO SUCH TEXT", ""),))
     monkeypatch.setattr("server_patch.overlay.patches.load_topics", lambda: {broken.module: broken})
     result = runner.invoke(main, ["patch", "verify"])
@@ -297,12 +313,19 @@ def test_launcher_defaults_to_loopback_and_keeps_an_explicit_host() -> None:
         launch_main(["--model", "x", "--reload"])
 
 
+def test_the_copy_counter_flag_is_the_launchers_not_mlx_vlms() -> None:
+    assert take_copy_counter(["--model", "m", "--port", "1"]) == (["--model", "m", "--port", "1"], False, None)
+    assert take_copy_counter(["--copy-counter", "--model", "m"]) == (["--model", "m"], True, None)
+    assert take_copy_counter(["--model", "m", "--copy-counter=/tmp/c.json"]) == (["--model", "m"], True,
+                                                                                 "/tmp/c.json")
+
+
 # ------------------------------------------------------------------ a real server
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from apcctl.tiny_model import build_model
+    from apcctl.tinymodel.build import build_model
 
     return build_model(tmp_path_factory.mktemp("overlay-model") / "tiny", "tiny", seed=0)
 

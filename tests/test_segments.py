@@ -16,8 +16,8 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from mlx_vlm.prompt_utils import apply_chat_template
 
-from server_patch.boundaries import BPE_SLACK, Kind, SegmentFinder, SegmentInfo, SegmentSettings
-from server_patch.integration import anchors, segments
+from server_patch.boundaries import BPE_SLACK, AnchorRegistry, Kind, SegmentFinder, SegmentInfo, SegmentSettings
+from server_patch.integration import segments
 from server_patch.lineage import SEGMENT, LineageCache, LineageConfig, SizedKV, SizedSnapshot
 
 CONTENT, MESSAGE, PREAMBLE, STRIDE, SYSTEM, TOOL = (Kind.CONTENT, Kind.MESSAGE, Kind.TOOLS, Kind.STRIDE, Kind.SYSTEM,
@@ -346,7 +346,7 @@ def test_a_prompt_without_its_own_note_uses_a_siblings_shared_boundaries():
 def tiny_processor(tmp_path_factory: pytest.TempPathFactory):
     from mlx_vlm import load
 
-    from apcctl.tiny_model import build_model
+    from apcctl.tinymodel.build import build_model
 
     model, processor = load(str(build_model(tmp_path_factory.mktemp("seg") / "tiny", "tiny", seed=0)))
     return model.config, processor
@@ -386,7 +386,7 @@ def test_tiny_glm_template_tools_end_system_end_and_message_starts(tiny_processo
     assert len(others) == len(messages) - 1  # not the generation prompt's start
     assert info.kinds[others[0]] == SYSTEM and info.anchor_len == others[0]
     # The anchors registry agrees with the anchor (no slack before <|user|>).
-    registry = anchors.AnchorRegistry()
+    registry = AnchorRegistry()
     prefix = apply_chat_template(processor, config, messages[:1], add_generation_prompt=False, tools=TINY_TOOLS)
     registry.note(prefix, lambda t: tok.encode(t, add_special_tokens=False), "x", finder.hard_ids(tok))
     assert registry.boundary(ids)[0] == info.anchor_len
@@ -396,7 +396,7 @@ def test_tiny_wrapper_notes_segments_and_the_coordinator_entry_point_finds_them(
     config, processor = tiny_processor
     finder = SegmentFinder(SegmentSettings())
     monkeypatch.setattr(segments, "FINDER", finder)
-    wrapped = anchors.wrap_apply_chat_template(apply_chat_template)
+    wrapped = segments.wrap_apply_chat_template(apply_chat_template)
     messages = [{"role": "system", "content": "Be brief. " * 30}, {"role": "user", "content": "hi"}]
     text = wrapped(processor, config, messages, tools=TINY_TOOLS)
     ids = processor.tokenizer.encode(text, add_special_tokens=False)

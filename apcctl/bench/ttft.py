@@ -1,7 +1,7 @@
 """Warm turns on a long conversation, one server per mode, each turn's split read as JSON.
 
-Each mode starts its own server (``python -m server_patch.launch`` with the copy counter on,
-``APC_COPY_COUNTER=1``), grows one conversation to ``context`` tokens with a cold first
+Each mode starts its own server (``python -m server_patch.launch --copy-counter=FILE``: the
+launcher installs the copy counter), grows one conversation to ``context`` tokens with a cold first
 turn, then asks short questions, re-sending every reply verbatim. Per turn it records the
 time to first token at the client (streaming) and what the server says of the request:
 
@@ -13,7 +13,7 @@ time to first token at the client (streaming) and what the server says of the re
   ``prompt_tokens_details.cached_tokens``. Stock offers no lookup/admission/commit split, so
   those stay empty; no log line is read.
 
-Both: the counter's running totals (``APC_COPY_COUNTER_FILE``, JSON) before and after the
+Both: the counter's running totals (its JSON file) before and after the
 turn, which also count what happens after the first token (a deferred commit, stock's store
 clone). Modes: ``stock``, ``patched`` (reply reuse on) and ``patched-reuse-off``
 (``APC_LINEAGE_REPLY_REUSE=0``). Nothing here asserts a time.
@@ -25,7 +25,6 @@ import http.client
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,8 +36,10 @@ from typing import Any, Callable
 
 import psutil
 
-from apcctl.client import AdminClient, AdminError
-from apcctl.manage import terminate
+from apcctl.core.client import AdminClient, AdminError
+from apcctl.core.hosts import free_port
+from apcctl.core.manage import terminate
+from server_patch.copyfree import ledger
 
 QUESTION = "Which word follows item {n}?"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -85,24 +86,20 @@ def kv_copied(copies: dict[str, int]) -> int:
     return sum(v for k, v in copies.items() if k.endswith(".kv") and k.split(".")[0] in KV_OPS)
 
 
-def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
-    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-
-
 class BenchServer:
-    """One server of ``mode`` with the copy counter on (``APC_COPY_COUNTER=1``), on a free loopback port."""
+    """One server of ``mode`` with the copy counter on (``--copy-counter``), on a free loopback port."""
 
     def __init__(self, model_dir: Path, mode: str, workdir: Path, timeout: float = 300.0,
                  env: dict[str, str] | None = None) -> None:
         self.model_dir, self.mode, self.timeout = model_dir, mode, timeout
-        self.port = _free_port()
+        self.port = free_port()
         self.token = secrets.token_hex(16)
         self.log_path = workdir / f"server-{mode}.log"
         self.counter_path = workdir / f"copies-{mode}.json"
         self.env = dict(os.environ)
         self.env.update({
             "HF_HUB_OFFLINE": "1", "APC_ENABLED": "1", "APC_DISK_ENABLED": "0", "APC_LINEAGE_DISK": "0",
-            "APC_MEMORY_MAX_GB": "8", "APC_COPY_COUNTER": "1", "APC_COPY_COUNTER_FILE": str(self.counter_path),
+            "APC_MEMORY_MAX_GB": "8",
             "APC_STATE_DIR": str(workdir / f"state-{mode}"), "APC_DISK_PATH": str(workdir / f"disk-{mode}"),
             "APC_LINEAGE_DISK_PATH": str(workdir / f"lineage-disk-{mode}"), "APC_ADMIN_TOKEN": self.token,
             "PYTHONUNBUFFERED": "1",
@@ -124,7 +121,7 @@ class BenchServer:
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "server_patch.launch", "--model", str(self.model_dir),
-                 "--port", str(self.port)], cwd=self.log_path.parent, env=self.env, stdout=log,
+                 "--port", str(self.port), f"--copy-counter={self.counter_path}"], cwd=self.log_path.parent, env=self.env, stdout=log,
                 stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
@@ -185,12 +182,6 @@ class BenchServer:
                 text += piece or ""
         conn.close()
         return first if first is not None else (time.perf_counter() - start) * 1000, text, usage
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------ the split, as JSON
@@ -284,7 +275,7 @@ def run_turn(server: BenchServer, index: int, messages: list[dict[str, str]], ma
     else:
         turn.server, cursor["completed"] = stock_split(server, cursor.get("completed", 0))
         turn.source = "/metrics + usage"
-    turn.turn_copies = _delta(server.copies(), before)
+    turn.turn_copies = ledger.delta(server.copies(), before)
     return turn, text
 
 

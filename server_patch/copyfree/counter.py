@@ -19,93 +19,37 @@ Each op is split into ``kv`` (append-only rows: latent, index, pooled keys, proj
 evaluates the cache before and after every write and reads buffer addresses, so it is slow
 and for measurement only; it needs a backend whose arrays expose host memory (CPU, Metal).
 
-Totals: ``snapshot()`` in process; with ``APC_COPY_COUNTER_FILE`` set, a JSON file rewritten
-after every counted copy (the launcher installs the counter when ``APC_COPY_COUNTER=1``, stock
-or patched, for ``apcctl bench ttft``). Per request: the ledger (``mark`` at
-lookup, ``since`` at the first token) puts the delta into the request's timing record, which
-``/admin/requests`` serves as ``copies``; with the counter off it costs one flag test.
+Totals go to the ledger (``server_patch.copyfree.ledger``, which the serving path calls and
+which imports no mlx): ``ledger.snapshot()`` in process; with ``APC_COPY_COUNTER_FILE`` set, a
+JSON file rewritten after every counted copy. The launcher installs this counter when
+``APC_COPY_COUNTER=1`` (``requested()``), stock or patched, for ``apcctl bench ttft``.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
-import threading
-from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
+
+from server_patch.copyfree import ledger
+from server_patch.copyfree.ledger import add
 
 log = logging.getLogger("server_patch.copyfree")
 
 ENV = "APC_COPY_COUNTER"
 ENV_FILE = "APC_COPY_COUNTER_FILE"
 
-_lock = threading.Lock()
-_totals: dict[str, int] = {}
-_installed = False
-_file: Path | None = None
+_wrapped = False
 
 
 def requested(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    """Whether the environment asks for the counter (``APC_COPY_COUNTER``)."""
     from server_patch import settings
 
     return bool(settings.value(ENV, env))
-
-
-def enabled() -> bool:
-    return _installed
-
-
-def add(op: str, nbytes: int, *, kind: str = "kv") -> None:
-    if not _installed or nbytes <= 0:
-        return
-    key = f"{op}.{kind}"
-    with _lock:
-        _totals[key] = _totals.get(key, 0) + int(nbytes)
-        if _file is not None:
-            _write_locked()
-
-
-def snapshot() -> dict[str, int]:
-    with _lock:
-        return dict(_totals)
-
-
-def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
-    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-
-
-# The ledger: what the serving path calls (one dict copy per request while the counter is on,
-# nothing otherwise), so a request's timing record carries the bytes copied on its behalf.
-
-def mark() -> dict[str, int] | None:
-    """The running totals now (None, at no cost, while the counter is off)."""
-    return snapshot() if _installed else None
-
-
-def since(before: dict[str, int] | None) -> dict[str, int]:
-    """Bytes by ``op.kind`` counted since ``before`` (a ``mark()``); {} while the counter is off.
-
-    Every copy in the process counts, so the delta is one request's own only while it is the
-    only request in flight (as in ``apcctl bench ttft``)."""
-    return {} if before is None else delta(snapshot(), before)
-
-
-def reset() -> None:
-    with _lock:
-        _totals.clear()
-        if _file is not None:
-            _write_locked()
-
-
-def _write_locked() -> None:
-    assert _file is not None
-    tmp = _file.with_suffix(_file.suffix + ".tmp")
-    tmp.write_text(json.dumps(_totals, sort_keys=True))
-    os.replace(tmp, _file)
 
 
 # ---------------------------------------------------------------------------- byte accounting
@@ -141,10 +85,6 @@ def cache_bytes(cache: Any) -> tuple[int, int]:
     arrays: list[mx.array] = []
     collect_arrays(getattr(cache, "state", ()), arrays)
     return 0, sum(int(a.nbytes) for a in arrays)
-
-
-def state_bytes(cache: Any) -> int:
-    return sum(cache_bytes(cache))
 
 
 def collect_arrays(value: Any, out: list[mx.array]) -> None:
@@ -300,18 +240,24 @@ def _batch_op(method: Callable[..., Any], op: str) -> Callable[..., Any]:
 
 
 def install(file: str | os.PathLike[str] | None = None) -> None:
-    """Wrap the copying operations of mlx-vlm's caches and the patch (idempotent).
+    """Wrap the copying operations of mlx-vlm's caches and the patch (once), and switch the
+    ledger on, mirrored to ``file`` (default ``APC_COPY_COUNTER_FILE``; None: no file).
 
     Install after the overlay (``server_patch.overlay.install``) when serving patched: this
     imports ``mlx_vlm``.
     """
-    global _installed, _file
+    global _wrapped
     from server_patch import settings
 
     path = file if file is not None else settings.value(ENV_FILE)
-    _file = Path(path) if path else None
-    if _installed:
-        return
+    ledger.switch_on(path)
+    if not _wrapped:
+        _wrap()
+        _wrapped = True
+        log.info("apc_copyfree copy counter installed (file=%s)", path or None)
+
+
+def _wrap() -> None:
     from mlx_vlm import apc as apc_module
     from mlx_vlm.models import cache as c
 
@@ -346,5 +292,3 @@ def install(file: str | os.PathLike[str] | None = None) -> None:
         return result
 
     layout.MlxKV.prefix = counted_prefix
-    _installed = True
-    log.info("apc_copyfree copy counter installed (file=%s)", _file)

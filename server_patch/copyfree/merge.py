@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_vlm.apc_adapters import merge_cache_entries
 from mlx_vlm.models.cache import BatchKVCache, CacheList, KVCache
 
-from server_patch.copyfree import counter
+from server_patch.copyfree import ledger
 from server_patch.state.rows import leaf_caches
 
 MIN_BUCKET = 256
@@ -60,10 +60,7 @@ def merge_rows(row_caches: Sequence[Sequence[Any]], prefix_lens: Sequence[int],
         out.append(merged)
     if in_place:
         _release_kv(row_caches[0])  # the batch caches are now the buffers' only holders
-    targets: list[mx.array] = []
-    for cache in out:
-        counter.collect_arrays(cache.state, targets)
-    mx.eval(targets)
+    mx.eval([cache.state for cache in out])  # nested lists and tuples; non-array leaves skipped
     return out
 
 
@@ -114,9 +111,9 @@ def merge_kv(rows: Sequence[KVCache], cap: int) -> BatchKVCache:
     cache.keys, cache.values = keys, values
     cache.offset += longest
     cache._idx = longest
-    if counter.enabled():
+    if ledger.enabled():
         row_bytes = sum(_row_bytes(r) * n for r, n in zip(rows, lengths))
-        counter.add("merge", row_bytes, kind="kv")
+        ledger.add("merge", row_bytes, kind="kv")
     return cache
 
 

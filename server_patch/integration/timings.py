@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
 from server_patch.admin.metrics import RequestMetrics
-from server_patch.copyfree import counter
+from server_patch.copyfree import ledger
+from server_patch.lineage import COLD
 
 log = logging.getLogger("server_patch.lineage")
 
@@ -31,7 +32,7 @@ class RequestTiming:
     seq: int
     started: float
     prompt_tokens: int
-    restore_kind: str = "cold"
+    restore_kind: str = COLD
     restored_tokens: int = 0
     entry_id: str = ""
     # How the restored KV reached the batch: "lent" (the entry's own buffer, no copy),
@@ -50,7 +51,7 @@ class RequestTiming:
     reply_tokens: int = 0
     # With the copy counter on (APC_COPY_COUNTER=1): the running totals at lookup, then, from
     # the first token on, the bytes copied since by "op.kind" ({} with the counter off).
-    copies: Any = field(default_factory=counter.mark)
+    copies: Any = field(default_factory=ledger.mark)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -119,7 +120,7 @@ class TimingBook:
             return
         record.request_id = record.request_id or str(request_id)
         record.ttft_ms = ttft_s * 1000
-        record.copies = counter.since(record.copies)
+        record.copies = ledger.since(record.copies)
         log.info("apc_lineage timing %s", _fmt(
             request=record.request_id, kind=record.restore_kind, prefill_ms=record.prefill_ms,
             commit_ms=record.commit_ms, ttft_ms=record.ttft_ms,

@@ -60,16 +60,12 @@ class FilePatch:
             raise PatchError(f"duplicate edit names in {self.relpath}: {sorted(names)}")
 
 
-PATCHES: dict[str, FilePatch] = {}
+def register(file_patch: FilePatch, registry: dict[str, FilePatch]) -> FilePatch:
+    """Add a topic's edits to ``registry``; edits for a module already there are merged.
 
-
-def register(file_patch: FilePatch, registry: dict[str, FilePatch] | None = None) -> FilePatch:
-    """Add a topic's edits; edits for a module already registered are merged.
-
-    Registering the same edit twice is a no-op (a topic module may be imported again); the
-    same edit name with different text, or topics pinning different hashes, is an error.
+    Registering the same edit twice is a no-op (two topics may share an edit); the same edit
+    name with different text, or topics pinning different hashes, is an error.
     """
-    registry = PATCHES if registry is None else registry
     existing = registry.get(file_patch.module)
     if existing is None:
         registry[file_patch.module] = file_patch

@@ -23,7 +23,7 @@ from mlx_vlm.models.cache import (
     ArraysCache, BatchKVCache, BatchPoolingCache, CacheList, KVCache, PoolingCache,
 )
 
-from server_patch.copyfree import counter
+from server_patch.copyfree import ledger
 from server_patch.state.layout import CacheLayout, MlxKV, MlxSnapshot
 from server_patch.state.registry import DERIVED, ref
 
@@ -133,8 +133,8 @@ def kv_rows(layout: CacheLayout, caches: Sequence[Any], idx: int | None, length:
             copy: bool) -> MlxKV:
     """The append-only rows of row ``idx``, ``length`` tokens: copies, or views (``copy=False``)."""
     kv, _ = layout.split(row_caches(layout, caches, idx, kv=True, length=length, copy=copy), length)
-    if copy and counter.enabled():
-        counter.add("extract", kv.nbytes, kind="kv")
+    if copy and ledger.enabled():
+        ledger.add("extract", kv.nbytes, kind="kv")
     return kv
 
 

@@ -1,23 +1,24 @@
-"""Patch topics: one module per concern, each exposing ``FILE_PATCHES`` (or calling
-``register`` when imported). Topic modules must not import mlx-vlm: they are loaded before
-the hook is installed, and an mlx-vlm module imported then would stay unpatched. Prefer
-``FILE_PATCHES``: ``load_topics(fresh_registry)`` re-reads it, while a ``register`` call runs
-only on the first import and only into ``PATCHES``.
+"""Patch topics: one module per concern, each exposing ``FILE_PATCHES``, listed in ``TOPICS``.
+
+Nothing registers itself at import: ``load_topics()`` imports the listed topics and builds a
+new registry from their ``FILE_PATCHES`` on every call, so a caller may change its copy
+freely. Topic modules must not import mlx-vlm: they are loaded before the hook is installed,
+and an mlx-vlm module imported then would stay unpatched.
 """
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
 
-from server_patch.overlay.edits import PATCHES, FilePatch, register
+from server_patch.overlay.edits import FilePatch, register
+
+TOPICS = ("canary", "copyfree", "identity", "lineage", "sparse_attention", "tenant")
 
 
-def load_topics(registry: dict[str, FilePatch] | None = None) -> dict[str, FilePatch]:
-    """Import every topic in name order and merge its edits into ``registry`` (PATCHES)."""
-    registry = PATCHES if registry is None else registry
-    for info in sorted(pkgutil.iter_modules(__path__, __name__ + "."), key=lambda i: i.name):
-        topic = importlib.import_module(info.name)
-        for file_patch in getattr(topic, "FILE_PATCHES", ()):
+def load_topics() -> dict[str, FilePatch]:
+    """Every topic's edits by module, merged in ``TOPICS`` order (a new dict each call)."""
+    registry: dict[str, FilePatch] = {}
+    for name in TOPICS:
+        for file_patch in importlib.import_module(f"{__name__}.{name}").FILE_PATCHES:
             register(file_patch, registry)
     return registry

@@ -80,7 +80,7 @@ FILE_PATCHES = (
             old="from ..prompt_utils import apply_chat_template, extract_text_from_content\n",
             new=(
                 "from ..prompt_utils import apply_chat_template, extract_text_from_content\n"
-                "from server_patch.integration.anchors import wrap_apply_chat_template as _apc_wrap\n"
+                "from server_patch.integration.segments import wrap_apply_chat_template as _apc_wrap\n"
                 "\n"
                 "apply_chat_template = _apc_wrap(apply_chat_template)\n"
             ),
