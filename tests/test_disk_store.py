@@ -142,6 +142,61 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 from server_patch import private_files as durable  # noqa: E402
 from server_patch.disk import integrity  # noqa: E402
 from server_patch.disk.lock import DiskInUse, DiskLock, holder  # noqa: E402
+def test_reply_reuse_marks_survive_a_restart(tmp_path, model, layout):
+    """The protected prompt end and the reply-end checkpoints are in the file, so a restarted
+    server thins as the first one would, and the prompt end still restores exactly."""
+    cache, store = make_cache(tmp_path, layout)
+    prompt, reply = tokens(120, 31), tokens(20, 32)
+    live = model.make_cache()
+    prefill(model, live, prompt[:-1])
+    prompt_head = layout.snapshot(live, len(prompt) - 1)
+    prefill(model, live, np.concatenate([prompt[-1:], reply]))  # the decode feeds the last prompt id, then the reply
+    kv, head = layout.split(live, len(prompt) + len(reply))
+    entry = cache.commit_reply(prompt, reply, kv=kv, head=head, prompt_head=prompt_head)
+    assert entry.prompt_end == len(prompt) - 1
+    cache.flush()
+    store.flush()
+
+    restarted, store2 = make_cache(tmp_path, layout)
+    follow_up = np.concatenate([prompt, reply, tokens(30, 33)])
+    plan, second, _ = serve(restarted, model, layout, follow_up)  # promoted from disk, then extended
+    assert (plan.tier, plan.length) == ("disk", len(prompt) + len(reply))
+    promoted = next(c for c in second.checkpoints if c.length == len(prompt) - 1)
+    assert promoted.kind == "final" and not promoted.reply_end
+    assert [c.length for c in second.checkpoints if c.reply_end] == [len(prompt) + len(reply)]
+    restarted.flush()
+    store2.flush()
+
+    again, store3 = make_cache(tmp_path, layout)
+    (record,) = again.records()
+    loaded = store3.load(record)
+    assert [c.length for c in loaded.checkpoints if c.reply_end] == [len(prompt) + len(reply)]
+    edited = np.concatenate([prompt, tokens(10, 34)])  # the reply edited: restores at the prompt end
+    plan, _, warm = serve(again, model, layout, edited)
+    assert (plan.kind, plan.length) == ("final", len(prompt) - 1)
+    cold = prefill(model, model.make_cache(), edited[:-1], step=512)
+    assert mx.allclose(warm, cold, atol=1e-5).item()
+
+
+def test_the_prompt_end_mark_is_read_back_and_checked(tmp_path, model, layout):
+    cache, store = make_cache(tmp_path, layout)
+    prompt, reply = tokens(100, 41), tokens(12, 42)
+    live = model.make_cache()
+    prefill(model, live, prompt[:-1])
+    prompt_head = layout.snapshot(live, len(prompt) - 1)
+    prefill(model, live, np.concatenate([prompt[-1:], reply]))
+    kv, head = layout.split(live, len(prompt) + len(reply))
+    entry = cache.commit_reply(prompt, reply, kv=kv, head=head, prompt_head=prompt_head)
+    cache.flush()
+    store.flush()
+    path = tmp_path / f"{entry.id}.safetensors"
+    (record,) = make_cache(tmp_path, layout)[0].records()
+    assert DiskStore(tmp_path, fingerprint="fp-1", layout=layout).load(record).prompt_end == len(prompt) - 1
+    rewrite_header(path, lambda h: h["__metadata__"].update(prompt_end=str(len(prompt) - 2)))
+    restarted, store2 = make_cache(tmp_path, layout)
+    assert restarted.records() == [] and store2.rejects == {"header": 1}  # not a checkpoint: fails closed
+
+
 from server_patch.disk.space import DiskUnavailable, WriteGuard, parse_min_free  # noqa: E402
 from server_patch.disk.store import _CODE, _DTYPE, _as_bytes  # noqa: E402
 

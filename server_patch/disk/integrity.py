@@ -96,6 +96,8 @@ class Contents:
     is_anchor: bool
     pinned: bool
     label: str
+    prompt_end: int = 0  # reply reuse: the protected prompt end, one of the checkpoint lengths
+    reply_ends: tuple[int, ...] = ()  # checkpoint lengths that sit at the end of a reply
 
 
 def canonical(header: dict) -> bytes:
@@ -299,9 +301,23 @@ def contents(header: Header) -> Contents:
     identity = _json(meta, "identity")
     if not isinstance(identity, dict) or not all(isinstance(v, str) for v in identity.values()):
         raise InvalidFile(HEADER, "identity is not a map of strings")
+    prompt_end, reply_ends = _reply_marks(meta, {length for length, _ in checkpoints})
     return Contents(tokens=tokens, checkpoints=checkpoints, kv_meta=kv_meta, head_meta=head_meta,
                     cp_meta=cp_meta, identity=identity, namespace=meta["namespace"],
-                    is_anchor=meta["is_anchor"] == "1", pinned=meta["pinned"] == "1", label=meta["label"])
+                    is_anchor=meta["is_anchor"] == "1", pinned=meta["pinned"] == "1", label=meta["label"],
+                    prompt_end=prompt_end, reply_ends=reply_ends)
+
+
+def _reply_marks(meta: dict[str, str], lengths: set[int]) -> tuple[int, tuple[int, ...]]:
+    """Reply reuse's marks, optional (files written before them carry none): the prompt end is
+    0 or a checkpoint length, and every reply end is a checkpoint length."""
+    raw = meta.get("prompt_end", "0")
+    if not raw.isdigit() or (int(raw) and int(raw) not in lengths):
+        raise InvalidFile(HEADER, "prompt_end is not one of the checkpoints")
+    ends = _json(meta, "reply_ends") if "reply_ends" in meta else []
+    if not isinstance(ends, list) or not all(_is_count(n) and n in lengths for n in ends):
+        raise InvalidFile(HEADER, "reply_ends are not checkpoint lengths")
+    return int(raw), tuple(ends)
 
 
 def _json(meta: dict[str, str], key: str) -> Any:

@@ -152,11 +152,12 @@ class DiskStore:
                           checkpoints=found.checkpoints, nbytes=stat.st_size, last_used=stat.st_mtime,
                           is_anchor=found.is_anchor, pinned=found.pinned, label=found.label)
 
-    def _reject(self, path: Path, reason: str, detail: str) -> None:
+    def _reject(self, path: Path, reason: str, detail: str) -> str:
         self.rejects[reason] += 1
         log.warning("lineage disk: rejected %s reason=%s: %s (removed; requests prefill cold)",
                     path.name, reason, detail)
         _unlink(path, None)
+        return reason
 
     # ------------------------------------------------------------------ write
 
@@ -242,6 +243,10 @@ class DiskStore:
             "pinned": "1" if entry.pinned else "0",
             "label": entry.label,
             "checkpoints": json.dumps([[c.length, c.kind] for c in checkpoints]),
+            # Reply reuse: the protected prompt end (0 unless it is one of these checkpoints)
+            # and the reply-end points thinned first.
+            "prompt_end": str(entry.prompt_end if any(c.length == entry.prompt_end for c in checkpoints) else 0),
+            "reply_ends": json.dumps([c.length for c in checkpoints if c.reply_end]),
             # Rows past the entry (an adopted buffer's spare room) are not state: cut them.
             # Raises while the rows are lent to a running request (the entry stays dirty).
             "kv_meta": json.dumps(_flatten("kv", kv.trimmed_layers(), tensors)),
@@ -295,20 +300,21 @@ class DiskStore:
 
     def load(self, record: DiskRecord) -> Entry | None:
         """The validated entry, or None (the file removed, the reason counted) if anything is off."""
+        return self.load_checked(record)[0]
+
+    def load_checked(self, record: DiskRecord) -> tuple[Entry | None, str]:
+        """``load``, and why a file was rejected: the request flow's ``DiskLoader``."""
         path = self.path_of(record.id)
         try:
             entry = self._load(path, record)
         except InvalidFile as exc:
-            self._reject(path, exc.reason, exc.detail)
-            return None
+            return None, self._reject(path, exc.reason, exc.detail)
         except OSError as exc:
-            self._reject(path, IO, str(exc))
-            return None
+            return None, self._reject(path, IO, str(exc))
         except Exception as exc:  # shapes that do not build: the structure is wrong
-            self._reject(path, HEADER, f"{type(exc).__name__}: {exc}")
-            return None
+            return None, self._reject(path, HEADER, f"{type(exc).__name__}: {exc}")
         os.utime(path)
-        return entry
+        return entry, ""
 
     def _load(self, path: Path, record: DiskRecord) -> Entry:
         with open(path, "rb") as f:
@@ -325,7 +331,7 @@ class DiskStore:
         head = MlxSnapshot(_unflatten("head", found.head_meta, tensors), length)
         now = time.time()
         checkpoints = [Checkpoint(cp_len, kind, MlxSnapshot(_unflatten(f"cp{i}", cp_meta, tensors), cp_len),
-                                  created=now)
+                                  created=now, reply_end=cp_len in found.reply_ends)
                        for i, ((cp_len, kind), cp_meta) in enumerate(zip(found.checkpoints, found.cp_meta))]
         # Building every restore point once proves shapes and lengths agree before we trust it.
         for point in [head, *[c.state for c in checkpoints]]:
@@ -333,7 +339,7 @@ class DiskStore:
         mx.eval(kv.arrays(), head.arrays(), [a for c in checkpoints for a in c.state.arrays()])
         return Entry(id=record.id, tokens=found.tokens, kv=kv, head=head, namespace=found.namespace,
                      created=now, last_used=now, is_anchor=found.is_anchor, pinned=record.pinned,
-                     checkpoints=checkpoints, label=found.label)
+                     checkpoints=checkpoints, label=found.label, prompt_end=found.prompt_end)
 
     def close(self, timeout: float = 30.0) -> None:
         self.flush(timeout)
