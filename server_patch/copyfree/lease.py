@@ -51,11 +51,15 @@ class Lease:
         return self.entry.kv
 
 
+def has_room(kv: Any, rows_needed: int) -> bool:
+    """Whether ``kv`` is a buffer in hand (not lent) with ``rows_needed`` rows of room."""
+    return isinstance(kv, MlxKV) and not kv.lent and kv.capacity("keys") >= rows_needed
+
+
 def lendable(kv: Any, length: int, rows_needed: int) -> bool:
     """Whether ``kv`` (an entry of ``length`` tokens) can be lent to a request that needs
     ``rows_needed`` rows: every KV buffer must already have that much room."""
-    return isinstance(kv, MlxKV) and not kv.lent and kv.length == length and \
-        kv.capacity("keys") >= rows_needed
+    return has_room(kv, rows_needed) and kv.length == length
 
 
 def lend(layout: CacheLayout, kv: MlxKV, snapshot: Any, length: int) -> list[Any]:
@@ -164,4 +168,4 @@ class LeaseBook:
                 events.info("apc_copyfree loan of entry %s ended: absorbed", lease.entry.id)
 
 
-__all__ = ["Lease", "LeaseBook", "give_back", "lend", "lendable"]
+__all__ = ["Lease", "LeaseBook", "give_back", "has_room", "lend", "lendable"]

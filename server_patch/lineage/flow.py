@@ -9,7 +9,7 @@ the server does it to lend the buffer). Then the plan is restored or prefilled c
 captures are planned, and the state is committed at the prefill end (``commit``) or, with
 reply reuse, after the reply (``commit_reply``).
 
-Pure policy: no mlx, no mlx-vlm. The disk tier is anything with ``load(record)``.
+Pure policy: no mlx, no mlx-vlm. The disk tier is anything with ``load_checked(record)``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ PLANS_MAX = 8
 class DiskLoader(Protocol):
     """Reads a disk record back into an entry for ``LineageCache.promote``."""
 
-    def load(self, record: DiskRecord) -> tuple[Entry | None, str]:
+    def load_checked(self, record: DiskRecord) -> tuple[Entry | None, str]:
         """The rebuilt entry, or None and why its file was rejected."""
         ...
 
@@ -78,7 +78,7 @@ class Admission:
                 break  # loaded once already and gone again (no room in RAM), or a suspect tier: cold
             elif plan.tier == DISK:
                 loaded.add(plan.record.id)
-                entry, why = disk.load(plan.record)
+                entry, why = disk.load_checked(plan.record)
                 if self.cache.promote(plan.record, entry, reason=why) is not None:
                     self.promoted.add(plan.record.id)
             else:

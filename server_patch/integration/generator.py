@@ -1,0 +1,58 @@
+"""What the coordinator may know about the batch generator it serves: which rows are where.
+
+mlx-vlm 0.7.10's ``BatchGenerator`` keeps a prompt batch (rows still prefilling) and a
+generation batch (rows decoding), each with ``uids`` and per-layer ``prompt_cache``. The
+coordinator holds it weakly (the server owns it) and reads only these attributes, so a
+generator that lacks one reads as empty, never as an error.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+_BATCHES = ("_generation_batch", "_prompt_batch")
+
+
+class GeneratorView:
+    """A weak view of the attached generator: rows by uid, and whether it is plain."""
+
+    def __init__(self) -> None:
+        self._ref: Optional[weakref.ref] = None
+
+    def attach(self, generator: Any) -> None:
+        self._ref = weakref.ref(generator)
+
+    @property
+    def generator(self) -> Any:
+        return self._ref() if self._ref is not None else None
+
+    def row_of(self, uid: Any) -> Optional[tuple[list[Any], int]]:
+        """Where row ``uid`` is now: (its batch's caches, its index) in the decoding batch or
+        the prompt batch; None if neither holds it."""
+        generator = self.generator
+        for name in _BATCHES:
+            batch = getattr(generator, name, None)
+            uids = list(getattr(batch, "uids", None) or ())
+            if uid in uids:
+                return list(batch.prompt_cache), uids.index(uid)
+        return None
+
+    def plain(self) -> bool:
+        """A generator is attached and it has no draft model (``SpeculativeGenerationBatch``
+        reports no fed ids, and its caches hold draft rows it may roll back)."""
+        generator = self.generator
+        return generator is not None and getattr(generator, "draft_model", None) is None
+
+    def active_uids(self) -> set[Any] | None:
+        """Every row in either batch; None if no generator is attached (nothing is known)."""
+        generator = self.generator
+        if generator is None:
+            return None
+        active: set[Any] = set()
+        for name in _BATCHES:
+            active.update(getattr(getattr(generator, name, None), "uids", None) or ())
+        return active
+
+
+__all__ = ["GeneratorView"]

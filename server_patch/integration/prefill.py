@@ -1,0 +1,115 @@
+"""Prompts through prefill: the captures each asks for, the snapshots it takes, its commits.
+
+Between lookup and the prefill end a prompt is ``Pending`` (``integration.pending``). mlx-vlm
+asks for the lengths where prefill must stop (``lengths``) and hands over the state at each
+(``take``); what is captured and what becomes the entry is the request flow's
+(``lineage.flow.Admission``: captures, commit, commit_reply), so the simulator makes the same
+choices. The boundaries a capture may use (the anchor, chat-template segments) come from the
+``apply_chat_template`` wrapper (``integration.segments``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from server_patch.integration import segments as SEGMENTS
+from server_patch.integration.pending import Pending, PendingBook, RequestKey, namespace_of
+from server_patch.integration.runtime import LineageRuntime
+from server_patch.lineage import ANCHOR, COLD, RestorePlan, as_tokens
+from server_patch.lineage.flow import Admission, cold
+from server_patch.state import rows
+
+
+class Prefills:
+    """The pending prompts of one runtime, and where their state is committed."""
+
+    def __init__(self, runtime: LineageRuntime) -> None:
+        self.runtime = runtime
+        self.pending = PendingBook()
+
+    def flow(self, pending: Pending) -> Admission:
+        """The request flow of a pending prompt, at its admitted plan."""
+        return Admission(self.runtime.cache, pending.tokens, pending.namespace or "", pending.plan)
+
+    # ------------------------------------------------------------------ captures
+
+    def lengths(self, token_ids: Sequence[int], media_token_ids: set[int], final: int) -> list[int]:
+        """Where prefill must hand over state: every pending prompt's captures with these
+        tokens (no namespace here, see ``pending``), and the prefill end ``final``."""
+        prompt = as_tokens(token_ids)
+        pendings = self.pending.with_tokens(prompt) or [self._unlooked(prompt)]
+        text_only = not (media_token_ids and np.isin(prompt, list(media_token_ids)).any())
+        for pending in pendings:
+            if pending.final == 0:
+                pending.final = final
+                if text_only:  # checkpoints inside media regions are not text-aligned: final only
+                    self._plan_captures(pending)
+        return sorted({final}.union(*(p.wanted for p in pendings)))
+
+    def _plan_captures(self, pending: Pending) -> None:
+        info = SEGMENTS.boundaries(pending.tokens)  # anchor + chat-template segment boundaries
+        pending.anchor_label = info.anchor_label
+        captures = self.flow(pending).captures(anchor_len=info.anchor_len, segments=info.segments)
+        pending.wanted = {c.length: c.kind for c in captures if c.length <= pending.final}
+
+    def _unlooked(self, prompt: np.ndarray) -> Pending:
+        """A prompt that skipped lookup: planned as cold, its namespace named by its first store."""
+        pending = Pending(prompt, None, cold(RestorePlan(0, COLD, prompt_len=int(prompt.shape[0]))))
+        self.pending.remember(pending)
+        return pending
+
+    def take(self, token_ids: Sequence[int], prompt_cache: Sequence[Any], extra_hash: int,
+             batch_idx: Optional[int]) -> tuple[bool, list[Pending]]:
+        """The state after ``token_ids``: a capture (references to the snapshot layers) for
+        every pending prompt that wants one here. Returns whether any was taken, and the
+        prompts whose prefill ends here (forgotten as pending: the caller commits them)."""
+        prefix = as_tokens(token_ids)
+        length = int(prefix.shape[0])
+        matches = self.pending.matching(prefix, namespace_of(extra_hash))
+        snapshot = None
+        for pending in matches:
+            if length in pending.wanted and length != pending.final:
+                if snapshot is None:
+                    snapshot = rows.capture(self.runtime.layout, prompt_cache, batch_idx, length)
+                pending.taken[length] = (pending.wanted[length], snapshot)
+        ending = [p for p in matches if length == p.final]
+        for pending in ending:
+            self.pending.forget(pending)
+        return snapshot is not None, ending
+
+    def resend(self, key: RequestKey) -> Optional[Pending]:
+        """A prompt restored at its own prompt end (a regenerate, a retry): nothing is left to
+        prefill, so no store will commit it. Forgotten as pending and returned, its restored
+        state being its prompt-end snapshot; None for any other prompt."""
+        pending = self.pending.get(key)
+        if pending is None or not pending.final or not pending.plan.hit or pending.plan.length != pending.final:
+            return None
+        self.pending.forget(pending)
+        return pending
+
+    # ------------------------------------------------------------------ commits
+
+    def store(self, pending: Pending, kv: Any, head: Any) -> bool:
+        """The state at the prompt end becomes the lineage's entry."""
+        if pending.wanted.get(pending.final) == ANCHOR:
+            pending.taken[pending.final] = (ANCHOR, head)
+        entry = self.flow(pending).commit(kv=kv, head=head, captures=pending.taken,
+                                          anchor_label=pending.anchor_label)
+        return entry is not None
+
+    def store_reply(self, pending: Pending, fed: np.ndarray, **state: Any) -> Any:
+        """The state past the reply becomes the entry; the prompt end stays its checkpoint."""
+        return self.flow(pending).commit_reply(fed, anchor_label=pending.anchor_label, **state)
+
+    def note_commit(self, pending: Pending, uid: Any, start: float) -> None:
+        timings = self.runtime.timings
+        record = timings.by_uid(uid) if uid is not None else timings.by_key(pending.key)
+        if record is not None:
+            record.commit_ms += (time.perf_counter() - start) * 1000
+            record.captures = [f"{kind}@{n}" for n, (kind, _) in sorted(pending.taken.items())]
+
+
+__all__ = ["Prefills"]
