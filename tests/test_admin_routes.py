@@ -142,6 +142,12 @@ def test_new_anchor_prefills_pins_and_the_next_session_hits_it(server: PatchedSe
     assert chat(server, "a new session", system=system)[0] == 200
     record = call(server, "GET", f"/admin/requests?since={seq}")[2]["requests"][-1]
     assert (record["restore_kind"], record["entry_id"]) == ("anchor", body["anchor"]["id"])
+    # Unpinned by an operator, the same system prompt posted again pins it again, through the policy.
+    anchor_id = body["anchor"]["id"]
+    assert call(server, "POST", f"/admin/anchors/{anchor_id}/unpin")[2]["pinned"] is False
+    repinned = call(server, "POST", "/admin/anchors", {"system": system})[2]
+    assert repinned["created"] is False and repinned["anchor"]["pinned"] is True
+    assert call(server, "GET", f"/admin/entries/{anchor_id}")[2]["pinned"] is True
 
 
 @pytest.mark.parametrize("body", [{}, {"system": ""}, {"system": 3}, {"system": "x", "extra": 1},

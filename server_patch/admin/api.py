@@ -241,7 +241,8 @@ async def new_anchor(body: NewAnchorBody, request: Request) -> dict[str, Any]:
         raise HTTPException(422, detail=(
             "no anchor was captured: a conversation entry already covers this system prompt, or "
             "the chat template renders no separate system/tools prefix"))
-    chosen.pinned = True
+    if not chosen.pinned:  # an anchor an operator unpinned: pinned again by the policy's own verb
+        chosen = _lineage().cache.pin(chosen.id)
     return {"anchor": views.entry_view(chosen), "created": bool(created)}
 
 

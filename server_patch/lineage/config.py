@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields, replace
+from enum import StrEnum
 from typing import Mapping
 
 from server_patch.envconfig import env_values
 
 GB = 1 << 30
 
-# Thinning classes, first dropped first. "stale_guard" is every guard but the newest one.
-DEFAULT_THIN_ORDER: tuple[str, ...] = ("segment", "stale_guard", "periodic", "turn", "guard")
+class ThinClass(StrEnum):
+    """What thinning groups checkpoints by (``thin_order`` names them, first dropped first)."""
+
+    SEGMENT = "segment"
+    STALE_GUARD = "stale_guard"  # every guard but the newest one
+    PERIODIC = "periodic"
+    TURN = "turn"  # final and divergence points: where turns and lineages part
+    GUARD = "guard"  # the newest guard
+
+
+DEFAULT_THIN_ORDER: tuple[str, ...] = tuple(ThinClass)
 
 
 @dataclass(frozen=True)
@@ -78,5 +88,5 @@ class LineageConfig:
             raise ValueError("lineage config disk_low_watermark must be in (0, 1]")
         unknown = set(self.thin_order) - set(DEFAULT_THIN_ORDER)
         if unknown:
-            raise ValueError(f"unknown thinning classes {sorted(unknown)}; known: {DEFAULT_THIN_ORDER}")
+            raise ValueError(f"unknown thinning classes {sorted(unknown)}; known: {[str(c) for c in ThinClass]}")
 

@@ -47,8 +47,10 @@ class KVHandle(Protocol):
         """An independent handle on rows [:length] (an anchor must outlive its lineage)."""
         ...
 
-    # Optional: ``truncated(length)``, rows [:length] of the same buffers, no copy (an entry
-    # whose head moves back to its prompt end, ``LineageCache.rewind``).
+    def truncated(self, length: int) -> "KVHandle":
+        """Rows [:length] of the same buffers, no copy (an entry whose head moves back to its
+        prompt end, ``LineageCache.rewind``)."""
+        ...
 
 
 @dataclass(frozen=True)

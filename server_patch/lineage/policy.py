@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 import numpy as np
 
 from server_patch.lineage.budget import WRITE_WAIT_S, WriteQueue, plan_eviction
-from server_patch.lineage.config import LineageConfig
+from server_patch.lineage.config import LineageConfig, ThinClass
 from server_patch.lineage.handles import KVHandle, SnapshotHandle
 from server_patch.lineage.lookup import common_prefix_len
 from server_patch.lineage.model import (
@@ -407,11 +407,9 @@ class LineageCache:
         with self.lock:
             end = entry.prompt_end
             point = next((c for c in entry.checkpoints if c.length == end), None)
-            truncated = getattr(entry.kv, "truncated", None)
-            if not self.holds(entry) or entry.lent or point is None or not 0 < end < entry.length \
-                    or not callable(truncated):
+            if not self.holds(entry) or entry.lent or point is None or not 0 < end < entry.length:
                 return False
-            entry.kv = truncated(end)
+            entry.kv = entry.kv.truncated(end)
             entry.tokens = entry.tokens[:end].copy()
             entry.head, entry.prompt_end, entry.dirty = point.state, 0, True
             entry.checkpoints = [c for c in entry.checkpoints if c.length < end]
@@ -531,15 +529,15 @@ class LineageCache:
 
         def klass(cp: Checkpoint) -> str:
             if cp.kind == GUARD:
-                return "guard" if cp is newest_guard else "stale_guard"
+                return ThinClass.GUARD if cp is newest_guard else ThinClass.STALE_GUARD
             if cp.kind in (FINAL, DIVERGENCE):
-                return "turn"
+                return ThinClass.TURN
             return cp.kind
 
         for name in self.config.thin_order:
             members = [c for c in candidates if klass(c) == name]
             if members:
-                if name == "segment":
+                if name == ThinClass.SEGMENT:
                     return self._segment_victim(entry, members)
                 return min(members, key=lambda c: (c.created, c.length))
         return None
