@@ -28,9 +28,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -349,3 +351,27 @@ def assert_next_turn_restored(previous: dict[str, Any], answer: dict[str, Any], 
     restored = (kind, cached_tokens(answer))
     expected = {("entry", fed_tokens(previous)), ("final", prompt_tokens(previous) - 1)}
     assert restored in expected, (restored, sorted(expected))
+
+
+@dataclass(kw_only=True)
+class TrafficLoop:
+    """A client thread of a restart test: one request per round until ``stop`` is set, then
+    ``after_stop`` more (at most ``cap`` in all). Subclasses say how a round is sent."""
+
+    after_stop: int = 3
+    cap: int = 300
+    stop: threading.Event = field(default_factory=threading.Event)
+    ok: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def run(self) -> None:
+        extra = 0
+        for i in range(self.cap):
+            if self.stop.is_set():
+                extra += 1
+                if extra > self.after_stop:
+                    return
+            self.send_round(i)
+
+    def send_round(self, i: int) -> None:
+        raise NotImplementedError

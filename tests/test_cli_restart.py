@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import pytest
 from apcctl.config import select
 from apcctl.core.client import AdminClient, AdminError
 from apcctl.core.restart import RestartStep, rolling_restart
+from server_harness import TrafficLoop
 from test_cli_server import chat, run, run_json, serve
 
 pytestmark = pytest.mark.server
@@ -53,27 +54,17 @@ def pair(cli_env: Path, tiny_model_dir: Path) -> dict[str, Server]:
     return servers
 
 
-@dataclass
-class RetryingClient:
-    """Sends requests round-robin until told to stop, plus a few after; retries like a real client."""
+@dataclass(kw_only=True)
+class RetryingClient(TrafficLoop):
+    """Sends requests round-robin; retries like a real client."""
 
     servers: list[Server]
     after_stop: int = 6
     cap: int = 400
-    stop: threading.Event = field(default_factory=threading.Event)
-    ok: int = 0
     retries: int = 0
-    errors: list[str] = field(default_factory=list)
 
-    def run(self) -> None:
-        extra = 0
-        for i in range(self.cap):
-            if self.stop.is_set():
-                extra += 1
-                if extra > self.after_stop:
-                    return
-            server = self.servers[i % len(self.servers)]
-            self.send(server, f"question {i}")
+    def send_round(self, i: int) -> None:
+        self.send(self.servers[i % len(self.servers)], f"question {i}")
 
     def send(self, server: Server, user: str, attempts: int = 2000) -> None:
         messages = [{"role": "system", "content": server.system}, {"role": "user", "content": user}]
@@ -93,7 +84,7 @@ class RetryingClient:
 
 def test_rolling_restart_while_a_client_sends_requests(pair: dict[str, Server]) -> None:
     before = {name: s.client.status()["server"]["pid"] for name, s in pair.items()}
-    client = RetryingClient(list(pair.values()))
+    client = RetryingClient(servers=list(pair.values()))
     thread = threading.Thread(target=client.run)
     thread.start()
     try:

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -32,7 +32,7 @@ from apcctl.core.hosts import free_port
 from apcctl.core.manage import ManagedServer
 from apcctl.fleet.config import parse_fleet
 from apcctl.fleet.traffic import RecordingClient, replay
-from server_harness import assert_same_output
+from server_harness import TrafficLoop, assert_same_output
 from tui.fleet import LiveFleetSource
 from test_cli_server import run, run_json
 
@@ -184,33 +184,24 @@ def test_status_shows_the_gateway_view_beside_each_server(fleet: dict[str, Any])
     assert run_json("status", "--server", third["server"])["gateway"]["state"] == "healthy"
 
 
-@dataclass
-class NeverRetries:
-    """Sends short requests through the gateway one after the other until told to stop (and a
-    few more), never retrying: any error is a failure a client would see."""
+@dataclass(kw_only=True)
+class NeverRetries(TrafficLoop):
+    """Sends short requests through the gateway one after the other, never retrying: any error
+    is a failure a client would see."""
 
     url: str
     model: str
-    after_stop: int = 3
-    cap: int = 300
-    stop: threading.Event = field(default_factory=threading.Event)
-    ok: int = 0
-    errors: list[str] = field(default_factory=list)
 
-    def run(self) -> None:
-        client = RecordingClient(self.url, timeout=120.0)
-        extra = 0
-        for i in range(self.cap):
-            if self.stop.is_set():
-                extra += 1
-                if extra > self.after_stop:
-                    return
-            try:
-                client.chat([{"role": "user", "content": f"question {i} about the fleet"}], model=self.model,
-                            max_tokens=2, temperature=0.0)
-                self.ok += 1
-            except AdminError as exc:
-                self.errors.append(exc.message)
+    def __post_init__(self) -> None:
+        self.client = RecordingClient(self.url, timeout=120.0)
+
+    def send_round(self, i: int) -> None:
+        try:
+            self.client.chat([{"role": "user", "content": f"question {i} about the fleet"}], model=self.model,
+                             max_tokens=2, temperature=0.0)
+            self.ok += 1
+        except AdminError as exc:
+            self.errors.append(exc.message)
 
 
 @pytest.mark.server
@@ -218,7 +209,7 @@ def test_restart_through_the_gateway_fails_no_request(fleet: dict[str, Any], tin
     """Two of the three servers roll (the roll moves on only once the first is back); smg runs
     with --disable-retries, so no gateway retry hides a 503 either."""
     before = {r["server"]: r["status"]["pid"] for r in run_json("fleet", "status")["workers"]}
-    client = NeverRetries(fleet["url"], str(tiny_model_dir))
+    client = NeverRetries(url=fleet["url"], model=str(tiny_model_dir))
     thread = threading.Thread(target=client.run)
     thread.start()
     try:
@@ -252,7 +243,7 @@ def test_a_failed_restart_rolls_back_rejoins_the_gateway_and_stops_the_roll(flee
     assert previous is not None
     managed.save(replace(previous, argv=[*previous.argv, "--no-such-option"]))
     before = {r["server"]: r["status"]["pid"] for r in run_json("fleet", "status")["workers"]}
-    client = NeverRetries(fleet["url"], str(tiny_model_dir))
+    client = NeverRetries(url=fleet["url"], model=str(tiny_model_dir))
     thread = threading.Thread(target=client.run)
     thread.start()
     try:

@@ -21,8 +21,8 @@ import psutil
 
 from apcctl.core.client import AdminClient, AdminError
 from apcctl.core.hosts import free_port
-from apcctl.core.manage import StopResult, pid_file_owner, same_process, stop_recorded, write_pid_file
-from server_patch.launch import LOG_BACKUPS, LOG_MAX_BYTES, rotate_files
+from apcctl.core.manage import (BackgroundFiles, StopResult, pid_file_owner, same_process, stop_recorded,
+                                write_pid_file)
 
 SMG_VERSION = "1.13.0"  # the version pinned in the 'fleet' extra; flags below are checked against it
 # smg's policies that make sense for HTTP workers (see `smg launch --help`).
@@ -95,19 +95,10 @@ class GatewaySpec:
         return argv + list(self.args)
 
 
-class GatewayProcess:
+class GatewayProcess(BackgroundFiles):
     """The gateway's PID file (PID and create time) and log in ``directory``, and its verbs."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-
-    @property
-    def pid_path(self) -> Path:
-        return self.directory / PID_FILE
-
-    @property
-    def log_path(self) -> Path:
-        return self.directory / LOG_FILE
+    pid_file, log_file = PID_FILE, LOG_FILE
 
     def process(self) -> psutil.Process | None:
         owner = pid_file_owner(self.pid_path)
@@ -121,13 +112,8 @@ class GatewayProcess:
             raise GatewayError(f"the gateway is already running (pid {running.pid})")
         argv = spec.argv()
         self.directory.mkdir(parents=True, exist_ok=True)
-        if self.log_path.exists() and self.log_path.stat().st_size > LOG_MAX_BYTES:
-            rotate_files(self.log_path, LOG_BACKUPS)
         env = {**os.environ, "NO_COLOR": "1"}
-        with self.log_path.open("ab") as log:
-            log.write(f"\n=== apcctl fleet gateway at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(argv)}\n"
-                      .encode())
-            log.flush()
+        with self.open_log("fleet gateway", argv) as log:
             process = subprocess.Popen(argv, env=env, cwd=self.directory, stdin=subprocess.DEVNULL, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True)
         write_pid_file(self.pid_path, process.pid)
@@ -137,11 +123,7 @@ class GatewayProcess:
         return stop_recorded(self.pid_path, self.process(), grace)
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log_path.read_bytes()[-64 * 1024:].decode("utf-8", errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return super().log_tail(lines)
 
 
 class GatewayClient(AdminClient):

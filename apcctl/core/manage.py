@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Mapping, NoReturn
+from typing import BinaryIO, Mapping, NoReturn, Sequence
 
 import psutil
 
@@ -138,26 +138,58 @@ class StopResult:
     how: str  # "not running", "SIGTERM", "SIGKILL"
 
 
-class ManagedServer:
+class BackgroundFiles:
+    """A process apcctl starts in the background: its PID file and log in ``directory``."""
+
+    pid_file, log_file = PID_FILE, LOG_FILE
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    @property
+    def pid_path(self) -> Path:
+        return self.directory / self.pid_file
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / self.log_file
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The log's last ``lines`` lines (read from its last 256 KiB)."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * 1024))
+                text = f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:]) if lines else ""
+
+    def open_log(self, what: str, argv: Sequence[str]) -> BinaryIO:
+        """The log, opened for the child's output, after rotating it past its cap (at start too,
+        so the banner line is not what pushes a full log past it) and a banner naming the start."""
+        try:
+            if self.log_path.stat().st_size > LOG_ROTATE_BYTES:
+                rotate_files(self.log_path, LOG_BACKUPS)
+        except FileNotFoundError:
+            pass
+        log = self.log_path.open("ab")
+        log.write(f"\n=== apcctl {what} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(argv)}\n".encode())
+        log.flush()
+        return log
+
+
+class ManagedServer(BackgroundFiles):
     """The files of one managed server, and the verbs on its process."""
 
     def __init__(self, name: str, root: Path | None = None) -> None:
         if not plain_name(name):
             raise ManageError(f"bad server name {name!r}")
         self.name = name
-        self.directory = (root or servers_root()) / name
+        super().__init__((root or servers_root()) / name)
 
     @property
     def spec_path(self) -> Path:
         return self.directory / SPEC_FILE
-
-    @property
-    def pid_path(self) -> Path:
-        return self.directory / PID_FILE
-
-    @property
-    def log_path(self) -> Path:
-        return self.directory / LOG_FILE
 
     @property
     def token_path(self) -> Path:
@@ -230,14 +262,10 @@ class ManagedServer:
         if self.pid() is not None:
             raise ManageError(f"server {self.name!r} is already running (pid {self.pid()})")
         self.save(spec)
-        self._rotate_log()
         # The server writes its own log and rotates it while it runs (server_patch.launch);
         # always server.log, the file apcctl logs reads.
         env = {**os.environ, **spec.env, LOG_FILE_ENV: str(self.log_path)}
-        with self.log_path.open("ab") as log:
-            log.write(f"\n=== apcctl serve {self.name} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                      f"{' '.join(spec.argv)}\n".encode())
-            log.flush()
+        with self.open_log(f"serve {self.name}", spec.argv) as log:
             process = subprocess.Popen(spec.argv, env=env, cwd=self.directory, stdin=subprocess.DEVNULL,
                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self._write_pid(process.pid, spec)
@@ -282,23 +310,6 @@ class ManagedServer:
                 time.sleep(0.2)
         raise ManageError(f"server {self.name!r} did not answer /health within {timeout:.0f} s")
 
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            with self.log_path.open("rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * 1024))
-                text = f.read().decode("utf-8", errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:]) if lines else ""
-
-    def _rotate_log(self) -> None:
-        """At start too, so the line apcctl writes before the server opens the log is not what
-        pushes a full log past its cap."""
-        try:
-            if self.log_path.stat().st_size > LOG_ROTATE_BYTES:
-                rotate_files(self.log_path, LOG_BACKUPS)
-        except FileNotFoundError:
-            pass
 
 
 def _read_spec(path: Path) -> ServerSpec | None:
