@@ -38,7 +38,7 @@ import psutil
 
 from apcctl.core.client import AdminClient, AdminError
 from apcctl.core.hosts import free_port
-from apcctl.core.manage import terminate
+from apcctl.core.manage import file_tail, terminate
 from server_patch.copyfree import ledger
 
 QUESTION = "Which word follows item {n}?"
@@ -141,8 +141,7 @@ class BenchServer:
             self.process.wait()
 
     def log_tail(self, lines: int = 30) -> str:
-        text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
+        return file_tail(self.log_path, lines)
 
     def copies(self) -> dict[str, int]:
         """The counter's running totals (the file the server rewrites after every counted copy)."""

@@ -122,9 +122,6 @@ class GatewayProcess(BackgroundFiles):
     def stop(self, grace: float = GATEWAY_GRACE_S) -> StopResult:
         return stop_recorded(self.pid_path, self.process(), grace)
 
-    def log_tail(self, lines: int = 20) -> str:
-        return super().log_tail(lines)
-
 
 class GatewayClient(AdminClient):
     """smg's worker API (open on loopback unless control-plane keys are configured)."""
@@ -150,7 +147,7 @@ class GatewayClient(AdminClient):
         deadline = time.monotonic() + timeout
         while True:
             if process is not None and process.process() is None:
-                raise GatewayError(f"the gateway exited during start-up; log tail:\n{process.log_tail()}")
+                raise GatewayError(f"the gateway exited during start-up; log tail:\n{process.log_tail(20)}")
             try:
                 workers = self.workers()
                 ready = {str(w.get("url", "")).rstrip("/") for w in workers if is_ready(w)}

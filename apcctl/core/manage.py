@@ -155,14 +155,7 @@ class BackgroundFiles:
         return self.directory / self.log_file
 
     def log_tail(self, lines: int = 40) -> str:
-        """The log's last ``lines`` lines (read from its last 256 KiB)."""
-        try:
-            with self.log_path.open("rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * 1024))
-                text = f.read().decode("utf-8", errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:]) if lines else ""
+        return file_tail(self.log_path, lines)
 
     def open_log(self, what: str, argv: Sequence[str]) -> BinaryIO:
         """The log, opened for the child's output, after rotating it past its cap (at start too,
@@ -310,6 +303,17 @@ class ManagedServer(BackgroundFiles):
                 time.sleep(0.2)
         raise ManageError(f"server {self.name!r} did not answer /health within {timeout:.0f} s")
 
+
+
+def file_tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of a log (read from its last 256 KiB; "" if it cannot be read)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * 1024))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:]) if lines else ""
 
 
 def _read_spec(path: Path) -> ServerSpec | None:

@@ -1,4 +1,4 @@
-"""A debug counter of the bytes every cache copy moves (``APC_COPY_COUNTER=1``).
+"""A debug counter of the bytes every cache copy moves (``--copy-counter``, ``APC_COPY_COUNTER=1``).
 
 Counting by timing would mix copies with page faults and compute; this counts bytes at the
 operations that copy, by wrapping them in the process (stock mlx-vlm and the patch alike):
@@ -21,8 +21,9 @@ and for measurement only; it needs a backend whose arrays expose host memory (CP
 
 Totals go to the ledger (``server_patch.copyfree.ledger``, which the serving path calls and
 which imports no mlx): ``ledger.snapshot()`` in process; with ``APC_COPY_COUNTER_FILE`` set, a
-JSON file rewritten after every counted copy. The launcher installs this counter when
-``APC_COPY_COUNTER=1`` (``requested()``), stock or patched, for ``apcctl bench ttft``.
+JSON file rewritten after every counted copy. The launcher installs this counter with
+``--copy-counter[=FILE]`` or ``APC_COPY_COUNTER=1`` (``requested()``), stock or patched, for
+``apcctl bench ttft``.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class LeaseBook:
     """The loans in force, by the borrowing request's key, over one cache and its layout.
     Ending a loan gives the rows back to the entry, or drops the entry if they are gone."""
 
-    def __init__(self, layout: CacheLayout | None = None, cache: Any = None) -> None:
+    def __init__(self, layout: CacheLayout, cache: Any) -> None:
         self._layout, self._cache = layout, cache
         self._loans: dict[Any, Lease] = {}
 
@@ -109,7 +109,6 @@ class LeaseBook:
 
     def lend(self, key: Any, entry: Any, snapshot: Any, length: int) -> list[Any]:
         """Restored row caches around ``entry``'s own buffers, lent to request ``key``."""
-        assert self._layout is not None
         warm = lend(self._layout, entry.kv, snapshot, length)
         self._loans[key] = Lease(entry, key, list(warm))
         return warm
@@ -122,7 +121,6 @@ class LeaseBook:
 
     def end(self, lease: Lease, caches: Optional[Sequence[Any]] = None, *, reason: str) -> bool:
         """Give the lent rows back to their entry (or drop the entry if they are gone)."""
-        assert self._layout is not None and self._cache is not None
         self._loans.pop(lease.key, None)
         kept = give_back(self._layout, lease, caches, still_stored=self._cache.holds)
         if not kept:
@@ -161,7 +159,6 @@ class LeaseBook:
     def settle(self) -> None:
         """Loans whose entry was absorbed (by the borrower's own entry) or evicted are over:
         the buffer belongs to whoever writes it now."""
-        assert self._cache is not None
         for lease in list(self._loans.values()):
             if not self._cache.holds(lease.entry):
                 del self._loans[lease.key]

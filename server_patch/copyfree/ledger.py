@@ -2,8 +2,8 @@
 
 The serving path calls only this module (``enabled``, ``add``, ``mark``, ``since``); it costs
 one flag test while the copy counter is off. What fills it is the instrumentation in
-``server_patch.copyfree.counter``, which the launcher installs with ``APC_COPY_COUNTER=1``
-and which switches the ledger on. This module imports no mlx and reads no environment, so
+``server_patch.copyfree.counter``, which the launcher installs (``--copy-counter`` or
+``APC_COPY_COUNTER=1``) and which switches the ledger on. This module imports no mlx and reads no environment, so
 plumbing may import it without pulling a debug tool into the server.
 
 Per request: ``mark()`` at lookup, ``since(mark)`` at the first token; the delta goes into

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from mlx_vlm.apc_coordinator import APCCoordinator
@@ -47,20 +48,32 @@ from server_patch.lineage.flow import Admission
 log = logging.getLogger("server_patch.lineage")
 
 
+@dataclass(frozen=True)
+class _Lineage:
+    """The lineage cache's parts for one model: built together, or not at all (stock APC)."""
+
+    runtime: LineageRuntime
+    prefills: Prefills
+    rows: BatchRows
+
+
 class LineageCoordinator(APCCoordinator):
     """APCCoordinator whose checkpoint mode is the lineage cache."""
 
     def __init__(self, manager: Any, model: Any) -> None:
         super().__init__(manager, model)
-        self.runtime: LineageRuntime | None = None
         self.copyfree: CopyFreeSettings = pool.configure()
         self.generator = GeneratorView()
-        self.prefills: Prefills | None = None
-        self.rows: BatchRows | None = None
+        self.lineage: _Lineage | None = None
         if self.enabled and self.is_checkpoint:
-            self.runtime = runtime_for(manager, getattr(model, "language_model", model))
-            self.prefills = Prefills(self.runtime)
-            self.rows = BatchRows(self.runtime, self.copyfree, self.generator, self.prefills)
+            runtime = runtime_for(manager, getattr(model, "language_model", model))
+            prefills = Prefills(runtime)
+            self.lineage = _Lineage(runtime, prefills, BatchRows(runtime, self.copyfree, self.generator, prefills))
+
+    @property
+    def runtime(self) -> LineageRuntime | None:
+        """The model's lineage runtime; None where stock APC serves (block mode, APC off)."""
+        return self.lineage.runtime if self.lineage is not None else None
 
     def attach_generator(self, generator: Any) -> None:
         """The batch generator this coordinator serves (weakly): who else is decoding."""
@@ -71,18 +84,18 @@ class LineageCoordinator(APCCoordinator):
     def lookup(self, token_ids: Sequence[int], *, extra_hash: int, safe_lookup_min: int,
                suffix_is_text_only: Callable[[int], bool],
                prefix_has_media: Callable[[int], bool]) -> Optional[dict]:
-        if self.runtime is None or self.rows is None or self.prefills is None:
+        if (lineage := self.lineage) is None:
             return super().lookup(token_ids, extra_hash=extra_hash, safe_lookup_min=safe_lookup_min,
                                   suffix_is_text_only=suffix_is_text_only,
                                   prefix_has_media=prefix_has_media)
         start = time.perf_counter()
         prompt, namespace = as_tokens(token_ids), namespace_of(extra_hash)
         key = request_key(namespace, prompt)
-        record = self.runtime.timings.open(key, int(prompt.shape[0]))
-        rows = self.rows
+        record = lineage.runtime.timings.open(key, int(prompt.shape[0]))
+        rows = lineage.rows
         rows.sweep()
         reclaimed: set[str] = set()  # entries whose loans this lookup ended: never lent again now
-        admission = Admission.admit(self.runtime.cache, prompt, namespace, disk=self.runtime.disk,
+        admission = Admission.admit(lineage.runtime.cache, prompt, namespace, disk=lineage.runtime.disk,
                                     settle=lambda plan: rows.settle(prompt, namespace, plan, reclaimed),
                                     disk_refused=lambda: canary.refuses(DISK))
         plan = admission.plan
@@ -98,7 +111,7 @@ class LineageCoordinator(APCCoordinator):
                 log.warning("apc_lineage restore of %s at %d failed: %s", plan.entry.id, plan.length, exc)
         if warm is None:
             admission.refuse()
-        self.prefills.pending.remember(Pending(prompt, namespace, admission.plan))
+        lineage.prefills.pending.remember(Pending(prompt, namespace, admission.plan))
         record.lookup_ms = (time.perf_counter() - start) * 1000
         if warm is None:
             admission.cold()
@@ -113,23 +126,26 @@ class LineageCoordinator(APCCoordinator):
 
     def merge_rows(self, picks: Sequence[Optional[dict]], prefix_lens: Sequence[int], *,
                    kv_quant_config: Optional[dict] = None):
+        lineage = self.lineage
+        if lineage is None:
+            return super().merge_rows(picks, prefix_lens, kv_quant_config=kv_quant_config)
         start = time.perf_counter()
+        keys = [_key_of(p) if p is not None else None for p in picks]
         result = None
-        if self.rows is not None and self.copyfree.enabled and kv_quant_config is None:
-            result = self._merge_copyfree(picks, prefix_lens)
+        if self.copyfree.enabled and kv_quant_config is None:
+            result = self._merge_copyfree(lineage.rows, picks, keys, prefix_lens)
         if result is None:
             result = super().merge_rows(picks, prefix_lens, kv_quant_config=kv_quant_config)
-        if self.runtime is not None:
-            merge_ms = (time.perf_counter() - start) * 1000
-            for pick in picks:
-                record = self.runtime.timings.by_key(_key_of(pick)) if pick is not None else None
-                if record is not None:
-                    record.admission_ms += merge_ms
+        merge_ms = (time.perf_counter() - start) * 1000
+        for key in keys:
+            record = lineage.runtime.timings.by_key(key) if key is not None else None
+            if record is not None:
+                record.admission_ms += merge_ms
         return result
 
-    def _merge_copyfree(self, picks: Sequence[Optional[dict]], prefix_lens: Sequence[int]):
+    def _merge_copyfree(self, rows: BatchRows, picks: Sequence[Optional[dict]],
+                        keys: Sequence[Optional[RequestKey]], prefix_lens: Sequence[int]):
         """One copy per restored row, into buffers sized for prefix + suffix + reserve."""
-        assert self.rows is not None
         memory = self.manager.memory_plan
         if len(prefix_lens) == len(memory.lengths):
             totals = list(memory.lengths)
@@ -138,8 +154,7 @@ class LineageCoordinator(APCCoordinator):
             totals = [len(p["full_input_ids"]) if p else n for p, n in zip(picks, prefix_lens)]
         suffixes = [max(0, total - n) for total, n in zip(totals, prefix_lens)]
         row_caches = [p["warm_cache"] if p is not None else self.fresh_cache() for p in picks]
-        keys = [_key_of(p) if p is not None else None for p in picks]
-        caches = self.rows.merge(keys, row_caches, prefix_lens, suffixes)
+        caches = rows.merge(keys, row_caches, prefix_lens, suffixes)
         if caches is None:
             return None
         with self.manager.lock:
@@ -149,36 +164,36 @@ class LineageCoordinator(APCCoordinator):
     def bind_rows(self, uids: Sequence[Any], metas: Sequence[Optional[dict]]) -> None:
         """Tie each row to the generator's uid (called when a batch is built): its timing
         record, its loan, and the reply of a prompt restored at its own prompt end."""
-        if self.runtime is None or self.rows is None or self.prefills is None or not metas:
+        if (lineage := self.lineage) is None or not metas:
             return
         for uid, meta in zip(uids, metas):
             if meta is not None and "full_input_ids" in meta:
                 key = _key_of(meta)
-                self.runtime.timings.bind(uid, key)
-                self.rows.bind(key, uid)
-                if (resend := self.prefills.resend(key)) is not None:
-                    self.rows.track_reply(resend, resend.plan.state, uid)
+                lineage.runtime.timings.bind(uid, key)
+                lineage.rows.bind(key, uid)
+                if (resend := lineage.prefills.resend(key)) is not None:
+                    lineage.rows.track_reply(resend, resend.plan.state, uid)
 
     # ------------------------------------------------------------------ captures and commits
 
     def checkpoint_lengths(self, token_ids: Sequence[int], media_token_ids: set[int]) -> list[int]:
-        if self.prefills is None:
+        if (lineage := self.lineage) is None:
             return super().checkpoint_lengths(token_ids, media_token_ids)
         final = self.checkpoint_len(token_ids, media_token_ids)
-        return self.prefills.lengths(token_ids, media_token_ids, final) if final > 0 else []
+        return lineage.prefills.lengths(token_ids, media_token_ids, final) if final > 0 else []
 
     def store_checkpoint(self, token_ids: Sequence[int], prompt_cache: Sequence[Any], *,
                          extra_hash: int = 0, batch_idx: Optional[int] = None, uid: Any = None) -> bool:
-        if self.prefills is None or self.rows is None:
+        if (lineage := self.lineage) is None:
             return super().store_checkpoint(token_ids, prompt_cache, extra_hash=extra_hash,
                                             batch_idx=batch_idx)
-        took, ending = self.prefills.take(token_ids, prompt_cache, extra_hash, batch_idx)
-        committed = [self.rows.prefill_end(pending, prompt_cache, batch_idx, uid) for pending in ending]
+        took, ending = lineage.prefills.take(token_ids, prompt_cache, extra_hash, batch_idx)
+        committed = [lineage.rows.prefill_end(pending, prompt_cache, batch_idx, uid) for pending in ending]
         return any(committed) or took
 
     def commit(self, prompt_cache, token_ids, *, batch_idx=None, extra_hash=0,
                skip_first_n_tokens=0, blocks_in_use=()) -> bool:
-        if self.runtime is None:
+        if self.lineage is None:
             return super().commit(prompt_cache, token_ids, batch_idx=batch_idx, extra_hash=extra_hash,
                                   skip_first_n_tokens=skip_first_n_tokens, blocks_in_use=blocks_in_use)
         # Entries are committed at the prefill end by store_checkpoint; nothing is left to do.
@@ -189,23 +204,23 @@ class LineageCoordinator(APCCoordinator):
 
     def rows_decoded(self, batch: Any, tokens: Sequence[int]) -> None:
         """``GenerationBatch.next``: ``tokens[i]`` was just fed to row ``batch.uids[i]``."""
-        if self.rows is not None:
-            self.rows.decoded(list(batch.uids), tokens)
+        if self.lineage is not None:
+            self.lineage.rows.decoded(list(batch.uids), tokens)
 
     def rows_leaving(self, batch: Any, keep: Sequence[int]) -> None:
         """``GenerationBatch.filter``: rows not in ``keep`` stop writing their caches now."""
-        if self.rows is not None:
-            self.rows.leaving(batch, keep)
+        if self.lineage is not None:
+            self.lineage.rows.leaving(batch, keep)
 
     def batches_joining(self, existing: Any, incoming: Any) -> None:
         """Before ``existing.extend(incoming)``: lone rows' buffers are about to be replaced."""
-        if self.rows is not None:
-            self.rows.joining(existing, incoming)
+        if self.lineage is not None:
+            self.lineage.rows.joining(existing, incoming)
 
     def request_removed(self, uid: Any) -> None:
         """A request is taken out of the prompt batch mid-prefill."""
-        if self.rows is not None:
-            self.rows.removed(uid)
+        if self.lineage is not None:
+            self.lineage.rows.removed(uid)
 
 
 def _key_of(meta: dict) -> RequestKey:

@@ -365,7 +365,8 @@ class LineageCache:
         length = int(stored.shape[0])
         if length < cfg.min_tokens:
             return None
-        turn = {prompt_end[0]: (FINAL, prompt_end[1])} if prompt_end is not None else {}
+        end = prompt_end[0] if prompt_end is not None else 0  # 0: the head is the prompt end
+        turn = {end: (FINAL, prompt_end[1])} if prompt_end is not None else {}
         with self.lock:
             now = self.clock()
             anchors = []
@@ -378,7 +379,7 @@ class LineageCache:
             same = self._find_identical(stored, namespace)
             if same is not None:
                 same.last_used = now
-                same.prompt_end = prompt_end[0] if prompt_end is not None else 0
+                same.prompt_end = end
                 self._add_checkpoints(same, {**captures, **turn}, now)
                 self._take_in([*anchors, same])
                 self._write_anchors(anchors)
@@ -386,7 +387,7 @@ class LineageCache:
 
             entry = Entry(id=uuid.uuid4().hex[:12], tokens=stored, kv=kv, head=head,
                           namespace=namespace, created=now, last_used=now,
-                          prompt_end=prompt_end[0] if prompt_end is not None else 0)
+                          prompt_end=end)
             self._add_checkpoints(entry, {**captures, **turn}, now)
             for old in self._absorbable(entry):
                 self._absorb(entry, old, now)
