@@ -1,17 +1,21 @@
-"""The ``apcctl`` command line: one click group; each command family lives in its own module."""
+"""The ``apcctl`` command line: one click group; each command family lives in its own module,
+imported only when one of its commands runs (``apcctl.commands.LazyGroup``)."""
 
 from __future__ import annotations
 
 import click
 
+from apcctl.commands import LazyGroup
+from apcctl.commands.codes import EXIT_CODES_HELP
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_HELP)
 @click.version_option(package_name="apcctl")
 def main() -> None:
     """Run and inspect the lineage prompt cache of a patched mlx-vlm server."""
 
 
-@main.group()
+@main.group(cls=LazyGroup)
 def bench() -> None:
     """Benchmarks that print ratios measured side by side in one run."""
 

@@ -14,6 +14,8 @@ then ``http://127.0.0.1:8080``. Example file::
     args = ["--max-kv-size", "65536"]
     ram_budget = "32G"           # APC_LINEAGE_RAM_BUDGET_BYTES at serve (default 48G)
     disk_budget = "200G"         # APC_LINEAGE_DISK_MAX_BYTES (default 1T)
+    served_model_name = ["glm"]  # APC_SERVED_MODEL_NAME: what clients may send as "model"
+    allowed_origins = ["http://127.0.0.1:3000"]  # APC_ALLOWED_ORIGINS: web UIs allowed in (CORS)
 
 Sizes are read as the server reads them (``server_patch.settings``): bytes, or ``64M``,
 ``1.5G``, ``48GiB``; ``SIZE`` is the same parser as a click parameter type.
@@ -37,7 +39,6 @@ import click
 
 from apcctl.core.client import AdminClient
 from apcctl.core.manage import ManagedServer, managed_names
-from apcctl.core.restart import SUPERVISORS
 from server_patch import settings as registry
 from server_patch.envconfig import parse_size
 
@@ -47,7 +48,11 @@ DEFAULT_NAME = "default"
 # Budget keys of a [servers.NAME] table -> the server's environment at ``apcctl serve``.
 BUDGET_KEYS = {"ram_budget": "APC_LINEAGE_RAM_BUDGET_BYTES", "disk_budget": "APC_LINEAGE_DISK_MAX_BYTES",
                "anchor_budget": "APC_LINEAGE_ANCHOR_MAX_BYTES", "max_anchors": "APC_LINEAGE_ANCHOR_MAX_ENTRIES"}
-_KEYS = {"url", "token", "token_file", "model", "port", "host", "supervisor", "service", "args", *BUDGET_KEYS}
+# Serving keys (a string or a list of strings) -> the server's environment at ``apcctl serve``.
+SERVING_KEYS = {"served_model_name": "APC_SERVED_MODEL_NAME", "allowed_origins": "APC_ALLOWED_ORIGINS",
+                "allowed_hosts": "APC_ALLOWED_HOSTS"}
+_KEYS = {"url", "token", "token_file", "model", "port", "host", "supervisor", "service", "args", *BUDGET_KEYS,
+         *SERVING_KEYS}
 
 
 class ConfigError(ValueError):
@@ -91,7 +96,7 @@ class ServerConfig:
     supervisor: str = "none"
     service: str | None = None
     args: tuple[str, ...] = ()
-    budget_env: tuple[tuple[str, str], ...] = ()  # (APC_LINEAGE_..., value) from the budget keys
+    budget_env: tuple[tuple[str, str], ...] = ()  # (APC_..., value) from the budget and serving keys
 
     def budget_environment(self) -> dict[str, str]:
         return dict(self.budget_env)
@@ -129,6 +134,8 @@ def _server(name: str, table: Any, path: Path) -> ServerConfig:
     unknown = set(table) - _KEYS
     if unknown:
         raise ConfigError(f"{path}: [servers.{name}] has unknown keys {sorted(unknown)}; known: {sorted(_KEYS)}")
+    from apcctl.core.restart import SUPERVISORS  # (the restart engine reads the server package's kinds)
+
     supervisor = table.get("supervisor", "none")
     if supervisor not in SUPERVISORS:
         raise ConfigError(f"{path}: [servers.{name}] supervisor must be one of {SUPERVISORS}")
@@ -138,7 +145,7 @@ def _server(name: str, table: Any, path: Path) -> ServerConfig:
         token_file=Path(token_file).expanduser() if token_file else None,
         model=table.get("model"), port=_int(table.get("port"), name, path), host=table.get("host"),
         supervisor=supervisor, service=table.get("service"), args=tuple(str(a) for a in table.get("args", ())),
-        budget_env=_budgets(table, name, path),
+        budget_env=_budgets(table, name, path) + _serving(table, name, path),
     )
 
 
@@ -162,6 +169,21 @@ def _budgets(table: dict[str, Any], name: str, path: Path) -> tuple[tuple[str, s
         except ValueError as exc:
             raise ConfigError(f"{path}: [servers.{name}] {exc}") from None
         out.append((variable, text))
+    return tuple(out)
+
+
+def _serving(table: dict[str, Any], name: str, path: Path) -> tuple[tuple[str, str], ...]:
+    """``served_model_name = ["glm"]`` etc. -> the comma-separated variables the server reads."""
+    out = []
+    for key, variable in SERVING_KEYS.items():
+        if key not in table:
+            continue
+        value = table[key]
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, list) or not all(isinstance(v, str) and v.strip() and "," not in v for v in values):
+            raise ConfigError(f"{path}: [servers.{name}] {key} must be a string or a list of strings "
+                              "(none blank, none with a comma)")
+        out.append((variable, ",".join(v.strip() for v in values)))
     return tuple(out)
 
 
@@ -207,7 +229,11 @@ def select(server: str | None = None, token: str | None = None, config_path: Pat
 
 
 def _sole(config: Config) -> str | None:
-    return next(iter(config.servers)) if len(config.servers) == 1 else None
+    """The config's only server; with no server in the config, the only managed server."""
+    if config.servers:
+        return next(iter(config.servers)) if len(config.servers) == 1 else None
+    names = managed_names()
+    return names[0] if len(names) == 1 else None
 
 
 def resolve(value: str, token: str | None, config: Config) -> Target:
@@ -233,9 +259,10 @@ def resolve(value: str, token: str | None, config: Config) -> Target:
 def server_name(value: str | None, config: Config) -> str:
     """The name ``apcctl serve`` (and ``service``) run a server under, from ``--server`` /
     ``APCCTL_SERVER`` resolved like every other command's: a name, or a URL that names a
-    configured or managed server; default the config's ``default``, its only server, ``default``."""
+    configured or managed server; default the config's ``default``, its only server, ``default``
+    (never the only managed server, as other commands pick: a second ``serve`` is a new server)."""
     if not value:
-        return config.default or _sole(config) or DEFAULT_NAME
+        return config.default or (next(iter(config.servers)) if len(config.servers) == 1 else None) or DEFAULT_NAME
     if not is_url(value):
         return value
     name = _configured_at(value, config)

@@ -45,6 +45,9 @@ class ModelReport:
     snapshot_bytes: int = 0
     problems: list[str] = field(default_factory=list)
     probe: str = ""
+    # The chat template's order and the boundary kinds it gets (``apcctl.template_check``);
+    # None when the directory has no tokenizer files.
+    template: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -193,9 +196,18 @@ def check_language_model(language_model: Any, *, model_dir: str = "", model_type
     return report
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def check_model_dir(model_dir: Path) -> ModelReport:
-    """``check_language_model`` for a model directory (only its ``config.json`` is read)."""
-    return check_config_file(Path(model_dir) / "config.json")
+    """``check_language_model`` for a model directory (its ``config.json``; its tokenizer files,
+    when it has them, for the chat template's order and boundaries)."""
+    report = check_config_file(Path(model_dir) / "config.json")
+    if any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+        from apcctl.template_check import check_template
+
+        report.template = check_template(Path(model_dir), report.model_type).as_dict()
+    return report
 
 
 def check_config_file(config_file: Path) -> ModelReport:
@@ -221,7 +233,19 @@ def format_report(report: ModelReport) -> str:
                  f"{report.snapshot_bytes:,} B per snapshot (each entry head and checkpoint)")
     lines.append(f"probe: {report.probe}")
     lines += [f"problem: {p}" for p in report.problems]
+    lines += _template_lines(report.template)
     return "\n".join(lines)
+
+
+def _template_lines(template: dict[str, Any] | None) -> list[str]:
+    if template is None:
+        return ["chat template: not checked (no tokenizer files)"]
+    kinds = ", ".join(template["kinds"]) or "none"
+    lines = [f"chat template: {template['order']}; boundaries offered on an agent prompt: {kinds}"]
+    if template["order"] == "system first":
+        lines.append("  (the system text renders before the tools block: a change late in it diverges "
+                     "before the tools; the restore point is the last boundary inside the system text)")
+    return lines + [f"template problem: {p}" for p in template["problems"]]
 
 
 def state_sizes(report: ModelReport) -> Any:

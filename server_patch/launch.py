@@ -15,6 +15,13 @@ The arguments are mlx-vlm 0.7.10's own (``mlx_vlm.server --help``). Differences 
   or the disk cap exceeds the free space of its volume;
 * with the lineage disk tier on, the disk directory is locked for the life of the process, so
   a second server on the same directory exits here with a message naming the holder's PID;
+* ``--api-key KEY`` (repeatable) and ``--api-key-file FILE`` are the patch's inference API keys
+  (``APC_API_KEYS``, ``APC_API_KEY_FILE``: each key its own cache namespace, ``/health`` open),
+  not mlx-vlm's single ``--api-key`` (``server_patch.tenancy.flags``);
+* ``--served-model-name NAME`` (vLLM's flag; ``APC_SERVED_MODEL_NAME``) and ``--allowed-origins
+  ORIGIN`` (``APC_ALLOWED_ORIGINS``), repeatable or comma-separated, are the patch's: a request
+  naming another model than ``--model`` gets 404, a web page of an unlisted origin gets 403
+  (``server_patch.serving``);
 * ``--copy-counter[=FILE]`` (or ``APC_COPY_COUNTER=1``) installs the copy counter, for
   measurement only (``server_patch.copyfree.counter``; its totals as JSON in FILE), and is not
   passed on to mlx-vlm.
@@ -76,14 +83,14 @@ def server_argv(args: list[str]) -> list[str]:
 
 
 def check_config(args: list[str] | None = None) -> None:
-    """Reject a lineage configuration (or a server option, ``--kv-bits``) the server cannot
-    honour before anything starts."""
+    """Reject a lineage configuration (or a server option, TurboQuant ``--kv-bits``) the server
+    cannot honour before anything starts."""
     from server_patch.lineage import LineageConfig
-    from server_patch.state.options import UnsupportedCacheError, check_options, kv_bits_of
+    from server_patch.state.options import UnsupportedCacheError, kv_quant_of
 
     try:
         config = LineageConfig.from_env()
-        check_options(kv_bits_of(list(args or []), os.environ))
+        kv_quant_of(list(args or []), os.environ)  # TurboQuant is refused; uniform --kv-bits is served
     except (ValueError, UnsupportedCacheError) as exc:
         raise SystemExit(f"server_patch.launch: {exc}") from None
     if config.entry_offset != 1:
@@ -92,13 +99,24 @@ def check_config(args: list[str] | None = None) -> None:
             "prefills tokens [:n-1] and has no state at n (other values are for the simulator)")
 
 
+def warn_split_dependent(args: list[str]) -> None:
+    """Say once at start when the model's own prefill depends on where a prompt is split
+    (deepseek_v4, ``server_patch.state.splits``); the runtime says it at its first request
+    for a model whose directory could not be read here (a Hub id)."""
+    from server_patch.state.splits import model_type_of, warn_once
+    from server_patch.state.weights_hash import model_argument
+
+    warn_once(model_type_of(model_argument(args)),
+              lambda text: print(f"server_patch.launch: WARNING: {text}", file=sys.stderr))
+
+
 def lock_disk_root(environ: os._Environ[str] | dict[str, str] = os.environ) -> "DiskLock | None":
     """Hold the lineage disk directory for this process (None when the disk tier is off).
 
     Light imports only: this runs before the overlay is installed, i.e. before mlx-vlm loads.
     """
     from server_patch.disk.lock import DiskInUse, DiskLock
-    from server_patch.disk.paths import default_disk_root, disk_enabled
+    from server_patch.disk.paths import default_disk_root, disk_enabled, shared_warning
     from server_patch.disk.space import min_free_from_env
 
     try:
@@ -106,6 +124,8 @@ def lock_disk_root(environ: os._Environ[str] | dict[str, str] = os.environ) -> "
             return None
         root = default_disk_root(environ)
         min_free_from_env(environ)
+        if warning := shared_warning(environ):
+            print(f"server_patch.launch: warning: {warning}", file=sys.stderr)
         lock = DiskLock(root).acquire()
         for path in lock.remove_leftovers():
             print(f"server_patch.launch: removed {path} (temp file left by an interrupted write)",
@@ -294,11 +314,25 @@ def main(argv: list[str] | None = None) -> None:
     if "--reload" in args:
         raise SystemExit("server_patch.launch: --reload is not supported (the reloader's child would run unpatched)")
     setup_log_file()
+    from server_patch.tenancy.flags import apply_api_key_flags
+
+    args = apply_api_key_flags(args, os.environ, patched=lineage_enabled())  # keys never reach mlx-vlm's argv
+    from server_patch.serving.flags import apply_serving_flags
+
+    args = apply_serving_flags(args, os.environ, patched=lineage_enabled())
     if lineage_enabled():
         check_config(args)
         warn_sizing()
+        warn_split_dependent(args)
         global _DISK_LOCK
         _DISK_LOCK = lock_disk_root()
+        from server_patch.disk.stock_home import stock_disk_env
+
+        os.environ.update(stock_disk_env(os.environ))  # mlx-vlm's own tier: never ~/.cache with --disk-path
+        if _DISK_LOCK is not None:  # the disk tier is keyed by every byte of the weights
+            from server_patch.state.weights_hash import prehash
+
+            prehash(args)
         from server_patch.overlay import PatchError, install
 
         try:

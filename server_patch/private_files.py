@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -72,6 +73,24 @@ def private_dir(path: Path | str, *, tighten: bool = True) -> Path:
                 _chmod(path, DIR_MODE)
         except OSError:
             pass
+    return path
+
+
+def own_private_dir(path: Path | str) -> Path:
+    """A directory only this user may use, inside one others may write to: created 0700, or an
+    existing real directory (not a symlink) owned by this user, made 0700 (it is ours). One that
+    another user made first, or a symlink, raises ``PermissionError``: never write through it."""
+    path = Path(path)
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise PermissionError(f"{path} is not a directory of this user's (a symlink, a file or another "
+                              "user's): refusing to keep private files there")
+    if stat.S_IMODE(st.st_mode) != DIR_MODE:
+        os.chmod(path, DIR_MODE)
     return path
 
 

@@ -151,8 +151,44 @@ _SCALARS: tuple[Setting, ...] = (
        "benches; it wraps mlx-vlm methods). Same as the launcher's `--copy-counter`.", "copy counter", "server_patch.copyfree.counter"),
     _s("APC_COPY_COUNTER_FILE", T.PATH, None, "Where the copy counter rewrites its totals as JSON.",
        "copy counter", "server_patch.copyfree.counter"),
-    _s("APC_TENANT_FROM_USER", T.BOOL, False, "Take the cache tenant from a request's `metadata.user_id` "
-       "when it sends no tenant header.", "tenant", "server_patch.overlay.patches.tenant"),
+    _s("APC_SERVED_MODEL_NAME", T.LIST, (), "Names a request's `model` may use for the `--model` served "
+       "(vLLM's `--served-model-name`); its path always works, normalised. Same as the launcher's "
+       "`--served-model-name`.", "serving", "server_patch.serving.served", "server_patch.launch"),
+    _s("APC_LOAD_REQUESTED_MODEL", T.BOOL, False, "mlx-vlm's own behaviour: a request naming another model "
+       "loads it, unloading the served one and its cache. 0: such a request gets 404 `model_not_found`; "
+       "switching is `POST /admin/model` (admin token).", "serving", "server_patch.serving.served"),
+    _s("APC_ALLOWED_ORIGINS", T.LIST, (), "Web origins (`http://host:port`) allowed to call the inference "
+       "routes cross-origin, with CORS; `*`: every origin, as stock mlx-vlm. Unset: none (403). Same as "
+       "the launcher's `--allowed-origins`.", "serving", "server_patch.serving.origins", "server_patch.launch"),
+    _s("APC_ALLOWED_HOSTS", T.LIST, (), "Host names the server answers to besides IP addresses, "
+       "`localhost` and the `--host` name (DNS rebinding: any other `Host` gets 403); `*`: any.",
+       "serving", "server_patch.serving.origins"),
+    _s("APC_TENANT_FROM_USER", T.BOOL, False, "Take the cache tenant from a request's `user` (OpenAI) or "
+       "`metadata.user_id` (Anthropic) field when it sends no (or a blank) tenant header. The field is only as "
+       "trustworthy as the client that sends it: with API keys each key stays its own namespace anyway.",
+       "tenant", "server_patch.overlay.patches.tenant"),
+    _s("APC_DEFAULT_TENANT", T.TEXT, None, "mlx-vlm's tenant for a request without one (stock 0.7.10 reads it); "
+       "a request with an API key or a `cache_salt` keeps it as the tenant part of its namespace.", "tenant",
+       "server_patch.overlay.patches.tenant", default_text="unset: one shared tenant"),
+    _s("APC_API_KEYS", T.LIST, (), "Inference API keys, comma-separated (`--api-key`): every route but "
+       "`/health` and `/admin` then needs `Authorization: Bearer <key>`, and each key is its own cache "
+       "namespace. Set but blank stops the server.", "tenant", "server_patch.tenancy.keys", secret=True,
+       default_text="unset: no keys"),
+    _s("APC_API_KEY_FILE", T.PATH, None, "A file of inference API keys, one per line, `#` comments "
+       "(`--api-key-file`); made 0600 if others can read it. Same effect as `APC_API_KEYS`; both may be set.",
+       "tenant", "server_patch.tenancy.keys"),
+    _s("APC_MEDIA_PRIVATE_URLS", T.BOOL, False, "Let requests name media URLs on private, loopback and "
+       "link-local hosts (stock fetches any URL; 0 refuses them with a 400 before connecting, every redirect "
+       "hop included).", "intake", "server_patch.intake.media"),
+    _s("APC_ALLOWED_LOCAL_MEDIA_PATH", T.PATH, None, "A directory whose files requests may name as media "
+       "(local paths, `file://`; vLLM's `--allowed-local-media-path`). Unset: no local file is read (stock "
+       "reads any).", "intake", "server_patch.intake.media", default_text="unset: no local files"),
+    _s("APC_METRICS_PUBLIC", T.BOOL, False, "Answer mlx-vlm's `GET /metrics` in full to anyone, as stock "
+       "does; 0 keeps its per-request records (`latest`, `recent`, `last_error`) for the admin token.",
+       "intake", "server_patch.intake.metrics_view"),
+    _s("APC_CANCEL_ON_DISCONNECT", T.BOOL, True, "Stop a request whose client disconnected, non-streamed "
+       "ones too, at the next step (0: stock, a non-streamed request decodes to `max_tokens` unread).",
+       "intake", "server_patch.intake.client_gone"),
     _s("APC_CANARY_INTERVAL_S", T.FLOAT, 0.0, "Seconds between scheduled restore checks while idle "
        "(0: only `apcctl verify`).", "canary", "server_patch.canary.runner"),
     _s("APC_CANARY_IDLE_S", T.FLOAT, 1.0, "Idle time after the last request before a check may run.",
@@ -178,6 +214,8 @@ _SCALARS: tuple[Setting, ...] = (
        "(`all`: every kind).", "test faults", "server_patch.canary.faults"),
     _s("APC_TEST_FAULT_CANARY_PAUSE_FILE", T.PATH, None, "A check pauses while this file exists.",
        "test faults", "server_patch.canary.faults"),
+    _s("APC_TEST_FAULT_CLOCK_STEP_FILE", T.PATH, None, "Seconds in this file are added to the server's "
+       "wall clock (a stepped clock), read on every call.", "test faults", "server_patch.clock"),
 )
 
 
@@ -207,6 +245,10 @@ class _Group:
 
 def _lineage_names(module: Any) -> dict[str, str]:
     return module.LineageConfig.env_names()
+
+
+def _intake_names(module: Any) -> dict[str, str]:
+    return {f.name: f"{module.PREFIX}{f.name.upper()}" for f in fields(module.IntakeLimits)}
 
 
 def _admin_names(module: Any) -> dict[str, str]:
@@ -263,6 +305,10 @@ _GROUPS: tuple[_Group, ...] = (
         "pool_clear": "Clear MLX's buffer pool after every prefill chunk, as stock does.",
         "pool_limit_gb": "The most freed memory (GB) MLX keeps for reuse (mx.set_cache_limit).",
         "pool_idle_s": "Release the pool after this many seconds without prefill work (0: never).",
+    }),
+    _Group("intake", "server_patch.intake.limits:IntakeLimits", _intake_names, {
+        "max_body_bytes": "The largest inference request body (413 above); OpenAI's own payload cap.",
+        "max_json_depth": "How deep a request's JSON may nest (400 deeper): stock's parser fails past ~1000.",
     }),
     _Group("admin", "server_patch.admin.guard:AdminLimits", _admin_names, {
         "max_event_streams": "Concurrent `/admin/events` streams; more get 429.",

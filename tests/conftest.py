@@ -8,6 +8,30 @@ from typing import Iterator
 import pytest
 
 
+# Where the user's real state, config and caches live when these are unset: every test runs with
+# them pointed at one private tree (``private_home``), so no test reads a record of a server the
+# developer started, a config file or a cache.
+HOME_VARIABLES = ("HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME",
+                  "XDG_RUNTIME_DIR")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """HOME and the XDG dirs under a session tmp dir, and the CLI's variables from the developer's
+    shell cleared, before any fixture (module fixtures included) or test runs."""
+    root = tmp_path_factory.mktemp("home")
+    patch = pytest.MonkeyPatch()
+    for key in HOME_VARIABLES:
+        (root / key.lower()).mkdir(mode=0o700)
+        patch.setenv(key, str(root / key.lower()))
+    for key in (*CLI_ENV_CLEARED, "APC_STATE_DIR"):
+        patch.delenv(key, raising=False)
+    try:
+        yield root
+    finally:
+        patch.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``apcctl.tinymodel.build`` preset "tiny", seed 0, built once (a few seconds) and reused."""
@@ -35,7 +59,7 @@ def layout(model):
 # Variables from the developer's shell that would point the CLI at a real server, token or cache.
 CLI_ENV_CLEARED = ("APCCTL_SERVER", "APCCTL_TOKEN", "APCCTL_CONFIG", "APC_ADMIN_TOKEN", "APC_ADMIN_TOKEN_FILE",
                    "APC_LINEAGE_DISK_PATH", "APC_JOURNAL_DIR", "APC_LOG_FILE", "APC_LINEAGE_RAM_BUDGET_BYTES",
-                   "APC_LINEAGE_DISK_MAX_BYTES")
+                   "APC_LINEAGE_DISK_MAX_BYTES", "APC_API_KEYS", "APC_API_KEY_FILE", "MLX_VLM_SERVER_API_KEY")
 
 
 def isolate_cli(patch: pytest.MonkeyPatch, root: Path) -> Path:

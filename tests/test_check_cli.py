@@ -135,3 +135,28 @@ def test_a_managed_servers_disk_path_is_its_default(disk, monkeypatch, tmp_path)
     flip_data_byte(only_file(disk))
     code, out = run("--server", "main")
     assert code == 1 and out.startswith(f"{disk.resolve()}: 1 files checked, 1 damaged"), out
+
+
+def test_the_environment_beats_a_managed_servers_record(disk, monkeypatch, tmp_path, model, layout, private_home):
+    """A record of server 'default' in the user's state dir (what the developer's own server
+    leaves) names a clean disk; APC_LINEAGE_DISK_PATH names the damaged one and wins, as the
+    documented precedence (flags, environment, then state files) says."""
+    from apcctl.core.manage import ManagedServer, build_spec
+    from server_patch.paths import state_dir
+
+    clean = tmp_path / "clean"
+    written(clean / FINGERPRINT[:16], model, layout, seed=82, fingerprint=FINGERPRINT)
+    for key in ("APCCTL_SERVER", "APCCTL_CONFIG", "APC_STATE_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    assert state_dir().is_relative_to(private_home)  # the tests' private HOME, never the real one
+    ManagedServer("default").save(build_spec("default", model="m", port=8182, disk_path=clean))
+    try:
+        assert run()[0] == 0  # the record's clean disk
+        flip_data_byte(only_file(disk))
+        monkeypatch.setenv("APC_LINEAGE_DISK_PATH", str(disk))
+        code, out = run()
+        assert code == 1 and out.startswith(f"{disk}: 1 files checked, 1 damaged"), out
+    finally:
+        import shutil
+
+        shutil.rmtree(ManagedServer("default").directory)

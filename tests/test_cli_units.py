@@ -17,7 +17,7 @@ from conftest import isolate_cli
 from click.testing import CliRunner
 
 from apcctl.cli import main
-from apcctl.commands import MODULES
+from apcctl.commands import MODULES, load_all
 from apcctl.commands.common import ExitStatus, exit_status_for
 from apcctl.config import ConfigError, ServerConfig, Target, load_config, select
 from apcctl.core import render
@@ -165,6 +165,7 @@ def test_main_help_lists_the_exit_codes() -> None:
 
 
 def _commands(group: click.Group, prefix: str = "") -> list[tuple[str, click.Command]]:
+    load_all()  # command modules load lazily: walk them all
     out = []
     for name, command in group.commands.items():
         out.append((prefix + name, command))

@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent(r"""
     import numpy as np
     from mlx_vlm import apc as _apc
     from mlx_vlm.prompt_utils import apply_chat_template
-    from mlx_vlm.server.generation import GenerationArguments, ResponseGenerator
+    from mlx_vlm.server.generation import GenerationArguments, GenerationContext, ResponseGenerator
     from server_patch.integration.runtime import current
 
     commits, loans = [], []
@@ -64,7 +64,38 @@ SCRIPT = textwrap.dedent(r"""
                     self.not_empty.notify_all()
                 self.expect, self.held = 0, []
                 return
+            if self.hold_after_first_token and item is not None:
+                self.hold_after_first_token = False
+                tokens = item.rqueue
+                plain_put = tokens.put
+
+                def first_token_holds(token, *a, **k):
+                    # In the generator thread, with this request's first token (its context comes
+                    # first, at admission): from now on the batch waits at its next poll until
+                    # another request is queued, so this one is still decoding when that one
+                    # joins, however slow the machine.
+                    if not isinstance(token, GenerationContext):
+                        tokens.put = plain_put
+                        self.hold = True
+                    return plain_put(token, *a, **k)
+
+                tokens.put = first_token_holds
             super().put(item, block, timeout)
+
+        hold_after_first_token, hold = False, False
+
+        def get_nowait(self):
+            if self.hold:
+                self.hold = False
+                return self.get(timeout=300)
+            return super().get_nowait()
+
+    def waited(read, timeout=120):
+        # polls until `read()` is truthy (a record or log line written just after the last token)
+        deadline = time.monotonic() + timeout
+        while not (found := read()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return found
 
     model_dir, mode = sys.argv[1], sys.argv[2]
     rg = ResponseGenerator(model_path=model_dir,
@@ -232,6 +263,7 @@ SCRIPT = textwrap.dedent(r"""
     long_convo = [{"role": "system", "content": text(40, 50)}, {"role": "user", "content": text(100, 51)}]
     decoding = threading.Event()
     commits.clear()
+    rg.requests.hold_after_first_token = True
     long_thread = threading.Thread(target=lambda: result.__setitem__(
         "long", ask(long_convo, max_tokens=400, on_first=decoding, no_eos=True)))
     long_thread.start()
@@ -239,9 +271,9 @@ SCRIPT = textwrap.dedent(r"""
     before = ledger.snapshot()
     joined = ask(convo)
     joined["copies"] = ledger.delta(ledger.snapshot(), before)
-    joined["record"] = record_of(joined["prompt"])
+    joined["record"] = waited(lambda: record_of(joined["prompt"]))
     long_thread.join(300)
-    time.sleep(0.2)
+    waited(lambda: len(commits) >= 2)
     joined["commits"] = list(commits)
     follow = long_convo + [{"role": "assistant", "content": result["long"]["text"]}, {"role": "user", "content": "ok"}]
     joined["long_next"] = record_of(ask(follow)["prompt"])
@@ -252,13 +284,15 @@ SCRIPT = textwrap.dedent(r"""
     resend = [{"role": "system", "content": text(40, 60)}, {"role": "user", "content": text(120, 61)}]
     decoding = threading.Event()
     commits.clear()
+    rg.requests.hold_after_first_token = True
     t = threading.Thread(target=lambda: ask(resend, max_tokens=400, on_first=decoding, no_eos=True))
     t.start()
     decoding.wait(120)
     again = ask(resend, max_tokens=4)
     t.join(300)
-    time.sleep(0.2)
-    result["resend"] = {"prompt": again["prompt"], "record": record_of(again["prompt"]), "commits": list(commits)}
+    waited(lambda: len(commits) >= 2)
+    result["resend"] = {"prompt": again["prompt"], "record": waited(lambda: record_of(again["prompt"])),
+                        "commits": list(commits)}
 
     result["pool"] = pool.stats()
     print(json.dumps(result))

@@ -328,15 +328,16 @@ def test_a_foreign_preflight_gets_no_cors_headers_on_admin_and_management(server
 
 
 @pytest.mark.server
-def test_cors_on_inference_routes_stays_stock(server: PatchedServer) -> None:
-    """mlx-vlm allows every origin with credentials on its inference routes; that is unchanged."""
+def test_cors_on_inference_routes_is_off_unless_origins_are_listed(server: PatchedServer) -> None:
+    """mlx-vlm allows every origin with credentials on its inference routes; with no
+    APC_ALLOWED_ORIGINS the patch refuses a foreign one, preflight included (403, no CORS headers).
+    A listed origin: tests/test_fault_served_model.py."""
     preflight = [("Origin", EVIL), ("Access-Control-Request-Method", "POST"),
                  ("Access-Control-Request-Headers", "content-type")]
-    status, found, _ = raw(server, "OPTIONS", "/v1/chat/completions", preflight)
-    assert status == 200
-    assert found["access-control-allow-origin"] == EVIL and found["access-control-allow-credentials"] == "true"
+    status, found, answer = raw(server, "OPTIONS", "/v1/chat/completions", preflight)
+    assert status == 403 and cors_headers(found) == {} and "APC_ALLOWED_ORIGINS" in answer["detail"]
     status, found, _ = raw(server, "GET", "/health", [("Origin", EVIL)])
-    assert status == 200 and found["access-control-allow-origin"] == EVIL
+    assert status == 403 and cors_headers(found) == {}
     status, found, _ = raw(server, "GET", "/admin/status", [("Origin", EVIL),
                                                              ("Authorization", f"Bearer {server.token}")])
     assert status == 200 and cors_headers(found) == {}  # the right token, yet no CORS on /admin

@@ -259,7 +259,7 @@ def test_a_new_command_that_exits_at_once_is_rolled_back_to_the_previous_one(ser
     assert not result.ok and phases[-1] == "failed"
     assert phases.index("starting") < phases.index("rollback") < phases.index("failed")
     assert failed.message.startswith("starting:") and "exited while starting" in failed.message
-    assert "--no-such-option" in failed.message  # the log tail shows why
+    assert "--no-such-option" in failed.log_tail and "\n" not in failed.message  # one line; the tail says why
     assert "rolled back" in failed.message and "restored" in failed.message
     assert failed.rolled_back and failed.rollback["ready"] is True
     assert failed.rollback["probe"]["restored_tokens"] > 0 and failed.rollback["probe"]["missing_anchors"] == []

@@ -334,10 +334,11 @@ def test_fleet_table_parses_and_rejects(tmp_path: Path) -> None:
 
 def _through_tenant_middleware(path: str, body: bytes, headers: list[tuple[bytes, bytes]],
                                method: str = "POST") -> tuple[bytes | None, bytes]:
-    """What the app behind TenantFromUser sees: its X-APC-Tenant header and the body it reads."""
+    """What the app behind RequestNamespace (``APC_TENANT_FROM_USER=1``) sees: its X-APC-Tenant
+    header and the body it reads."""
     import asyncio
 
-    from server_patch.overlay.patches.tenant import TenantFromUser
+    from server_patch.overlay.patches.tenant import RequestNamespace
 
     seen: dict[str, Any] = {}
 
@@ -356,7 +357,7 @@ def _through_tenant_middleware(path: str, body: bytes, headers: list[tuple[bytes
         return {"type": "http.request", "body": parts.pop(0), "more_body": bool(parts)}
 
     scope = {"type": "http", "method": method, "path": path, "headers": headers}
-    asyncio.run(TenantFromUser(app)(scope, receive, lambda message: None))
+    asyncio.run(RequestNamespace(app, from_user=True)(scope, receive, lambda message: None))
     return seen["tenant"], seen["body"]
 
 
@@ -368,10 +369,12 @@ def test_the_user_field_becomes_the_tenant_header_and_the_body_is_unchanged() ->
     assert _through_tenant_middleware("/v1/chat/completions", body, JSON) == (b"alice", body)
     anthropic = json.dumps({"model": "m", "metadata": {"user_id": "bob"}}).encode()
     assert _through_tenant_middleware("/v1/messages", anthropic, JSON)[0] == b"bob"
-    # A tenant header the request carries wins; /admin, non-JSON, GET and odd values are left alone.
-    assert _through_tenant_middleware("/v1/chat/completions", body, JSON + [(b"x-tenant-id", b"t")])[0] is None
+    # A tenant header the request carries wins (a blank one does not); /admin, GET and odd values are
+    # left alone; any content type is read, as mlx-vlm's handlers call request.json() whatever it says.
+    assert _through_tenant_middleware("/v1/chat/completions", body, JSON + [(b"x-tenant-id", b"t")])[0] == b"t"
+    assert _through_tenant_middleware("/v1/chat/completions", body, JSON + [(b"x-apc-tenant", b" ")])[0] == b"alice"
     assert _through_tenant_middleware("/admin/anchors", body, JSON)[0] is None
-    assert _through_tenant_middleware("/v1/chat/completions", body, [(b"content-type", b"text/plain")])[0] is None
+    assert _through_tenant_middleware("/v1/chat/completions", body, [(b"content-type", b"text/plain")])[0] == b"alice"
     for odd in (b"not json", json.dumps({"user": 7}).encode(), json.dumps({"user": "x" * 300}).encode(),
                 json.dumps(["user"]).encode(), json.dumps({"user": "  "}).encode()):
         assert _through_tenant_middleware("/v1/chat/completions", odd, JSON) == (None, odd)
@@ -383,14 +386,14 @@ def test_tenant_from_user_is_opt_in_and_a_bad_value_stops_the_server(monkeypatch
     class App:
         added: list[Any] = []
 
-        def add_middleware(self, cls: Any) -> None:
-            self.added.append(cls)
+        def add_middleware(self, cls: Any, **options: Any) -> None:
+            self.added.append((cls, options["from_user"]))
 
-    for value, added in (("", []), ("0", []), ("1", [tenant.TenantFromUser])):
+    for value, from_user in (("", False), ("0", False), ("1", True)):
         App.added = []
         monkeypatch.setenv(tenant.ENV, value)
-        tenant.install(App())
-        assert App.added == added, value
+        tenant.install(App())  # the namespace middleware is always there; the user field is opt-in
+        assert App.added == [(tenant.RequestNamespace, from_user)], value
     monkeypatch.setenv(tenant.ENV, "maybe")
     with pytest.raises(SystemExit, match="APC_TENANT_FROM_USER"):
         tenant.install(App())

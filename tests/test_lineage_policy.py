@@ -289,13 +289,13 @@ def test_thinning_drops_periodic_before_turn_boundaries_and_segments_first():
     cache = make(periodic_stride=256, max_checkpoints=2, segment_min_gap=10)
     prompt = words(600, 130)
     _, _, entry = serve(cache, prompt, segments=[100, 200])
-    assert len(entry.checkpoints) == 2
-    assert SEGMENT not in {c.kind for c in entry.checkpoints} or PERIODIC not in {
-        c.kind for c in entry.checkpoints}
+    # The newest turn keeps its periodic point and the start of its last message (200); the
+    # other segment goes first.
+    assert kinds(entry) == [(200, SEGMENT), (512, PERIODIC)]
     prompt2 = prompt + words(40, 131)
     _, _, entry = serve(cache, prompt2)
-    assert (599, FINAL) in kinds(entry)
-    assert len(entry.checkpoints) == 2
+    # No longer the newest turn's: segments go before periodic points, turn boundaries stay.
+    assert kinds(entry) == [(512, PERIODIC), (599, FINAL)]
 
 
 def test_segment_boundaries_respect_the_minimum_gap():

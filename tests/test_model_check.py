@@ -122,13 +122,13 @@ def test_check_without_config_is_a_cli_error(tmp_path):
     assert result.exit_code != 0 and "config.json" in result.output
 
 
-def test_kv_bits_is_refused_naming_the_option():
+def test_uniform_kv_bits_is_served_and_turboquant_refused_naming_the_option():
     from mlx_vlm.models.cache import QuantizedKVCache
 
-    with pytest.raises(UnsupportedCacheError, match="--kv-bits"):
-        check_options("4")
-    with pytest.raises(UnsupportedCacheError, match="--kv-bits.*APC_LINEAGE=0"):
-        codec_for(QuantizedKVCache())
+    assert check_options("4").bits == 4  # --kv-bits 4: QuantizedKVCache, restored by its codec
+    assert codec_for(QuantizedKVCache(64, 4)).name == "qkv4g64"
+    with pytest.raises(UnsupportedCacheError, match="--kv-bits 3.5.*APC_LINEAGE=0"):
+        check_options("3.5")
     check_options(None)
     check_options("")
 
@@ -193,9 +193,9 @@ def test_full_size_glm5_next_config_checks_without_weights_and_matches_the_simul
     assert report.snapshot_bytes - sum(pooling) == sim.snapshot_bytes
 
 
-def test_the_launcher_refuses_kv_bits_at_start(tmp_path: Path) -> None:
-    """A quantized KV cache has no restore rule: the server must stop before loading anything,
-    naming the option, not fail at the first store."""
+def test_the_launcher_refuses_turboquant_kv_bits_at_start(tmp_path: Path) -> None:
+    """A TurboQuant KV cache (fractional --kv-bits) has no restore rule: the server must stop
+    before loading anything, naming the option, not fail at the first store."""
     import os
     import subprocess
     import sys
@@ -203,7 +203,7 @@ def test_the_launcher_refuses_kv_bits_at_start(tmp_path: Path) -> None:
     env = {**os.environ, "APC_LINEAGE_DISK_PATH": str(tmp_path / "disk"), "APC_STATE_DIR": str(tmp_path / "state"),
            "APC_ADMIN_TOKEN": "t", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-m", "server_patch.launch", "--model", str(tmp_path / "none"),
-                           "--kv-bits", "4"], env=env, capture_output=True, text=True, timeout=120)
+                           "--kv-bits", "3.5"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
-    assert "--kv-bits 4" in done.stderr and "APC_LINEAGE=0" in done.stderr, done.stderr
+    assert "--kv-bits 3.5" in done.stderr and "APC_LINEAGE=0" in done.stderr, done.stderr
     assert not (tmp_path / "disk").exists()  # refused before the disk tier was touched

@@ -175,6 +175,9 @@ def test_watch_repeats_and_rides_out_a_failing_server(capsys: pytest.CaptureFixt
 
 
 def test_n_is_a_count_and_s_a_server_everywhere() -> None:
+    from apcctl.commands import load_all
+
+    load_all()  # command modules load lazily
     for path in (["serve"], ["logs"], ["service", "install"]):
         command = main
         for part in path:

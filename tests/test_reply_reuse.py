@@ -95,12 +95,14 @@ def test_thinning_never_drops_the_newest_turns_prompt_end():
         (entry,) = cache.entries()
         assert entry.prompt_end == len(prompt) - 1
         assert any(c.length == len(prompt) - 1 for c in entry.checkpoints)
-        assert sum(c.length != entry.prompt_end for c in entry.checkpoints) <= 1
+        assert sum(c.length != entry.prompt_end and not c.reply_end for c in entry.checkpoints) <= 1
         prompt = prompt + reply + ids(10, 200 + turn)
-    # The one other point kept is the previous turn's prompt end, not a reply end: reply
-    # ends go first, so the entry holds what it would hold without reply reuse.
+    # The one other point counted is the previous turn's prompt end: reply ends go first, so
+    # the entry holds what it would hold without reply reuse, and on top of it the reply end
+    # the newest turn restored at (an edit of its last message restores there).
     (entry,) = cache.entries()
-    assert [(c.kind, c.reply_end) for c in entry.checkpoints] == [(FINAL, False), (FINAL, False)]
+    assert [(c.kind, c.reply_end) for c in entry.checkpoints] == [(FINAL, False), (FINAL, True), (FINAL, False)]
+    assert entry.checkpoints[1].length in entry.turn_points
 
 
 def test_a_capture_gain_is_measured_from_a_point_reply_reuse_off_would_have():

@@ -127,7 +127,7 @@ def spec(tmp_path: Path, **overrides: object) -> units.ServiceSpec:
         env={"APC_STATE_DIR": str(tmp_path / "state"), "APC_LOG_FILE": str(tmp_path / "state" / "server.log"),
              "HF_HOME": str(tmp_path / "hf 50%")},
         working_dir=tmp_path, log_path=tmp_path / "service.log",
-        stop_timeout_s=default_grace({"APC_LINEAGE_SHUTDOWN_FLUSH_S": "90"}), python=sys.executable)
+        stop_timeout_s=default_grace({"APC_LINEAGE_SHUTDOWN_FLUSH_S": "90"}))
     values.update(overrides)
     return units.ServiceSpec(**values)  # type: ignore[arg-type]
 
@@ -149,10 +149,9 @@ def test_plist_round_trips_and_covers_the_shutdown_flush(tmp_path: Path) -> None
 def test_systemd_unit_has_restart_readiness_and_stop_timeout(tmp_path: Path) -> None:
     text = units.systemd_unit(spec(tmp_path))
     lines = text.splitlines()
-    assert "Type=exec" in lines and "Restart=on-failure" in lines and "KillMode=mixed" in lines
-    assert f"TimeoutStopSec={105}" in lines
-    post = next(line for line in lines if line.startswith("ExecStartPost="))
-    assert '"-m" "apcctl.service.ready" "http://127.0.0.1:8080"' in post
+    assert "Type=notify" in lines and "NotifyAccess=all" in lines  # READY=1 from apcctl.service.ready
+    assert "Restart=on-failure" in lines and "KillMode=mixed" in lines
+    assert f"TimeoutStopSec={105}" in lines and not any(line.startswith("ExecStartPost=") for line in lines)
     start = next(line for line in lines if line.startswith("ExecStart="))
     assert 'glm 100%%"' in start and '"$$HOME"' in start  # systemd's specifier and variable escapes
     assert 'Environment="HF_HOME=' in text and '50%%"' in text
@@ -172,7 +171,7 @@ def test_systemd_analyze_accepts_the_unit_and_rejects_a_broken_one(tmp_path: Pat
     done = _verify(unit_file)
     assert done.returncode == 0 and unit_file.name not in done.stdout + done.stderr, done.stdout + done.stderr
     broken = tmp_path / units.systemd_unit_name("broken")
-    broken.write_text(units.systemd_unit(spec(tmp_path, name="broken")).replace("Type=exec", "Type=sometimes"))
+    broken.write_text(units.systemd_unit(spec(tmp_path, name="broken")).replace("Type=notify", "Type=sometimes"))
     assert "service type" in _verify(broken).stderr  # the check above can fail: a bad line is reported
 
 
@@ -246,8 +245,10 @@ def test_systemd_install_status_uninstall_run_systemctl(home: Path, tiny_model_d
 
 def test_a_failing_supervisor_leaves_nothing_installed(home: Path, tiny_model_dir: Path) -> None:
     (home / "bin" / "systemctl").write_text("#!/bin/sh\necho 'Failed to connect to bus' >&2\nexit 1\n")
-    apcctl("service", "install", "--supervisor", "systemd", "--server", "main", "--model", str(tiny_model_dir),
-           "--no-wait", code=ExitStatus.FAILED)
+    result = CliRunner().invoke(main, ["service", "install", "--supervisor", "systemd", "--server", "main",
+                                       "--model", str(tiny_model_dir), "--no-wait"])
+    assert result.exit_code == ExitStatus.FAILED
+    assert "loginctl enable-linger" in result.stderr and "--dry-run" in result.stderr  # what to do about it
     assert read_record("main") is None
     assert not (home / "home" / ".config" / "systemd" / "user" / "apcctl-main.service").exists()
 
@@ -325,3 +326,45 @@ def test_systemd_user_unit_runs_when_a_user_session_exists(tmp_path: Path, tiny_
         assert result["ok"] and result["servers"][0]["how"].startswith("systemctl --user restart"), result
     finally:
         apcctl("service", "uninstall", "--server", name)
+
+
+def test_the_unit_carries_the_installing_shells_xdg_dirs(home: Path, tiny_model_dir: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without them the service would keep its records in another state dir than this shell's."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(home / "xdg state"))
+    text = apcctl("service", "install", "--supervisor", "systemd", "--server", "main", "--model",
+                  str(tiny_model_dir), "--dry-run")
+    assert f'Environment="XDG_STATE_HOME={home / "xdg state"}"' in text
+    assert f'Environment="XDG_CONFIG_HOME={home / "home" / ".config"}"' in text
+
+
+@pytest.mark.server
+def test_serve_foreground_sends_systemd_ready_once_health_answers(home: Path, tiny_model_dir: Path) -> None:
+    """What a Type=notify unit sees: one READY=1 datagram on NOTIFY_SOCKET, sent once /health
+    answers, from the check beside the server (the server's own environment has no NOTIFY_SOCKET)."""
+    import socket
+    import tempfile
+    import urllib.request
+
+    import psutil
+
+    from server_harness import free_port
+
+    where = Path(tempfile.mkdtemp(prefix="apc-notify-")) / "notify"  # short: AF_UNIX paths are limited
+    port = free_port()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(where))
+        sock.settimeout(300)
+        server = subprocess.Popen([sys.executable, "-m", "apcctl.cli", "serve", "--foreground", "--server", "fg",
+                                   "--model", str(tiny_model_dir), "--port", str(port)],
+                                  env={**os.environ, "NOTIFY_SOCKET": str(where), "PYTHONPATH": str(REPO)},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            assert sock.recv(64) == b"READY=1"
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as answer:
+                assert answer.status == 200
+            assert "NOTIFY_SOCKET" not in psutil.Process(server.pid).environ()
+        finally:
+            server.terminate()
+            server.wait(120)
+        where.unlink()

@@ -23,8 +23,13 @@ def tokens(n: int | None) -> str:
 
 
 def clip(text: str, width: int) -> str:
-    text = " ".join(text.split())
+    text = " ".join(render.printable(text).split())
     return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def label_text(text: str, width: int) -> Text:
+    """A client-derived label as a cell: controls stripped, and a ``Text`` so Textual never reads markup."""
+    return Text(clip(text, width))
 
 
 def short_id(entry_id: str | None) -> str:
@@ -78,5 +83,5 @@ def entry_columns(now: Callable[[], float]) -> list[Column[dict[str, Any]]]:
                lambda e: len(e.get("checkpoints") or []), numeric=True),
         Column("hits", "HITS", lambda e: str(e.get("hits", 0)), get("hits"), numeric=True),
         Column("last_used", "LAST USED", lambda e: render.ago(e.get("last_used"), now()), get("last_used")),
-        Column("label", "LABEL", lambda e: clip(e.get("label") or "", 32), get("label")),
+        Column("label", "LABEL", lambda e: label_text(e.get("label") or "", 32), get("label")),
     ]

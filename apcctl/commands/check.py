@@ -20,11 +20,13 @@ def register(main: click.Group, bench: click.Group) -> None:
 
 
 def disk_path_of(target: Target) -> Path:
-    """The managed server's ``APC_LINEAGE_DISK_PATH``, else the server's own default."""
+    """The documented precedence (docs/cli.md): ``APC_LINEAGE_DISK_PATH`` in this shell, then the
+    path the managed server's record says it runs with, then the server's own default."""
+    from server_patch import settings
     from server_patch.disk.paths import default_disk_root
 
     spec = target.managed.spec() if target.managed is not None else None
-    configured = spec.env.get("APC_LINEAGE_DISK_PATH") if spec is not None else None
+    configured = settings.value("APC_LINEAGE_DISK_PATH") or (spec.env.get("APC_LINEAGE_DISK_PATH") if spec else None)
     return Path(configured).expanduser() if configured else default_disk_root()
 
 
@@ -32,8 +34,8 @@ def disk_path_of(target: Target) -> Path:
                       "2 usage error or --fix refused (a server holds the directory).")
 @server_options()
 @click.option("--disk-path", type=click.Path(file_okay=False, path_type=Path),
-              help="Lineage disk directory (default: the server's APC_LINEAGE_DISK_PATH, "
-                   "else the per-user cache dir).")
+              help="Lineage disk directory (default: APC_LINEAGE_DISK_PATH, else the managed server's recorded "
+                   "disk path, else the per-user cache dir).")
 @click.option("--fix", is_flag=True, help="Remove damaged files (refused while a server holds the directory).")
 @json_option
 def check(targets: list[Target], disk_path: Path | None, fix: bool, as_json: bool) -> None:

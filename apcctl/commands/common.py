@@ -11,12 +11,12 @@ import functools
 import sys
 import time
 from contextlib import contextmanager
-from enum import IntEnum
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import click
 
+from apcctl.commands.codes import EXIT_CODES_HELP, EXIT_CODES_SHORT, ExitStatus
 from apcctl.config import ConfigError, Target, select
 from apcctl.core.client import AdminError
 from apcctl.core.manage import ManagedServer, ManageError
@@ -24,27 +24,6 @@ from apcctl.core.manage import ManagedServer, ManageError
 
 # Set while --watch --json repeats a command: each result is one line.
 _JSON_LINES: contextvars.ContextVar[bool] = contextvars.ContextVar("apcctl_json_lines", default=False)
-
-
-class ExitStatus(IntEnum):
-    OK = 0
-    FAILED = 1  # the operation failed: server error, restart stopped, timeout
-    USAGE = 2  # click's usage errors, unknown server names, bad config files
-    UNREACHABLE = 3  # nothing answered at the server's URL
-    AUTH = 4  # missing or wrong admin token (HTTP 401/403)
-    NOT_FOUND = 5  # unknown entry or anchor id, or no such managed server
-
-
-EXIT_CODES_HELP = """\b
-Exit codes:
-  0  ok
-  1  the operation failed (server error, restart stopped, timeout)
-  2  usage error (bad option, unknown server name, bad config file)
-  3  server unreachable
-  4  authentication failed (missing or wrong admin token)
-  5  not found (unknown entry or anchor id, no such managed server)"""
-
-EXIT_CODES_SHORT = "Exit codes: 0 ok, 1 failed, 2 usage, 3 unreachable, 4 auth failed, 5 not found."
 
 
 class CommandError(click.ClickException):
@@ -68,12 +47,17 @@ def exit_status_for(error: AdminError) -> ExitStatus:
 
 def command_error(error: AdminError, target: Target) -> CommandError:
     hint = ""
-    if error.status in (401, 403) and target.token_problem:
+    stopped = target.managed is not None and target.managed.pid() is None
+    if error.status != 0 and stopped:  # an answer, but not from the managed server: its port is taken
+        hint = (f" (server {target.name!r} is not running, yet something else answers at {target.url}: another "
+                f"program holds its port; stop that program, or serve {target.name!r} on another --port)")
+    elif error.status in (401, 403) and target.token_problem:
         hint = f" ({target.token_problem}; fix the path, or give --token or APCCTL_TOKEN)"
     elif error.status in (401, 403):
         hint = " (give --token, APCCTL_TOKEN, or token_file in the config; the server's token is in its state dir)"
-    elif error.status == 0 and target.managed is not None and target.managed.pid() is None:
-        hint = f" (server {target.name!r} is not running: apcctl serve --name {target.name})"
+    elif error.status == 0 and stopped:
+        hint = (f" (server {target.name!r} is not running: apcctl serve --server {target.name}; "
+                f"apcctl forget {target.name} if it is gone for good)")
     return CommandError(f"{target.name}: {error.message}{hint}", exit_status_for(error))
 
 

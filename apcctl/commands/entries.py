@@ -27,7 +27,7 @@ def entry_rows(rows: list[dict[str, Any]], *, checkpoints: bool = False) -> list
         out.append((e["id"], e["kind"], "yes" if e["pinned"] else "", e["tier"], f"{e['length']:,}",
                     render.human_bytes(e["bytes"]) if e["bytes"] else "-",
                     render.human_bytes(e["disk_bytes"]) if e["disk_bytes"] else "-", e["hits"],
-                    render.ago(e.get("last_used")), len(e["checkpoints"]), (e.get("label") or "")[:40]))
+                    render.ago(e.get("last_used")), len(e["checkpoints"]), render.printable(e.get("label") or "")[:40]))
         if checkpoints:
             for c in e["checkpoints"]:
                 out.append(("", f"  @{c['length']:,}", "", c["kind"], "", render.human_bytes(c["bytes"]),

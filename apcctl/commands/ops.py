@@ -6,7 +6,8 @@ from typing import Any, Callable
 
 import click
 
-from apcctl.commands.common import EXIT_CODES_SHORT, Targets, emit_results, for_each, json_option, server_options
+from apcctl.commands.common import (EXIT_CODES_SHORT, ExitStatus, Targets, emit_results, for_each, json_option,
+                                    server_options)
 from apcctl.config import Target
 from apcctl.core.client import AdminClient
 
@@ -41,14 +42,30 @@ def _run(targets: Targets, as_json: bool, call: Callable[[AdminClient], dict[str
               help="Seconds to wait for the disk writer.")
 @json_option
 def flush(targets: Targets, timeout: float, as_json: bool) -> None:
-    """Write every RAM entry the disk lacks, and wait for the writes."""
+    """Write every RAM entry the disk lacks, and wait for the writes.
 
-    def describe(r: dict[str, Any]) -> str:
-        if not r.get("disk_enabled", True):
-            return "the disk tier is off; nothing to write"
-        return f"{r['queued']} entries written" + ("" if r.get("complete") else " (still writing: timed out)")
+    Exits 1 when anything RAM holds did not reach the disk (a full disk, a failing one, a
+    timeout): the answer's ``written``, ``failed`` and ``reason`` say what."""
+    answers: list[dict[str, Any]] = []
 
-    _run(targets, as_json, lambda c: c.flush(timeout=timeout), describe)
+    def call(client: AdminClient) -> dict[str, Any]:
+        answer = client.flush(timeout=timeout)
+        answers.append(answer)
+        return answer
+
+    _run(targets, as_json, call, describe_flush)
+    incomplete = [a for a in answers if not a.get("complete")]
+    if incomplete:
+        click.echo(f"Error: {len(incomplete)} of {len(answers)} servers did not write everything to disk", err=True)
+        raise click.exceptions.Exit(int(ExitStatus.FAILED))
+
+
+def describe_flush(r: dict[str, Any]) -> str:
+    if not r.get("disk_enabled", True):
+        return "the disk tier is off; nothing to write"
+    if r.get("complete"):
+        return f"{r['written']} entries written"
+    return f"{r['written']} entries written, {r['failed']} not: {r['reason']}"
 
 
 @click.command(epilog=EXIT_CODES_SHORT)

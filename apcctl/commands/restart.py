@@ -7,10 +7,13 @@ import sys
 import click
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from apcctl.commands.common import EXIT_CODES_SHORT, ExitStatus, server_options
-from apcctl.config import Target
+from apcctl.commands.common import EXIT_CODES_SHORT, ExitStatus, Targets, server_options
+from apcctl.commands.serve import _env, spec_sizing
+from apcctl.config import ConfigError, Target, load_config
 from apcctl.core import render
-from apcctl.core.manage import GRACE_MARGIN_S
+from apcctl.core.manage import GRACE_MARGIN_S, ManagedServer
+from apcctl.core.model_source import model_problem
+from apcctl.core.respec import Changes, Respecified, respec
 from apcctl.core.restart import SUPERVISORS, Phase, RestartStep, rolling_restart
 from apcctl.core.roll import restart_targets
 
@@ -63,7 +66,8 @@ class ProgressPrinter:
 @server_options(allow_all=True)
 @click.option("--timeout", type=click.FloatRange(min=1), default=300.0, show_default=True,
               help="Seconds to wait for in-flight requests, and for readiness.")
-@click.option("--force", is_flag=True, help="Stop even if requests are still in flight after --timeout.")
+@click.option("--force", is_flag=True, help="Stop even if requests are still in flight after --timeout, or the "
+              "flush did not write everything to disk (the unwritten RAM entries are lost).")
 @click.option("--supervisor", type=click.Choice(SUPERVISORS),
               help="How the server comes back: 'none' = apcctl starts it (default: the config's).")
 @click.option("--grace", type=click.FloatRange(min=0),
@@ -71,10 +75,13 @@ class ProgressPrinter:
                    f"{GRACE_MARGIN_S:.0f} s, so the flush is never cut short).")
 @click.option("--retry-after", type=click.IntRange(1, 3600), default=5, show_default=True,
               help="Retry-After the drained server sends.")
+@click.option("--model", "-m", metavar="DIR|REPO", help="Serve another model from this restart on (not probed).")
+@click.option("--env", "-e", "env_pairs", multiple=True, metavar="KEY=VALUE",
+              help="Set a variable of the server from this restart on, e.g. -e APC_LINEAGE_RAM_BUDGET_BYTES=32G.")
 @click.option("--dry-run", is_flag=True, help="Print the plan; touch nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (progress goes to stderr).")
-def restart(targets: list[Target], timeout: float, force: bool, supervisor: str | None, grace: float | None,
-            retry_after: int, dry_run: bool, as_json: bool) -> None:
+def restart(targets: Targets, timeout: float, force: bool, supervisor: str | None, grace: float | None,
+            model: str | None, env_pairs: tuple[str, ...], retry_after: int, dry_run: bool, as_json: bool) -> None:
     """Restart servers one at a time: drain, wait until idle, flush, stop, start, ready, probe.
 
     The probe pins a known system prompt before the stop and sends one request with it
@@ -85,12 +92,21 @@ def restart(targets: list[Target], timeout: float, force: bool, supervisor: str 
     (a rollback; under a supervisor, the supervisor's job). Servers not on this machine are
     refused.
 
+    What starts is the recorded command with the changes since: the server's config table read
+    again (its budgets), then -e KEY=VALUE and --model; the plan lists each change before
+    anything is drained, and a roll that stops before the new command runs keeps the old one.
+
     \b
     Examples:
       apcctl restart --all --dry-run
       apcctl restart --server main --timeout 600
+      apcctl restart --server main -e APC_LINEAGE_RAM_BUDGET_BYTES=32G --dry-run
     """
     progress = ProgressPrinter(err=as_json, timeout=timeout)
+    changed = respecified(targets, supervisor, Changes(env=_env(env_pairs), model=model))
+    for change in changed:  # before anything is drained: what the next start changes
+        for line in change.lines():
+            progress(RestartStep(change.name, Phase.PLAN, message=f"change {line}"))
     # Every target is planned (and a bad plan refused) before anything is touched; then a server
     # behind a running fleet's gateway is taken out of the gateway instead of being drained
     # (apcctl.core.roll), so the fleet's clients never see a 503.
@@ -101,12 +117,49 @@ def restart(targets: list[Target], timeout: float, force: bool, supervisor: str 
         for step in planned:
             progress(step)
     elif not dry_run:
-        result = restart_targets(targets, on_progress=progress, timeout=timeout, force=force,
-                                 supervisor=supervisor, grace=grace, retry_after=retry_after)
+        for change in changed:
+            ManagedServer(change.name).save(change.new)  # what the roll's start (and status) read
+        try:
+            result = restart_targets(targets, on_progress=progress, timeout=timeout, force=force,
+                                     supervisor=supervisor, grace=grace, retry_after=retry_after)
+        finally:
+            for change in changed:
+                change.restore()  # a roll that stopped before the new command ran keeps the old record
     if as_json:
         render.emit_json(result.as_dict())
     if not result.ok:
         failed = next((s for s in result.servers if s.phase == Phase.FAILED), None)
         if not as_json and failed is not None:
             click.echo(f"Error: {failed.server}: {failed.message}", err=True)
+            if failed.log_tail:
+                where = next((t.managed.log_path for t in targets if t.name == failed.server and t.managed), None)
+                click.echo(f"log tail{f' ({where})' if where else ''}:\n{failed.log_tail}", err=True)
         raise click.exceptions.Exit(int(ExitStatus.FAILED))
+
+
+def respecified(targets: Targets, supervisor: str | None, asked: Changes) -> list[Respecified]:
+    """The managed servers whose next start differs from their record: the config table read
+    again, then ``-e`` and ``--model``. A supervised server takes no ``-e``/``--model`` (its
+    installed unit says what starts; it reads the config file itself at every start)."""
+    if asked.model is not None and (problem := model_problem(asked.model)):
+        raise click.UsageError(problem)
+    try:
+        tables = load_config(targets.config_path).servers
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    out = []
+    for target in targets:
+        spec = target.managed.spec() if target.managed is not None else None
+        if (supervisor or target.settings.supervisor) != "none" or spec is None:
+            if asked.explicit:
+                raise click.UsageError(f"{target.name}: -e and --model change what apcctl starts, but "
+                                       f"{'a supervisor starts it' if spec else 'apcctl serve did not start it'}: "
+                                       f"install it again (apcctl service install --server {target.name} ...)")
+            continue
+        table = tables.get(spec.name)
+        changes = Changes(config_env=table.budget_environment() if table else {}, env=asked.env, model=asked.model)
+        new = respec(spec, changes)
+        if new != spec:
+            spec_sizing(new)  # a bad budget is a usage error now, not a server that exits at start
+            out.append(Respecified(spec.name, spec, new))
+    return out

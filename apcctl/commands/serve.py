@@ -15,6 +15,7 @@ from apcctl.commands.common import (EXIT_CODES_HELP, EXIT_CODES_SHORT, CommandEr
 from apcctl.config import DEFAULT_HOST, DEFAULT_PORT, ConfigError, Target, load_config, server_name
 from apcctl.core import render
 from apcctl.core.manage import ManagedServer, ManageError, ServerSpec, build_spec
+from apcctl.core.model_source import model_problem
 from apcctl.service.record import read_record
 
 
@@ -37,6 +38,18 @@ def register(main: click.Group, bench: click.Group) -> None:
               help="Lineage disk tier directory (default: <server state dir>/lineage-disk).")
 @click.option("--env", "-e", "env_pairs", multiple=True, metavar="KEY=VALUE",
               help="Extra environment for the server, e.g. -e APC_LINEAGE_RAM_BUDGET_BYTES=8000000000.")
+@click.option("--api-key", "api_keys", multiple=True, metavar="KEY",
+              help="An inference API key (repeatable): every route but /health and /admin then needs "
+                   "'Authorization: Bearer KEY', each key its own cache namespace (APC_API_KEYS; kept in the "
+                   "0600 server.json, prefer --api-key-file).")
+@click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="A file of inference API keys, one per line (APC_API_KEY_FILE).")
+@click.option("--served-model-name", "served_names", multiple=True, metavar="NAME",
+              help="A name clients may send as \"model\" for the served model (repeatable; vLLM's flag; "
+                   "APC_SERVED_MODEL_NAME). Any other name but the model's path gets 404.")
+@click.option("--allowed-origins", "allowed_origins", multiple=True, metavar="ORIGIN",
+              help="A web origin (http://host:port) allowed to call the inference routes, with CORS "
+                   "(repeatable; '*': every origin, as stock mlx-vlm; APC_ALLOWED_ORIGINS). Default: none.")
 @click.option("--foreground", is_flag=True,
               help="Run in this process (for launchd/systemd): same PID, output to the terminal.")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until /health answers.")
@@ -46,8 +59,9 @@ def register(main: click.Group, bench: click.Group) -> None:
 @json_option
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve(name: str | None, model: str | None, port: int | None, host: str | None, disk_path: Path | None,
-          env_pairs: tuple[str, ...], foreground: bool, wait: bool, timeout: float, config_path: Path | None,
-          as_json: bool, server_args: tuple[str, ...]) -> None:
+          env_pairs: tuple[str, ...], api_keys: tuple[str, ...], api_key_file: Path | None,
+          served_names: tuple[str, ...], allowed_origins: tuple[str, ...], foreground: bool,
+          wait: bool, timeout: float, config_path: Path | None, as_json: bool, server_args: tuple[str, ...]) -> None:
     """Start the patched server in the background: PID file, log file and state under the state dir.
 
     Arguments after -- go to mlx-vlm's server unchanged. The server runs with APC_ENABLED=1,
@@ -58,6 +72,7 @@ def serve(name: str | None, model: str | None, port: int | None, host: str | Non
       apcctl serve --model ~/models/glm5-next --port 8080
       apcctl serve --server b --model DIR --port 8081 -- --max-kv-size 65536
     """
+    env_pairs = (*env_pairs, *api_key_env(api_keys, api_key_file), *serving_env(served_names, allowed_origins))
     spec, server = server_spec(name, model, port, host, disk_path, env_pairs, config_path, server_args)
     if server.pid() is not None:
         raise CommandError(f"server {spec.name!r} is already running (pid {server.pid()}); "
@@ -71,12 +86,14 @@ def serve(name: str | None, model: str | None, port: int | None, host: str | Non
     sizing = spec_sizing(spec)  # a bad budget stops here; in the foreground the server prints the budgets
     if foreground:
         server.exec_foreground(spec)
+    previous = server.spec()
     pid = server.start(spec)
     if wait:
         try:
             server.wait_ready(timeout)
         except ManageError as exc:
-            raise CommandError(str(exc)) from None
+            server.discard_start(previous)  # never came up: no record of it for later commands to talk to
+            raise CommandError(f"{exc}\n(full log: {server.log_path})") from None
     info = {"server": spec.name, "pid": pid, "url": spec.url, "log": str(server.log_path),
             "state_dir": str(server.directory), "ready": wait, "sizing": sizing}
     if as_json:
@@ -105,12 +122,16 @@ def server_spec(name: str | None, model: str | None, port: int | None, host: str
     model = model or (settings.model if settings else None)
     if not model:
         raise click.UsageError("--model is required (or set model= in the server's config table)")
+    problem = model_problem(model)
+    if problem is not None:
+        raise click.UsageError(problem)
     port = port or (settings.port if settings else None) or DEFAULT_PORT
     host = host or (settings.host if settings else None) or DEFAULT_HOST
     extra = (*(settings.args if settings else ()), *server_args)
     budgets = {k: v for k, v in (settings.budget_environment() if settings else {}).items() if k not in os.environ}
-    spec = build_spec(name, model=model, port=port, host=host, extra_args=extra,
-                      env={**budgets, **_env(env_pairs)}, disk_path=disk_path)
+    pairs = _env(env_pairs)
+    spec = build_spec(name, model=model, port=port, host=host, extra_args=extra, env={**budgets, **pairs},
+                      disk_path=disk_path, config_env={k: v for k, v in budgets.items() if k not in pairs})
     return spec, server
 
 
@@ -136,6 +157,27 @@ def sizing_lines(sizing: dict[str, Any]) -> list[str]:
              + (f"{render.human_bytes(b['disk_limit'])} at {disk['path']} "
                 f"({render.human_bytes(disk.get('free_bytes'))} free)" if disk["enabled"] else "off")]
     return lines + [f"warning: {w}" for w in sizing["warnings"]]
+
+
+def api_key_env(keys: tuple[str, ...], key_file: Path | None) -> list[str]:
+    """``--api-key``/``--api-key-file`` as ``KEY=VALUE`` pairs: the keys travel in the environment,
+    never on the server's command line (which any local user can read)."""
+    if any("," in key or not key.strip() for key in keys):
+        raise click.BadParameter("a key cannot be blank or hold a comma (use --api-key-file)", param_hint="--api-key")
+    pairs = [f"APC_API_KEYS={','.join(keys)}"] if keys else []
+    return pairs + ([f"APC_API_KEY_FILE={key_file.expanduser().resolve()}"] if key_file else [])
+
+
+def serving_env(served_names: tuple[str, ...], allowed_origins: tuple[str, ...]) -> list[str]:
+    """``--served-model-name``/``--allowed-origins`` as ``KEY=VALUE`` pairs (comma-separated values)."""
+    pairs = []
+    for flag, variable, values in (("--served-model-name", "APC_SERVED_MODEL_NAME", served_names),
+                                   ("--allowed-origins", "APC_ALLOWED_ORIGINS", allowed_origins)):
+        if any("," in v or not v.strip() for v in values):
+            raise click.BadParameter("a value cannot be blank or hold a comma (repeat the flag)", param_hint=flag)
+        if values:
+            pairs.append(f"{variable}={','.join(v.strip() for v in values)}")
+    return pairs
 
 
 def _env(pairs: tuple[str, ...]) -> dict[str, str]:

@@ -90,7 +90,8 @@ def install(name: str | None, model: str | None, port: int | None, host: str | N
     try:
         done = installer.install(supervisor, unit)
     except (SupervisorError, OSError) as exc:
-        raise CommandError(f"{spec.name}: {exc}") from None
+        hint = f"\n{installer.NO_USER_BUS_HINT}" if any(m in str(exc) for m in installer.NO_USER_BUS) else ""
+        raise CommandError(f"{spec.name}: {exc}{hint}") from None
     if wait and not wait_healthy(unit.health_url, timeout):  # systemd's enable --now waited already
         raise CommandError(f"{spec.name}: installed, but {unit.health_url}/health did not answer within "
                            f"{timeout:.0f} s; see {unit.log_path} and {server.log_path}")

@@ -15,7 +15,6 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from server_patch.lineage.summary import hit_summary
 
 
 class AdminError(RuntimeError):
@@ -31,7 +30,11 @@ def hits_of(status: dict[str, Any] | None) -> dict[str, Any]:
     """The server's own hit summary (``hits`` of ``/admin/status``, which every server sends:
     requests, hits and their rate, hits by restore kind, token reuse); the server's empty
     summary when there is no status (a server that does not answer)."""
-    return status["hits"] if status else hit_summary({})
+    if status:
+        return status["hits"]
+    from server_patch.lineage.summary import hit_summary  # (the server package loads numpy)
+
+    return hit_summary({})
 
 
 @dataclass

@@ -41,6 +41,10 @@ LOG_ROTATE_BYTES = LOG_MAX_BYTES  # the server rotates server.log while it runs 
 ENV_PREFIXES = ("APC_", "HF_", "MLX_")
 DEFAULT_ENV = {"APC_ENABLED": "1", "PYTHONUNBUFFERED": "1"}
 LAUNCHER = ("-m", "server_patch.launch")
+# A systemd Type=notify unit sets NOTIFY_SOCKET; the readiness check beside the server sends READY=1 there.
+NOTIFY_SOCKET = "NOTIFY_SOCKET"
+READY_CHECK = ("-m", "apcctl.service.ready")
+READY_TIMEOUT_S = 900  # model loading can take minutes on a big model
 # On SIGTERM the server writes unwritten cache entries to disk for up to this long
 # (LineageConfig.shutdown_flush_s, APC_LINEAGE_SHUTDOWN_FLUSH_S); a SIGKILL before then loses them.
 SHUTDOWN_FLUSH_S = LineageConfig.shutdown_flush_s
@@ -106,6 +110,8 @@ class ServerSpec:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
+    # The part of ``env`` the config table gave (its budget keys): what a restart reads again.
+    config_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -114,7 +120,7 @@ class ServerSpec:
 
 def build_spec(name: str, *, model: str, port: int, host: str = "127.0.0.1", extra_args: tuple[str, ...] = (),
                env: dict[str, str] | None = None, disk_path: Path | None = None,
-               directory: Path | None = None) -> ServerSpec:
+               directory: Path | None = None, config_env: dict[str, str] | None = None) -> ServerSpec:
     """The command line and environment of a managed server (nothing is started)."""
     directory = directory or servers_root() / name
     environment = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
@@ -129,7 +135,8 @@ def build_spec(name: str, *, model: str, port: int, host: str = "127.0.0.1", ext
     environment.update(env or {})
     model_arg = str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
     argv = [sys.executable, *LAUNCHER, "--model", model_arg, "--host", host, "--port", str(port), *extra_args]
-    return ServerSpec(name=name, host=host, port=port, model=model_arg, argv=argv, env=environment)
+    return ServerSpec(name=name, host=host, port=port, model=model_arg, argv=argv, env=environment,
+                      config_env=dict(config_env or {}))
 
 
 @dataclass(frozen=True)
@@ -215,6 +222,29 @@ class ManagedServer(BackgroundFiles):
         self.directory.mkdir(parents=True, exist_ok=True)
         write_private(self.spec_path, json.dumps(asdict(spec), indent=2))
 
+    RECORD_FILES = (SPEC_FILE, RUNNING_FILE, FAILED_FILE, PID_FILE)
+
+    def forget(self) -> list[Path]:
+        """Remove the record (command, PID file): the name is no longer known to any command.
+        The server's own state (log, token, journal, disk tier) stays; returns what was removed."""
+        if self.pid() is not None:
+            raise ManageError(f"server {self.name!r} is running (pid {self.pid()}): apcctl stop --server "
+                              f"{self.name} first")
+        removed = [self.directory / f for f in self.RECORD_FILES if (self.directory / f).exists()]
+        for path in removed:
+            path.unlink(missing_ok=True)
+        return removed
+
+    def discard_start(self, previous: ServerSpec | None) -> None:
+        """A start that never came up: the record goes back to ``previous`` (the command that
+        last ran), or is removed when there was none, so no command talks to a ghost."""
+        self.stop(grace=10.0)
+        if previous is not None:
+            self.save(previous)
+            return
+        for name in (SPEC_FILE, RUNNING_FILE, PID_FILE):
+            (self.directory / name).unlink(missing_ok=True)
+
     def token(self) -> str | None:
         spec = self.spec()
         if spec is not None and spec.env.get("APC_ADMIN_TOKEN"):
@@ -265,11 +295,15 @@ class ManagedServer(BackgroundFiles):
         return process.pid
 
     def exec_foreground(self, spec: ServerSpec) -> NoReturn:
-        """Become the server (same PID), so launchd/systemd supervise the real process."""
+        """Become the server (same PID), so launchd/systemd supervise the real process. Under a
+        ``Type=notify`` unit, a readiness check started first tells systemd ``READY=1``."""
         self.save(spec)
         self._write_pid(os.getpid(), spec)
         os.chdir(self.directory)
-        os.execve(spec.argv[0], spec.argv, {**os.environ, **spec.env})
+        env = {**os.environ, **spec.env}
+        if env.pop(NOTIFY_SOCKET, None):  # the server itself does not notify: the check beside it does
+            subprocess.Popen([sys.executable, *READY_CHECK, spec.url, str(READY_TIMEOUT_S)], stdin=subprocess.DEVNULL)
+        os.execve(spec.argv[0], spec.argv, env)
 
     def _write_pid(self, pid: int, spec: ServerSpec) -> None:
         """The PID and its create time, and the command it runs (what a rollback starts again)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from typing import Any, Iterable, Sequence
@@ -11,11 +12,19 @@ from typing import Any, Iterable, Sequence
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from server_patch.lineage.model import KVAdmission
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 PIPE_WIDTH = 240
+# Terminal escape sequences whole (CSI ``ESC [ ... final``; OSC, DCS, PM, APC and SOS strings up to
+# their terminator, or to the end when there is none), in 7- and 8-bit form; then any C0, DEL or
+# C1 control left, and the bidirectional overrides that reorder what a terminal shows.
+_ESCAPES = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]?"
+                      r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f]).*?(?:\x07|\x1b\\|\x9c|$)"
+                      r"|\x1b[ -~]?", re.DOTALL)
+_CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_LINE_BREAKS = re.compile(r"[\t\n\r\x0b\x0c\x85\u2028\u2029]+")  # one row stays one line: a space
 
 
 def human_bytes(n: float | None) -> str:
@@ -65,9 +74,21 @@ def ms(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
+def printable(value: Any) -> str:
+    """``value`` as text a terminal shows as it is: escape sequences and control characters removed.
+
+    Labels come from clients (an anchor's label is the start of a system prompt): printed raw, an
+    ``ESC[2J`` would clear the screen and an OSC string retitle the window. Every table cell and
+    every client-derived string the CLI and the dashboard print goes through here.
+    """
+    return _CONTROLS.sub("", _LINE_BREAKS.sub(" ", _ESCAPES.sub("", str(value))))
+
+
 def restore_label(record: dict[str, Any]) -> str:
     """A request's restore kind; ``entry/lent`` when the entry lent it its own KV buffer (the
     warm turn copied no KV)."""
+    from server_patch.lineage.model import KVAdmission  # (numpy: only for a table of requests)
+
     kind = str(record.get("restore_kind", "?"))
     return kind + ("/lent" if record.get("kv_admission") == KVAdmission.LENT else "")
 
@@ -87,8 +108,13 @@ def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], *, title: str |
     for name in columns:
         out.add_column(name, justify="right" if name in right else "left", no_wrap=True)
     for row in rows:
-        out.add_row(*("" if cell is None else str(cell) for cell in row))
+        out.add_row(*(Text("") if cell is None else plain(cell) for cell in row))
     return out
+
+
+def plain(cell: Any) -> Text:
+    """A table cell as plain text: never read as rich markup (a label may hold ``[red]`` or ``[/]``)."""
+    return Text(printable(cell))
 
 
 def key_values(pairs: Iterable[tuple[str, Any]], *, title: str | None = None) -> Table:

@@ -1,7 +1,8 @@
 """Rolling restart, one server at a time, never cutting a request (unless forced).
 
 For each server: drain (new requests get 503 + Retry-After), wait until nothing is in flight,
-flush the cache to disk, stop the process (SIGTERM, SIGKILL after a grace period that covers the
+flush the cache to disk (a flush that did not write everything stops the roll before the stop,
+unless forced), stop the process (SIGTERM, SIGKILL after a grace period that covers the
 server's shutdown flush), start it again (from the state files ``apcctl serve`` wrote) or let
 launchd/systemd bring it back, wait for readiness, and probe that an anchor comes back from the
 disk tier. Only then the next server. The first failure stops the roll: later servers are not
@@ -34,7 +35,6 @@ from apcctl.core.client import AdminClient, AdminError
 from apcctl.core.hosts import is_local_url
 from apcctl.core.manage import (CREATE_TIME_TOLERANCE_S, GRACE_MARGIN_S, LAUNCHER, ManageError, ServerSpec,
                                 default_grace, same_process, terminate)
-from server_patch.lineage.model import ANCHOR, DISK
 
 if TYPE_CHECKING:  # the CLI's resolved server (the engine reads only its fields; no import at run time)
     from apcctl.config import Target
@@ -63,7 +63,6 @@ SUPERVISORS = ("none", "launchd", "systemd")
 PROBE_SYSTEM = ("[apcctl restart probe {nonce}] You are the apcctl restart probe. This system prompt exists so "
                 "that a rolling restart can check that a pinned anchor comes back from the disk tier.")
 PROBE_USER = "Ready?"
-RESTORED_KINDS = (ANCHOR, DISK)
 # Tokens a chat template may add around the probe's system prompt (an upper bound, for the cap check).
 TEMPLATE_TOKENS = 64
 RAM_TIERS = ("ram", "ram+disk")
@@ -97,6 +96,7 @@ class ServerRestart:
     probe: dict[str, Any] = field(default_factory=dict)
     rolled_back: bool = False  # the previous command was started again
     rollback: dict[str, Any] = field(default_factory=dict)  # its pid, whether it came up, its probe
+    log_tail: str = ""  # the server log's last lines after the failure (said once, after the one-line message)
 
 
 @dataclass
@@ -112,9 +112,10 @@ class RestartResult:
 class RestartFailed(RuntimeError):
     """A step failed; the roll stops here. ``phase`` is where, when the message already says it."""
 
-    def __init__(self, message: str, phase: Phase | None = None) -> None:
+    def __init__(self, message: str, phase: Phase | None = None, log_tail: str = "") -> None:
         super().__init__(message)
         self.phase = phase
+        self.log_tail = log_tail
 
 
 Progress = Callable[[RestartStep], None]
@@ -209,7 +210,8 @@ def rolling_restart(targets: Sequence[Target], *, on_progress: Progress, timeout
 
     Args:
         timeout: bound on each wait (in-flight requests, readiness), in seconds.
-        force: stop even if requests are still in flight after ``timeout``.
+        force: stop even if requests are still in flight after ``timeout``, or the flush did not
+            write everything to disk.
         supervisor: ``launchd``/``systemd``/``none`` for every target (default: each target's config).
         grace: seconds between SIGTERM and SIGKILL (default: the server's shutdown flush timeout
             plus a margin, so a stop never cuts the flush short).
@@ -286,7 +288,7 @@ class _OneServer:
             self.grace = grace_for(status, self.previous)
         self.model = status["server"].get("model")
         try:
-            self.probe = self._prepare_probe(status)
+            self.probe = None if self._model_changes() else self._prepare_probe(status)
             self._roll()
         finally:
             self._forget_probe()
@@ -304,6 +306,7 @@ class _OneServer:
             self.result.new_pid = self._wait_ready()
         except (RestartFailed, *FAILURES) as exc:
             phase = self.result.phase
+            self.result.log_tail = getattr(exc, "log_tail", "")
             raise RestartFailed(f"{_message(exc)}; {self._recover()}", phase) from exc
         except BaseException:  # Ctrl-C: no rollback, but never leave a running server drained
             if self._old_alive():
@@ -325,7 +328,7 @@ class _OneServer:
             if process is None or process.pid != server["pid"]:
                 named = f"pid {process.pid}" if process else "no running process"
                 raise RestartFailed(f"{self.plan.target.url} is served by pid {server['pid']}, but the PID file of "
-                                    f"'apcctl serve --name {self.managed.name}' names {named}: refusing to stop a "
+                                    f"'apcctl serve --server {self.managed.name}' names {named}: refusing to stop a "
                                     "process apcctl did not start")
             if isinstance(server.get("create_time"), (int, float)) and not _reported_matches(process, server):
                 raise RestartFailed(f"pid {process.pid} was created at another time than the server at "
@@ -391,6 +394,16 @@ class _OneServer:
                       "its next use); probe removed, the restart is not probed")
         return self.probe
 
+    def _model_changes(self) -> bool:
+        """The next start serves another model (restart --model): its disk tier is another
+        fingerprint's, so no anchor can come back from it, and the restart is not probed."""
+        following = self.managed.spec() if self.managed is not None else None
+        if self.previous is None or following is None or following.model == self.previous.model:
+            return False
+        self.warn(f"the model changes ({self.previous.model} -> {following.model}): anchors of the old model do "
+                  "not restore for the new one; the restart is not probed")
+        return True
+
     def _anchors(self) -> list[dict[str, Any]]:
         """The anchors, or none before the first request (the cache does not exist yet: 409)."""
         try:
@@ -432,13 +445,22 @@ class _OneServer:
         try:
             answer = self.client.flush(timeout=min(self.timeout, 600.0))
         except AdminError as exc:
-            if exc.status == 0:
-                raise
-            # The server also flushes on SIGTERM, and the probe checks what came back.
-            self.warn(f"flush failed ({exc.message}); relying on the shutdown flush")
+            if exc.status in (0, 409):  # unreachable: fails the roll; 409: no cache yet, nothing to lose
+                if exc.status == 0:
+                    raise
+                return
+            self._flush_failed(f"flush failed ({exc.message})")
             return
-        if not answer.get("complete", True):
-            self.warn("flush did not finish in time; the shutdown flush continues it")
+        if not answer.get("complete"):
+            self._flush_failed(f"flush wrote {answer.get('written', 0)} entries, {answer.get('failed', 0)} not "
+                               f"({answer.get('reason') or 'incomplete'})")
+
+    def _flush_failed(self, why: str) -> None:
+        """Stopping now would lose what RAM holds and the disk lacks: nothing is stopped, unless forced."""
+        if not self.force:
+            raise RestartFailed(f"{why}: stopping the server would lose its RAM tier; nothing stopped "
+                                "(--force stops it anyway)")
+        self.warn(f"--force: {why}; stopping anyway")
 
     # ------------------------------------------------------------------ stop and start
 
@@ -470,7 +492,7 @@ class _OneServer:
         while time.monotonic() < deadline:
             process = self.managed.process() if self.managed is not None else None
             if self.managed is not None and process is None:
-                raise RestartFailed(f"the server exited while starting; log tail:\n{self.managed.log_tail(15)}")
+                raise RestartFailed("the server exited while starting", log_tail=self.managed.log_tail(15))
             try:
                 self.client.health()
                 pid = self.client.status()["server"]["pid"]
@@ -515,6 +537,7 @@ class _OneServer:
             self.result.rollback.update(pid=self._wait_ready(), ready=True)
         except (RestartFailed, *FAILURES) as exc:
             self.result.rollback["error"] = _message(exc)
+            self.result.log_tail = getattr(exc, "log_tail", "") or self.result.log_tail
             return f"rollback failed, the server is down: {_message(exc)}"
         pid = self.result.rollback["pid"]
         done = f"rolled back: pid {pid} runs the previous command again{kept}"
@@ -548,7 +571,9 @@ class _OneServer:
         messages = [{"role": "system", "content": probe["system"]}, {"role": "user", "content": PROBE_USER}]
         self.client.chat(messages, model=self.model, max_tokens=1, temperature=0.0, timeout=self.timeout)
         records = [r for r in self.client.requests(since=seen) if r.get("entry_id") == anchor_id]
-        restored = next((r for r in records if r["restore_kind"] in RESTORED_KINDS and r["restored_tokens"]), None)
+        from server_patch.lineage.model import ANCHOR, DISK  # (the server package: loaded for a probe only)
+
+        restored = next((r for r in records if r["restore_kind"] in (ANCHOR, DISK) and r["restored_tokens"]), None)
         missing = sorted(set(probe["pinned_before"]) - {a["id"] for a in self.client.anchors()})
         seen_now = {**probe, "restore_kind": restored["restore_kind"] if restored else None,
                     "restored_tokens": restored["restored_tokens"] if restored else 0, "missing_anchors": missing}

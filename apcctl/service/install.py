@@ -17,6 +17,13 @@ from apcctl.service.runner import SupervisorError, run_supervisor
 from server_patch.launch import LOG_FILE_ENV
 
 SUPERVISED = ("launchd", "systemd")
+# The per-user dirs platformdirs reads on Linux: the state dir (servers' records), the config file.
+XDG_DIRS = ("XDG_STATE_HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME")
+# What systemctl --user says when this login has no user manager to talk to.
+NO_USER_BUS = ("Failed to connect to bus", "No medium found", "DBUS_SESSION_BUS_ADDRESS")
+NO_USER_BUS_HINT = ("there is no systemd user session here (no user bus): log in through a desktop or ssh "
+                    "session, or run `loginctl enable-linger $USER` and log in again; or print the unit with "
+                    "--dry-run and install it yourself")
 
 
 def default_supervisor(platform: str = sys.platform) -> str:
@@ -25,9 +32,11 @@ def default_supervisor(platform: str = sys.platform) -> str:
 
 def service_environment(name: str, config_path: Path | None) -> dict[str, str]:
     """What ``apcctl serve --foreground`` needs from this shell: the ``APC_*``/``HF_*``/``MLX_*``
-    variables (``APC_STATE_DIR`` among them: where the server's files are), the config file,
-    and the log file the server writes and rotates itself."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) and k != LOG_FILE_ENV}
+    variables (``APC_STATE_DIR`` among them: where the server's files are), the XDG dirs it
+    sets (without them the service would keep its state and read its config elsewhere than
+    this shell), the config file, and the log file the server writes and rotates itself."""
+    env = {k: v for k, v in os.environ.items()
+           if (k.startswith(ENV_PREFIXES) or k in XDG_DIRS) and k != LOG_FILE_ENV}
     env.update({"PYTHONUNBUFFERED": "1", LOG_FILE_ENV: str(servers_root() / name / "server.log")})
     if config_path is not None:
         env["APCCTL_CONFIG"] = str(Path(config_path).expanduser().resolve())
@@ -56,7 +65,7 @@ def service_spec(spec: ServerSpec, *, config_path: Path | None, disk_path: Path 
         name=spec.name, argv=tuple(serve_argv(spec, disk_path=disk_path, env_pairs=env_pairs, server_args=server_args)),
         env=service_environment(spec.name, config_path), working_dir=directory,
         log_path=directory / units.SERVICE_LOG, stop_timeout_s=default_grace(spec.env),
-        health_url=f"http://{host}:{spec.port}", python=sys.executable)
+        health_url=f"http://{host}:{spec.port}")
 
 
 def render(supervisor: str, spec: units.ServiceSpec) -> bytes:

@@ -6,12 +6,13 @@ crash or a SIGKILL but not after a clean stop (``apcctl stop`` ends with a SIGTE
 ``ExitTimeOut`` covers the shutdown flush, so ``launchctl kickstart -k`` and ``bootout`` never
 SIGKILL a flush.
 
-systemd (Linux): a user unit in ``$XDG_CONFIG_HOME/systemd/user/<unit>``. ``Type=exec`` plus an
-``ExecStartPost`` that polls ``/health`` is the readiness (``Type=notify`` needs ``sd_notify``,
-which Python lacks without a dependency); ``Restart=on-failure``; ``TimeoutStopSec`` covers the
-shutdown flush; ``KillMode=mixed`` sends the SIGTERM to the server alone.
+systemd (Linux): a user unit in ``$XDG_CONFIG_HOME/systemd/user/<unit>``. ``Type=notify`` with
+``NotifyAccess=all``: ``serve --foreground`` starts ``apcctl.service.ready`` beside the server,
+which sends the one datagram ``READY=1`` once ``/health`` answers (no ``sd_notify`` dependency);
+``Restart=on-failure``; ``TimeoutStopSec`` covers the shutdown flush; ``KillMode=mixed`` sends
+the SIGTERM to the server alone.
 
-Both run ``python -m apcctl.cli serve --foreground --name NAME ...`` with the interpreter that
+Both run ``python -m apcctl.cli serve --foreground --server NAME ...`` with the interpreter that
 installed it, so no ``PATH`` is needed. The server writes and rotates ``server.log`` itself
 (``APC_LOG_FILE``); ``service.log`` keeps what is printed before it opens it.
 """
@@ -26,11 +27,11 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from apcctl.core.manage import READY_TIMEOUT_S
+
 LABEL_PREFIX = "com.apcctl."
 UNIT_PREFIX = "apcctl-"
 SERVICE_LOG = "service.log"
-# Model loading can take minutes on a big model: the readiness check waits this long.
-READY_TIMEOUT_S = 900
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -50,7 +51,6 @@ class ServiceSpec:
     stop_timeout_s: float = 75.0  # the shutdown flush plus a margin (apcctl.core.manage.default_grace)
     health_url: str = "http://127.0.0.1:8080"
     ready_timeout_s: int = READY_TIMEOUT_S
-    python: str = "python3"  # runs the readiness check
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -152,8 +152,6 @@ def _systemd_quote(value: str, *, command: bool = True) -> str:
 def systemd_unit(spec: ServiceSpec) -> str:
     """The user unit's text."""
     command = " ".join(_systemd_quote(a) for a in spec.argv)
-    ready = " ".join(_systemd_quote(a) for a in (spec.python, "-m", "apcctl.service.ready", spec.health_url,
-                                                 str(spec.ready_timeout_s)))
     env = "".join(f"Environment={_systemd_quote(f'{k}={v}', command=False)}\n" for k, v in sorted(spec.env.items()))
     log = _specifiers(str(spec.log_path))
     return (
@@ -164,9 +162,9 @@ def systemd_unit(spec: ServiceSpec) -> str:
         "StartLimitBurst=5\n"
         "\n"
         "[Service]\n"
-        "Type=exec\n"
+        "Type=notify\n"
+        "NotifyAccess=all\n"  # READY=1 comes from apcctl.service.ready, beside the server
         f"ExecStart={command}\n"
-        f"ExecStartPost={ready}\n"
         f"WorkingDirectory={_specifiers(str(spec.working_dir))}\n"
         f"{env}"
         "Restart=on-failure\n"

@@ -94,17 +94,27 @@ class Conversation:
     persona: Persona
     messages: list[np.ndarray] = field(default_factory=list)
     last: Request | None = None  # the latest request sent, which the next reply answers
+    # The generation prompt; an assistant message renders it before its content. GLM's is one
+    # token, Qwen's ("<|im_start|>assistant\n") three: then a prompt that ends at the last
+    # message, not at the generation prompt, shares less than the entry at n - 1.
+    generation: tuple[int, ...] = (ASSISTANT,)
+    # Rendered after the newest user message only (aider's moving system reminder).
+    reminder: np.ndarray | None = None
 
     def add(self, role: int, content: np.ndarray) -> None:
-        self.messages.append(np.concatenate([[role], content]).astype(np.int32))
+        head = self.generation if role == ASSISTANT else (role,)
+        self.messages.append(np.concatenate([head, content]).astype(np.int32))
 
     def request(self, t: float, kind: str) -> Request:
         prefix, tools_end = self.persona.prefix(int(t // 60))
+        messages = list(self.messages)
+        if self.reminder is not None and messages and messages[-1][0] == USER:
+            messages[-1] = np.concatenate([messages[-1], self.reminder]).astype(np.int32)
         starts, pos = [], len(prefix)
-        for message in self.messages:
+        for message in messages:
             starts.append(pos)
             pos += len(message)
-        tokens = np.concatenate([prefix, *self.messages, [ASSISTANT]]).astype(np.int32)
+        tokens = np.concatenate([prefix, *messages, self.generation]).astype(np.int32)
         return Request(conv=self.id, t=round(t, 3), tokens=tokens,
                        anchor_len=len(prefix) - ANCHOR_SLACK,
                        segments=(tools_end, len(prefix), *starts), kind=kind, agent=self.agent)

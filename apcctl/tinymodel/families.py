@@ -233,16 +233,19 @@ def _config_classes(module: Any) -> tuple[type, bool]:
     return model_config, False
 
 
-def tiny_config(family: str) -> dict[str, Any]:
-    """The config.json dict of ``family``'s tiny model (only fields its config class has)."""
+def tiny_config(family: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json dict of ``family``'s tiny model (only fields its config class has);
+    ``overrides`` replace text-model fields (a head dimension ``mx.quantize`` can pack, say)."""
     sized = {**FAMILIES, **NOT_SPLIT_INVARIANT}
     if family not in sized:
         raise KeyError(f"no tiny model for {family!r}; sized families: {', '.join(sorted(sized))}")
     module = importlib.import_module(f"mlx_vlm.models.{family}")
     text_class, nested = _config_classes(module)
     names = {f.name for f in dataclasses.fields(text_class)}
+    if unknown := set(overrides or {}) - names:
+        raise KeyError(f"{family}'s text config has no field {', '.join(sorted(unknown))}")
     text = {"model_type": family}
-    text.update({k: v for k, v in {**COMMON, **sized[family]}.items() if k in names})
+    text.update({k: v for k, v in {**COMMON, **sized[family], **(overrides or {})}.items() if k in names})
     if nested and family in FLAT_CONFIG:
         return {**text, "vision_config": {}}
     if nested:
@@ -250,8 +253,9 @@ def tiny_config(family: str) -> dict[str, Any]:
     return text
 
 
-def build_language_model(family: str, seed: int = 0) -> Any:
-    """``Model(config).language_model`` of the tiny ``family`` model, float32, seeded weights."""
+def build_language_model(family: str, seed: int = 0, overrides: dict[str, Any] | None = None) -> Any:
+    """``Model(config).language_model`` of the tiny ``family`` model, float32, seeded weights
+    (``overrides``: see ``tiny_config``)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
 
@@ -259,7 +263,7 @@ def build_language_model(family: str, seed: int = 0) -> Any:
 
     module = importlib.import_module(f"mlx_vlm.models.{family}")
     mx.random.seed(seed)
-    language_model = language_model_from_config(module, tiny_config(family))
+    language_model = language_model_from_config(module, tiny_config(family, overrides))
     # MLX's own init (uniform ±1/sqrt(fan_in)) keeps activations sane at these sizes; only cast.
     params = [(k, v.astype(mx.float32)) for k, v in tree_flatten(language_model.parameters())
               if isinstance(v, mx.array)]
@@ -278,10 +282,12 @@ def forward(language_model: Any, tokens: Any, cache: list) -> Any:
 
 
 DEEPSEEK_V4_REASON = (
-    "restores are not exact: the model's ratio-4 overlapping compressor (_overlap_compress_kv) "
-    "restarts its previous window at every forward call, so a prompt split into calls (a restore, "
-    "a chunked cold prefill) differs from one call; its cache classes restore exactly "
-    "(ratio-0/128 layers)")
+    "served with the lineage on, as it is: the model's ratio-4 overlapping compressor "
+    "(_overlap_compress_kv) restarts its previous window at every forward call, so its own "
+    "chunked cold prefill depends on where a prompt is split (tiny model: up to 0.42 of the logit "
+    "scale, apcctl bench splits); a restore equals a cold prefill split at the restore point and "
+    "the canary allows the measured split dependence (tests/test_split_dependence.py); its cache "
+    "classes restore exactly (ratio-0/128 layers)")
 MUSE_SPARK_REASON = ("its attention, norms and expert routing are Metal-only kernels "
                      "(mlx_vlm.kernels has no CPU path), so the CPU conformance test cannot run it")
 

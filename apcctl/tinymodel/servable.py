@@ -53,11 +53,13 @@ def _tokenizer():
     return tokenizer
 
 
-def make_config(family: str, ids: dict[str, int], vocab_size: int) -> dict[str, Any]:
-    """``families``'s config of ``family`` with this tokenizer's vocabulary and ids."""
+def make_config(family: str, ids: dict[str, int], vocab_size: int,
+                overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``families``'s config of ``family`` with this tokenizer's vocabulary and ids
+    (``overrides``: text-model fields, see ``families.tiny_config``)."""
     from apcctl.tinymodel.families import tiny_config
 
-    config = tiny_config(family)
+    config = tiny_config(family, overrides)
     text = config.get("text_config", config)
     text.update(vocab_size=vocab_size, eos_token_id=ids["<|im_end|>"])
     config.update(eos_token_id=ids["<|im_end|>"], torch_dtype="float32")
@@ -67,9 +69,11 @@ def make_config(family: str, ids: dict[str, int], vocab_size: int) -> dict[str, 
     return config
 
 
-def build_family_dir(family: str, out_dir: Path, seed: int = 0) -> Path:
+def build_family_dir(family: str, out_dir: Path, seed: int = 0,
+                     overrides: dict[str, Any] | None = None) -> Path:
     """A servable model directory of ``family`` in ``out_dir`` (created; must be empty or absent):
-    config, float32 weights of the whole ``Model`` (MLX-native names), tokenizer, ChatML template."""
+    config, float32 weights of the whole ``Model`` (MLX-native names), tokenizer, ChatML template.
+    ``overrides``: text-model fields (``families.tiny_config``)."""
     import importlib
 
     import mlx.core as mx
@@ -82,7 +86,7 @@ def build_family_dir(family: str, out_dir: Path, seed: int = 0) -> Path:
         raise FileExistsError(f"{out} is not empty")
     tokenizer = _tokenizer()
     ids = {t: tokenizer.token_to_id(t) for t in CONTROL_TOKENS}
-    config = make_config(family, ids, tokenizer.get_vocab_size())
+    config = make_config(family, ids, tokenizer.get_vocab_size(), overrides)
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",

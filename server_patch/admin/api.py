@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import sys
-import time
 from dataclasses import asdict
 from typing import Any, Optional
 
@@ -22,13 +21,15 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from server_patch import MLX_VLM_VERSION, PATCH_VERSION
+from server_patch import MLX_VLM_VERSION, PATCH_VERSION, clock
 from server_patch.admin import views
 from server_patch.admin.auth import TokenError, load_or_create_token, token_matches
+from server_patch.admin.flush import flush_report
 from server_patch.admin.guard import STREAMS, AdminLimits, install_outermost
 from server_patch.admin.internal import internal_chat
 from server_patch.admin.metrics import exposition
 from server_patch.admin.traffic import TRAFFIC, TrafficMiddleware
+from server_patch.admin.model_switch import model_router
 from server_patch.canary.admin import verify_router
 from server_patch.canary.book import BOOK
 from server_patch.integration import runtime as lineage_runtime
@@ -115,10 +116,10 @@ def _queued() -> int:
 @router.get("/status", summary="Server identity, budgets, idle state and counters")
 def status() -> dict[str, Any]:
     current = lineage_runtime.current()
-    started = getattr(router, "started", time.time())
+    started = getattr(router, "started", clock.wall())
     body: dict[str, Any] = {
         "server": {"model": _model_path(), "pid": os.getpid(), "create_time": _CREATE_TIME,
-                   "uptime_s": time.time() - started,
+                   "uptime_s": clock.monotonic() - getattr(router, "started_monotonic", clock.monotonic()),
                    "started": started, "mlx_vlm_version": MLX_VLM_VERSION, "patch_version": PATCH_VERSION,
                    "fingerprint": current.fingerprint if current else None},
         "idle": {**TRAFFIC.snapshot(), "queued": _queued()},
@@ -281,13 +282,9 @@ def metrics() -> Response:
                     media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-@router.post("/flush", summary="Write every RAM entry the disk lacks, and wait")
+@router.post("/flush", summary="Write every RAM entry the disk lacks, wait, and say what reached the disk")
 def flush(body: Optional[FlushBody] = None) -> dict[str, Any]:
-    current = _lineage()
-    timeout = body.timeout if body else 60.0
-    queued = current.cache.flush()
-    done = current.disk.flush(timeout) if current.disk else True
-    return {"queued": queued, "complete": done, "disk_enabled": current.disk is not None}
+    return flush_report(_lineage(), body.timeout if body else 60.0)
 
 
 @router.post("/drain", summary="Refuse new inference requests (503 + Retry-After); finish those in flight")
@@ -304,6 +301,7 @@ def undrain() -> dict[str, Any]:
 
 
 router.include_router(verify_router)  # /admin/verify: the canary (server_patch.canary.admin)
+router.include_router(model_router)  # /admin/model: the served model and its switch (admin.model_switch)
 
 
 @router.get("/openapi.json", summary="The OpenAPI schema of /admin")
@@ -325,7 +323,7 @@ def install(app: FastAPI) -> None:
         limits = AdminLimits.from_env()
     except (TokenError, ValueError, OSError) as exc:
         raise SystemExit(f"server_patch: cannot start the admin endpoint: {exc}") from None
-    router.started = time.time()
+    router.started, router.started_monotonic = clock.wall(), clock.monotonic()
     router.limits = limits
     app.state.apc_admin_token = token
     app.state.apc_inner_app = app  # pinning prefills through the real route, counted like any request

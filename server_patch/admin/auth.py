@@ -67,7 +67,7 @@ def load_or_create_token(path: Path | None = None) -> str:
             continue
         if not data.strip(ASCII_WHITESPACE):
             return _fill_blank(path)
-        _tighten(path)
+        tighten(path)
         return validated(data, f"token file {path}").decode("ascii")
     raise TokenError(f"token file {path} keeps disappearing while it is read")
 
@@ -123,13 +123,13 @@ def _fill_blank(path: Path) -> str:
         os.close(fd)  # releases the lock
 
 
-def _tighten(path: Path) -> None:
-    """A token file readable by others is made owner-only (when it is ours)."""
+def tighten(path: Path, what: str = "admin token file") -> None:
+    """A secret file (``what``) readable by others is made owner-only (when it is ours)."""
     try:
         info = path.stat()
         if info.st_mode & 0o077 and info.st_uid == os.getuid():
             os.chmod(path, FILE_MODE)
-            log.warning("admin token file %s was readable by others: mode set to 0600", path)
+            log.warning("%s %s was readable by others: mode set to 0600", what, path)
     except OSError:
         pass
 

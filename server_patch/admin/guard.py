@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Awaitable, Callable, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol, TypeVar
 
 from server_patch.admin.auth import token_matches
 from server_patch.envconfig import env_values
@@ -48,17 +48,39 @@ class AdminLimits:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "AdminLimits":
-        names = {f.name: f"APC_ADMIN_{f.name.upper()}" for f in fields(cls)}
-        limits = cls(**env_values(cls, names, os.environ if env is None else env))
-        for f in fields(cls):
-            if getattr(limits, f.name) < 1:
-                raise ValueError(f"APC_ADMIN_{f.name.upper()} must be >= 1, got {getattr(limits, f.name)}")
-        return limits
+        return limits_from_env(cls, "APC_ADMIN_", env)
 
     @property
     def drain_bytes(self) -> int:
-        """How much of an oversized body is read and dropped so the client sees the 413."""
-        return max(16 * self.max_body_bytes, 16 << 20)
+        return drain_bytes_for(self.max_body_bytes)
+
+
+class BodyLimits(Protocol):
+    """What :func:`read_body` needs: the cap, and how much of a larger body is read and dropped."""
+
+    @property
+    def max_body_bytes(self) -> int: ...
+
+    @property
+    def drain_bytes(self) -> int: ...
+
+
+L = TypeVar("L")
+
+
+def limits_from_env(cls: type[L], prefix: str, env: Mapping[str, str] | None = None) -> L:
+    """A limits dataclass from ``<prefix><FIELD>`` variables; every limit must be >= 1."""
+    names = {f.name: f"{prefix}{f.name.upper()}" for f in fields(cls)}
+    limits = cls(**env_values(cls, names, os.environ if env is None else env))
+    for f in fields(cls):
+        if getattr(limits, f.name) < 1:
+            raise ValueError(f"{names[f.name]} must be >= 1, got {getattr(limits, f.name)}")
+    return limits
+
+
+def drain_bytes_for(max_body_bytes: int) -> int:
+    """How much of an oversized body is read and dropped so the client sees the 413."""
+    return max(16 * max_body_bytes, 16 << 20)
 
 
 class StreamCount:
@@ -110,7 +132,7 @@ async def reply(send: Send, status: int, detail: str, headers: Iterable[tuple[by
     await send({"type": "http.response.body", "body": body})
 
 
-async def read_body(scope: Scope, receive: Receive, limits: AdminLimits) -> tuple[str, bytes]:
+async def read_body(scope: Scope, receive: Receive, limits: BodyLimits) -> tuple[str, bytes]:
     """("ok", body), ("too_big", b"") or ("gone", b""): the whole body, at most the cap.
 
     An oversized body is still read (and dropped) up to ``limits.drain_bytes``: closing the
@@ -231,8 +253,9 @@ class AdminGuard:
             self.streams.open -= 1
 
 
-def install_outermost(app: Any, **options: Any) -> None:
-    """Put :class:`AdminGuard` outside every middleware mlx-vlm adds (its CORS one included).
+def install_outermost(app: Any, middleware: type = AdminGuard, **options: Any) -> None:
+    """Put ``middleware`` (:class:`AdminGuard`) outside every middleware mlx-vlm adds (its CORS
+    one included).
 
     ``install`` runs where the admin router is mounted, before mlx-vlm adds its middleware,
     and Starlette builds the stack only at the first request; so the guard joins the list then,
@@ -243,8 +266,8 @@ def install_outermost(app: Any, **options: Any) -> None:
     build = app.build_middleware_stack
 
     def build_with_guard() -> Any:
-        if not any(m.cls is AdminGuard for m in app.user_middleware):
-            app.user_middleware.insert(0, Middleware(AdminGuard, **options))
+        if not any(m.cls is middleware for m in app.user_middleware):
+            app.user_middleware.insert(0, Middleware(middleware, **options))
         return build()
 
     app.build_middleware_stack = build_with_guard

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+INTERNAL = "apc.internal"  # the scope key that marks this server's own in-process requests
+
 
 async def internal_chat(app: Callable, payload: dict[str, Any], headers: dict[str, str]) -> tuple[int, Any]:
     """POST /v1/chat/completions to ``app`` over ASGI; returns (status, parsed body or text)."""
@@ -13,6 +15,7 @@ async def internal_chat(app: Callable, payload: dict[str, Any], headers: dict[st
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
         "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
         "query_string": b"", "root_path": "", "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
+        INTERNAL: True,  # no client can put this in a scope: the namespace middleware lets it pass as sent
         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                     *((k.lower().encode(), v.encode()) for k, v in headers.items())],
     }

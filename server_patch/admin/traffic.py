@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from typing import Any, Awaitable, Callable
+
+from server_patch import clock
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -43,11 +44,11 @@ class Traffic:
     def finish(self) -> None:
         with self._lock:
             self.in_flight = max(0, self.in_flight - 1)
-            self.last_finished = time.time()
+            self.last_finished = clock.monotonic()  # intervals only: a stepped wall clock must not move them
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            idle = None if self.last_finished is None else time.time() - self.last_finished
+            idle = None if self.last_finished is None else clock.monotonic() - self.last_finished
             return {"in_flight": self.in_flight, "draining": self.draining,
                     "retry_after_s": self.retry_after, "since_last_finished_s": idle,
                     "rejected_while_draining": self.rejected}

@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from server_patch.boundaries import system_points
 from server_patch.boundaries.anchors import AnchorMatch, AnchorRegistry, anchor_label
 from server_patch.boundaries.candidates import Candidates, paragraph_breaks, verify
 from server_patch.boundaries.kinds import Kind, outranks
@@ -110,6 +111,7 @@ class SegmentFinder:
         if offsets and self.settings.system_paragraphs:
             anchor_offsets = paragraph_breaks(messages, rendered, offsets, anchor_offsets,
                                               self.settings.system_paragraphs)
+            system_points.add_points(messages, rendered, offsets, self.settings.system_paragraphs)
         return self._store(tokenizer, rendered, offsets, anchor_offsets, messages, prefix_kwargs)
 
     def _candidates(self, request: Request, messages: list[Any],
@@ -298,6 +300,7 @@ class SegmentFinder:
         for p, k in best.positions:
             if 0 < p < n and (p not in kinds or outranks(k, kinds[p])):
                 kinds[p] = k
+        kinds = system_points.thin(kinds, self.settings.system_paragraphs)
         if best.covered < n - 1:  # the rest of the prompt is unknown to the template: stride
             for p in self._stride(n, best.covered):
                 kinds.setdefault(p, Kind.STRIDE)

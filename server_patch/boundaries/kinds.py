@@ -13,13 +13,17 @@ class Kind(StrEnum):
     CONTENT = "content"  # the header of the first message (its content starts here)
     SYSTEM = "system"  # a system/developer message
     PARAGRAPH = "paragraph"  # a paragraph break ("\n\n") inside a system message
+    SYSTEM_TEXT = "system_text"  # a system message's text ends; the template's own text follows
+    HEADING = "heading"  # a markdown heading line starts inside a system message
+    SECTION = "section"  # an XML-like section line (<env>, </rules>) starts inside a system message
+    LINE = "line"  # any other line starts inside a system message
     MESSAGE = "message"  # any other message: the next one starts here
     STRIDE = "stride"  # fallback: a multiple of the periodic stride
 
 
 # Which kind names a position found twice (lower wins).
 RANK: dict[str, int] = {Kind.SYSTEM: 0, Kind.TOOLS: 1, Kind.MESSAGE: 2, Kind.CONTENT: 3, Kind.PARAGRAPH: 4,
-                        Kind.TOOL: 5}
+                        Kind.TOOL: 5, Kind.SYSTEM_TEXT: 6, Kind.HEADING: 7, Kind.SECTION: 7, Kind.LINE: 8}
 UNRANKED = 9
 
 # Tokens a plain-text seam is moved earlier: BPE may merge across it, and a checkpoint must stay

@@ -13,11 +13,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections import Counter, deque
 from typing import Any
 
-from server_patch import settings
+from server_patch import clock, settings
 from server_patch.canary.check import ERROR, FAIL, PASS, SKIP, Result
 from server_patch.lineage import Event
 
@@ -97,7 +96,7 @@ class Book:
     def summary(self) -> dict[str, Any]:
         with self._lock:
             return {"counts": {r: self.counts.get(r, 0) for r in RESULTS}, "last": self.last,
-                    "suspects": dict(self.suspects), "on_fail": self.on_fail, "time": time.time()}
+                    "suspects": dict(self.suspects), "on_fail": self.on_fail, "time": clock.wall()}
 
 
 def _detail(view: dict[str, Any]) -> str:

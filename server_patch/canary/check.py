@@ -18,13 +18,13 @@ the proof. A point with no restore point close enough before it is skipped, sayi
 from __future__ import annotations
 
 import hashlib
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 
+from server_patch import clock
 from server_patch.canary.compare import Comparison, Tolerance, compare
 from server_patch.canary.points import Point
 
@@ -43,7 +43,7 @@ class Result:
     checked_tokens: int = 0  # tokens the reference side computed (the cost of the check)
     base: int = 0  # where the reference started: 0 for a cold prefill, else a window's base
     comparison: Comparison | None = None
-    at: float = field(default_factory=time.time)
+    at: float = field(default_factory=clock.wall)  # shown, never subtracted
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.point.as_dict(), "result": self.result, "reason": self.reason,
@@ -114,7 +114,7 @@ def check_entry(model: Any, layout: Any, entry: Any, targets: list[Point], tol: 
         reference = {stop: memo[_key(seq, stop)] for stop in stops if not base and _key(seq, stop) in memo}
         missing = [stop for stop in stops if stop not in reference]
         if missing:
-            start = layout.build(*starts[base], base) if base else model.make_cache()
+            start = layout.build(*starts[base], base) if base else layout.fresh(model)  # --kv-bits too
             reference.update(_reference(model, start, seq, base, missing, settings.chunk, should_yield))
         if not base:
             memo.update({_key(seq, stop): reference[stop] for stop in stops})

@@ -26,12 +26,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from server_patch import settings
+from server_patch import clock, settings
 
 from server_patch.canary import faults, points as P
 from server_patch.canary.book import BOOK
 from server_patch.canary.check import ERROR, SKIP, Abandoned, Result, Settings, check_entry, compute_dtype
 from server_patch.canary.compare import Tolerance, tolerance_for
+from server_patch.state.splits import family_of
 from server_patch.lineage import DISK
 
 log = logging.getLogger("server_patch.canary")
@@ -145,7 +146,7 @@ class Runner:
 
     def _tolerance_of(self, model: Any) -> Tolerance:
         if self._tolerance is None or self._tolerance[0] != id(model):
-            self._tolerance = (id(model), tolerance_for(compute_dtype(model)))
+            self._tolerance = (id(model), tolerance_for(compute_dtype(model), family=family_of(model)))
         return self._tolerance[1]
 
     def _group(self, runtime: Any, model: Any, entry_id: str, tier: str, targets: list[P.Point],
@@ -233,7 +234,7 @@ def _quiet_for(seconds: float) -> bool:
     from server_patch.admin.traffic import TRAFFIC
 
     last = TRAFFIC.last_finished
-    return last is None or time.time() - last >= seconds
+    return last is None or clock.monotonic() - last >= seconds
 
 
 RUNNER = Runner()

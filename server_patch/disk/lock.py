@@ -12,7 +12,8 @@ import fcntl
 import os
 from pathlib import Path
 
-from server_patch.private_files import FILE_MODE, private_dir
+from server_patch.disk.paths import prepare_root
+from server_patch.private_files import FILE_MODE
 from server_patch.disk.integrity import SUFFIX, TMP_MARK
 
 LOCK_NAME = ".lock"
@@ -39,7 +40,7 @@ class DiskLock:
 
     def acquire(self) -> "DiskLock":
         """Take the lock now or raise ``DiskInUse`` (never waits)."""
-        private_dir(self.root)
+        prepare_root(self.root)  # a directory we did not create keeps its mode
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

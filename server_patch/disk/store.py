@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable
 import mlx.core as mx
 import numpy as np
 
+from server_patch import clock
 from server_patch.disk import faults
 from server_patch.private_files import create_private, fsync_dir, fsync_fd, private_dir
 from server_patch.disk.integrity import (
@@ -34,7 +35,7 @@ from server_patch.disk.integrity import (
     check_identity, contents, data_hasher, encode_tokens, is_temp, numpy_buffer, read_header,
     stream_tensors, temp_name, temp_pid,
 )
-from server_patch.disk.space import WriteGuard, min_free_from_env
+from server_patch.disk.space import DiskUnavailable, WriteGuard, min_free_from_env
 from server_patch.lineage.model import Checkpoint, DiskRecord, Entry
 from server_patch.state.fingerprint import software_identity
 from server_patch.state.layout import CacheLayout, MlxKV, MlxSnapshot
@@ -115,6 +116,7 @@ class DiskStore:
         # Files removed because they could not be trusted, by reason (integrity.* constants).
         self.rejects: Counter[str] = Counter()
         self._queue: queue.Queue = queue.Queue()
+        self._closed = False
         self._writer = threading.Thread(target=self._run, name="apc-lineage-disk", daemon=True)
         self._writer.start()
 
@@ -167,6 +169,8 @@ class DiskStore:
         Raises ``space.DiskUnavailable`` at once while writes back off after a failure or the
         volume is below the free-space floor: the caller keeps the entry and tries later.
         """
+        if self._closed:
+            raise DiskUnavailable(f"the disk store {self.root} is closed (its model was unloaded)")
         self.guard.admit()
         # The handles' arrays were evaluated where they were made (CacheLayout.split): an
         # unevaluated array could only be computed on its creator's thread, and this may be
@@ -205,7 +209,11 @@ class DiskStore:
         # MLX streams are per thread; the writer gets its own on the CPU.
         mx.set_default_stream(mx.new_stream(mx.cpu))
         while True:
-            entry, kv, head, checkpoints, done = self._queue.get()
+            item = self._queue.get()
+            if item is None:  # close(): nothing is written after this
+                self._queue.task_done()
+                return
+            entry, kv, head, checkpoints, done = item
             try:
                 record = self._write_guarded(entry, kv, head, checkpoints)
             except Exception as exc:  # a failed write must not kill the writer
@@ -290,7 +298,7 @@ class DiskStore:
         stat = final.stat()
         return DiskRecord(id=entry.id, tokens=entry.tokens, namespace=entry.namespace,
                           checkpoints=tuple((c.length, c.kind) for c in checkpoints),
-                          nbytes=stat.st_size, last_used=time.time(), is_anchor=entry.is_anchor,
+                          nbytes=stat.st_size, last_used=clock.steady(), is_anchor=entry.is_anchor,
                           pinned=entry.pinned, label=entry.label)
 
     def delete(self, record_id: str) -> None:
@@ -329,7 +337,7 @@ class DiskStore:
         length = len(found.tokens)
         kv = MlxKV(_unflatten("kv", found.kv_meta, tensors), length)
         head = MlxSnapshot(_unflatten("head", found.head_meta, tensors), length)
-        now = time.time()
+        now = clock.steady()  # the policy's clock (server_patch.clock)
         checkpoints = [Checkpoint(cp_len, kind, MlxSnapshot(_unflatten(f"cp{i}", cp_meta, tensors), cp_len),
                                   created=now, reply_end=cp_len in found.reply_ends)
                        for i, ((cp_len, kind), cp_meta) in enumerate(zip(found.checkpoints, found.cp_meta))]
@@ -341,8 +349,29 @@ class DiskStore:
                      created=now, last_used=now, is_anchor=found.is_anchor, pinned=record.pinned,
                      checkpoints=checkpoints, label=found.label, prompt_end=found.prompt_end)
 
-    def close(self, timeout: float = 30.0) -> None:
-        self.flush(timeout)
+    def close(self, timeout: float = 30.0) -> bool:
+        """Finish the queued writes (at most ``timeout`` seconds; what is still queued then is
+        dropped, its entries stay unwritten) and end the writer thread; later writes are refused.
+        Returns whether every queued write finished."""
+        complete = self.flush(timeout)
+        self._closed = True
+        dropped = 0
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self._queue.task_done()
+            dropped += 1
+        if dropped:
+            log.warning("lineage disk: %d queued writes dropped at close of %s", dropped, self.root)
+        self._queue.put(None)
+        self._writer.join(timeout)
+        return complete and not dropped
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
 
 def _unlink(path: Path, reason: str | None) -> None:

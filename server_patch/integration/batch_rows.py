@@ -86,7 +86,7 @@ class BatchRows:
         (give up the reply's state, ``LineageCache.rewind``) so the turn appends in place as it
         would without reply reuse instead of copying the entry."""
         entry = plan.entry
-        if not self.settings.lending or entry is None or entry.is_anchor or not self.generator.plain():
+        if not self._lendable_layout() or entry is None or entry.is_anchor or not self.generator.plain():
             return False
         return lending.has_room(entry.kv, plan.prompt_len + self.settings.decode_reserve)
 
@@ -94,11 +94,16 @@ class BatchRows:
         """A lone-request loan is possible: a RAM entry restored at its own head, whose
         adopted buffer already has room for the suffix and the decode reserve."""
         entry = plan.entry
-        if not self.settings.lending or plan.checkpoint is not None or entry is None:
+        if not self._lendable_layout() or plan.checkpoint is not None or entry is None:
             return False
         if entry.is_anchor or plan.length != entry.length or not self.generator.plain():
             return False
         return lending.lendable(entry.kv, plan.length, plan.prompt_len + self.settings.decode_reserve)
+
+    def _lendable_layout(self) -> bool:
+        """Lending is on and every KV layer is float: a quantized layer (``--kv-bits``) is
+        merged by mlx-vlm's packed merge, which copies, so there is no buffer to lend."""
+        return self.settings.lending and not self.runtime.layout.packed
 
     def restore(self, key: RequestKey, plan: RestorePlan, reclaimed: set[str]) -> tuple[list[Any], bool]:
         """The restored row caches (truncated views, or the entry's own lent buffers) and

@@ -66,7 +66,9 @@ class LineageCoordinator(APCCoordinator):
         self.generator = GeneratorView()
         self.lineage: _Lineage | None = None
         if self.enabled and self.is_checkpoint:
-            runtime = runtime_for(manager, getattr(model, "language_model", model))
+            language_model = getattr(model, "language_model", model)
+            model_dir = getattr(model, "model_path", None) or getattr(language_model, "_apc_model_path", None)
+            runtime = runtime_for(manager, language_model, model_dir)
             prefills = Prefills(runtime)
             self.lineage = _Lineage(runtime, prefills, BatchRows(runtime, self.copyfree, self.generator, prefills))
 

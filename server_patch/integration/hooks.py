@@ -30,6 +30,17 @@ def first_token(uid: Any, request_id: Any, ttft_s: float) -> None:
         log.debug("apc_lineage first-token hook failed: %s", exc)
 
 
+def cancelled(uid: Any, info: dict) -> None:
+    """A request was cancelled and the generator let it go: its record says so."""
+    current = _runtime.current()
+    if current is None:
+        return
+    try:
+        current.timings.cancelled(uid, info.get("request_id", uid))
+    except Exception as exc:
+        log.debug("apc_lineage cancel hook failed: %s", exc)
+
+
 def shutdown() -> None:
     """Write unwritten entries before the process exits, so a restart starts warm."""
     try:

@@ -19,11 +19,10 @@ import json
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 from typing import IO, Any, Mapping
 
-from server_patch import settings
+from server_patch import clock, settings
 from server_patch.private_files import open_private, private_dir
 from server_patch.paths import state_dir
 
@@ -136,10 +135,10 @@ class JournalRecorder:
         self.journal = journal
         self.runtime = runtime
         self.snapshot_s = snapshot_s
-        self._last_snapshot = 0.0
+        self._last_snapshot = float("-inf")
 
     def started(self) -> None:
-        self.journal.append({"type": "start", "time": time.time(), "pid": os.getpid(),
+        self.journal.append({"type": "start", "time": clock.wall(), "pid": os.getpid(),
                              "fingerprint": self.runtime.fingerprint})
         self.snapshot(force=True)
 
@@ -151,16 +150,24 @@ class JournalRecorder:
         self.snapshot()
 
     def on_request(self, record: Any) -> None:
-        self.journal.append({"type": "request", "time": time.time(), **record.as_dict()})
+        self.journal.append({"type": "request", "time": clock.wall(), **record.as_dict()})
         self.snapshot()
+
+    def close(self) -> None:
+        """Stop recording (the runtime is closed: its model was unloaded) and close the file."""
+        for listeners, listener in ((self.runtime.event_listeners, self.on_event),
+                                    (self.runtime.timings.listeners, self.on_request)):
+            if listener in listeners:
+                listeners.remove(listener)
+        self.journal.close()
 
     def snapshot(self, force: bool = False) -> None:
         """Bytes per tier now, so a report can draw them over time; rate-limited."""
-        now = time.time()
+        now = clock.monotonic()  # the rate limit is an interval; the record's time is for display
         if not force and now - self._last_snapshot < self.snapshot_s:
             return
         self._last_snapshot = now
-        self.journal.append({"type": "budgets", "time": now, **self.runtime.cache.budgets()})
+        self.journal.append({"type": "budgets", "time": clock.wall(), **self.runtime.cache.budgets()})
 
 
 def attach(runtime: Any) -> JournalRecorder | None:

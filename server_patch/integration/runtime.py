@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
+from pathlib import Path
 from typing import Any, Callable
 
+from server_patch import clock
 from server_patch.disk.paths import default_disk_root, disk_enabled
 from server_patch.disk.store import DiskStore
 from server_patch.integration import journal
 from server_patch.integration.timings import TimingBook
 from server_patch.lineage import Event, LineageCache, LineageConfig
+from server_patch.state import weights_hash
 from server_patch.state.fingerprint import model_fingerprint
 from server_patch.state.layout import CacheLayout
+from server_patch.state import splits
+from server_patch.state.options import kv_quant_of
 
 log = logging.getLogger("server_patch.lineage")
 
@@ -28,23 +32,29 @@ EVENT_RING = 4096
 class LineageRuntime:
     """Everything the lineage cache needs for one model, and what /admin reads."""
 
-    def __init__(self, language_model: Any, config: LineageConfig | None = None) -> None:
+    def __init__(self, language_model: Any, config: LineageConfig | None = None,
+                 model_dir: Path | str | None = None) -> None:
         self.config = config or LineageConfig.from_env()
-        self.layout = CacheLayout.from_model(language_model)
-        self.fingerprint = model_fingerprint(language_model)
-        self.started = time.time()
+        self.layout = CacheLayout.from_model(language_model, kv_quant=kv_quant_of())
+        splits.warn_once(splits.family_of(language_model), log.warning)
+        weights, why_no_disk = _weights_of(model_dir)
+        self.fingerprint = model_fingerprint(language_model, weights)
+        self.started = clock.wall()
         self.events: deque[tuple[int, float, Event]] = deque(maxlen=EVENT_RING)
         self._event_seq = 0
         self._event_lock = threading.Lock()
         self.event_listeners: list[Callable[[int, float, Event], None]] = []
         self.timings = TimingBook()
         self.disk: DiskStore | None = None
-        if disk_enabled():
+        if disk_enabled() and why_no_disk:
+            log.warning("apc_lineage: disk tier off for this run: %s", why_no_disk)
+        elif disk_enabled():
             root = default_disk_root() / self.fingerprint[:16]
             self.disk = DiskStore(root, fingerprint=self.fingerprint, layout=self.layout)
-        self.cache = LineageCache(self.config, disk=self.disk, on_event=self._record_event)
+        self.cache = LineageCache(self.config, disk=self.disk, on_event=self._record_event, clock=clock.steady)
         # Request records and cache events also go to the on-disk journal (apcctl report).
         self.journal = journal.attach(self)
+        self._closed = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="apc-lineage-tick", daemon=True)
         self._ticker.start()
         log.info("apc_lineage enabled layout=%s fingerprint=%s disk=%s entries_on_disk=%d",
@@ -54,7 +64,7 @@ class LineageRuntime:
     def _record_event(self, event: Event) -> None:
         with self._event_lock:
             self._event_seq += 1
-            item = (self._event_seq, time.time(), event)
+            item = (self._event_seq, clock.wall(), event)
             self.events.append(item)
         for listener in list(self.event_listeners):
             try:
@@ -64,8 +74,7 @@ class LineageRuntime:
 
     def _tick_loop(self) -> None:
         """Idle entries go to disk in the background, never on the admission path."""
-        while True:
-            time.sleep(min(5.0, max(0.5, self.config.disk_write_delay_s / 4)))
+        while not self._closed.wait(min(5.0, max(0.5, self.config.disk_write_delay_s / 4))):
             try:
                 self.cache.tick()
             except Exception as exc:
@@ -78,17 +87,87 @@ class LineageRuntime:
             self.disk.flush(timeout)
         return queued
 
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def close(self, timeout: float | None = None) -> None:
+        """End this runtime, whose model is unloaded or replaced: unwritten entries are written
+        (for at most ``timeout`` seconds, default ``shutdown_flush_s``; what is left is dropped),
+        then the cache stores nothing more, the ticker and the disk writer end and the journal
+        closes, so the next runtime is the only one writing its directory. Idempotent."""
+        if self._closed.is_set():
+            return
+        timeout = self.config.shutdown_flush_s if timeout is None else timeout
+        try:
+            self.cache.flush()
+        except Exception as exc:
+            log.warning("apc_lineage flush at close failed: %s", exc)
+        self.cache.close()
+        self._closed.set()
+        self._ticker.join(timeout)
+        complete = self.disk.close(timeout) if self.disk is not None else True
+        if self.journal is not None:
+            self.journal.close()
+        log.info("apc_lineage runtime %s closed (its model was unloaded); unwritten entries %s",
+                 self.fingerprint[:16], "none" if complete else "dropped")
+
+
+def retire(manager: Any) -> None:
+    """mlx-vlm unloads the model of APC ``manager`` (a switch, ``POST /unload``): close its
+    runtime before stock clears the manager, so what it held unwritten reaches the disk. Never raises."""
+    with _LOCK:
+        runtime = RUNTIMES.pop(id(manager), None) if manager is not None else None
+    if runtime is None:
+        return
+    try:
+        runtime.close()
+    except Exception as exc:
+        log.warning("apc_lineage close of runtime %s failed: %s", runtime.fingerprint[:16], exc)
+
+
+def _close_others(manager: Any) -> None:
+    """A new runtime replaces any still open (one text model at a time): never two writers in
+    one disk directory, even where the unload did not go through ``retire``. Holds ``_LOCK``."""
+    for key in [k for k in RUNTIMES if k != id(manager)]:
+        old = RUNTIMES.pop(key)
+        log.warning("apc_lineage runtime %s replaced while still open: closing it", old.fingerprint[:16])
+        old.close()
+
+
+def open_runtimes() -> int:
+    with _LOCK:
+        return len(RUNTIMES)
+
+
+def _weights_of(model_dir: Path | str | None) -> tuple[str | None, str]:
+    """The weight files' digest, and why the disk tier must stay off ("" when it may run):
+    state keyed by weights that cannot be hashed, or that changed after this process started
+    (the loaded bytes may be the old ones), must never be written or restored."""
+    if model_dir is None:
+        return None, "the model's weight files are unknown (no model_path), so they cannot key the disk files"
+    try:
+        changed = weights_hash.changed_since_start(Path(model_dir))
+        if changed:
+            return None, (f"weight files changed after the server started ({', '.join(p.name for p in changed)}); "
+                          "restart it to serve (and cache) the new weights")
+        return weights_hash.weights_digest(Path(model_dir), weights_hash.digest_cache_path()), ""
+    except (weights_hash.WeightsUnreadable, ValueError) as exc:
+        return None, str(exc)
+
 
 RUNTIMES: dict[int, LineageRuntime] = {}
 _LOCK = threading.Lock()
 
 
-def runtime_for(manager: Any, language_model: Any) -> LineageRuntime:
-    """The runtime of ``manager`` (one per APC manager, i.e. per loaded model)."""
+def runtime_for(manager: Any, language_model: Any, model_dir: Path | str | None = None) -> LineageRuntime:
+    """The runtime of ``manager`` (one per APC manager, i.e. per loaded model); ``model_dir``:
+    where its weights were loaded from (mlx-vlm's ``model.model_path``)."""
     with _LOCK:
         runtime = getattr(manager, "_apc_lineage_runtime", None)
         if runtime is None:
-            runtime = LineageRuntime(language_model)
+            _close_others(manager)
+            runtime = LineageRuntime(language_model, model_dir=model_dir)
             manager._apc_lineage_runtime = runtime
             RUNTIMES[id(manager)] = runtime
             _clear_with(manager, runtime)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
+from server_patch import clock
 from server_patch.admin.metrics import RequestMetrics
 from server_patch.copyfree import ledger
 from server_patch.lineage import COLD
@@ -23,6 +23,8 @@ log = logging.getLogger("server_patch.lineage")
 
 RING_SIZE = 2048
 _PENDING_MAX = 256
+CANCELLED = "cancelled"
+PREFILL, DECODE = "prefill", "decode"
 
 
 @dataclass
@@ -52,6 +54,12 @@ class RequestTiming:
     # With the copy counter on (APC_COPY_COUNTER=1): the running totals at lookup, then, from
     # the first token on, the bytes copied since by "op.kind" ({} with the counter off).
     copies: Any = field(default_factory=ledger.mark)
+    # "" for a request that reached its first token and went on; CANCELLED when its client went
+    # away, in ``phase`` PREFILL (no first token: the record ends there) or DECODE; ``stored``
+    # then says what its entry kept: "nothing", "prompt" (the prompt-end commit) or "reply".
+    outcome: str = ""
+    phase: str = ""
+    stored: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -77,7 +85,7 @@ class TimingBook:
 
     def open(self, key: Any, prompt_tokens: int) -> RequestTiming:
         with self._lock:
-            record = RequestTiming(next(self._seq), time.time(), prompt_tokens)
+            record = RequestTiming(next(self._seq), clock.wall(), prompt_tokens)
             self._by_key[key] = record
             while len(self._by_key) > _PENDING_MAX:
                 self._by_key.popitem(last=False)
@@ -131,6 +139,35 @@ class TimingBook:
             self.metrics.observe(record)
         except Exception as exc:  # a metric must never fail a request
             log.debug("apc_lineage request metrics failed: %s", exc)
+        self._notify(record)
+
+    def cancelled(self, uid: Any, request_id: Any) -> RequestTiming | None:
+        """Request ``uid`` was cancelled (its client went away; called once the generator let
+        it go, so what its entry kept is known). A record with no first token yet ends here,
+        cancelled in prefill, and goes to the ring and the listeners like any other (not to
+        the latency histograms: it has no first token); one already finished is marked
+        cancelled in decode where it lies in the ring."""
+        with self._lock:
+            record, phase = self._by_uid.pop(uid, None), PREFILL
+            if record is None:
+                record = next((r for r in reversed(self.ring) if r.uid == uid), None)
+                phase = DECODE
+        if record is None:
+            return None
+        record.outcome, record.phase = CANCELLED, phase
+        record.stored = "reply" if record.reply_tokens else "prompt" if record.commit_ms > 0 else "nothing"
+        record.request_id = record.request_id or str(request_id)
+        log.info("apc_lineage cancelled %s", _fmt(
+            request=record.request_id, phase=phase, kind=record.restore_kind,
+            restored=record.restored_tokens, prompt=record.prompt_tokens, stored=record.stored))
+        if phase == PREFILL:
+            record.copies = ledger.since(record.copies)
+            with self._lock:
+                self.ring.append(record)
+            self._notify(record)
+        return record
+
+    def _notify(self, record: RequestTiming) -> None:
         for listener in list(self.listeners):
             try:
                 listener(record)

@@ -56,6 +56,7 @@ class Admission:
     namespace: str = ""
     plan: RestorePlan | None = None
     promoted: set[str] = field(default_factory=set)  # ids of entries this admission loaded from disk
+    last_start: int = 0  # where the prompt's last message starts (its last segment; 0: unknown)
 
     @classmethod
     def admit(cls, cache: LineageCache, tokens: Sequence[int] | np.ndarray, namespace: str = "", *,
@@ -134,16 +135,27 @@ class Admission:
         self.cache.note_cold(self._plan)
 
     def captures(self, *, anchor_len: int | None = None, segments: Iterable[int] = ()) -> list[Capture]:
-        """Where prefill must hand over state for this plan."""
+        """Where prefill must hand over state for this plan (``segments``' last is remembered
+        as ``last_start``, for ``commit``)."""
+        segments = [int(s) for s in segments]
+        self.last_start = max(segments, default=0)
         return self.cache.plan_captures(self.prompt, self._plan, namespace=self.namespace,
                                         anchor_len=anchor_len, segments=segments)
+
+    @property
+    def _keep(self) -> tuple[int, int, int]:
+        """The newest turn's points this request names (``LineageCache.commit``'s ``keep``):
+        where it restored, the point it would restore at without reply reuse, and where its
+        last message starts."""
+        return self._plan.length, self._plan.durable_length, self.last_start
 
     def commit(self, *, kv: KVHandle, head: SnapshotHandle,
                captures: Mapping[int, tuple[str, SnapshotHandle]] | None = None,
                anchor_label: str = "") -> Entry | None:
         """The state at the prefill end becomes the lineage's entry."""
         return self.cache.commit(self.prompt, kv=kv, head=head, captures=captures,
-                                 namespace=self.namespace, anchor_label=anchor_label)
+                                 namespace=self.namespace, anchor_label=anchor_label,
+                                 keep=self._keep)
 
     def commit_reply(self, reply: Sequence[int] | np.ndarray, *, kv: KVHandle, head: SnapshotHandle,
                      prompt_head: SnapshotHandle,
@@ -152,7 +164,7 @@ class Admission:
         """The state after the reply becomes the entry; the prompt end stays its checkpoint."""
         return self.cache.commit_reply(self.prompt, reply, kv=kv, head=head, prompt_head=prompt_head,
                                        captures=captures, namespace=self.namespace,
-                                       anchor_label=anchor_label)
+                                       anchor_label=anchor_label, keep=self._keep)
 
 
 __all__ = ["PLANS_MAX", "Admission", "DiskLoader", "Settle", "cold"]

@@ -85,6 +85,7 @@ class LineageCache:
         self._written_cv = threading.Condition(self.lock)  # notified as each write lands
         self.write_wait_s = WRITE_WAIT_S
         self.stats: Counter[str] = Counter()
+        self.closed = False  # close(): its model is unloaded, nothing more is stored or written
         if disk is not None:
             for record in disk.records():
                 self._records[record.id] = record
@@ -274,10 +275,19 @@ class LineageCache:
             periodic = ((end - 1) // cfg.periodic_stride) * cfg.periodic_stride
             if start < periodic < end:
                 picks.setdefault(periodic, PERIODIC)
-        taken = sorted({base, end, *picks})
+        inside = [seg for seg in sorted(set(int(s) for s in segments)) if start < seg < end]
         past_anchor = 0
-        for seg in sorted(set(int(s) for s in segments)):
-            if not start < seg < end or seg in picks:
+        last = inside[-1] if inside else None
+        if last is not None and last not in picks and last - base >= max(1, cfg.divergence_min_gain) \
+                and end - last >= cfg.segment_min_gap and (anchor_len is None or last >= anchor_len):
+            # The start of the last message, whatever the gap: where a re-sent conversation
+            # diverges when the client rewrites what follows it (aider's moving reminder, an
+            # edit of the last message). Thinning keeps it while this is the newest turn.
+            picks[last] = SEGMENT
+            past_anchor = 1
+        taken = sorted({base, end, *picks})
+        for seg in inside:
+            if seg in picks:
                 continue
             if all(abs(seg - other) >= cfg.segment_min_gap for other in taken):
                 # Past the anchor they belong to the conversation, whose thinning keeps at most
@@ -312,15 +322,20 @@ class LineageCache:
         captures: Mapping[int, tuple[str, SnapshotHandle]] | None = None,
         namespace: str = "",
         anchor_label: str = "",
+        keep: Iterable[int] = (),
     ) -> Entry | None:
         """Store the state at the prefill end of prompt ``tokens`` as its lineage's entry.
 
         ``kv``/``head`` hold the state at ``len(tokens) - entry_offset`` tokens; ``captures``
         maps capture lengths to (kind, snapshot). Entries this one extends are absorbed.
+        ``keep``: the request's own lengths among the newest turn's points thinning keeps
+        (``Entry.turn_points``; the flow passes where it restored and where its last message
+        starts).
         """
         prompt = as_tokens(tokens)
         stored = prompt[: prompt.shape[0] - self.config.entry_offset]
-        return self._store(stored, kv, head, dict(captures or {}), namespace, anchor_label)
+        return self._store(stored, kv, head, dict(captures or {}), namespace, anchor_label,
+                           keep=tuple(keep))
 
     def commit_reply(
         self,
@@ -333,6 +348,7 @@ class LineageCache:
         captures: Mapping[int, tuple[str, SnapshotHandle]] | None = None,
         namespace: str = "",
         anchor_label: str = "",
+        keep: Iterable[int] = (),
     ) -> Entry | None:
         """Store the state after a request's reply as its lineage's entry (reply reuse).
 
@@ -349,24 +365,31 @@ class LineageCache:
         stored = np.concatenate([prompt, as_tokens(reply)])
         if end >= stored.shape[0]:  # nothing was fed past the prompt end: a plain commit
             return self.commit(tokens, kv=kv, head=head, captures=captures, namespace=namespace,
-                               anchor_label=anchor_label)
+                               anchor_label=anchor_label, keep=keep)
         with self.lock:
             self.stats["reply_commits"] += 1
             self.stats["reply_tokens"] += int(stored.shape[0]) - int(prompt.shape[0])
         return self._store(stored, kv, head, dict(captures or {}), namespace, anchor_label,
-                           prompt_end=(end, prompt_head))
+                           prompt_end=(end, prompt_head), keep=tuple(keep))
 
     def _store(self, stored: np.ndarray, kv: KVHandle, head: SnapshotHandle,
                captures: dict[int, tuple[str, SnapshotHandle]], namespace: str, anchor_label: str,
-               prompt_end: tuple[int, SnapshotHandle] | None = None) -> Entry | None:
+               prompt_end: tuple[int, SnapshotHandle] | None = None,
+               keep: tuple[int, ...] = ()) -> Entry | None:
         """``commit``'s body: ``stored`` are the entry's tokens; ``prompt_end`` the protected
-        prompt-end checkpoint of a head that sits past its reply."""
+        prompt-end checkpoint of a head that sits past its reply; ``keep`` the request's own
+        lengths among the newest turn's points (``_turn_points``)."""
         cfg = self.config
         length = int(stored.shape[0])
         if length < cfg.min_tokens:
             return None
+        if self.closed:  # a generation still draining after its model was unloaded
+            with self.lock:
+                self.stats["refused_closed"] += 1
+            return None
         end = prompt_end[0] if prompt_end is not None else 0  # 0: the head is the prompt end
         turn = {end: (FINAL, prompt_end[1])} if prompt_end is not None else {}
+        turn_points = self._turn_points(captures, keep)
         with self.lock:
             now = self.clock()
             anchors = []
@@ -380,6 +403,7 @@ class LineageCache:
             if same is not None:
                 same.last_used = now
                 same.prompt_end = end
+                same.turn_points = same.turn_points | turn_points
                 self._add_checkpoints(same, {**captures, **turn}, now)
                 self._take_in([*anchors, same])
                 self._write_anchors(anchors)
@@ -387,7 +411,7 @@ class LineageCache:
 
             entry = Entry(id=uuid.uuid4().hex[:12], tokens=stored, kv=kv, head=head,
                           namespace=namespace, created=now, last_used=now,
-                          prompt_end=end)
+                          prompt_end=end, turn_points=turn_points)
             self._add_checkpoints(entry, {**captures, **turn}, now)
             for old in self._absorbable(entry):
                 self._absorb(entry, old, now)
@@ -398,6 +422,16 @@ class LineageCache:
             self._take_in([*anchors, entry])
             self._write_anchors(anchors)
             return entry if self.holds(entry) else None
+
+    @staticmethod
+    def _turn_points(captures: Mapping[int, tuple[str, SnapshotHandle]], keep: Iterable[int]) -> frozenset[int]:
+        """The newest turn's points thinning keeps (``Entry.turn_points``, served by the longest
+        checkpoint at or below each): where it restored (a reply end included: an edit of the
+        message after it restores there), the start of its last message (``plan_captures``
+        captures it; when the request restored past it, a second edit of that message needs
+        the point below it) and its periodic point (the one stock 0.7.10 keeps inside it)."""
+        periodic = {n for n, (kind, _) in captures.items() if kind == PERIODIC}
+        return frozenset(periodic | {n for n in keep if n > 0})
 
     def rewind(self, entry: Entry) -> bool:
         """Move ``entry``'s head back from past its reply to its prompt end: what the entry
@@ -414,6 +448,7 @@ class LineageCache:
             entry.tokens = entry.tokens[:end].copy()
             entry.head, entry.prompt_end, entry.dirty = point.state, 0, True
             entry.checkpoints = [c for c in entry.checkpoints if c.length < end]
+            entry.turn_points = frozenset(n for n in entry.turn_points if n < end)
             entry.hits += point.hits
             self._entries.resized(entry)
             self.stats["reply_rewinds"] += 1
@@ -506,9 +541,11 @@ class LineageCache:
 
     def _thin(self, entry: Entry) -> None:
         """Keep ``max_checkpoints``; the newest turn's prompt end (reply reuse) is not counted
-        and never dropped, so an entry holds every restore point it would hold without."""
+        and never dropped, so an entry holds every restore point it would hold without. The
+        checkpoints serving the newest turn's points (``Entry.turn_points``) are never dropped;
+        they count, but for a reply end (``_counted``)."""
         cap = self.config.max_checkpoints
-        while sum(1 for c in entry.checkpoints if c.length != entry.prompt_end) > cap:
+        while len(self._counted(entry)) > cap:
             victim = self._thin_victim(entry)
             if victim is None:
                 break
@@ -521,7 +558,8 @@ class LineageCache:
     def _thin_victim(self, entry: Entry) -> Checkpoint | None:
         """Reply ends go first (what they add over the prompt ends is an edit of the message
         after a reply), then the configured classes in order."""
-        candidates = [c for c in entry.checkpoints if c.length != entry.prompt_end]
+        kept = self._kept_points(entry)
+        candidates = [c for c in self._counted(entry) if c.length not in kept]
         replies = [c for c in candidates if c.reply_end]
         if replies:
             return min(replies, key=lambda c: (c.created, c.length))
@@ -542,6 +580,25 @@ class LineageCache:
                     return self._segment_victim(entry, members)
                 return min(members, key=lambda c: (c.created, c.length))
         return None
+
+    def _counted(self, entry: Entry) -> list[Checkpoint]:
+        """The checkpoints the cap counts: not the newest turn's prompt end, nor a reply end
+        that serves one of its points (reply reuse keeps both on top of what the entry would
+        hold without it)."""
+        kept = self._kept_points(entry)
+        return [c for c in entry.checkpoints
+                if c.length != entry.prompt_end and not (c.reply_end and c.length in kept)]
+
+    @staticmethod
+    def _kept_points(entry: Entry) -> set[int]:
+        """The checkpoints serving the newest turn's points: for each, the longest at or below it."""
+        lengths = sorted(c.length for c in entry.checkpoints)
+        kept = set()
+        for point in entry.turn_points:
+            below = [n for n in lengths if n <= point]
+            if below:
+                kept.add(below[-1])
+        return kept
 
     @staticmethod
     def _segment_victim(entry: Entry, segments: list[Checkpoint]) -> Checkpoint:
@@ -671,6 +728,8 @@ class LineageCache:
 
     def _write(self, entry: Entry) -> None:
         assert self.disk is not None
+        if self.closed:
+            return  # stays dirty: the runtime's close already flushed what it could
         entry.dirty = False
         self._queued.add(entry.id, entry.nbytes)  # before: a writer may call back at once
         try:
@@ -834,6 +893,12 @@ class LineageCache:
                 self._emit(Event(EventKind.EVICT, entry.id, entry.length, entry.nbytes, Reason.RESET))
             self._entries.clear()
             self.stats["resets"] += 1
+
+    def close(self) -> None:
+        """Store and write nothing more (the runtime is closed: its model was unloaded or
+        replaced); lookups still answer from what is held until the cache is dropped."""
+        with self.lock:
+            self.closed = True
 
     def _require(self, entry_id: str) -> Entry:
         entry = self._entries.get(entry_id)

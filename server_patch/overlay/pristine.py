@@ -17,8 +17,14 @@ PRISTINE: dict[str, tuple[str, str]] = {
         "mlx_vlm/server/__init__.py", "dc1ae2a78cf2fd68e6135c296c8cd4373f29b29341a56970401147d39c46f05a"),
     "mlx_vlm.server.app": (
         "mlx_vlm/server/app.py", "b5a37930a826db5c053c04bf5dfd084fa036adebbedb1f3be502f92359847c3a"),
+    "mlx_vlm.server.anthropic": (
+        "mlx_vlm/server/anthropic.py", "4a504691d054be87cf76ac4d77707c9cf96630bc006e5634be8bca48524a5f61"),
     "mlx_vlm.server.generation": (
         "mlx_vlm/server/generation.py", "248187bb4e405e9c89acad5d6d5e4adc4f9138e267f67f747ac32418d3c917e4"),
+    "mlx_vlm.server.request_normalization": (
+        "mlx_vlm/server/request_normalization.py", "68df01a0bf7b53587ea63f2d9ccb0b4cb6d02003526d6a8a9f4469cc1d867bc0"),
+    "mlx_vlm.utils": (
+        "mlx_vlm/utils.py", "ed95bcfd1c4e8cb522c3c7f34d4aaa10f5e53bc69a45622606f80edfa2fd7cc7"),
     "mlx_vlm.server.openai": (
         "mlx_vlm/server/openai.py", "260c92eb24fdb54edd243b4687a150c587d23d1d36bd8eace783c688499c0ae1"),
     "mlx_vlm.models.glm5_next.language": (

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from server_patch import settings
+from server_patch import clock, settings
 
 ENV_FLAG = "APC_PROFILE_FLAG"
 ENV_LOG = "APC_PROFILE_LOG"
@@ -111,7 +111,7 @@ class ForwardTimer:
 
     def record(self) -> dict:
         return {
-            "time": time.time(),
+            "time": clock.wall(),
             "chunk": self.length,
             "batch": self.batch,
             "total_ms": round((self._last - self._start) * 1e3, 3),

@@ -1,12 +1,14 @@
-"""A model fingerprint for disk files: config, a sample of every weight, the KV dtype and the
-versions of the software that computes the state; not the path.
+"""A model fingerprint for disk files: config, every byte of the weight files, a sample of the
+loaded parameters, the KV dtype and the versions of the software that computes the state; not
+the path.
 
-Hashing every byte of a 100 GB model at startup would cost minutes, so each parameter
-contributes its name, shape, dtype and its first and last elements. Any re-initialisation,
-fine-tune or quantisation change moves the hash; a rebuilt model at the same path does too.
-Another mlx, mlx-vlm or patch version may compute (or lay out) the cache differently, and a
-different activation dtype gives KV of another dtype, so those are in the fingerprint as well:
-a file written under any of them is never restored.
+The weight files are hashed in full (``weights_hash``: xxh3-128, cached by each file's stat, so
+only a changed file is read again): any re-initialisation, fine-tune, quantisation change or a
+single scaled row moves the fingerprint, and a rebuilt model at the same path does too. The
+loaded parameters add their names, shapes, dtypes and first and last elements (an adapter
+applied in memory moves those). Another mlx, mlx-vlm or patch version may compute (or lay out)
+the cache differently, and a different activation dtype gives KV of another dtype, so those are
+in the fingerprint as well: a file written under any of them is never restored.
 """
 
 from __future__ import annotations
@@ -59,12 +61,15 @@ def kv_dtype(model: Any) -> str:
     return "unknown"
 
 
-def model_fingerprint(model: Any) -> str:
-    """sha256 over the config, a head/tail sample of each parameter, the KV dtype and versions."""
+def model_fingerprint(model: Any, weights: str | None = None) -> str:
+    """sha256 over the config, the weight files' digest (``weights_hash.weights_digest``), a
+    head/tail sample of each parameter, the KV dtype and versions."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     digest = hashlib.sha256()
+    if weights is not None:
+        digest.update(f"weights:{weights}".encode())
     digest.update(json.dumps(_config_dict(model), sort_keys=True, default=str).encode())
     identity = {**software_identity(), "kv_dtype": kv_dtype(model)}
     digest.update(json.dumps(identity, sort_keys=True).encode())

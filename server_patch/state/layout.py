@@ -14,7 +14,10 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from server_patch.state.registry import DERIVED, Arrays, Codec, codec_for, is_composite, ref
+from server_patch.state import quantized
+from server_patch.state.options import KVQuant
+from server_patch.state.registry import (DERIVED, Arrays, Codec, codec_for, is_composite, packed_codec,
+                                         ref)
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ def _nbytes(arrays: Arrays) -> int:
     return sum(int(v.nbytes) for v in arrays.values() if isinstance(v, mx.array))
 
 
-_ROW_AXIS = {"keys": 2, "values": 2, "pooled": 1}
+_ROW_AXIS = {"keys": 2, "values": 2, "pooled": 1, **{part: quantized.ROW_AXIS for part in quantized.PARTS}}
 
 
 def _kept_rows(key: str, child: Arrays, length: int) -> int:
@@ -188,19 +191,45 @@ class CacheLayout:
         self.layers = tuple(layers)
 
     @classmethod
-    def from_model(cls, language_model: Any) -> "CacheLayout":
-        """Classify ``language_model.make_cache()``; unknown classes raise at startup."""
+    def from_model(cls, language_model: Any, kv_quant: KVQuant | None = None) -> "CacheLayout":
+        """Classify ``language_model.make_cache()``; unknown classes raise at startup.
+
+        ``kv_quant`` (the server's ``--kv-bits``): the plain ``KVCache`` layers mlx-vlm
+        quantizes get the packed codec (``state.quantized``); a composite or chunked layer
+        with KV it would quantize is refused."""
         caches = language_model.make_cache()
         derived = derived_children(language_model)
+        packed = quantized.quantized_layers(len(caches)) if kv_quant is not None else [False] * len(caches)
         layers = []
         for i, cache in enumerate(caches):
             if is_composite(cache):
                 codecs = tuple(DERIVED if j in derived.get(i, ()) else codec_for(child)
                                for j, child in enumerate(cache.caches))
+                if kv_quant is not None and any(c.name in ("kv", "chunked") for c in codecs):
+                    raise quantized.refuse_layer(i, cache)
                 layers.append(LayerLayout(codecs, True))
             else:
-                layers.append(LayerLayout((codec_for(cache),), False))
+                codec = codec_for(cache)
+                if kv_quant is not None and codec.name == "chunked":
+                    raise quantized.refuse_layer(i, cache)
+                if packed[i] and codec.name == "kv":
+                    codec = packed_codec(kv_quant)
+                layers.append(LayerLayout((codec,), False))
         return cls(layers)
+
+    @property
+    def packed(self) -> bool:
+        """Some layer holds quantized KV (``--kv-bits``): buffers are never lent or adopted."""
+        return any(quantized.is_packed(c.name) for layer in self.layers for c in layer.codecs)
+
+    def fresh(self, language_model: Any) -> list[Any]:
+        """Empty caches as a cold prefill under this layout starts (quantized where packed)."""
+        caches = list(language_model.make_cache())
+        for i, layer in enumerate(self.layers):
+            codec = layer.codecs[0]
+            if not layer.composite and quantized.is_packed(codec.name):
+                caches[i] = codec.build({}, {}, 0)
+        return caches
 
     def describe(self) -> str:
         """A short string that two processes agree on iff their layouts match (disk headers)."""

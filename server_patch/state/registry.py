@@ -7,8 +7,9 @@ buffer of ``PoolingCache``) keep a reference to their arrays. Derived children (
 projected per-head K/V) keep nothing and restore empty: the model rebuilds them.
 
 An unregistered class is a clear error when the model is checked at startup, never a wrong restore;
-classes with a known reason (``REFUSED``: quantized KV from ``--kv-bits``, diffusion caches) say
-what to change.
+classes with a known reason (``REFUSED``: TurboQuant KV, diffusion caches) say what to change.
+Uniform quantized KV (``--kv-bits 4``/``8``) is append-only like ``KVCache``: its codec is
+``state.quantized``, one per bits and group size (``packed_codec``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from mlx_vlm.models.cache import (
     QuantizedKVCache, RotatingKVCache, StaticPrefixKVCache,
 )
 
-from server_patch.state.options import KV_BITS_REFUSAL as _KV_BITS
+from server_patch.state import quantized
+from server_patch.state.options import TURBOQUANT_REFUSAL, KVQuant
 from server_patch.state.options import UnsupportedCacheError, check_options  # noqa: F401 (re-export)
 
 Arrays = dict[str, Any]
-KV_BITS_REFUSAL = _KV_BITS.replace("({cls})", "({cls}, from --kv-bits / KV_BITS)")
 
 
 @dataclass(frozen=True)
@@ -170,10 +171,17 @@ CODECS: dict[type, Codec] = {
 }
 DERIVED = Codec("derived", _derived_split, _derived_build, "derived: not stored, rebuilt by the model")
 
+PACKED_RULE = "append-only packed rows (--kv-bits): rows [:n] of data, scales and biases"
+
+
+def packed_codec(quant: KVQuant) -> Codec:
+    """The codec of a ``QuantizedKVCache`` layer at ``quant``'s bits and group size."""
+    codec = quantized.PackedCodec(quant)
+    return Codec(quantized.codec_name(quant), codec.split, codec.build, PACKED_RULE)
+
+
 #: Classes with a known reason they are refused, by class; the message names what to change.
 REFUSED: dict[type, str] = {
-    QuantizedKVCache: KV_BITS_REFUSAL,
-    BatchQuantizedKVCache: KV_BITS_REFUSAL,
     StaticPrefixKVCache: (
         "the lineage cache serves autoregressive prompts; {cls} belongs to a diffusion "
         "decoder (llada2_moe, diffusion_gemma). Run this model with APC_LINEAGE=0"),
@@ -181,7 +189,7 @@ REFUSED: dict[type, str] = {
 try:  # TurboQuant (--kv-bits with a fractional width or --kv-quant-scheme turboquant)
     from mlx_vlm.turboquant import BatchTurboQuantKVCache, TurboQuantKVCache
 
-    REFUSED[TurboQuantKVCache] = REFUSED[BatchTurboQuantKVCache] = KV_BITS_REFUSAL
+    REFUSED[TurboQuantKVCache] = REFUSED[BatchTurboQuantKVCache] = TURBOQUANT_REFUSAL
 except ImportError:  # optional in stripped-down installations
     pass
 
@@ -190,15 +198,18 @@ def restore_rules() -> dict[str, str]:
     """Class name -> how the lineage cache restores it, or "refused: ..." with the reason."""
     rules = {cls.__name__: codec.rule for cls, codec in CODECS.items()}
     rules[CacheList.__name__] = "composite: each child by its own rule"
+    rules[QuantizedKVCache.__name__] = rules[BatchQuantizedKVCache.__name__] = PACKED_RULE
     for cls in REFUSED:
-        rules[cls.__name__] = ("refused: --kv-bits (run without it, or with APC_LINEAGE=0)"
-                               if REFUSED[cls] is KV_BITS_REFUSAL else "refused: diffusion decoder cache")
+        rules[cls.__name__] = ("refused: TurboQuant --kv-bits (use an integer --kv-bits, or APC_LINEAGE=0)"
+                               if REFUSED[cls] is TURBOQUANT_REFUSAL else "refused: diffusion decoder cache")
     return rules
 
 
 def codec_for(cache: Any) -> Codec:
     """The codec of ``cache``'s exact class (subclasses may change semantics, so no isinstance)."""
     codec = CODECS.get(type(cache))
+    if codec is None and type(cache) is QuantizedKVCache:
+        return packed_codec(KVQuant(int(cache.bits), int(cache.group_size)))
     if codec is None and type(cache) in REFUSED:
         raise UnsupportedCacheError(REFUSED[type(cache)].format(cls=type(cache).__name__))
     if codec is None:

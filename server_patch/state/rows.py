@@ -20,10 +20,12 @@ from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 from mlx_vlm.models.cache import (
-    ArraysCache, BatchKVCache, BatchPoolingCache, CacheList, KVCache, PoolingCache,
+    ArraysCache, BatchKVCache, BatchPoolingCache, BatchQuantizedKVCache, CacheList, KVCache, PoolingCache,
+    QuantizedKVCache,
 )
 
 from server_patch.copyfree import ledger
+from server_patch.state import quantized
 from server_patch.state.layout import CacheLayout, MlxKV, MlxSnapshot
 from server_patch.state.registry import DERIVED, ref
 
@@ -41,6 +43,8 @@ def _snapshot_row(cache: Any, idx: int | None) -> Any:
         return row
     if kind is BatchKVCache:
         return KVCache()
+    if kind is BatchQuantizedKVCache or kind is QuantizedKVCache:
+        return QuantizedKVCache(group_size=int(cache.group_size), bits=int(cache.bits))  # KV: none here
     if kind is BatchPoolingCache:
         i = idx or 0
         row = PoolingCache(cache.ratio)
@@ -65,6 +69,8 @@ def _kv_row(cache: Any, idx: int | None, length: int, copy: bool) -> Any:
     """Row ``idx`` of an append-only cache, ``length`` tokens, as a single-row cache."""
     kind = type(cache)
     i = idx or 0
+    if kind is QuantizedKVCache or kind is BatchQuantizedKVCache:
+        return quantized.row(cache, idx, length, copy)
     if kind is KVCache or kind is BatchKVCache:
         row = KVCache()
         if cache.keys is None or length <= 0:
@@ -99,7 +105,7 @@ def _kv_row(cache: Any, idx: int | None, length: int, copy: bool) -> Any:
 
 
 def _kv_child(codec_name: str) -> bool:
-    return codec_name in ("kv", "pooling")
+    return codec_name in ("kv", "pooling") or quantized.is_packed(codec_name)
 
 
 def row_caches(layout: CacheLayout, caches: Sequence[Any], idx: int | None, *, kv: bool,
@@ -176,13 +182,15 @@ def fed_lengths(layout: CacheLayout, caches: Sequence[Any], idx: int) -> set[int
                 found.add(int(child.offset[idx].item()))
             elif kind is KVCache and idx == 0:
                 found.add(int(child.offset))
+            else:
+                found |= quantized.fed_lengths(child, idx)
     return found
 
 
 def batch_size(caches: Sequence[Any]) -> int:
     """Rows of a live prompt cache (1 for single-sequence caches)."""
     for child in leaf_caches(caches):
-        if type(child) is BatchKVCache:
+        if type(child) is BatchKVCache or type(child) is BatchQuantizedKVCache:
             return int(child.batch_size)
         if type(child) is BatchPoolingCache:
             return len(child.remainder)

@@ -87,7 +87,7 @@ def describe(entry: dict[str, Any]) -> Text:
                  f"checkpoints {count} ({render.human_bytes(entry.get('checkpoint_bytes'))}) · {entry.get('tier')}",
                  style="grey70")
     if entry.get("label"):
-        title.append(f"\n{entry['label']}", style="italic grey62")
+        title.append(f"\n{render.printable(entry['label'])}", style="italic grey62")
     return title
 
 

@@ -12,7 +12,8 @@ import importlib
 
 from server_patch.overlay.edits import FilePatch, register
 
-TOPICS = ("canary", "copyfree", "identity", "lineage", "sparse_attention", "tenant")
+TOPICS = ("canary", "copyfree", "identity", "intake", "lineage", "served_model", "sparse_attention", "tenant",
+          "weights_path")
 
 
 def load_topics() -> dict[str, FilePatch]:

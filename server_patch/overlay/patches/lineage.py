@@ -3,7 +3,8 @@
 * generate/ar.py, generate/dispatch.py: the batched and single-sequence paths build our
   coordinator; the batch passes each row's uid to checkpoint stores and binds timing records.
 * server/__init__.py: ``apply_chat_template`` also notes each request's system+tools prefix.
-* server/generation.py: prefill-completed and first-token times go to the timing records.
+* server/generation.py: prefill-completed and first-token times go to the timing records, and
+  so does a cancelled request once the generator let it go (a record even with no first token).
 * server/app.py: /admin is mounted; the lifespan flushes unwritten entries to disk at shutdown.
 """
 
@@ -103,6 +104,11 @@ FILE_PATCHES = (
                 '        info["prefill_processed"] = prompt_tokens\n'
                 "        _apc_lineage_hooks.prefill_completed(uid, info, prompt_time)\n"
             ),
+        ),
+        Edit(
+            name="lineage.cancelled",
+            old="            info = active.pop(uid)\n",
+            new="            info = active.pop(uid)\n            _apc_lineage_hooks.cancelled(uid, info)\n",
         ),
         Edit(
             name="lineage.first_token",

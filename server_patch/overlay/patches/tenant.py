@@ -1,38 +1,55 @@
-"""A tenant that survives a gateway: the request's own ``user`` field, when the operator opts in.
+"""Every inference request's cache namespace, set before mlx-vlm reads its tenant header.
 
-mlx-vlm salts its cache with ``X-APC-Tenant`` (or ``X-Tenant-Id``), but a gateway in front of
-several servers need not pass that header on: smg 1.13 forwards only ``authorization``,
-``x-request-id``(``-*``), ``x-correlation-id``, ``traceparent``/``tracestate`` and
-``x-smg-routing-key``, and drops the rest (checked against the real binary, docs/fleet.md). It
-forwards the JSON body unchanged, though, and the OpenAI API has a field for exactly this: ``user``,
-"a unique identifier representing your end-user" (``user=`` in the OpenAI SDK); Anthropic's is
-``metadata.user_id``. With ``APC_TENANT_FROM_USER=1`` this ASGI middleware turns that field into
-the ``X-APC-Tenant`` header before mlx-vlm reads it, so every route that honours the header (chat,
-completions, responses, messages, compaction) honours the field too. Opt-in, because clients that
-send a per-end-user ``user`` would otherwise split one shared cache per end user. A tenant header
-the request carries itself wins; ``/admin`` and the management routes are left alone (an anchor
-names its tenant in its own body). This module must not import mlx-vlm (topics load before the import hook).
+mlx-vlm salts its cache with ``X-APC-Tenant`` (or ``X-Tenant-Id``), and its answers report
+``cached_tokens``: on a shared server that count tells one client how much of its prompt another
+sent before (a token-exact prefix, probe by probe). This ASGI middleware replaces that header,
+on every route outside ``/admin``, ``/health`` and the management routes, with the namespace
+``server_patch.tenancy.namespace`` derives from three parts:
+
+* the **API key** (``APC_API_KEYS``/``APC_API_KEY_FILE``, ``--api-key``): with keys configured a
+  request without a valid one gets 401 JSON, and each key is its own namespace;
+* the **tenant**: the header, or with ``APC_TENANT_FROM_USER=1`` the body's ``user`` (OpenAI)
+  or ``metadata.user_id`` (Anthropic) field, for gateways that drop headers (smg 1.13 forwards
+  only ``authorization``, ``x-request-id``, ``traceparent`` and a few more, docs/fleet.md). A
+  blank header counts as none, and the field is read from any body mlx-vlm would parse (its
+  handlers call ``request.json()`` whatever the content type). Opt-in, because clients that send
+  a per-end-user ``user`` would otherwise split one shared cache per end user; and only as
+  trustworthy as the client;
+* vLLM's per-request **``cache_salt``** (any JSON body): nothing is shared across salts; one
+  that is not a non-empty string is a 400.
+
+This module must not import mlx-vlm (topics load before the import hook).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+import os
+from typing import TYPE_CHECKING, Any, Callable
 
-from server_patch.admin.guard import Receive, Scope, Send, classify, header, replaying, route_path, with_headers
+from server_patch.admin.guard import (READ_METHODS, Receive, Scope, Send, classify, header, replaying, reply,
+                                      route_path, with_headers)
+from server_patch.admin.internal import INTERNAL
 from server_patch.overlay.edits import Edit
 from server_patch.overlay.pristine import patch_of
+from server_patch.tenancy.namespace import namespace
+
+if TYPE_CHECKING:
+    from server_patch.tenancy.keys import ApiKeys
 
 ENV = "APC_TENANT_FROM_USER"
 TENANT_HEADER = b"x-apc-tenant"
 HONOURED = (TENANT_HEADER, b"x-tenant-id")  # what mlx-vlm's _read_tenant_id reads (app.py:199-210)
 MAX_TENANT_CHARS = 256  # a salt, not a document: longer values are ignored, not truncated
+DEFAULT_TENANT_ENV = "APC_DEFAULT_TENANT"  # mlx-vlm's fallback tenant (app.py:203)
+OPEN_PATHS = frozenset({"/health"})  # a probe's route: no key (stock mlx-vlm asks for its own key there)
+UNAUTHORIZED = "missing or wrong API key (Authorization: Bearer <key>)"
 
 FILE_PATCHES = (
     patch_of(
         "mlx_vlm.server.app",
         Edit(
-            name="tenant.from_user",
+            name="tenant.namespace",
             old="app.add_middleware(\n    CORSMiddleware,\n",
             new=(
                 "from server_patch.overlay.patches.tenant import install as _apc_tenant_install\n"
@@ -53,13 +70,14 @@ def enabled(env: dict[str, str] | None = None) -> bool:
 
 
 def install(app: Any) -> None:
-    """Add the middleware when ``APC_TENANT_FROM_USER`` is on; a bad value stops the server here."""
+    """Add the middleware; a bad ``APC_TENANT_FROM_USER`` or unusable API keys stop the server here."""
+    from server_patch.tenancy import keys
+
     try:
-        on = enabled()
+        on, api_keys = enabled(), keys.load()
     except ValueError as exc:
         raise SystemExit(f"server_patch: {exc}") from None
-    if on:
-        app.add_middleware(TenantFromUser)
+    app.add_middleware(RequestNamespace, api_keys=api_keys, from_user=on)
 
 
 def tenant_of(body: bytes) -> str | None:
@@ -79,37 +97,99 @@ def tenant_of(body: bytes) -> str | None:
     return value.strip()
 
 
-class TenantFromUser:
-    """For JSON POSTs outside ``/admin`` with no tenant header: the body's user as ``X-APC-Tenant``."""
+def header_tenant(scope: Scope) -> str | None:
+    """The tenant header mlx-vlm would honour, or None when absent or blank (never the shared tenant)."""
+    for name in HONOURED:
+        value = header(scope, name)
+        if value is not None and value.strip():
+            return value.strip().decode("latin-1")  # as Starlette hands it to mlx-vlm
+    return None
 
-    def __init__(self, app: Callable) -> None:
+
+def cache_salt_of(body: bytes | None) -> tuple[str | None, str | None]:
+    """(the body's ``cache_salt``, None) or (None, why it is refused); (None, None) when absent."""
+    try:
+        data = json.loads(body) if body else None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None, None
+    if not isinstance(data, dict) or data.get("cache_salt") is None:
+        return None, None
+    salt = data["cache_salt"]
+    if not isinstance(salt, str) or not salt:
+        return None, "cache_salt must be a non-empty string if provided"
+    return salt, None
+
+
+class RequestNamespace:
+    """API key check and cache namespace (key, tenant, ``cache_salt``) for every inference route."""
+
+    def __init__(self, app: Callable, *, api_keys: ApiKeys | None = None, from_user: bool = False) -> None:
         self.app = app
+        self.api_keys = api_keys
+        self.from_user = from_user
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self._applies(scope):
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
+        key_id = None
+        if self.api_keys is not None:
+            key_id = self.api_keys.identity(header(scope, b"authorization"), header(scope, b"x-api-key"))
+            if key_id is None:
+                await self._refuse(scope, receive, send)
+                return
+            scope = self._for_mlx_vlm(scope)
+        body = None
+        if scope["type"] == "http" and scope.get("method", "").upper() == "POST":
+            body = await read_whole(receive)
+            if body is None:
                 return  # the client is gone: nothing to answer
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        tenant = tenant_of(body)
-        if tenant is not None:
-            scope = with_headers(scope, drop=(), add=[(TENANT_HEADER, tenant.encode("utf-8"))])
-        await self.app(scope, replaying(body, receive), send)
+            receive = replaying(body, receive)
+        salt, refused = cache_salt_of(body)
+        if refused:
+            await reply(send, 400, refused)
+            return
+        tenant = header_tenant(scope) or (tenant_of(body) if self.from_user and body else None)
+        if tenant is None and (key_id is not None or salt is not None):
+            tenant = os.environ.get(DEFAULT_TENANT_ENV) or None  # what mlx-vlm would fall back to
+        name = namespace(key_id, tenant, salt)
+        if name is not None:
+            scope = with_headers(scope, drop=HONOURED, add=[(TENANT_HEADER, name.encode("utf-8"))])
+        await self.app(scope, receive, send)
+
+    def _for_mlx_vlm(self, scope: Scope) -> Scope:
+        """With ``MLX_VLM_SERVER_API_KEY`` also set, mlx-vlm's handlers check that key: hand it on."""
+        upstream = self.api_keys.upstream if self.api_keys else None
+        if upstream is None:
+            return scope
+        return with_headers(scope, drop=(b"authorization",), add=[(b"authorization", b"Bearer " + upstream)])
+
+    @staticmethod
+    async def _refuse(scope: Scope, receive: Receive, send: Send) -> None:
+        """401 JSON; a websocket is accepted and closed with 1008 (a close code needs an open socket)."""
+        if scope["type"] == "http":
+            await reply(send, 401, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
+            return
+        if (await receive()).get("type") == "websocket.connect":
+            await send({"type": "websocket.accept"})
+            await send({"type": "websocket.close", "code": 1008, "reason": UNAUTHORIZED})
 
     @staticmethod
     def _applies(scope: Scope) -> bool:
-        if scope.get("type") != "http" or scope.get("method", "").upper() != "POST":
-            return False
-        if classify(route_path(scope)) is not None:  # /admin and mlx-vlm's management routes
-            return False
-        if any(header(scope, name) is not None for name in HONOURED):
-            return False
-        content_type = (header(scope, b"content-type") or b"").lower()
-        return content_type.startswith(b"application/json")
+        if scope.get("type") not in ("http", "websocket") or scope.get(INTERNAL):
+            return False  # an admin anchor's prefill names its namespace itself (its ``tenant``)
+        path = route_path(scope)
+        return path not in OPEN_PATHS and classify(path) != "admin" and not (
+            classify(path) == "management" and scope.get("method", "GET").upper() not in READ_METHODS)
+
+
+async def read_whole(receive: Receive) -> bytes | None:
+    """The whole request body, or None when the client disconnected first."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)

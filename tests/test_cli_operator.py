@@ -1,0 +1,142 @@
+"""What a newcomer and an operator trip on (issue 27), through the real CLI and a real server
+that ``apcctl serve`` started in a private state dir: errors that say what to do, and which
+server a command picks.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from apcctl.cli import main
+from apcctl.commands.common import ExitStatus
+from apcctl.core.hosts import free_port
+from apcctl.core.manage import ManagedServer, build_spec, managed_names
+
+pytestmark = pytest.mark.server
+
+NAME = "solo"
+
+
+def run(*args: str, code: int = 0) -> Result:
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == code, f"apcctl {' '.join(args)} -> {result.exit_code}\n{result.output}"
+    assert "Traceback" not in result.output
+    return result
+
+
+@pytest.fixture(scope="module")
+def served(cli_env: Path, tiny_model_dir: Path) -> dict[str, Any]:
+    return json.loads(run("serve", "--server", NAME, "--model", str(tiny_model_dir), "--port", str(free_port()),
+                          "--json").stdout)
+
+
+def test_a_missing_model_directory_is_named_before_anything_starts(cli_env: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "models" / "glm"
+    out = run("serve", "--server", "nomodel", "--model", str(missing), "--port", str(free_port()),
+              code=ExitStatus.USAGE).output
+    assert f"model directory {missing} does not exist" in out
+    assert "Repo id" not in out and "nomodel" not in managed_names()
+    assert not (ManagedServer("nomodel").directory).exists()
+
+
+def test_a_server_that_never_came_up_is_not_recorded(cli_env: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.unlink()
+    out = run("serve", "--server", "ghost", "--model", str(broken), "--port", str(free_port()),
+              code=ExitStatus.FAILED).output
+    assert "exited during start-up" in out and "full log:" in out
+    assert "ghost" not in managed_names()
+    # A later command does not talk to a record of it: the name is unknown (a usage error).
+    assert "unknown server 'ghost'" in run("status", "--server", "ghost", code=ExitStatus.USAGE).output
+
+
+def test_with_no_config_the_only_managed_server_is_picked(served: dict[str, Any]) -> None:
+    assert managed_names() == [NAME]
+    status = json.loads(run("status", "--json").stdout)
+    assert status["server"] == NAME and status["status"]["server"]["pid"] == served["pid"]
+    assert run("logs", "-n", "5").output  # logs too: no --server needed
+
+
+def test_something_else_on_a_managed_servers_port_is_named(served: dict[str, Any]) -> None:
+    """A stopped managed server whose port another process answers on: said so, not "give --token"."""
+    port = int(served["url"].rsplit(":", 1)[1])
+    ManagedServer("squatted").save(build_spec("squatted", model="m", port=port))
+    try:
+        out = run("status", "--server", "squatted", code=ExitStatus.AUTH).output
+        assert "is not running, yet something else answers" in out and "--token" not in out
+    finally:
+        run("forget", "squatted")
+
+
+def test_forget_drops_a_stopped_server_and_refuses_a_running_one(served: dict[str, Any]) -> None:
+    ManagedServer("old").save(build_spec("old", model="m", port=free_port()))
+    down = run("status", "--all", "--json", code=ExitStatus.UNREACHABLE)
+    assert "apcctl forget old" in down.stderr
+    out = run("forget", "old").output
+    assert "old: forgotten" in out and "old" not in managed_names()
+    assert ManagedServer("old").directory.is_dir()  # its state dir is kept without --purge
+    assert [s["server"] for s in json.loads(run("status", "--all", "--json").stdout)] == [NAME]
+    assert "is running" in run("forget", NAME, code=ExitStatus.FAILED).output
+    assert "no managed server 'old'" in run("forget", "old", code=ExitStatus.NOT_FOUND).output
+    ManagedServer("gone").save(build_spec("gone", model="m", port=free_port()))
+    run("forget", "gone", "--purge")
+    assert not ManagedServer("gone").directory.exists()
+
+
+def budgets(name: str = NAME) -> dict[str, Any]:
+    return json.loads(run("status", "--server", name, "--json").stdout)["status"]["sizing"]["budgets"]
+
+
+def test_restart_applies_the_changed_config_table_and_e(cli_env: Path, served: dict[str, Any],
+                                                        tiny_model_dir: Path) -> None:
+    """The config table is read again at restart (a changed ram_budget is what the new process
+    runs with), -e sets a variable, the plan shows both before anything is drained, and
+    config show -s reports what the running server uses."""
+    config = cli_env / "xdg" / "apcctl" / "config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(f'[servers.{NAME}]\nram_budget = "2G"\n', encoding="utf-8")
+    try:
+        plan = run("restart", "--server", NAME, "-e", "APC_LINEAGE_ANCHOR_MAX_ENTRIES=7", "--dry-run").output
+        assert "change APC_LINEAGE_RAM_BUDGET_BYTES: (unset) -> 2G" in plan
+        assert "change APC_LINEAGE_ANCHOR_MAX_ENTRIES: (unset) -> 7" in plan
+        assert budgets()["ram_limit"] != 2 << 30  # a dry run touches nothing
+        out = run("restart", "--server", NAME, "-e", "APC_LINEAGE_ANCHOR_MAX_ENTRIES=7")
+        assert out.output.index("change APC_LINEAGE_RAM_BUDGET_BYTES") < out.output.index("draining")
+        after = budgets()
+        assert (after["ram_limit"], after["anchor_count_limit"]) == (2 << 30, 7)
+        shown = {s["name"]: s for s in json.loads(run("config", "show", "-s", NAME, "--json").stdout)["settings"]}
+        assert (shown["APC_LINEAGE_RAM_BUDGET_BYTES"]["value"], shown["APC_LINEAGE_RAM_BUDGET_BYTES"]["source"]) \
+            == (2 << 30, "config")
+        assert shown["APC_LINEAGE_ANCHOR_MAX_ENTRIES"]["value"] == 7
+        assert shown["APC_LINEAGE_DISK_PATH"]["value"] == str(Path(served["state_dir"]) / "lineage-disk")
+        # The table's key taken out again: the next restart goes back to the default.
+        config.write_text(f"[servers.{NAME}]\n", encoding="utf-8")
+        assert "change APC_LINEAGE_RAM_BUDGET_BYTES: 2G -> (unset)" in run("restart", "-s", NAME, "--dry-run").output
+    finally:
+        config.unlink()
+    bad = run("restart", "--server", NAME, "--model", str(tiny_model_dir / "nope"), code=ExitStatus.USAGE).output
+    assert f"model directory {tiny_model_dir / 'nope'} does not exist" in bad
+    assert "APC_LINEAGE_RAM_BUDGET_BYTES" in run("restart", "-s", NAME, "-e", "APC_LINEAGE_RAM_BUDGET_BYTES=lots",
+                                                 code=ExitStatus.USAGE).output
+
+
+def test_a_rollback_says_its_verdict_in_one_line_then_the_log_once(served: dict[str, Any]) -> None:
+    from dataclasses import replace
+
+    managed = ManagedServer(NAME)
+    previous = managed.spec()
+    managed.save(replace(previous, argv=[*previous.argv, "--no-such-option"]))  # an operator's edit
+    out = run("restart", "--server", NAME, code=ExitStatus.FAILED)
+    verdict = next(line for line in out.stderr.splitlines() if line.startswith("Error:"))
+    assert verdict.startswith(f"Error: {NAME}: starting: the server exited while starting; rolled back")
+    assert out.stderr.index(verdict) < out.stderr.index("log tail")
+    assert out.output.count("log tail") == 1 and out.output.count("unrecognized arguments: --no-such-option") == 1
+    assert "--no-such-option" not in managed.spec().argv  # the previous command serves again
