@@ -145,46 +145,44 @@ def _server(name: str, table: Any, path: Path) -> ServerConfig:
         token_file=Path(token_file).expanduser() if token_file else None,
         model=table.get("model"), port=_int(table.get("port"), name, path), host=table.get("host"),
         supervisor=supervisor, service=table.get("service"), args=tuple(str(a) for a in table.get("args", ())),
-        budget_env=_budgets(table, name, path) + _serving(table, name, path),
+        budget_env=_server_env(table, name, path),
     )
 
 
-def _budgets(table: dict[str, Any], name: str, path: Path) -> tuple[tuple[str, str], ...]:
-    """``ram_budget = "48G"`` etc. -> the variables the server reads, checked now (exit 2 if bad)."""
+def _server_env(table: dict[str, Any], name: str, path: Path) -> tuple[tuple[str, str], ...]:
+    """The budget and serving keys -> the variables the server reads, checked now (exit 2 if bad)."""
     out = []
-    for key, variable in BUDGET_KEYS.items():
+    for key, variable in {**BUDGET_KEYS, **SERVING_KEYS}.items():
         if key not in table:
             continue
-        value = table[key]
-        text = str(value).strip()
+        convert = _budget_text if key in BUDGET_KEYS else _names_text
         try:
-            if isinstance(value, bool) or not isinstance(value, (int, str)):
-                raise ValueError(f"{key} must be a number or a string such as \"48G\"")
-            try:
-                number = registry.setting(variable).parse(text)
-            except ValueError as exc:
-                raise ValueError(f"{key}: {exc}") from None
-            if number < 0:
-                raise ValueError(f"{key} must be >= 0")
+            out.append((variable, convert(key, variable, table[key])))
         except ValueError as exc:
             raise ConfigError(f"{path}: [servers.{name}] {exc}") from None
-        out.append((variable, text))
     return tuple(out)
 
 
-def _serving(table: dict[str, Any], name: str, path: Path) -> tuple[tuple[str, str], ...]:
-    """``served_model_name = ["glm"]`` etc. -> the comma-separated variables the server reads."""
-    out = []
-    for key, variable in SERVING_KEYS.items():
-        if key not in table:
-            continue
-        value = table[key]
-        values = [value] if isinstance(value, str) else value
-        if not isinstance(values, list) or not all(isinstance(v, str) and v.strip() and "," not in v for v in values):
-            raise ConfigError(f"{path}: [servers.{name}] {key} must be a string or a list of strings "
-                              "(none blank, none with a comma)")
-        out.append((variable, ",".join(v.strip() for v in values)))
-    return tuple(out)
+def _budget_text(key: str, variable: str, value: Any) -> str:
+    """``ram_budget = "48G"`` (or a number): the text of a size the server will parse alike."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{key} must be a number or a string such as \"48G\"")
+    try:
+        number = registry.setting(variable).parse(text)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
+    if number < 0:
+        raise ValueError(f"{key} must be >= 0")
+    return text
+
+
+def _names_text(key: str, variable: str, value: Any) -> str:
+    """``served_model_name = ["glm"]`` (or one string): the comma-separated list the server reads."""
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) and v.strip() and "," not in v for v in values):
+        raise ValueError(f"{key} must be a string or a list of strings (none blank, none with a comma)")
+    return ",".join(v.strip() for v in values)
 
 
 def _int(value: Any, name: str, path: Path) -> int | None:

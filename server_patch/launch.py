@@ -22,6 +22,8 @@ The arguments are mlx-vlm 0.7.10's own (``mlx_vlm.server --help``). Differences 
   ORIGIN`` (``APC_ALLOWED_ORIGINS``), repeatable or comma-separated, are the patch's: a request
   naming another model than ``--model`` gets 404, a web page of an unlisted origin gets 403
   (``server_patch.serving``);
+* ``--allowed-local-media-path DIR`` (vLLM's flag; ``APC_ALLOWED_LOCAL_MEDIA_PATH``) lets requests
+  name media files under DIR; without it no local path is read (``server_patch.intake.media``);
 * ``--copy-counter[=FILE]`` (or ``APC_COPY_COUNTER=1``) installs the copy counter, for
   measurement only (``server_patch.copyfree.counter``; its totals as JSON in FILE), and is not
   passed on to mlx-vlm.
@@ -320,6 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     from server_patch.serving.flags import apply_serving_flags
 
     args = apply_serving_flags(args, os.environ, patched=lineage_enabled())
+    from server_patch.intake.flags import apply_media_flag
+
+    args = apply_media_flag(args, os.environ, patched=lineage_enabled())
     if lineage_enabled():
         check_config(args)
         warn_sizing()

@@ -161,7 +161,8 @@ _SCALARS: tuple[Setting, ...] = (
        "routes cross-origin, with CORS; `*`: every origin, as stock mlx-vlm. Unset: none (403). Same as "
        "the launcher's `--allowed-origins`.", "serving", "server_patch.serving.origins", "server_patch.launch"),
     _s("APC_ALLOWED_HOSTS", T.LIST, (), "Host names the server answers to besides IP addresses, "
-       "`localhost` and the `--host` name (DNS rebinding: any other `Host` gets 403); `*`: any.",
+       "`localhost`, this machine's name, `*.local`/`*.internal` and the `--host` name (DNS rebinding: "
+       "any other `Host` gets 403); `*`: any.",
        "serving", "server_patch.serving.origins"),
     _s("APC_TENANT_FROM_USER", T.BOOL, False, "Take the cache tenant from a request's `user` (OpenAI) or "
        "`metadata.user_id` (Anthropic) field when it sends no (or a blank) tenant header. The field is only as "
@@ -171,7 +172,7 @@ _SCALARS: tuple[Setting, ...] = (
        "a request with an API key or a `cache_salt` keeps it as the tenant part of its namespace.", "tenant",
        "server_patch.overlay.patches.tenant", default_text="unset: one shared tenant"),
     _s("APC_API_KEYS", T.LIST, (), "Inference API keys, comma-separated (`--api-key`): every route but "
-       "`/health` and `/admin` then needs `Authorization: Bearer <key>`, and each key is its own cache "
+       "`/health`, `/admin` and mlx-vlm's management writes (admin token) then needs `Authorization: Bearer <key>`, and each key is its own cache "
        "namespace. Set but blank stops the server.", "tenant", "server_patch.tenancy.keys", secret=True,
        default_text="unset: no keys"),
     _s("APC_API_KEY_FILE", T.PATH, None, "A file of inference API keys, one per line, `#` comments "

@@ -140,3 +140,102 @@ def test_a_rollback_says_its_verdict_in_one_line_then_the_log_once(served: dict[
     assert out.stderr.index(verdict) < out.stderr.index("log tail")
     assert out.output.count("log tail") == 1 and out.output.count("unrecognized arguments: --no-such-option") == 1
     assert "--no-such-option" not in managed.spec().argv  # the previous command serves again
+
+
+# ------------------------------------------------------------------ human tables on real terminals
+
+
+def on_terminal(columns: int, *args: str) -> list[str]:
+    """``apcctl ARGS`` on a pseudo-terminal ``columns`` wide: the lines a user sees."""
+    import fcntl
+    import os
+    import pty
+    import re
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    env = {**os.environ, "COLUMNS": str(columns), "LINES": "24", "NO_COLOR": "1", "TERM": "xterm"}
+    process = subprocess.Popen([sys.executable, "-m", "apcctl.cli", *args], stdin=slave, stdout=slave,
+                               stderr=slave, env=env)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the other end closed: the command is done
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert process.wait(60) == 0, out.decode()
+    text = re.sub(r"\x1b\[[0-?]*[ -/]*[@-~]", "", out.decode()).replace("\r", "")
+    return text.splitlines()
+
+
+@pytest.fixture(scope="module")
+def cached(served: dict[str, Any], tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Two anchors and a conversation on the server: the ids ``entries`` lists."""
+    from apcctl.core.client import AdminClient
+
+    client = AdminClient(served["url"], (Path(served["state_dir"]) / "admin-token").read_text().strip())
+    model = client.status()["server"]["model"]
+    prompts = tmp_path_factory.mktemp("prompts")
+    for n, system in enumerate(("You are the first table assistant. Answer briefly.",
+                                "You are the second table assistant, with a long label to wrap. " * 3)):
+        (prompts / f"{n}.txt").write_text(system)
+        run("anchors", "new", "--server", NAME, "--system-file", str(prompts / f"{n}.txt"))
+    client.chat([{"role": "system", "content": "A conversation of the table test."},
+                 {"role": "user", "content": "Hello there, how are the tables?"}], max_tokens=2, temperature=0.0,
+                timeout=120, model=model)
+    return [e["id"] for e in json.loads(run("entries", "--server", NAME, "--json").stdout)]
+
+
+def test_at_80_columns_entries_keep_every_id_and_column(cached: list[str]) -> None:
+    from apcctl.commands.entries import COLUMNS
+
+    for command in (["entries"], ["anchors", "list"]):
+        lines = on_terminal(80, *command, "--server", NAME)
+        text = "\n".join(lines)
+        assert all(len(line) <= 80 for line in lines), lines
+        assert all(i in text for i in cached if command == ["entries"]), (cached, text)
+        assert "…" not in text
+        assert all(any(line.startswith(c) or f" {c} " in f" {line} " for line in lines) for c in COLUMNS), text
+    wide = on_terminal(200, "entries", "--server", NAME)
+    assert wide[1].split()[:3] == ["ID", "KIND", "PIN"]  # wide enough: one table, a row per entry
+
+
+def test_status_keys_stay_whole_beside_a_long_warning(served: dict[str, Any]) -> None:
+    run("restart", "--server", NAME, "-e", "APC_LINEAGE_RAM_BUDGET_BYTES=64T")  # more than this machine has
+    try:
+        for columns in (100, 160):
+            lines = on_terminal(columns, "status", "--server", NAME)
+            keys = [line.split()[0] for line in lines[1:] if line and not line.startswith(" ")]
+            assert {"model", "version", "server", "warning"} <= set(keys), lines
+            assert "…" not in "\n".join(lines) and all(len(line) <= columns for line in lines)
+    finally:
+        run("restart", "--server", NAME, "-e", "APC_LINEAGE_RAM_BUDGET_BYTES=2G")
+    piped = run("status", "--server", NAME).stdout.splitlines()
+    assert piped and not any(line.endswith(" ") for line in piped)  # no padding in a pipe
+
+
+def test_an_id_prefix_names_its_entry_as_docker_takes_them(cached: list[str]) -> None:
+    anchor = next(a["id"] for a in json.loads(run("anchors", "list", "--server", NAME, "--json").stdout))
+    ids = [e["id"] for e in json.loads(run("entries", "--server", NAME, "--json").stdout)]
+    prefix = next(anchor[:n] for n in range(1, len(anchor)) if sum(i.startswith(anchor[:n]) for i in ids) == 1)
+    shown = json.loads(run("entries", "--server", NAME, prefix, "--json").stdout)
+    assert shown["id"] == anchor
+    assert "starts several ids" in run("anchors", "evict", "--server", NAME, "", code=ExitStatus.USAGE).output
+    assert f"evicted {anchor}" in run("anchors", "evict", "--server", NAME, prefix).output
+    assert anchor not in [e["id"] for e in json.loads(run("entries", "--server", NAME, "--json").stdout)]
+    assert run("entries", "--server", NAME, "zzzz", code=ExitStatus.NOT_FOUND)
+
+
+def test_requests_n_is_a_count_and_logs_has_json(cached: list[str]) -> None:
+    assert len(json.loads(run("requests", "--server", NAME, "-n", "1", "--json").stdout)) == 1
+    lines = [json.loads(line) for line in run("logs", "--server", NAME, "-n", "3", "--json").stdout.splitlines()]
+    assert len(lines) == 3 and all(set(line) == {"server", "log", "line"} for line in lines)

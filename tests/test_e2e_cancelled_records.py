@@ -26,7 +26,8 @@ def cancel_during_prefill(server: PatchedServer, content: str) -> None:
     started = server.log_text().count("Prefill started")
     sock = socket.create_connection((HOST, server.port), timeout=30)
     try:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}:{server.port}\r\n".encode()
+                     + b"Content-Type: application/json\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         deadline = time.monotonic() + 60
         while server.log_text().count("Prefill started") == started and time.monotonic() < deadline:
@@ -36,7 +37,7 @@ def cancel_during_prefill(server: PatchedServer, content: str) -> None:
 
 
 def records(server: PatchedServer) -> list[dict]:
-    status, body = server.admin("GET", "/admin/requests")
+    status, body = server.admin("GET", "/requests")
     assert status == 200, body
     return body["requests"]
 
@@ -57,7 +58,14 @@ def test_a_request_cancelled_in_prefill_has_a_record(tiny_model_dir, tmp_path):
         assert cancelled[0]["prompt_tokens"] > 1000 and cancelled[0]["ttft_ms"] == 0
         assert sorted(r["seq"] for r in got) == [1, 2, 3]  # no gap
         assert [r["outcome"] for r in sorted(got, key=lambda r: r["seq"])] == ["", "cancelled", ""]
+        # Cancelled while decoding: the record (finished at the first token) says so too, and
+        # that the entry kept the reply streamed so far.
+        server.stream_and_drop([{"role": "user", "content": "Tell me a long story"}], chunks=2, max_tokens=200)
+        wait_for(lambda: sum(r.get("outcome") == "cancelled" for r in records(server)) == 2,
+                 "a cancelled-in-decode record", server)
+        decode = [r for r in records(server) if r["outcome"] == "cancelled" and r["phase"] == "decode"]
+        assert len(decode) == 1 and decode[0]["stored"] == "reply" and decode[0]["reply_tokens"] > 0
     lines = [json.loads(line) for path in sorted(journal.rglob("journal.jsonl*")) for line in path.read_text().splitlines()]
     journaled = [line for line in lines if line.get("type") == "request"]
-    assert sorted(line["seq"] for line in journaled) == [1, 2, 3]
+    assert sorted(line["seq"] for line in journaled) == [1, 2, 3, 4]
     assert [line["phase"] for line in journaled if line["outcome"] == "cancelled"] == ["prefill"]

@@ -205,11 +205,14 @@ def test_guard_accepts_the_admin_token_or_mlx_vlms_key_on_its_routes(monkeypatch
 
 
 def raw(server: PatchedServer, method: str, path: str, headers: Iterable[tuple[str, str | bytes]] = (),
-        body: bytes | Iterable[bytes] | None = None) -> tuple[int, dict[str, str], Any]:
-    """One request with headers sent byte for byte (http.client), body bytes or chunks."""
+        body: bytes | Iterable[bytes] | None = None, *, host: str | None = None) -> tuple[int, dict[str, str], Any]:
+    """One request with headers sent byte for byte (http.client), body bytes or chunks; ``host``
+    replaces the Host header."""
     conn = http.client.HTTPConnection(HOST, server.port, timeout=120)
     try:
-        conn.putrequest(method, path, skip_accept_encoding=True)
+        conn.putrequest(method, path, skip_host=host is not None, skip_accept_encoding=True)
+        if host is not None:
+            conn.putheader("Host", host)
         chunked = body is not None and not isinstance(body, bytes)
         for name, value in headers:
             conn.putheader(name, value)

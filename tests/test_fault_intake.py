@@ -189,8 +189,9 @@ def test_the_opt_ins_restore_stock_fetching_local_files_and_open_metrics(
     media_dir = tmp_path / "media"
     media_dir.mkdir()
     (media_dir / "inside.png").write_bytes(b"not really a png")
-    env = {"APC_MEDIA_PRIVATE_URLS": "1", "APC_ALLOWED_LOCAL_MEDIA_PATH": str(media_dir), "APC_METRICS_PUBLIC": "1"}
-    with PatchedServer(tiny_model_dir, env=env, log_dir=tmp_path / "server") as server:
+    env = {"APC_MEDIA_PRIVATE_URLS": "1", "APC_METRICS_PUBLIC": "1"}
+    args = ["--allowed-local-media-path", str(media_dir)]  # vLLM's flag, taken by the launcher
+    with PatchedServer(tiny_model_dir, env=env, args=args, log_dir=tmp_path / "server") as server:
         url = recorder.url("/opted-in.png")
         status, body = post_raw(server, json.dumps(with_image(server, url)).encode())
         assert "/opted-in.png" in recorder.hits  # the positive control: this server may and does fetch
@@ -230,3 +231,14 @@ def test_references_are_found_in_every_shape_and_text_is_left_alone() -> None:
         {"type": "video_url", "video_url": {"url": "u5"}}]}],
         "input": [{"image": "u6"}, {"text": "no media"}]}
     assert sorted(media.references(body)) == ["./clip.wav", "u1", "u2", "u3", "u5", "u6"]
+
+
+def test_the_media_flag_becomes_the_setting_and_stock_refuses_it() -> None:
+    from server_patch.intake.flags import apply_media_flag
+
+    environ: dict[str, str] = {}
+    rest = apply_media_flag(["--port", "1", "--allowed-local-media-path=/a", "--allowed-local-media-path", "/b"],
+                            environ)
+    assert rest == ["--port", "1"] and environ == {"APC_ALLOWED_LOCAL_MEDIA_PATH": "/b"}
+    with pytest.raises(SystemExit, match="stock"):
+        apply_media_flag(["--allowed-local-media-path", "/a"], {}, patched=False)

@@ -10,9 +10,9 @@ entries on disk. The tests run in file order. The unit checks at the top need no
 
 from __future__ import annotations
 
-import http.client
 import json
 import shutil
+import socket
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -21,6 +21,7 @@ import pytest
 
 from server_harness import HOST, PatchedServer, cached_tokens, text
 from test_admin_routes import call
+from test_fault_admin import raw
 
 EVIL = "http://evil.example"
 UI = "http://ui.example:3000"
@@ -70,6 +71,7 @@ def test_resolve_serves_the_served_spelling_or_raises_404() -> None:
     (None, True), (b"127.0.0.1:8080", True), (b"[::1]:8080", True), (b"10.1.2.3", True), (b"localhost:8080", True),
     (b"app.localhost", True), (b"LOCALHOST.", True), (b"ui.example:3000", True), (b"box.lan:8080", True),
     (b"evil.example:8080", False), (b"127.0.0.1.evil.example", False), (b"localhost.evil.example", False),
+    (b"mac-studio.local:8080", True), (b"gpu.internal", True), (b"evil.local.example", False),
     (b"[::1", False), (b"", False),
 ])
 def test_host_policy(host: bytes | None, ok: bool) -> None:
@@ -78,6 +80,7 @@ def test_host_policy(host: bytes | None, ok: bool) -> None:
     policy = OriginPolicy.from_env({"APC_ALLOWED_ORIGINS": UI}, bound_hosts=["box.lan"])
     assert policy.host_allowed(host) is ok
     assert OriginPolicy.from_env({"APC_ALLOWED_HOSTS": "*"}, bound_hosts=[]).host_allowed(b"evil.example")
+    assert OriginPolicy.from_env({}, bound_hosts=[]).host_allowed(socket.gethostname().encode())  # this machine
 
 
 @pytest.mark.parametrize("origin, host, ok", [
@@ -157,27 +160,8 @@ def test_a_closed_cache_and_store_write_nothing_more(tmp_path: Path, model: Any,
 
 def send(server: PatchedServer, method: str, path: str, headers: Iterable[tuple[str, str]] = (),
          body: Any = None, *, host: str | None = None) -> tuple[int, dict[str, str], Any]:
-    """One request with exactly these headers (``host`` replaces the Host header)."""
-    conn = http.client.HTTPConnection(HOST, server.port, timeout=120)
-    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-    try:
-        conn.putrequest(method, path, skip_host=host is not None, skip_accept_encoding=True)
-        if host is not None:
-            conn.putheader("Host", host)
-        for name, value in headers:
-            conn.putheader(name, value)
-        if data is not None:
-            conn.putheader("Content-Length", str(len(data)))
-        conn.endheaders()
-        if data is not None:
-            conn.send(data)
-        response = conn.getresponse()
-        payload = response.read()
-        found = {k.lower(): v for k, v in response.getheaders()}
-    finally:
-        conn.close()
-    decoded = json.loads(payload) if "json" in found.get("content-type", "") else payload.decode()
-    return response.status, found, decoded
+    """One request with exactly these headers (``host`` replaces the Host header), a JSON body."""
+    return raw(server, method, path, headers, None if body is None else json.dumps(body).encode(), host=host)
 
 
 def cors(headers: dict[str, str]) -> dict[str, str]:

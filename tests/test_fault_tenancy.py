@@ -12,7 +12,9 @@ on the tiny model, over HTTP:
 * API keys (``--api-key``, ``--api-key-file``, ``APC_API_KEYS``): no key or a wrong one is a
   401 JSON (``/health`` stays open, ``/admin`` keeps its own token), two keys never share an
   entry even with the same tenant header, the keys never reach the log, and a configured but
-  empty key list stops the server at start.
+  empty key list stops the server at start; the admin token stands in for a key in the keyless
+  namespace (where ``/admin/anchors`` makes anchors), and ``apcctl anchors new --api-key`` makes
+  one in a key's namespace.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def test_a_blank_tenant_header_does_not_hide_the_user_field(shared: PatchedServe
 
 def test_inference_needs_a_key_and_health_does_not(keyed: PatchedServer) -> None:
     for headers in ({}, _bearer("not-a-key"), _bearer(KEYS[0] + "x"), {"Authorization": KEYS[0]},
-                    _bearer(ADMIN_TOKEN)):
+                    {"x-api-key": ADMIN_TOKEN}, _bearer(ADMIN_TOKEN + "x")):
         status, body = _post(keyed, _prompt(305), headers)
         assert status == 401 and "API key" in body["detail"], (headers, status, body)
     status, body = keyed.request("GET", "/v1/models")
@@ -180,7 +182,29 @@ def test_an_empty_key_file_stops_the_server(tiny_model_dir: Path, tmp_path: Path
     assert "holds no key" in server.log_text(), server.log_tail()
 
 
-def test_the_admin_anchor_prefill_is_not_refused_for_want_of_a_key(keyed: PatchedServer) -> None:
-    """``POST /admin/anchors`` prefills through the chat route in-process: it needs no API key."""
-    status, body = keyed.admin("POST", "/anchors", {"system": f"Anchor {uuid.uuid4().hex}. " + text(120, 309)})
+def test_an_admin_anchor_serves_the_admin_token_and_not_the_keys(keyed: PatchedServer) -> None:
+    """``POST /admin/anchors`` prefills in-process (no key needed) in the keyless namespace, which
+    only the admin token reaches (``apcctl restart``'s probe): a key's sessions never restore it."""
+    system = {"role": "system", "content": f"Anchor {uuid.uuid4().hex}. " + text(120, 309)}
+    status, body = keyed.admin("POST", "/anchors", {"system": system["content"]})
     assert status == 200 and body["anchor"]["pinned"], body
+    assert _reused(keyed, [system, {"role": "user", "content": text(40, 310)}], _bearer(KEYS[0])) == (0, "cold")
+    reused, kind = _reused(keyed, [system, {"role": "user", "content": text(40, 311)}], _bearer(ADMIN_TOKEN))
+    assert reused > 0 and kind == "anchor", (reused, kind)
+
+
+def test_apcctl_makes_an_anchor_in_a_keys_namespace(keyed: PatchedServer, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from apcctl.cli import main
+
+    system = f"Keyed anchor {uuid.uuid4().hex}. " + text(120, 312)
+    (tmp_path / "system.txt").write_text(system)
+    result = CliRunner().invoke(main, ["anchors", "new", "--system-file", str(tmp_path / "system.txt"),
+                                       "--api-key", KEYS[1], "--server", keyed.base_url, "--token", ADMIN_TOKEN])
+    assert result.exit_code == 0 and "pinned" in result.output, result.output
+    assert KEYS[1] not in keyed.log_text()
+    session = [{"role": "system", "content": system}, {"role": "user", "content": text(40, 313)}]
+    assert _reused(keyed, session, _bearer(KEYS[0])) == (0, "cold")  # another key: nothing
+    reused, kind = _reused(keyed, [session[0], {"role": "user", "content": text(40, 314)}], _bearer(KEYS[1]))
+    assert reused > 0 and kind == "anchor", (reused, kind)

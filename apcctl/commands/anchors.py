@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import click
 
-from apcctl.commands.common import (EXIT_CODES_SHORT, Targets, for_each, json_option, one, server_options,
+from apcctl.commands.common import (EXIT_CODES_SHORT, Targets, for_each, full_id, json_option, one, server_options,
                                     talking_to)
 from apcctl.commands.entries import show_entries
 from apcctl.config import Target
@@ -40,7 +40,8 @@ def list_(targets: Targets, checkpoints: bool, as_json: bool) -> None:
 
 
 def _verb(name: str, call: Callable[[AdminClient, str], dict[str, Any]], done: str, help_text: str) -> click.Command:
-    """pin/unpin/evict share one shape: an id in, the server's answer out."""
+    """pin/unpin/evict share one shape: an id (or the start of one, as docker takes them) in, the
+    server's answer out."""
 
     @server_options()
     @click.argument("entry_id")
@@ -48,7 +49,9 @@ def _verb(name: str, call: Callable[[AdminClient, str], dict[str, Any]], done: s
     def command(targets: list[Target], entry_id: str, as_json: bool) -> None:
         target = one(targets)
         with talking_to(target):
-            answer = call(target.client(), entry_id)
+            client = target.client()
+            entry_id = full_id(client, entry_id)
+            answer = call(client, entry_id)
         if as_json:
             render.emit_json(answer)
         else:
@@ -68,14 +71,22 @@ _verb("evict", AdminClient.evict, "evicted", "Evict an entry or anchor from RAM 
 @click.option("--system-file", type=click.File("r"), required=True, help="The system prompt ('-' reads stdin).")
 @click.option("--tools-file", type=click.File("r"), help="JSON list of OpenAI-style tools.")
 @click.option("--tenant", help="The X-APC-Tenant the sessions send, if any.")
+@click.option("--api-key", envvar="APCCTL_API_KEY", metavar="KEY",
+              help="Make it in this inference API key's namespace, for the sessions that send the key (on a "
+                   "server with --api-key); only the namespace's digest of the key is sent. [env: APCCTL_API_KEY]")
 @json_option
-def new(targets: list[Target], system_file: Any, tools_file: Any, tenant: str | None, as_json: bool) -> None:
+def new(targets: list[Target], system_file: Any, tools_file: Any, tenant: str | None, api_key: str | None,
+        as_json: bool) -> None:
     """Prefill a system prompt (+ tools) now and pin it, so the first session already hits.
 
     \b
     Example:
       apcctl anchors new --system-file prompts/agent.txt --tools-file tools.json
     """
+    if api_key is not None:
+        from server_patch.tenancy.namespace import key_identity, namespace
+
+        tenant = namespace(key_identity(api_key.strip().encode("utf-8")), tenant, None)
     system = system_file.read()
     try:
         tools = json.load(tools_file) if tools_file else None

@@ -82,12 +82,28 @@ def _lineage_config(settings: tuple[str, ...]) -> LineageConfig | None:
 @click.option("--seed", type=int, default=7, show_default=True)
 @click.option("--scale", type=click.Choice(["full", "tiny"]), default="full", show_default=True)
 @click.option("--minutes", type=float, default=30.0, show_default=True)
-def trace_gen_cmd(out: Path, seed: int, scale: str, minutes: float) -> None:
+@click.option("--template", default=None, metavar="FILE",
+              help="Render the prompts with this chat template (apcctl/templates: qwen3.jinja, glm45.jinja) "
+                   "and the tiny BPE tokenizer, with the server's boundary finder (apcctl.sim.tracegen_rendered); "
+                   "default: the synthetic GLM-layout trace.")
+@click.option("--no-system-points", is_flag=True,
+              help="With --template: the finder without points inside the system text (the before).")
+def trace_gen_cmd(out: Path, seed: int, scale: str, minutes: float, template: str | None,
+                  no_system_points: bool) -> None:
     """Write a deterministic agent trace to OUT (JSONL, prompts stored as deltas)."""
     from apcctl.sim.trace import write_trace
-    from apcctl.sim.tracegen import generate
 
-    requests, meta = generate(seed=seed, scale=scale, minutes=minutes)
+    if template is not None:
+        from apcctl.sim.tracegen_rendered import TEMPLATES
+        from apcctl.sim.tracegen_rendered import generate as generate_rendered
+
+        if template not in TEMPLATES:
+            raise click.BadParameter(f"unknown {template}; known: {', '.join(TEMPLATES)}", param_hint="--template")
+        requests, meta = generate_rendered(seed=seed, template=template, system_points=not no_system_points)
+    else:
+        from apcctl.sim.tracegen import generate
+
+        requests, meta = generate(seed=seed, scale=scale, minutes=minutes)
     write_trace(out, requests, meta)
     tokens = sum(r.n for r in requests)
     click.echo(f"{out}: {len(requests)} requests, {tokens:,} prompt tokens, "

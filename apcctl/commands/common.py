@@ -18,7 +18,7 @@ import click
 
 from apcctl.commands.codes import EXIT_CODES_HELP, EXIT_CODES_SHORT, ExitStatus
 from apcctl.config import ConfigError, Target, select
-from apcctl.core.client import AdminError
+from apcctl.core.client import AdminClient, AdminError
 from apcctl.core.manage import ManagedServer, ManageError
 
 
@@ -139,6 +139,23 @@ def managed(target: Target) -> ManagedServer:
         raise CommandError(f"{target.name}: not a server started by 'apcctl serve' (no state files)",
                            ExitStatus.NOT_FOUND)
     return target.managed
+
+
+def full_id(client: AdminClient, given: str) -> str:
+    """An entry or anchor id, or (as docker takes them) the start of exactly one: the whole id.
+    Several matches are a usage error naming them; none is left to the server (exit 5)."""
+    try:
+        ids = [e["id"] for e in client.entries()]
+    except AdminError as exc:
+        if exc.status == 409:  # no cache yet: no id to expand
+            return given
+        raise
+    matches = sorted(i for i in ids if i.startswith(given))
+    if given in ids or not matches:
+        return given
+    if len(matches) > 1:
+        raise CommandError(f"{given!r} starts several ids ({', '.join(matches)}): give more of it", ExitStatus.USAGE)
+    return matches[0]
 
 
 def for_each(targets: Targets, action: Callable[[Target], Any], show: Callable[[list[Any]], None]) -> None:

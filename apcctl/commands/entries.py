@@ -6,8 +6,8 @@ from typing import Any
 
 import click
 
-from apcctl.commands.common import (EXIT_CODES_SHORT, Targets, emit_results, for_each, json_option, server_options,
-                                    watch_option, watching)
+from apcctl.commands.common import (EXIT_CODES_SHORT, Targets, emit_results, for_each, full_id, json_option,
+                                    server_options, watch_option, watching)
 from apcctl.config import Target
 from apcctl.core import render
 
@@ -60,7 +60,7 @@ def show_entries(targets: Targets, results: list[dict[str, Any]], *, as_json: bo
 @watch_option
 def entries(targets: Targets, entry_id: str | None, tier: str, kind: str, checkpoints: bool,
             as_json: bool, watch: float | None) -> None:
-    """List lineage entries and anchors (or show ENTRY_ID) with their checkpoints.
+    """List lineage entries and anchors (or show ENTRY_ID, or the one id it starts) with their checkpoints.
 
     Before the first request the list is empty (not an error): the cache starts with it.
 
@@ -72,7 +72,7 @@ def entries(targets: Targets, entry_id: str | None, tier: str, kind: str, checkp
 
     def action(target: Target) -> dict[str, Any]:
         client = target.client()
-        rows = [client.entry(entry_id)] if entry_id else client.entries(tier=tier, kind=kind)
+        rows = [client.entry(full_id(client, entry_id))] if entry_id else client.entries(tier=tier, kind=kind)
         return {"server": target.name, "url": target.url, "entries": rows}
 
     def show(results: list[dict[str, Any]]) -> None:

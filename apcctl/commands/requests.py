@@ -82,7 +82,8 @@ def _take(records: Iterator[dict[str, Any]], count: int | None, emit: Callable[[
 @server_options()
 @click.option("--since", type=click.IntRange(min=0), default=0, show_default=True,
               help="Only records with a larger sequence number.")
-@click.option("--limit", type=click.IntRange(1, 5000), default=50, show_default=True, help="Newest records to show.")
+@click.option("--limit", "-n", type=click.IntRange(1, 5000), default=50, show_default=True,
+              help="Newest records to show (-n is a count, as in tail).")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new records (polls /admin/requests?since=).")
 @click.option("--sse", is_flag=True, help="With --follow: read the /admin/events stream instead of polling.")
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between polls.")
@@ -96,7 +97,7 @@ def requests(targets: list[Target], since: int, limit: int, follow: bool, sse: b
 
     \b
     Examples:
-      apcctl requests --limit 20
+      apcctl requests -n 20
       apcctl requests --follow --json | jq .ttft_ms
     """
     target = one(targets)

@@ -227,7 +227,8 @@ def stop(targets: Targets, grace: float | None, as_json: bool) -> None:
 @click.option("--lines", "-n", type=click.IntRange(min=0), default=50, show_default=True,
               help="Lines to show (-n is always a count, as in tail; the server is -s).")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing what the server writes (Ctrl-C stops).")
-def logs(targets: list[Target], lines: int, follow: bool) -> None:
+@json_option
+def logs(targets: list[Target], lines: int, follow: bool, as_json: bool) -> None:
     """Show a managed server's log (uvicorn, the overlay and the apc_lineage lines).
 
     The server rotates server.log while it runs (APC_LOG_MAX_BYTES, 64 MiB; APC_LOG_BACKUPS, 4
@@ -240,17 +241,29 @@ def logs(targets: list[Target], lines: int, follow: bool) -> None:
         raise CommandError(f"{target.name}: no log at {server.log_path} (a --foreground server writes to its "
                            "terminal or supervisor)", ExitStatus.NOT_FOUND)
     tail = server.log_tail(lines)
-    if tail:
+    if as_json:  # {"server", "log", "line"} per line, as every --follow stream prints
+        for line in tail.splitlines():
+            render.emit_json_line({"server": target.name, "log": str(server.log_path), "line": line})
+    elif tail:
         click.echo(tail)
     if follow:
-        _follow(server.log_path)
+        _follow(server.log_path, target.name if as_json else None)
 
 
-def _follow(path: Path, poll_s: float = 0.25) -> None:
-    """``tail -F``: print what is appended, also across rotations (Ctrl-C stops)."""
+def _follow(path: Path, json_server: str | None = None, poll_s: float = 0.25) -> None:
+    """``tail -F``: print what is appended, also across rotations (Ctrl-C stops); with
+    ``json_server``, one JSON object per whole line."""
+    partial = ""
+
+    def as_lines(chunk: bytes) -> None:
+        nonlocal partial
+        *done, partial = (partial + chunk.decode("utf-8", errors="replace")).split("\n")
+        for line in done:
+            render.emit_json_line({"server": json_server, "log": str(path), "line": line})
+
+    write = as_lines if json_server else (lambda chunk: click.echo(chunk.decode("utf-8", errors="replace"), nl=False))
     try:
-        follow_file(path, lambda chunk: click.echo(chunk.decode("utf-8", errors="replace"), nl=False),
-                    poll_s=poll_s)
+        follow_file(path, write, poll_s=poll_s)
     except KeyboardInterrupt:
         pass
 

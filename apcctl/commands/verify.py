@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from apcctl.commands.common import CommandError, ExitStatus, json_option, one, server_options, talking_to
+from apcctl.commands.common import CommandError, ExitStatus, full_id, json_option, one, server_options, talking_to
 from apcctl.config import Target
 from apcctl.core import render
 from apcctl.core.client import AdminClient
@@ -86,7 +86,8 @@ def verify(targets: list[Target], entry_id: str | None, recent: int | None, time
         if clear:
             body = client.clear_suspects(kind)
         else:
-            body = client.verify(entry_id=entry_id, recent=recent, timeout=timeout)
+            body = client.verify(entry_id=full_id(client, entry_id) if entry_id else None, recent=recent,
+                                 timeout=timeout)
     if as_json:
         render.emit_json(body)
     elif clear:

@@ -1,20 +1,17 @@
 """The one HTTP client of the admin endpoint, shared by the CLI and the dashboard.
 
-HTTP through the standard library (urllib), so it works wherever apcctl installs. Errors are
-``AdminError`` with the HTTP status and the server's JSON message, never a traceback.
+HTTP through httpx, the event stream through httpx-sse (both imported on the first call, so a
+command that never talks to a server does not load them). Errors are ``AdminError`` with the
+HTTP status and the server's JSON message, never a traceback.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import threading
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from typing import Any, Iterator
-
 
 
 class AdminError(RuntimeError):
@@ -44,32 +41,29 @@ class AdminClient:
     base_url: str
     token: str | None = None
     timeout: float = 10.0
+    last_event_id: str = ""  # the last SSE ``id:`` (sent back as Last-Event-ID on the next stream)
+    retry_ms: int | None = None  # the last SSE ``retry:``
 
     # ------------------------------------------------------------------ plumbing
 
     def _request(self, method: str, path: str, body: Any = None, *, timeout: float | None = None,
                  query: dict[str, Any] | None = None, auth: bool = True) -> Any:
-        url = self.base_url.rstrip("/") + path
-        if query:
-            url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url, data=data, method=method)
-        if data is not None:
-            request.add_header("Content-Type", "application/json")
-        if auth and self.token:
-            request.add_header("Authorization", f"Bearer {self.token}")
+        import httpx  # (loaded by the first call: a command's --help never pays for it)
+
+        params = {k: v for k, v in (query or {}).items() if v is not None}
         try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
-                raw = response.read()
-                kind = response.headers.get("Content-Type", "")
-        except urllib.error.HTTPError as exc:
-            raise AdminError(exc.code, _error_message(exc)) from None
-        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise AdminError(0, f"cannot reach {self.base_url}: {reason}") from None
-        if "json" in kind:
-            return json.loads(raw)
-        return raw.decode(errors="replace")
+            response = httpx.request(method, self.base_url.rstrip("/") + path, params=params, json=body,
+                                     headers=self._headers(auth), timeout=timeout or self.timeout)
+        except httpx.TransportError as exc:
+            raise AdminError(0, f"cannot reach {self.base_url}: {_reason(exc)}") from None
+        if response.is_error:
+            raise AdminError(response.status_code, _error_message(response.status_code, response.content))
+        if "json" in response.headers.get("Content-Type", ""):
+            return response.json()
+        return response.text
+
+    def _headers(self, auth: bool = True) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if auth and self.token else {}
 
     # ------------------------------------------------------------------ reads
 
@@ -98,43 +92,42 @@ class AdminClient:
                stop: threading.Event | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
         """Server-sent events as (event name, data) until the stream ends, or ``stop`` is set.
 
-        ``stop`` is checked on every line, keepalives included, so setting it closes the
-        connection within a keepalive interval (an open stream delays a server's shutdown).
+        Parsed by httpx-sse (the whole SSE grammar: ``event:``, multi-line ``data:``, ``id:``,
+        ``retry:``, comments); the last ``id:`` and ``retry:`` seen are kept in ``last_event_id``
+        and ``retry_ms`` for a caller that reconnects. ``stop`` is checked on every chunk the
+        server sends, keepalives included, so setting it closes the connection within a
+        keepalive interval (an open stream delays a server's shutdown).
         """
-        url = self.base_url.rstrip("/") + f"/admin/events?since={int(since)}"
-        request = urllib.request.Request(url)
-        if self.token:
-            request.add_header("Authorization", f"Bearer {self.token}")
+        import httpx
+        from httpx_sse import EventSource
+
+        url = self.base_url.rstrip("/") + "/admin/events"
+        headers = {**self._headers(), "Accept": "text/event-stream", "Cache-Control": "no-store"}
+        if self.last_event_id:
+            headers["Last-Event-ID"] = self.last_event_id
         try:
-            response = urllib.request.urlopen(request, timeout=timeout or 30)
-        except urllib.error.HTTPError as exc:
-            raise AdminError(exc.code, _error_message(exc)) from None
-        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as exc:
-            raise AdminError(0, f"cannot reach {self.base_url}: {getattr(exc, 'reason', exc)}") from None
-        with response:
-            name, data = "message", []
-            for raw in response:
-                if stop is not None and stop.is_set():
-                    return
-                line = raw.decode(errors="replace").rstrip("\n")
-                if not line:
-                    if data:
-                        yield name, json.loads("\n".join(data))
-                    name, data = "message", []
-                elif line.startswith("event:"):
-                    name = line[6:].strip()
-                elif line.startswith("data:"):
-                    data.append(line[5:].strip())
+            with httpx.stream("GET", url, params={"since": int(since)}, headers=headers,
+                              timeout=timeout or 30) as response:
+                if response.is_error:
+                    raise AdminError(response.status_code, _error_message(response.status_code, response.read()))
+                for sse in EventSource(_Stoppable(response, stop)).iter_sse():
+                    self.last_event_id, self.retry_ms = sse.id or self.last_event_id, sse.retry or self.retry_ms
+                    if sse.data:
+                        yield sse.event or "message", json.loads(sse.data)
+        except httpx.TransportError as exc:
+            raise AdminError(0, f"cannot reach {self.base_url}: {_reason(exc)}") from None
 
     # ------------------------------------------------------------------ inference
 
     def chat(self, messages: list[dict[str, Any]], *, model: str | None = None, timeout: float | None = None,
              **params: Any) -> dict[str, Any]:
-        """POST /v1/chat/completions without the admin token: restart probes and demo traffic."""
+        """POST /v1/chat/completions: restart probes and demo traffic. The admin token goes along: a
+        server with API keys takes it in place of a key (the keyless namespace, where anchors made
+        through ``/admin/anchors`` are); one without keys ignores it."""
         body: dict[str, Any] = {"messages": messages, **params}
         if model is not None:
             body["model"] = model
-        return self._request("POST", "/v1/chat/completions", body, timeout=timeout, auth=False)
+        return self._request("POST", "/v1/chat/completions", body, timeout=timeout)
 
     # ------------------------------------------------------------------ writes
 
@@ -180,14 +173,33 @@ class AdminClient:
         return self._request("POST", "/admin/verify/clear", {"kind": kind} if kind else {})
 
 
-def _error_message(exc: urllib.error.HTTPError) -> str:
+class _Stoppable:
+    """The SSE response as httpx-sse reads it (``headers``, ``iter_text``), ending as soon as
+    ``stop`` is set: checked at every chunk, and the server sends a keepalive every 0.25 s."""
+
+    def __init__(self, response: Any, stop: threading.Event | None) -> None:
+        self.response, self.stop, self.headers = response, stop, response.headers
+
+    def iter_text(self) -> Iterator[str]:
+        for text in self.response.iter_text():
+            if self.stop is not None and self.stop.is_set():
+                return
+            yield text
+
+
+def _reason(exc: Exception) -> str:
+    """Why a connection failed, as the OS said it (``[Errno 111] Connection refused``)."""
+    return str(exc) or type(exc).__name__
+
+
+def _error_message(status: int, raw: bytes) -> str:
     try:
-        body = json.loads(exc.read() or b"{}")
+        body = json.loads(raw or b"{}")
     except ValueError:
-        return f"HTTP {exc.code}"
+        return f"HTTP {status}"
     detail = body.get("detail", body.get("error", body)) if isinstance(body, dict) else body
     if isinstance(detail, dict):
         detail = detail.get("message", detail)
     if isinstance(detail, list):  # FastAPI validation errors
         detail = "; ".join(f"{'.'.join(str(p) for p in d.get('loc', []))}: {d.get('msg')}" for d in detail)
-    return f"HTTP {exc.code}: {detail}"
+    return f"HTTP {status}: {detail}"

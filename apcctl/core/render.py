@@ -7,10 +7,11 @@ import os
 import re
 import sys
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, TextIO
 
 import click
-from rich.console import Console
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
@@ -94,21 +95,86 @@ def restore_label(record: dict[str, Any]) -> str:
 
 
 def console() -> Console:
-    """A console on click's stdout; wide in pipes, so tables are never cut to fit 80 columns."""
-    width = None if sys.stdout.isatty() else max(PIPE_WIDTH, int(os.environ.get("COLUMNS", "0") or 0))
-    return Console(file=sys.stdout, width=width, soft_wrap=False, highlight=False)
+    """A console on click's stdout; wide in pipes, so tables are never cut to fit 80 columns, and
+    without the padding that would fill every piped line to the table's width."""
+    if sys.stdout.isatty():
+        return Console(file=sys.stdout, soft_wrap=False, highlight=False)
+    width = max(PIPE_WIDTH, int(os.environ.get("COLUMNS", "0") or 0))
+    return Console(file=_Unpadded(sys.stdout), width=width, soft_wrap=False, highlight=False)
+
+
+class _Unpadded:
+    """A text stream that drops the spaces at the end of each line (rich pads table rows)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out, self.pending = out, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        if lines:
+            self.out.write("".join(line.rstrip(" ") + "\n" for line in lines))
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending.strip(" "):
+            self.out.write(self.pending)
+            self.pending = ""
+        self.out.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+# Columns never cut or wrapped (an id is copied whole into the next command); the others wrap.
+WHOLE = ("ID", "ENTRY", "SEQ")
+LONGEST_WORD = 40  # a longer word (a path) may still be folded, so one cell cannot push every other out
 
 
 def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], *, title: str | None = None,
-          numeric: Iterable[str] = (), header: bool = True) -> Table:
-    """A table whose ``numeric`` columns are right-aligned, so digits line up."""
-    right = set(numeric)
+          numeric: Iterable[str] = (), header: bool = True, whole: Iterable[str] = WHOLE) -> "Fitted":
+    """A table whose ``numeric`` columns are right-aligned, so digits line up; on a narrow terminal
+    ids and numbers keep their full width and text columns wrap between words, and when even that
+    does not fit, each row is printed as a block of ``column  value`` lines: no cell is cut and no
+    column dropped."""
+    cells = [[Text("") if cell is None else plain(cell) for cell in row] for row in rows]
+    return Fitted(_table(columns, cells, title, set(numeric), header, set(whole)), columns, cells, title, header)
+
+
+class Fitted:
+    """A table, or, where it cannot fit the width it is drawn at, one block per row."""
+
+    def __init__(self, wide: Table, columns: Sequence[str], cells: list[list[Text]], title: str | None,
+                 header: bool) -> None:
+        self.wide, self.columns, self.cells, self.title, self.header = wide, columns, cells, title, header
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        needed = sum(c.min_width or 1 for c in self.wide.columns) + 2 * (len(self.wide.columns) - 1)  # 2: padding
+        if needed <= options.max_width or not self.header:
+            yield self.wide
+            return
+        if self.title:
+            yield Text.from_markup(self.title)
+        for n, row in enumerate(self.cells):
+            if n:
+                yield Text("")
+            yield _table(("field", "value"), [[Text(name), cell] for name, cell in zip(self.columns, row)],
+                         None, set(), False, {"field"})
+
+
+def _table(columns: Sequence[str], cells: list[list[Text]], title: str | None, right: set[str], header: bool,
+           kept: set[str]) -> Table:
     out = Table(title=title, title_justify="left", header_style="bold", box=None, pad_edge=False,
                 show_header=header)
-    for name in columns:
-        out.add_column(name, justify="right" if name in right else "left", no_wrap=True)
-    for row in rows:
-        out.add_row(*(Text("") if cell is None else plain(cell) for cell in row))
+    for n, name in enumerate(columns):
+        column = [row[n].plain for row in cells if n < len(row)]
+        fixed = name in kept or name in right
+        # Whole cells for ids and numbers; elsewhere whole words (a line breaks between words only).
+        widest = max((cell_len(part) for cell in column for part in ([cell] if fixed else cell.split())),
+                     default=0)
+        out.add_column(name, justify="right" if name in right else "left", no_wrap=fixed, overflow="fold",
+                       min_width=min(max(widest, *(cell_len(w) for w in name.split() or [""])), LONGEST_WORD))
+    for row in cells:
+        out.add_row(*row)
     return out
 
 
@@ -117,9 +183,12 @@ def plain(cell: Any) -> Text:
     return Text(printable(cell))
 
 
-def key_values(pairs: Iterable[tuple[str, Any]], *, title: str | None = None) -> Table:
-    """Two aligned columns for a status screen."""
-    return table(("", ""), pairs, title=title, header=False)
+def key_values(pairs: Iterable[tuple[str, Any]], *, title: str | None = None) -> Fitted:
+    """Two aligned columns for a status screen: the keys whole, a long value wrapped beside them."""
+    return table((KEY, ""), pairs, title=title, header=False, whole=(KEY,))
+
+
+KEY = "key"  # the key column of ``key_values`` (its header is not shown)
 
 
 def emit_json(value: Any) -> None:

@@ -21,7 +21,7 @@ template's segments; ``mark_verbatim`` says which replies later prompts repeat.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -45,16 +45,17 @@ class Step:
 
 
 class _Builder:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int | Sequence[int], t0: float, step_s: float) -> None:
         self.rng = np.random.default_rng(seed)
         self.out: list[Request] = []
-        self.t = 0.0
+        self.t = t0
+        self.step_s = step_s
 
     def tokens(self, count: int) -> np.ndarray:
         return self.rng.integers(*VOCAB, size=max(1, count), dtype=np.int32)
 
     def emit(self, conv: Conversation, kind: str) -> Request:
-        self.t += 1.0
+        self.t += self.step_s
         conv.last = conv.request(self.t, kind)
         self.out.append(conv.last)
         return conv.last
@@ -67,17 +68,21 @@ class _Builder:
         return reply
 
 
-def build(steps: Sequence[Step], *, seed: int = 0, tools: int = 600, system: int = 400,
+def build(steps: Sequence[Step], *, seed: int | Sequence[int] = 0, tools: int = 600, system: int = 400,
           first_question: int = 30, reminder: int = 0, sub_tools: int = 200,
-          generation: int = 3, conv_id: str = "agent") -> list[Request]:
-    """The requests one agent conversation sends for ``steps`` (in order, indexed).
+          generation: int = 3, conv_id: str = "agent", agent: str = "",
+          persona: Persona | None = None, t0: float = 0.0, step_s: float = 1.0) -> list[Request]:
+    """The requests one agent conversation sends for ``steps`` (in order, indexed; times from
+    ``t0`` every ``step_s`` seconds).
 
-    ``generation``: tokens of the generation prompt (3, as Qwen's; GLM's is 1)."""
-    b = _Builder(seed)
-    persona = Persona(conv_id, b.tokens(tools), b.tokens(system))
-    sub_persona = Persona(f"{conv_id}-sub", b.tokens(sub_tools), persona.system)
+    ``generation``: tokens of the generation prompt (3, as Qwen's; GLM's is 1); ``persona``:
+    the system prompt and tools (default: drawn, ``tools`` + ``system`` tokens)."""
+    b = _Builder(seed, t0, step_s)
+    agent = agent or conv_id
+    persona = persona or Persona(conv_id, b.tokens(tools), b.tokens(system))
+    sub_persona = Persona(f"{agent}-sub", b.tokens(sub_tools), persona.system)
     gen = (ASSISTANT, *(GENERATION_TAIL + i for i in range(max(0, generation - 1))))
-    conv = Conversation(conv_id, conv_id, persona, generation=gen,
+    conv = Conversation(conv_id, agent, persona, generation=gen,
                         reminder=b.tokens(reminder) if reminder > 0 else None)
     conv.add(USER, b.tokens(first_question))
     b.emit(conv, "new_session")
@@ -100,7 +105,7 @@ def build(steps: Sequence[Step], *, seed: int = 0, tools: int = 600, system: int
         if step.kind in ("turn", "abort_kept", "subagent"):
             conv.add(ASSISTANT, reply)
         if step.kind == "subagent":
-            sub = Conversation(f"{conv_id}/sub{subagents}", f"{conv_id}-sub", sub_persona, generation=gen)
+            sub = Conversation(f"{conv_id}/sub{subagents}", f"{agent}-sub", sub_persona, generation=gen)
             subagents += 1
             for turn in range(max(1, step.turns)):
                 sub.add(USER, b.tokens(step.question))
@@ -116,4 +121,65 @@ def build(steps: Sequence[Step], *, seed: int = 0, tools: int = 600, system: int
     return b.out
 
 
-__all__ = ["STEP_KINDS", "Step", "build"]
+# ----------------------------------------------------------------------------- in the replay trace
+
+# What follows a request in the abort actor's sessions (the rest are plain turns).
+_OUTCOMES = (("abort_kept", 0.08), ("abort_dropped", 0.08), ("no_reply", 0.06), ("edit", 0.04),
+             ("regenerate", 0.04))
+
+
+def _lognormal(rng: np.random.Generator, median: float, low: float, high: float) -> float:
+    return float(np.clip(rng.lognormal(np.log(median), 0.7), low, high))
+
+
+def aider_sessions(seed: int, scale: Any, horizon: float) -> list[Request]:
+    """aider in its default mode (``apcctl bench trace-gen``'s fourth actor): a 3-4k-token
+    system prompt and repo map, 22-107-token questions, replies around 300 tokens, and the
+    ~450-token reminder after the newest user message (GLM's one-token generation prompt)."""
+    rng = np.random.default_rng([seed, 4])
+    persona = Persona("aider", np.zeros(0, np.int32), rng.integers(*VOCAB, size=scale.n(rng.uniform(3000, 4000)),
+                                                                     dtype=np.int32))
+    out, t, session = [], float(rng.uniform(30, 90)), 0
+    while t < horizon:
+        steps = [Step("turn", question=scale.n(rng.uniform(22, 107)), reply=scale.n(_lognormal(rng, 300, 30, 1500)))
+                 for _ in range(int(rng.integers(6, 16)))]
+        got = build(steps, seed=[seed, 4, session], persona=persona, reminder=scale.n(450), generation=1,
+                    first_question=scale.n(rng.uniform(22, 107)), conv_id=f"aider/s{session}", agent="aider",
+                    t0=t, step_s=float(rng.uniform(20, 60)))
+        out += [r for r in got if r.t < horizon]
+        t = got[-1].t + float(rng.uniform(120, 300))
+        session += 1
+    return out
+
+
+def abort_sessions(seed: int, scale: Any, horizon: float) -> list[Request]:
+    """A streaming agent client (the fifth actor): turns whose replies it sometimes aborts
+    (the partial reply kept, or dropped and a new user message sent straight after), tool
+    results sent without the reply, edits, regenerates, and now and then a 4-6k-token user
+    turn (a pasted file); a three-token generation prompt (Qwen's), so that a prompt ending
+    at the last message shares less than the entry at n - 1."""
+    rng = np.random.default_rng([seed, 5])
+    tools = rng.integers(*VOCAB, size=scale.n(rng.uniform(1500, 2500)), dtype=np.int32)
+    persona = Persona("streamer", tools, rng.integers(*VOCAB, size=scale.n(rng.uniform(800, 1500)), dtype=np.int32))
+    kinds, weights = [k for k, _ in _OUTCOMES] + ["turn"], [w for _, w in _OUTCOMES]
+    weights.append(1.0 - sum(weights))
+    out, t, session = [], float(rng.uniform(10, 60)), 0
+    while t < horizon:
+        steps = []
+        for _ in range(int(rng.integers(5, 12))):
+            kind = str(rng.choice(kinds, p=weights))
+            long_turn = rng.uniform() < 0.15
+            question = scale.n(rng.uniform(4000, 6000) if long_turn else rng.uniform(10, 120))
+            reply = scale.n(_lognormal(rng, 400, 30, 2000))
+            steps.append(Step(kind, question=question, reply=reply, cut=int(rng.integers(1, max(2, reply))),
+                              keep=int(rng.integers(0, max(1, question)))))
+        got = build(steps, seed=[seed, 5, session], persona=persona, generation=3, conv_id=f"streamer/s{session}",
+                    agent="streamer", first_question=scale.n(rng.uniform(10, 120)), t0=t,
+                    step_s=float(rng.uniform(10, 40)))
+        out += [r for r in got if r.t < horizon]
+        t = got[-1].t + float(rng.uniform(60, 240))
+        session += 1
+    return out
+
+
+__all__ = ["STEP_KINDS", "Step", "abort_sessions", "aider_sessions", "build"]

@@ -1,7 +1,8 @@
 """Deterministic agent traffic for the replay: the shapes the post's log showed, by seed.
 
-Three actors run side by side, each from its own random stream (so one actor's choices never
-shift another's):
+Five actors run side by side, each from its own random stream (so one actor's choices never
+shift another's): these three, and two real clients' patterns (``apcctl.sim.patterns``: aider's
+moving reminder, a streaming client's aborted and interrupted turns):
 
 * ``carmen``: an assistant (9-12k-token tools + system prompt) in multi-turn sessions with
   7-50-token questions and realistic replies; new sessions reuse the same system prompt. Its
@@ -283,7 +284,8 @@ def mark_verbatim(requests: list[Request]) -> None:
 
 
 def generate(seed: int = 7, scale: str = "full", minutes: float = 30.0) -> tuple[list[Request], dict[str, Any]]:
-    """Requests in time order (ties: carmen, coder, scheduled) and the trace header's metadata."""
+    """Requests in time order (ties: carmen, coder, scheduled, aider, streamer) and the trace
+    header's metadata."""
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; known: {', '.join(SCALES)}")
     sc, horizon = SCALES[scale], minutes * 60.0
@@ -293,7 +295,10 @@ def generate(seed: int = 7, scale: str = "full", minutes: float = 30.0) -> tuple
     carmen.run(personas["carmen"])
     coder.run(personas)
     sched.run(personas["carmen-sched"])
-    requests = sorted(carmen.out + coder.out + sched.out, key=lambda r: r.t)
+    from apcctl.sim.patterns import abort_sessions, aider_sessions
+
+    clients = aider_sessions(seed, sc, horizon) + abort_sessions(seed, sc, horizon)
+    requests = sorted(carmen.out + coder.out + sched.out + clients, key=lambda r: r.t)
     for i, req in enumerate(requests):
         req.index = i
     mark_verbatim(requests)

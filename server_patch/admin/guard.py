@@ -11,7 +11,8 @@ outside mlx-vlm's CORS middleware and, for those routes and ``/admin`` only:
 * caps request bodies (413 JSON), chunked ones included;
 * caps concurrent ``/admin/events`` streams (429 JSON with ``Retry-After``).
 
-Inference routes pass through untouched: their CORS behaviour stays mlx-vlm's.
+Inference routes pass through untouched here: ``server_patch.serving.origins`` guards their
+origins (and every route's ``Host``).
 """
 
 from __future__ import annotations

@@ -111,7 +111,9 @@ class SegmentFinder:
         if offsets and self.settings.system_paragraphs:
             anchor_offsets = paragraph_breaks(messages, rendered, offsets, anchor_offsets,
                                               self.settings.system_paragraphs)
-            system_points.add_points(messages, rendered, offsets, self.settings.system_paragraphs)
+            if self.settings.system_points:
+                anchor_offsets = system_points.add_points(messages, rendered, offsets,
+                                                          self.settings.system_paragraphs, anchor_offsets)
         return self._store(tokenizer, rendered, offsets, anchor_offsets, messages, prefix_kwargs)
 
     def _candidates(self, request: Request, messages: list[Any],

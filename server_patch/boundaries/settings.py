@@ -33,6 +33,10 @@ class SegmentSettings:
     # 0.7.10 joins every system/developer message into one with "\n\n", so these are also where
     # the client's system messages ended (a clock, a session note, a variant's last section).
     system_paragraphs: int = 2
+    # Finer points inside a long system message (line, heading and section starts, the system
+    # text's end; ``boundaries.system_points``), thinned to ``system_paragraphs`` of them. Not
+    # an environment setting: False is the finder as it was before them, for a replay's before.
+    system_points: bool = True
     # Renders a request may add to the cache (a cold 200-message conversation renders the
     # newest ones); 0 means no limit.
     max_new_renders: int = 8

@@ -7,7 +7,7 @@ and everything after them. Paragraph breaks (``candidates.paragraph_breaks``) co
 text written in paragraphs; this adds the finer structure agent prompts use:
 
 * ``heading``: a markdown heading line (``# Rules``);
-* ``section``: a line that opens or closes an XML-like section (``<env>``, ``</rules>``);
+* ``section``: a line that opens an XML-like section (``<env>``; a closing tag is a ``line``);
 * ``line``: any other line start;
 * ``system_text``: where the system text ends and the template's own text resumes (Qwen3's
   ``"\\n\\n# Tools"`` after the system content): the point a sub-agent with the same system
@@ -29,7 +29,7 @@ import re
 from typing import Any, Mapping
 
 from server_patch.boundaries.kinds import Kind
-from server_patch.boundaries.text import SYSTEM_ROLES, role_of
+from server_patch.boundaries.text import SYSTEM_ROLES, leading_system_count, role_of
 
 #: The finer kinds ``thin`` chooses among (paragraph breaks and ``system_text`` are kept as found).
 FINE = frozenset({Kind.HEADING, Kind.SECTION, Kind.LINE})
@@ -37,9 +37,10 @@ POINT_GAP = 256  # tokens: the policy's default segment_min_gap (closer points a
 MIN_CHARS_APART = 256  # characters between two line points noted in one system message
 MIN_SYSTEM_CHARS = 64  # a system text shorter than this is not searched
 SEPARATOR_CHARS = 16  # a verified boundary this close after the text's end makes system_text moot
+ANCHOR_WINDOW_CHARS = 4 * POINT_GAP  # about POINT_GAP tokens of English text
 
 _HEADING = re.compile(r"#{1,6}\s")
-_SECTION = re.compile(r"\s*</?[A-Za-z][\w:.-]*(\s[^<>]*)?/?>")
+_SECTION = re.compile(r"\s*<[A-Za-z][\w:.-]*(\s[^<>]*)?>")  # an opening tag: a section starts
 
 
 def line_kind(line: str) -> str:
@@ -52,7 +53,8 @@ def line_kind(line: str) -> str:
 
 
 def structured_breaks(content: str) -> dict[int, str]:
-    """Line starts of ``content`` (offsets into it) and their kinds, spaced from the end back.
+    """Line starts of ``content`` (offsets into it) and their kinds: every heading and section
+    start, plain lines at most one per ``MIN_CHARS_APART`` characters from the end back.
 
     The first line and lines after a paragraph break are left out (the text's start is a
     ``content`` boundary, paragraph breaks ``paragraph`` ones); so is a start with nothing after it."""
@@ -62,21 +64,36 @@ def structured_breaks(content: str) -> dict[int, str]:
     while j >= 0:
         start = j + 1
         after_blank = j > 0 and content[j - 1] == "\n"
-        if start < len(content) and content[start] != "\n" and not after_blank and last - start >= MIN_CHARS_APART:
-            line = content[start:content.find("\n", start) if "\n" in content[start:] else len(content)]
-            found[start] = line_kind(line)
-            last = start
+        if start < len(content) and content[start] != "\n" and not after_blank:
+            stop = content.find("\n", start)
+            kind = line_kind(content[start:stop if stop >= 0 else len(content)])
+            if kind != Kind.LINE or last - start >= MIN_CHARS_APART:  # headings, sections: all of them
+                found[start] = kind
+                last = start
         j = content.rfind("\n", 0, j)
     return found
 
 
-def add_points(messages: list[Any], full: str, offsets: dict[int, str], keep: int) -> None:
+def _tail_point(breaks: Mapping[int, str]) -> int:
+    """The anchor's candidate among a system text's breaks: the latest section or heading start
+    within ``ANCHOR_WINDOW_CHARS`` before its last line start, else that line start."""
+    last = max(breaks)
+    structural = [b for b, k in breaks.items() if k != Kind.LINE and last - b < ANCHOR_WINDOW_CHARS]
+    return max(structural) if structural else last
+
+
+def add_points(messages: list[Any], full: str, offsets: dict[int, str], keep: int,
+               anchor_offsets: list[int]) -> list[int]:
     """Add the structured points of every long system message of ``messages`` to ``offsets``
-    (character offsets into the rendered prompt ``full``; existing kinds win)."""
+    (character offsets into the rendered prompt ``full``; existing kinds win). The last line
+    start of the last leading system message becomes an anchor candidate (when there is an
+    anchor): a trailing line shorter than the anchor tail (a date, a git status) then stays out
+    of the anchor, so every variant of it restores at its start. Returns the anchor candidates."""
     if keep == 0:
-        return
+        return anchor_offsets
+    n_system = leading_system_count(messages)
     search = 0
-    for message in messages:
+    for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if role_of(message) not in SYSTEM_ROLES or not isinstance(content, str) or len(content) < MIN_SYSTEM_CHARS:
             continue
@@ -86,24 +103,33 @@ def add_points(messages: list[Any], full: str, offsets: dict[int, str], keep: in
         end = search = at + len(content)
         if end < len(full) and not any(end <= o < end + SEPARATOR_CHARS for o in offsets):
             offsets.setdefault(end, Kind.SYSTEM_TEXT)
-        for rel, kind in structured_breaks(content).items():
+        breaks = structured_breaks(content)
+        for rel, kind in breaks.items():
             offsets.setdefault(at + rel, kind)
+        if i == n_system - 1 and anchor_offsets and breaks:
+            anchor_offsets = sorted({*anchor_offsets, at + _tail_point(breaks)})
+    return anchor_offsets
 
 
 def thin(kinds: Mapping[int, str], keep: int, gap: int = POINT_GAP) -> dict[int, str]:
-    """``kinds`` (token position -> kind) with the finer system points thinned: from the last
-    back, each ``gap`` tokens from every other boundary and every point kept, ``keep`` at most
-    (-1: no limit)."""
-    fine = sorted((p for p, k in kinds.items() if k in FINE), reverse=True)
-    if not fine:
-        return dict(kinds)
-    others = [p for p, k in kinds.items() if k not in FINE]
+    """``kinds`` (token position -> kind) with the finer system points thinned, ``keep`` at most
+    (-1: no limit), each ``gap`` tokens from every other boundary and from each other.
+
+    From the end back, one point per ``gap`` window: the latest heading or section start in the
+    window that ends at the latest point left, else that latest point. So a late change restores
+    at the start of its own section (a date and a git status line in one ``<env>`` block both
+    restore at ``<env>``), or of its own line where the text has no sections. A ``system_text``
+    end is not another boundary here: the policy takes the earlier of it and a point before it."""
+    others = [p for p, k in kinds.items() if k not in FINE and k != Kind.SYSTEM_TEXT]
+    fine = [p for p in sorted((p for p, k in kinds.items() if k in FINE), reverse=True)
+            if all(abs(p - q) >= gap for q in others)]
     kept: list[int] = []
-    for p in fine:
-        if 0 <= keep <= len(kept):
-            break
-        if all(abs(p - q) >= gap for q in (*others, *kept)):
-            kept.append(p)
+    while fine and (keep < 0 or len(kept) < keep):
+        window = [p for p in fine if fine[0] - p < gap]
+        structural = [p for p in window if kinds[p] != Kind.LINE]
+        pick = max(structural) if structural else fine[0]
+        kept.append(pick)
+        fine = [p for p in fine if p <= pick - gap]
     chosen = set(kept)
     return {p: k for p, k in kinds.items() if k not in FINE or p in chosen}
 

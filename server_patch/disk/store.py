@@ -206,8 +206,9 @@ class DiskStore:
                 "volume_bytes": total, "free_bytes": free}
 
     def _run(self) -> None:
-        # MLX streams are per thread; the writer gets its own on the CPU.
-        mx.set_default_stream(mx.new_stream(mx.cpu))
+        # MLX streams are per thread; the writer gets its own on the CPU, one per process: MLX
+        # never frees a stream's native thread, so a new one per store leaked one a model switch.
+        mx.set_default_stream(_writer_stream())
         while True:
             item = self._queue.get()
             if item is None:  # close(): nothing is written after this
@@ -372,6 +373,17 @@ class DiskStore:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+_STREAM_LOCK = threading.Lock()
+_STREAM: list[Any] = []  # the writers' CPU stream, made once
+
+
+def _writer_stream() -> Any:
+    with _STREAM_LOCK:
+        if not _STREAM:
+            _STREAM.append(mx.new_stream(mx.cpu))
+        return _STREAM[0]
 
 
 def _unlink(path: Path, reason: str | None) -> None:

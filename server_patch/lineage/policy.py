@@ -278,8 +278,8 @@ class LineageCache:
         inside = [seg for seg in sorted(set(int(s) for s in segments)) if start < seg < end]
         past_anchor = 0
         last = inside[-1] if inside else None
-        if last is not None and last not in picks and last - base >= max(1, cfg.divergence_min_gain) \
-                and end - last >= cfg.segment_min_gap and (anchor_len is None or last >= anchor_len):
+        if last is not None and last not in picks and last > base and end - last >= cfg.segment_min_gap \
+                and (anchor_len is None or last >= anchor_len):
             # The start of the last message, whatever the gap: where a re-sent conversation
             # diverges when the client rewrites what follows it (aider's moving reminder, an
             # edit of the last message). Thinning keeps it while this is the newest turn.

@@ -9,10 +9,12 @@ middleware sits outside mlx-vlm's CORS middleware too, and:
   included, whose ``Origin`` is another site than the one it was sent to, unless
   ``APC_ALLOWED_ORIGINS`` lists it (like Ollama's ``OLLAMA_ORIGINS``): a listed origin gets
   mlx-vlm's own CORS answer, and ``*`` restores stock's every-origin CORS;
-* refuses (403 JSON) a request on any route whose ``Host`` is a name other than ``localhost``
-  (``*.localhost``), the ``--host`` name, a name in ``APC_ALLOWED_HOSTS`` or an allowed origin's
-  host. That is DNS rebinding: ``evil.example`` re-resolved to 127.0.0.1 makes this server the
-  page's own origin. IP addresses are always accepted: a page cannot rebind a literal address.
+* refuses (403 JSON) a request on any route whose ``Host`` is a name other than ``localhost``,
+  this machine's host name, a name under ``.localhost``, ``.local`` or ``.internal`` (names
+  public DNS cannot hand out; Ollama accepts the same), the ``--host`` name, a name in
+  ``APC_ALLOWED_HOSTS`` or an allowed origin's host. That is DNS rebinding: ``evil.example``
+  re-resolved to 127.0.0.1 makes this server the page's own origin. IP addresses are always
+  accepted: a page cannot rebind a literal address.
 
 Clients that are not browsers send no ``Origin`` and are not affected.
 """
@@ -20,6 +22,7 @@ Clients that are not browsers send no ``Origin`` and are not affected.
 from __future__ import annotations
 
 import ipaddress
+import socket
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -28,6 +31,7 @@ from server_patch import settings
 from server_patch.admin.guard import Receive, Scope, Send, classify, header, reply, route_path
 
 ANY = "*"
+LOCAL_SUFFIXES = (".localhost", ".local", ".internal")  # never handed out by public DNS
 # The --host the launcher binds, when it is a name (set by server_patch.launch before mlx-vlm starts).
 BOUND_HOSTS: list[str] = []
 
@@ -68,7 +72,7 @@ class OriginPolicy:
         origins = {origin_key(o) for o in settings.value("APC_ALLOWED_ORIGINS", env)}
         hosts = {h.strip().lower().rstrip(".") for h in settings.value("APC_ALLOWED_HOSTS", env)}
         hosts |= {host_name(o.split("://", 1)[-1]) or "" for o in origins if o != ANY}
-        hosts |= {h.lower() for h in bound_hosts}
+        hosts |= {h.lower() for h in bound_hosts} | {"localhost", socket.gethostname().lower().rstrip(".")}
         return cls(frozenset(origins - {ANY}), frozenset(hosts - {ANY, ""}), ANY in origins, ANY in hosts)
 
     def host_allowed(self, host: bytes | None) -> bool:
@@ -78,7 +82,7 @@ class OriginPolicy:
         name = host_name(host.decode("latin-1"))
         if name is None:
             return False
-        return is_address(name) or name == "localhost" or name.endswith(".localhost") or name in self.hosts
+        return is_address(name) or name in self.hosts or name.endswith(LOCAL_SUFFIXES)
 
     def origin_allowed(self, origin: bytes, host: bytes | None) -> bool:
         """Listed, or the very server the request went to (a same-origin request)."""

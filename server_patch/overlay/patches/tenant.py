@@ -7,7 +7,8 @@ on every route outside ``/admin``, ``/health`` and the management routes, with t
 ``server_patch.tenancy.namespace`` derives from three parts:
 
 * the **API key** (``APC_API_KEYS``/``APC_API_KEY_FILE``, ``--api-key``): with keys configured a
-  request without a valid one gets 401 JSON, and each key is its own namespace;
+  request without a valid one (or the admin token, which stands for the keyless namespace) gets
+  401 JSON, and each key is its own namespace;
 * the **tenant**: the header, or with ``APC_TENANT_FROM_USER=1`` the body's ``user`` (OpenAI)
   or ``metadata.user_id`` (Anthropic) field, for gateways that drop headers (smg 1.13 forwards
   only ``authorization``, ``x-request-id``, ``traceparent`` and a few more, docs/fleet.md). A
@@ -27,6 +28,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
+from server_patch.admin.auth import token_matches
 from server_patch.admin.guard import (READ_METHODS, Receive, Scope, Send, classify, header, replaying, reply,
                                       route_path, with_headers)
 from server_patch.admin.internal import INTERNAL
@@ -80,13 +82,18 @@ def install(app: Any) -> None:
     app.add_middleware(RequestNamespace, api_keys=api_keys, from_user=on)
 
 
-def tenant_of(body: bytes) -> str | None:
-    """``user`` (OpenAI) or ``metadata.user_id`` (Anthropic) of a JSON body, if a usable string."""
+def parsed(body: bytes | None) -> dict[str, Any] | None:
+    """A body's JSON object, parsed once for every field read here; None when it is not one."""
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        data = json.loads(body) if body else None
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
-    if not isinstance(data, dict):
+    return data if isinstance(data, dict) else None
+
+
+def tenant_of(data: dict[str, Any] | None) -> str | None:
+    """``user`` (OpenAI) or ``metadata.user_id`` (Anthropic) of a JSON body, if a usable string."""
+    if data is None:
         return None
     metadata = data.get("metadata")
     value = data.get("user")
@@ -106,13 +113,9 @@ def header_tenant(scope: Scope) -> str | None:
     return None
 
 
-def cache_salt_of(body: bytes | None) -> tuple[str | None, str | None]:
+def cache_salt_of(data: dict[str, Any] | None) -> tuple[str | None, str | None]:
     """(the body's ``cache_salt``, None) or (None, why it is refused); (None, None) when absent."""
-    try:
-        data = json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None, None
-    if not isinstance(data, dict) or data.get("cache_salt") is None:
+    if data is None or data.get("cache_salt") is None:
         return None, None
     salt = data["cache_salt"]
     if not isinstance(salt, str) or not salt:
@@ -135,27 +138,32 @@ class RequestNamespace:
         key_id = None
         if self.api_keys is not None:
             key_id = self.api_keys.identity(header(scope, b"authorization"), header(scope, b"x-api-key"))
-            if key_id is None:
+            if key_id is None and not _holds_admin_token(scope):
                 await self._refuse(scope, receive, send)
                 return
             scope = self._for_mlx_vlm(scope)
-        body = None
+        data = None
         if scope["type"] == "http" and scope.get("method", "").upper() == "POST":
             body = await read_whole(receive)
             if body is None:
                 return  # the client is gone: nothing to answer
-            receive = replaying(body, receive)
-        salt, refused = cache_salt_of(body)
+            receive, data = replaying(body, receive), parsed(body)
+        salt, refused = cache_salt_of(data)
         if refused:
             await reply(send, 400, refused)
             return
-        tenant = header_tenant(scope) or (tenant_of(body) if self.from_user and body else None)
-        if tenant is None and (key_id is not None or salt is not None):
-            tenant = os.environ.get(DEFAULT_TENANT_ENV) or None  # what mlx-vlm would fall back to
-        name = namespace(key_id, tenant, salt)
+        name = self._namespace(scope, key_id, data, salt)
         if name is not None:
             scope = with_headers(scope, drop=HONOURED, add=[(TENANT_HEADER, name.encode("utf-8"))])
         await self.app(scope, receive, send)
+
+    def _namespace(self, scope: Scope, key_id: str | None, data: dict[str, Any] | None,
+                   salt: str | None) -> str | None:
+        """The request's namespace from its key, its tenant (header, else the opted-in user field) and salt."""
+        tenant = header_tenant(scope) or (tenant_of(data) if self.from_user else None)
+        if tenant is None and (key_id is not None or salt is not None):
+            tenant = os.environ.get(DEFAULT_TENANT_ENV) or None  # what mlx-vlm would fall back to
+        return namespace(key_id, tenant, salt)
 
     def _for_mlx_vlm(self, scope: Scope) -> Scope:
         """With ``MLX_VLM_SERVER_API_KEY`` also set, mlx-vlm's handlers check that key: hand it on."""
@@ -181,6 +189,14 @@ class RequestNamespace:
         path = route_path(scope)
         return path not in OPEN_PATHS and classify(path) != "admin" and not (
             classify(path) == "management" and scope.get("method", "GET").upper() not in READ_METHODS)
+
+
+def _holds_admin_token(scope: Scope) -> bool:
+    """The admin token stands in for a key, in the keyless namespace: an operator sees every namespace
+    anyway, and ``apcctl restart``'s probe must reach the anchor ``/admin/anchors`` made there."""
+    app = scope.get("app")  # Starlette puts itself in the scope before its middleware runs
+    token = getattr(getattr(app, "state", None), "apc_admin_token", None)
+    return bool(token) and token_matches(token, header(scope, b"authorization"))
 
 
 async def read_whole(receive: Receive) -> bytes | None:
