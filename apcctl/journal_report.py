@@ -81,12 +81,18 @@ def summarize(records: Iterable[dict[str, Any]], *, since: float, until: float) 
     return {
         "window": {"since": since, "until": until, "server_starts": starts},
         "requests": _requests(requests),
-        "latency_ms": {phase: percentiles([float(r.get(f"{phase}_ms", 0.0)) for r in requests]) for phase in PHASES},
+        "latency_ms": {phase: percentiles([float(r.get(f"{phase}_ms", 0.0)) for r in requests if not _no_first_token(r)])
+                       for phase in PHASES},
         "evictions": _evictions(cache),
         "disk": _disk(cache),
         "anchors": _anchors(cache, budgets),
         "tiers": _tiers(budgets),
     }
+
+
+def _no_first_token(record: dict[str, Any]) -> bool:
+    """Cancelled in prefill: it has a record but no latencies to count."""
+    return record.get("outcome") == "cancelled" and record.get("phase") == "prefill"
 
 
 def _requests(requests: list[dict[str, Any]]) -> dict[str, Any]:
@@ -99,7 +105,8 @@ def _requests(requests: list[dict[str, Any]]) -> dict[str, Any]:
     hits = sum(1 for r in requests if int(r.get("restored_tokens", 0)) > 0)
     prompt = sum(row["prompt_tokens"] for row in by_kind.values())
     reused = sum(row["reused_tokens"] for row in by_kind.values())
-    return {"count": len(requests), "hits": hits, "hit_rate": hits / len(requests) if requests else None,
+    return {"count": len(requests), "cancelled_in_prefill": sum(map(_no_first_token, requests)),
+            "hits": hits, "hit_rate": hits / len(requests) if requests else None,
             "prompt_tokens": prompt, "reused_tokens": reused,
             "token_hit_rate": reused / prompt if prompt else None,
             "by_kind": dict(sorted(by_kind.items()))}

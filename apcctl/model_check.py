@@ -241,7 +241,9 @@ def _template_lines(template: dict[str, Any] | None) -> list[str]:
     if template is None:
         return ["chat template: not checked (no tokenizer files)"]
     kinds = ", ".join(template["kinds"]) or "none"
-    lines = [f"chat template: {template['order']}; boundaries offered on an agent prompt: {kinds}"]
+    anchor = template["anchor_len"]
+    where = f" (anchor at token {anchor} of {template['prompt_tokens']})" if anchor is not None else ""
+    lines = [f"chat template: {template['order']}; boundaries offered on an agent prompt: {kinds}{where}"]
     if template["order"] == "system first":
         lines.append("  (the system text renders before the tools block: a change late in it diverges "
                      "before the tools; the restore point is the last boundary inside the system text)")

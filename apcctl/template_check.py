@@ -4,7 +4,7 @@ A template that renders the system text *before* the tools block (Qwen3/3.5, Lla
 gpt-oss: "system first") puts a late change in the system prompt (a date, a working directory)
 ahead of the tools and everything after them; one that renders the tools first (GLM) keeps the
 tools block a restore point whatever the system text says. ``check_template`` renders a probe
-agent conversation (a structured system prompt, two tools, a few turns) with the model
+agent conversation (a long structured system prompt, two tools, a few turns) with the model
 directory's own tokenizer and template through mlx-vlm's ``apply_chat_template``, exactly as the
 server does, and runs the server's boundary finder (``server_patch.boundaries``) over it: the
 boundary kinds it reports are the ones the server will offer the policy for such prompts.
@@ -19,19 +19,18 @@ from typing import Any
 
 TOOLS_FIRST, SYSTEM_FIRST = "tools first", "system first"
 NO_TOOLS, NO_SYSTEM, NO_TEMPLATE = "tools not rendered", "system not rendered", "no chat template"
+UNRENDERABLE = "does not render the probe"
 
 _SYSTEM_MARK = "zq-system-probe"
 _TOOL_MARK = "zq_tool_probe"
-PROBE_SYSTEM = (
-    f"You are {_SYSTEM_MARK}, a coding agent.\n\n"
-    "# Rules\n"
-    "- Answer briefly.\n"
-    "- Run the tests before you finish.\n\n"
-    "<environment>\n"
-    "Working directory: /work/project\n"
-    "Git status: clean\n"
-    "</environment>\n\n"
-    "Today is Tuesday.")
+def _probe_system() -> str:
+    """A long agent system prompt (about 1.5k tokens of lines: headings, rules, an ``<env>``
+    block, the date last), so the finder's thinning has room to offer points inside it."""
+    from apcctl.sim.tracegen_rendered import system_prompt
+
+    return f"You are {_SYSTEM_MARK}, a coding agent.\n\n" + system_prompt()
+
+
 PROBE_TOOLS = [
     {"type": "function", "function": {"name": _TOOL_MARK, "description": "Read a file.",
                                       "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}},
@@ -39,7 +38,7 @@ PROBE_TOOLS = [
                                       "parameters": {"type": "object", "properties": {}}}},
 ]
 PROBE_MESSAGES = [
-    {"role": "system", "content": PROBE_SYSTEM},
+    {"role": "system", "content": _probe_system()},
     {"role": "user", "content": "Where is the main module?"},
     {"role": "assistant", "content": "In src/main.py."},
     {"role": "user", "content": "Read it, please."},
@@ -54,6 +53,7 @@ class TemplateReport:
     kinds: list[str] = field(default_factory=list)  # sorted by first position in the prompt
     positions: dict[str, int] = field(default_factory=dict)  # kind -> its first token position
     prompt_tokens: int = 0
+    anchor_len: int | None = None  # where the system + tools anchor ends on the probe
     source: str = ""  # how the boundaries were found: template, fallback (stride) or none
     problems: list[str] = field(default_factory=list)
 
@@ -95,9 +95,9 @@ def check_with(processor: Any, config: dict[str, Any]) -> TemplateReport:
     try:
         rendered = apply_chat_template(processor, config, PROBE_MESSAGES, **kwargs)
     except Exception as exc:  # noqa: BLE001 - a template that cannot render the probe is reported
-        return TemplateReport(NO_TEMPLATE, problems=[f"template does not render: {type(exc).__name__}: {exc}"[:300]])
+        return TemplateReport(UNRENDERABLE, problems=[f"template does not render: {type(exc).__name__}: {exc}"[:300]])
     if not isinstance(rendered, str):
-        return TemplateReport(NO_TEMPLATE, problems=["template render is not text"])
+        return TemplateReport(UNRENDERABLE, problems=["template render is not text"])
     finder = SegmentFinder()
     finder.note(apply_chat_template, processor, config, PROBE_MESSAGES, kwargs, rendered)
     tokens = encoder(getattr(processor, "tokenizer", processor))(rendered)
@@ -105,7 +105,8 @@ def check_with(processor: Any, config: dict[str, Any]) -> TemplateReport:
     first: dict[str, int] = {}
     for position in sorted(info.kinds):
         first.setdefault(str(info.kinds[position]), int(position))
-    report = TemplateReport(template_order(rendered), sorted(first, key=first.get), first, len(tokens), info.source)
+    report = TemplateReport(template_order(rendered), sorted(first, key=first.get), first, len(tokens),
+                            info.anchor_len, info.source)
     if info.source != "template":
         report.problems.append("the template does not render piecewise: only stride boundaries")
     return report

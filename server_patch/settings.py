@@ -289,7 +289,9 @@ _GROUPS: tuple[_Group, ...] = (
                "fallback_stride": "Segments every this many tokens where no template boundary is known "
                                   "(0: none).",
                "tool_boundaries": "A boundary after each tool inside the tools block (docs/segments.md).",
-               "system_paragraphs": "Paragraph breaks per system message reported, the last ones (-1: all).",
+               "system_paragraphs": "Paragraph breaks per system message reported, the last ones, and as "
+                                    "many line/heading/section points where a long system text has "
+                                    "them (-1: all; 0: none; docs/segments.md).",
                "anchor_tail_tokens": "A trailing system part shorter than this (a clock) stays out of the "
                                      "anchor.",
                "max_new_renders": "Template renders one request may add to the cache (0: no limit).",

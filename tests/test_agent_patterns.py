@@ -85,7 +85,7 @@ STEP = st.builds(Step, kind=st.sampled_from(STEP_KINDS), question=LENGTH, reply=
                  cut=st.integers(1, 400), keep=st.integers(0, 3000), turns=st.integers(1, 3))
 
 
-TRACES = dict(steps=st.lists(STEP, min_size=1, max_size=9), seed=st.integers(0, 2**16),
+TRACES = dict(steps=st.lists(STEP, min_size=2, max_size=16), seed=st.integers(0, 2**16),
               reminder=st.sampled_from([0, 450]), generation=st.sampled_from([1, 3]),
               tools=st.integers(50, 2500), system=st.integers(20, 1500), first=st.integers(3, 3000))
 
@@ -99,7 +99,7 @@ def never_below_stock(steps, seed, reminder, generation, tools, system, first) -
 
 
 @given(**TRACES)
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_the_lineage_never_restores_fewer_tokens_than_stock(steps, seed, reminder, generation, tools,
                                                             system, first):
     never_below_stock(steps, seed, reminder, generation, tools, system, first)

@@ -145,12 +145,14 @@ def test_a_rollback_says_its_verdict_in_one_line_then_the_log_once(served: dict[
 # ------------------------------------------------------------------ human tables on real terminals
 
 
-def on_terminal(columns: int, *args: str) -> list[str]:
-    """``apcctl ARGS`` on a pseudo-terminal ``columns`` wide: the lines a user sees."""
+def on_terminal(columns: int, *args: str, interrupt_at: bytes = b"", raw: bool = False) -> Any:
+    """``apcctl ARGS`` on a pseudo-terminal ``columns`` wide: the lines a user sees (with ``raw``,
+    the bytes). With ``interrupt_at``, Ctrl-C once the output holds it twice."""
     import fcntl
     import os
     import pty
     import re
+    import signal
     import struct
     import subprocess
     import sys
@@ -171,8 +173,13 @@ def on_terminal(columns: int, *args: str) -> list[str]:
         if not chunk:
             break
         out += chunk
+        if interrupt_at and out.count(interrupt_at) >= 2 and process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            interrupt_at = b""
     os.close(master)
     assert process.wait(60) == 0, out.decode()
+    if raw:
+        return out
     text = re.sub(r"\x1b\[[0-?]*[ -/]*[@-~]", "", out.decode()).replace("\r", "")
     return text.splitlines()
 
@@ -239,3 +246,12 @@ def test_requests_n_is_a_count_and_logs_has_json(cached: list[str]) -> None:
     assert len(json.loads(run("requests", "--server", NAME, "-n", "1", "--json").stdout)) == 1
     lines = [json.loads(line) for line in run("logs", "--server", NAME, "-n", "3", "--json").stdout.splitlines()]
     assert len(lines) == 3 and all(set(line) == {"server", "log", "line"} for line in lines)
+
+
+def test_a_watch_draws_in_place_on_a_terminal(served: dict[str, Any]) -> None:
+    """``status -w`` on a terminal: each screen drawn over the last on the alternate screen
+    (rich.live), and the last one left on the terminal after Ctrl-C."""
+    out = on_terminal(100, "status", "--server", NAME, "-w", "0.2", interrupt_at=b"Ctrl-C stops", raw=True)
+    enter, leave = out.index(b"\x1b[?1049h"), out.rindex(b"\x1b[?1049l")
+    assert out[enter:leave].count(b"Ctrl-C stops") >= 2
+    assert b"model" in out[leave:] and b"Ctrl-C stops" in out[leave:]  # the last screen, after the watch

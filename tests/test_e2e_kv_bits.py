@@ -63,6 +63,8 @@ def test_quantized_restores_equal_a_cold_quantized_prefill(server, tmp_path_fact
     first, line = _chat(server, messages, "kv")
     assert line["kind"] == "cold"
     assert "layout=arrays;qkv%dg64;arrays;kv" % server.bits in server.log_text(), server.log_tail()
+    disk = [p.name for p in (server.log_dir / "lineage-disk").iterdir() if p.is_dir()]
+    assert any(name.endswith("-qkv%dg64" % server.bits) for name in disk), disk  # never a float server's
 
     messages += [{"role": "assistant", "content": reply_text(first)}, {"role": "user", "content": text(40, 13)}]
     warm, line = _chat(server, messages, "kv")

@@ -5,8 +5,9 @@ with the working directory and the git status, a last line with the date) and no
 so the finder has no paragraph break in it. A variant that differs in its last line (another
 date) used to restore at the 2048-token stride; with points inside the system text it restores
 at the start of its own section, within a few dozen tokens of where it diverges, and its answer
-equals a cold prefill's. ``python tests/test_e2e_system_points.py report MODEL_DIR`` prints the
-before/after numbers of docs/benchmarks.md (restored tokens and checkpoint bytes held).
+equals a cold prefill's. ``python tests/test_e2e_system_points.py report [MODEL_DIR]`` prints the
+before/after numbers of docs/benchmarks.md (restored tokens and checkpoint bytes held; without
+MODEL_DIR it builds the tiny qwen3_5).
 """
 
 from __future__ import annotations
@@ -101,4 +102,7 @@ def report(model_dir: Path) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["report"]:
-    report(Path(sys.argv[2]))
+    from apcctl.tinymodel.servable import build_family_dir
+
+    report(Path(sys.argv[2]) if len(sys.argv) > 2 else
+           build_family_dir("qwen3_5", Path(tempfile.mkdtemp(prefix="sysfirst-model-")) / "model"))

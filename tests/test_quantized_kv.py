@@ -127,6 +127,7 @@ def test_the_layout_packs_the_layers_mlx_vlm_quantizes(qwen):
     assert CacheLayout.from_model(qwen, KVQuant(4, 32)).describe() == "arrays;qkv4g32;arrays;kv"
     assert CacheLayout.from_model(qwen).describe() == "arrays;kv;arrays;kv"
     assert CacheLayout.from_model(qwen, Q8).packed and not CacheLayout.from_model(qwen).packed
+    assert CacheLayout.from_model(qwen, Q8).kv_quant_label == "qkv8g64" and not CacheLayout.from_model(qwen).kv_quant_label
     fresh = CacheLayout.from_model(qwen, Q8).fresh(qwen)
     assert [type(c).__name__ for c in fresh] == ["ArraysCache", "QuantizedKVCache", "ArraysCache", "KVCache"]
 
@@ -215,16 +216,26 @@ class _Quantized:
         return self.layout.fresh(self.lm)
 
 
-def test_every_restore_kind_and_a_disk_restart_equal_cold_under_kv_bits(qwen, tmp_path):
+#: Families whose attention layers are plain KVCache, sized so mx.quantize can pack them (gpt_oss
+#: is left out: mlx-vlm's quantized attention refuses its attention sinks, cold or warm).
+QUANTIZABLE = {"qwen3_5": {"head_dim": 64, "full_attention_interval": 2}, "nemotron_h": {"head_dim": 64},
+               "gemma3": {"head_dim": 64}}
+
+
+@pytest.mark.parametrize("family", sorted(QUANTIZABLE))
+def test_every_restore_kind_and_a_disk_restart_equal_cold_under_kv_bits(family, tmp_path):
     """The conformance script (tests/test_conformance_families.py) on packed layers: RAM
     entry, anchor, divergence and periodic restores, then disk files read by a new store."""
+    from apcctl.tinymodel.families import build_language_model
     from server_patch.disk.store import DiskStore
     from server_patch.lineage import LineageCache, LineageConfig
     from test_conformance_families import ANCHOR_LEN, ATOL, CONFIG, Driver, _tokens
 
-    layout = CacheLayout.from_model(qwen, Q8)
+    lm = build_language_model(family, overrides=QUANTIZABLE[family])
+    layout = CacheLayout.from_model(lm, Q8)
+    assert layout.packed, layout.describe()
     store = DiskStore(tmp_path, fingerprint="fp", layout=layout)
-    drive = Driver(_Quantized(qwen, layout), layout, LineageCache(LineageConfig(**CONFIG), disk=store))
+    drive = Driver(_Quantized(lm, layout), layout, LineageCache(LineageConfig(**CONFIG), disk=store))
 
     def check(prompt, kind, tier="ram", **kw):
         plan, warm, cold = drive.serve(prompt, **kw)
@@ -245,6 +256,6 @@ def test_every_restore_kind_and_a_disk_restart_equal_cold_under_kv_bits(qwen, tm
     drive.cache = LineageCache(LineageConfig(**CONFIG), disk=restarted)
     check(np.concatenate([second, _tokens(20, 8)]), "entry", tier="disk")
     # A float server (another layout) never reads these files.
-    assert not list(DiskStore(tmp_path, fingerprint="fp", layout=CacheLayout.from_model(qwen)).records())
+    assert not list(DiskStore(tmp_path, fingerprint="fp", layout=CacheLayout.from_model(lm)).records())
     store.close()
     restarted.close()

@@ -135,3 +135,19 @@ def test_the_rendered_qwen3_trace_restores_more_with_system_points():
     assert firsts[False][variants[0]] < 8
     assert all(firsts[True][a] > 900 for a in variants), firsts[True]
     assert runs[True].prefill_tokens < runs[False].prefill_tokens
+
+
+def test_trace_gen_renders_with_a_template_and_refuses_an_unknown_one(tmp_path):
+    from click.testing import CliRunner
+
+    from apcctl.cli import main
+    from apcctl.sim.trace import read_trace
+
+    out = tmp_path / "qwen3.jsonl"
+    result = CliRunner().invoke(main, ["bench", "trace-gen", str(out), "--template", "qwen3.jinja"])
+    assert result.exit_code == 0, result.output
+    trace = read_trace(out)
+    assert trace.meta["template"] == "qwen3.jinja" and trace.meta["system_points"] is True
+    assert all(r.segments and r.anchor_len for r in trace.requests)
+    bad = CliRunner().invoke(main, ["bench", "trace-gen", str(tmp_path / "x.jsonl"), "--template", "nope.jinja"])
+    assert bad.exit_code != 0 and "qwen3.jinja" in bad.output

@@ -39,8 +39,11 @@ def test_the_order_is_read_from_where_the_probe_texts_render():
 def test_chatml_renders_no_tools_and_offers_system_and_paragraph_points(qwen_dir):
     report = check_template(qwen_dir, "qwen3_5")
     assert report.order == NO_TOOLS and report.source == "template" and not report.problems
-    assert {"system", "paragraph", "message"} <= set(report.kinds)
-    assert report.positions["paragraph"] < report.positions["system"] < report.positions["message"]
+    assert {"system", "paragraph", "heading", "message"} <= set(report.kinds)
+    assert report.positions["paragraph"] < report.positions["heading"] < report.positions["system"] \
+        < report.positions["message"]
+    # The probe's last section (<env>, the date) is within the anchor tail: the anchor ends there.
+    assert report.positions["heading"] < report.anchor_len < report.positions["system"]
 
 
 def test_qwen3_is_system_first_and_glm_tools_first(qwen_dir, tmp_path):
@@ -49,8 +52,10 @@ def test_qwen3_is_system_first_and_glm_tools_first(qwen_dir, tmp_path):
     qwen3 = _with_template(qwen_dir, tmp_path / "qwen3", "qwen3.jinja")
     report = check_with(AutoTokenizer.from_pretrained(str(qwen3)), {"model_type": "qwen3"})
     assert report.order == SYSTEM_FIRST
-    # Inside the system text, before the tools block: the end of the system message is past it.
-    assert report.positions["paragraph"] < report.positions["system"]
+    # Inside the system text, before the tools block (the system message ends past the tools):
+    # its last section's start and the system text's end, where the tools block begins.
+    assert {"section", "system_text"} <= set(report.kinds)
+    assert report.positions["section"] < report.positions["system_text"] < report.positions["system"]
     glm = check_template(_with_template(qwen_dir, tmp_path / "glm", "glm45.jinja"), "qwen3_5")
     assert glm.order == TOOLS_FIRST and glm.positions["tools"] < glm.positions["system"]
 
@@ -60,6 +65,7 @@ def test_model_check_prints_the_template_and_json_carries_it(qwen_dir, tmp_path)
     shown = CliRunner().invoke(main, ["model", "check", str(glm)])
     assert shown.exit_code == 0, shown.output
     assert "chat template: tools first; boundaries offered on an agent prompt: tools" in shown.output
+    assert "(anchor at token" in shown.output
     as_json = json.loads(_json_of(qwen_dir))
     assert as_json["template"]["order"] == NO_TOOLS and "system" in as_json["template"]["kinds"]
     bare = tmp_path / "bare"

@@ -26,7 +26,7 @@ from textual import on, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import Footer, Input, TabbedContent, TabPane
+from textual.widgets import Input, TabbedContent, TabPane
 from textual.worker import Worker, WorkerState
 
 from apcctl.core.client import AdminClient
@@ -44,6 +44,7 @@ from tui.screens.confirm import ConfirmScreen
 from tui.screens.help import HelpScreen
 from tui.source import DashboardSource, LiveSource, SourceError
 from tui.state import DashboardState
+from tui.widgets.footer import KeysFooter
 from tui.widgets.header import Mode, ServerHeader
 
 TABS = (("live", "Live"), ("lineages", "Lineages"), ("anchors", "Anchors"), ("restart", "Restart"), ("log", "Log"),
@@ -61,7 +62,11 @@ class DashboardApp(App[None]):
     # Classes on the screen that dashboard.tcss lays the Live tab out by (any size down to 80x24).
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
+    # Help and Quit are drawn first by KeysFooter (a narrow footer cuts its right end).
     BINDINGS = [
+        Binding("question_mark", "help", "Help"),
+        Binding("q", "quit", "Quit"),
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),  # as htop and k9s quit
         *(Binding(str(n), f"show_tab('{tab}')", label, show=False) for n, (tab, label) in enumerate(TABS, 1)),
         Binding("slash", "filter", "Filter"),
         Binding("escape", "clear_filter", "Clear filter", show=False),
@@ -69,8 +74,6 @@ class DashboardApp(App[None]):
         Binding("r", "refresh", "Refresh"),
         Binding("plus", "interval(1)", "Slower", show=False),
         Binding("minus", "interval(-1)", "Faster", show=False),
-        Binding("question_mark", "help", "Help"),
-        Binding("q", "quit", "Quit"),
     ]
 
     def __init__(self, source: DashboardSource, *, read_only: bool = False, restarter: Restarter | None = None,
@@ -112,7 +115,7 @@ class DashboardApp(App[None]):
                 with TabPane("6 Fleet", id="fleet"):
                     yield FleetPane(id="pane-fleet")
         yield Input(placeholder="filter: text, or !text to hide matches", id="filter", disabled=True)
-        yield Footer()
+        yield KeysFooter()
 
     def on_mount(self) -> None:
         self.query_one("#filter", Input).cursor_blink = False

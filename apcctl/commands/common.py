@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import io
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -189,27 +190,66 @@ def watch_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def watching(interval: float | None, once: Callable[[], None], *, as_json: bool,
              sleep: Callable[[float], None] = time.sleep) -> None:
-    """Run ``once``; with ``interval``, again and again (clearing the screen between human
-    screens), riding out a failing server (its error is shown and the watch goes on)."""
+    """Run ``once``; with ``interval``, again and again, riding out a failing server (its error
+    is shown and the watch goes on). On a terminal each screen is drawn in place (``rich.live``);
+    elsewhere the screens follow one another."""
     if interval is None:
         once()
         return
     lines = _JSON_LINES.set(as_json)  # a stream of JSON: one compact object per line, as --follow prints
+    footer = lambda: click.echo(f"every {interval:g}s, {time.strftime('%H:%M:%S')}; Ctrl-C stops", err=True)  # noqa: E731
     try:
+        if not as_json and sys.stdout.isatty():
+            _watch_in_place(interval, once, footer, sleep)
+            return
         while True:
-            if not as_json and sys.stdout.isatty():
-                click.clear()
-            try:
-                once()
-            except click.exceptions.Exit:
-                pass  # --all: the failing servers were reported; keep watching
-            except click.ClickException as exc:
-                click.echo(f"Error: {exc.message}", err=True)
+            _reporting(once)
             if not as_json:
-                click.echo(f"every {interval:g}s, {time.strftime('%H:%M:%S')}; Ctrl-C stops", err=True)
+                footer()
             sys.stdout.flush()
             sleep(interval)
     except KeyboardInterrupt:
         pass
     finally:
         _JSON_LINES.reset(lines)
+
+
+def _reporting(once: Callable[[], None]) -> None:
+    """``once``, its failure printed as an error line instead of ending the watch."""
+    try:
+        once()
+    except click.exceptions.Exit:
+        pass  # --all: the failing servers were reported; keep watching
+    except click.ClickException as exc:
+        click.echo(f"Error: {exc.message}", err=True)
+
+
+class _Frame(io.StringIO):
+    """What one screen prints, captured as a terminal would get it (colours, the terminal's width)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _watch_in_place(interval: float, once: Callable[[], None], footer: Callable[[], None],
+                    sleep: Callable[[float], None]) -> None:
+    """Each screen drawn over the last by ``rich.live.Live`` on the alternate screen, as top does
+    (no clear-and-redraw flicker); the last one stays on the terminal after Ctrl-C."""
+    from rich.console import Console
+    from rich.live import Live
+    from rich.text import Text
+
+    terminal, last = Console(), Text("")
+    try:
+        with Live(last, console=terminal, screen=True, auto_refresh=False, redirect_stdout=False,
+                  redirect_stderr=False) as live:
+            while True:
+                frame = _Frame()
+                with redirect_stdout(frame), redirect_stderr(frame):
+                    _reporting(once)
+                    footer()
+                last = Text.from_ansi(frame.getvalue())
+                live.update(last, refresh=True)
+                sleep(interval)
+    finally:
+        terminal.print(last)

@@ -396,17 +396,22 @@ def parse_pid_file(text: str) -> tuple[int, float | None]:
 
 
 def terminate(process: psutil.Process, grace: float) -> str:
-    """SIGTERM, then SIGKILL if it still runs after ``grace`` seconds; returns the last signal."""
+    """SIGTERM, then SIGKILL if it still runs after ``grace`` seconds (``psutil.wait_procs``: it
+    tells a process that exited from a reused PID); returns the last signal."""
     try:
         process.send_signal(signal.SIGTERM)
-        process.wait(timeout=grace)
-    except psutil.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=10)
-        return "SIGKILL"
     except psutil.NoSuchProcess:
-        pass
-    return "SIGTERM"
+        return "SIGTERM"
+    _, alive = psutil.wait_procs([process], timeout=grace)
+    if not alive:
+        return "SIGTERM"
+    for survivor in alive:
+        try:
+            survivor.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+    return "SIGKILL"
 
 
 def write_private(path: Path, text: str) -> None:

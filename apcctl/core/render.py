@@ -147,6 +147,12 @@ class Fitted:
                  header: bool) -> None:
         self.wide, self.columns, self.cells, self.title, self.header = wide, columns, cells, title, header
 
+    def add_row(self, *cells: Any) -> None:
+        """One more row, as ``rich.table.Table.add_row`` takes it (a ``Text`` cell keeps its style)."""
+        row = [cell if isinstance(cell, Text) else Text("") if cell is None else plain(cell) for cell in cells]
+        self.cells.append(row)
+        self.wide.add_row(*row)
+
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         needed = sum(c.min_width or 1 for c in self.wide.columns) + 2 * (len(self.wide.columns) - 1)  # 2: padding
         if needed <= options.max_width or not self.header:

@@ -123,6 +123,7 @@ def build(steps: Sequence[Step], *, seed: int | Sequence[int] = 0, tools: int = 
 
 # ----------------------------------------------------------------------------- in the replay trace
 
+CLIENT_AGENTS = ("aider", "streamer")  # the trace's agents whose requests these actors make
 # What follows a request in the abort actor's sessions (the rest are plain turns).
 _OUTCOMES = (("abort_kept", 0.08), ("abort_dropped", 0.08), ("no_reply", 0.06), ("edit", 0.04),
              ("regenerate", 0.04))
@@ -132,7 +133,7 @@ def _lognormal(rng: np.random.Generator, median: float, low: float, high: float)
     return float(np.clip(rng.lognormal(np.log(median), 0.7), low, high))
 
 
-def aider_sessions(seed: int, scale: Any, horizon: float) -> list[Request]:
+def aider_sessions(seed: int, scale: Any, horizon: float, sessions: int = 2) -> list[Request]:
     """aider in its default mode (``apcctl bench trace-gen``'s fourth actor): a 3-4k-token
     system prompt and repo map, 22-107-token questions, replies around 300 tokens, and the
     ~450-token reminder after the newest user message (GLM's one-token generation prompt)."""
@@ -140,7 +141,7 @@ def aider_sessions(seed: int, scale: Any, horizon: float) -> list[Request]:
     persona = Persona("aider", np.zeros(0, np.int32), rng.integers(*VOCAB, size=scale.n(rng.uniform(3000, 4000)),
                                                                      dtype=np.int32))
     out, t, session = [], float(rng.uniform(30, 90)), 0
-    while t < horizon:
+    while t < horizon and session < sessions:
         steps = [Step("turn", question=scale.n(rng.uniform(22, 107)), reply=scale.n(_lognormal(rng, 300, 30, 1500)))
                  for _ in range(int(rng.integers(6, 16)))]
         got = build(steps, seed=[seed, 4, session], persona=persona, reminder=scale.n(450), generation=1,
@@ -152,7 +153,7 @@ def aider_sessions(seed: int, scale: Any, horizon: float) -> list[Request]:
     return out
 
 
-def abort_sessions(seed: int, scale: Any, horizon: float) -> list[Request]:
+def abort_sessions(seed: int, scale: Any, horizon: float, sessions: int = 3) -> list[Request]:
     """A streaming agent client (the fifth actor): turns whose replies it sometimes aborts
     (the partial reply kept, or dropped and a new user message sent straight after), tool
     results sent without the reply, edits, regenerates, and now and then a 4-6k-token user
@@ -164,7 +165,7 @@ def abort_sessions(seed: int, scale: Any, horizon: float) -> list[Request]:
     kinds, weights = [k for k, _ in _OUTCOMES] + ["turn"], [w for _, w in _OUTCOMES]
     weights.append(1.0 - sum(weights))
     out, t, session = [], float(rng.uniform(10, 60)), 0
-    while t < horizon:
+    while t < horizon and session < sessions:
         steps = []
         for _ in range(int(rng.integers(5, 12))):
             kind = str(rng.choice(kinds, p=weights))
@@ -182,4 +183,4 @@ def abort_sessions(seed: int, scale: Any, horizon: float) -> list[Request]:
     return out
 
 
-__all__ = ["STEP_KINDS", "Step", "abort_sessions", "aider_sessions", "build"]
+__all__ = ["CLIENT_AGENTS", "STEP_KINDS", "Step", "abort_sessions", "aider_sessions", "build"]

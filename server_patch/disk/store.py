@@ -103,7 +103,7 @@ def _as_mlx(raw: mx.array | np.ndarray) -> mx.array:
 
 
 class DiskStore:
-    """The policy's ``DiskTier`` over a directory, with one background writer thread."""
+    """The policy's ``DiskTier`` over a directory, written by the process's one writer thread."""
 
     def __init__(self, root: Path | str, *, fingerprint: str, layout: CacheLayout,
                  min_free: float | None = None) -> None:
@@ -115,10 +115,8 @@ class DiskStore:
         self.guard = WriteGuard(self.root, min_free_from_env() if min_free is None else min_free)
         # Files removed because they could not be trusted, by reason (integrity.* constants).
         self.rejects: Counter[str] = Counter()
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue = queue.Queue()  # this store's writes; WRITER runs them
         self._closed = False
-        self._writer = threading.Thread(target=self._run, name="apc-lineage-disk", daemon=True)
-        self._writer.start()
 
     # ------------------------------------------------------------------ index
 
@@ -176,6 +174,7 @@ class DiskStore:
         # unevaluated array could only be computed on its creator's thread, and this may be
         # called from the idle ticker or an admin request.
         self._queue.put((entry, entry.kv, entry.head, list(entry.checkpoints), done))
+        WRITER.submit(self)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write finished; False on timeout."""
@@ -205,25 +204,22 @@ class DiskStore:
                 "last_error": self.guard.last_error, "min_free": self.guard.min_free,
                 "volume_bytes": total, "free_bytes": free}
 
-    def _run(self) -> None:
-        # MLX streams are per thread; the writer gets its own on the CPU, one per process: MLX
-        # never frees a stream's native thread, so a new one per store leaked one a model switch.
-        mx.set_default_stream(_writer_stream())
-        while True:
-            item = self._queue.get()
-            if item is None:  # close(): nothing is written after this
-                self._queue.task_done()
-                return
-            entry, kv, head, checkpoints, done = item
-            try:
-                record = self._write_guarded(entry, kv, head, checkpoints)
-            except Exception as exc:  # a failed write must not kill the writer
-                log.warning("lineage disk write of %s failed: %s", entry.id, exc)
-                record = None
-            try:
-                done(entry, record)
-            finally:
-                self._queue.task_done()
+    def write_next(self) -> None:
+        """Run this store's oldest queued write (on ``WRITER``'s thread); none left (dropped at
+        close): nothing."""
+        try:
+            entry, kv, head, checkpoints, done = self._queue.get_nowait()
+        except queue.Empty:
+            return
+        try:
+            record = self._write_guarded(entry, kv, head, checkpoints)
+        except Exception as exc:  # a failed write must not kill the writer
+            log.warning("lineage disk write of %s failed: %s", entry.id, exc)
+            record = None
+        try:
+            done(entry, record)
+        finally:
+            self._queue.task_done()
 
     def _write_guarded(self, entry: Entry, kv: MlxKV, head: MlxSnapshot,
                        checkpoints: list[Checkpoint]) -> DiskRecord:
@@ -352,8 +348,8 @@ class DiskStore:
 
     def close(self, timeout: float = 30.0) -> bool:
         """Finish the queued writes (at most ``timeout`` seconds; what is still queued then is
-        dropped, its entries stay unwritten) and end the writer thread; later writes are refused.
-        Returns whether every queued write finished."""
+        dropped, its entries stay unwritten); later writes are refused. Returns whether every
+        queued write finished."""
         complete = self.flush(timeout)
         self._closed = True
         dropped = 0
@@ -366,8 +362,6 @@ class DiskStore:
             dropped += 1
         if dropped:
             log.warning("lineage disk: %d queued writes dropped at close of %s", dropped, self.root)
-        self._queue.put(None)
-        self._writer.join(timeout)
         return complete and not dropped
 
     @property
@@ -375,15 +369,33 @@ class DiskStore:
         return self._closed
 
 
-_STREAM_LOCK = threading.Lock()
-_STREAM: list[Any] = []  # the writers' CPU stream, made once
+class DiskWriter:
+    """The one thread that writes for every store of the process, started at the first write.
+
+    MLX 0.32 gives each thread that runs MLX work a native stream thread it never frees (streams
+    are per thread), so a writer thread per store leaked one native thread per model switch.
+    ``submit`` queues one turn per queued write; a turn runs the store's oldest write.
+    """
+
+    def __init__(self) -> None:
+        self._turns: queue.Queue[DiskStore] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, store: DiskStore) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="apc-lineage-disk", daemon=True)
+                self._thread.start()
+        self._turns.put(store)
+
+    def _run(self) -> None:
+        mx.set_default_stream(mx.new_stream(mx.cpu))  # MLX streams are per thread: its own, on the CPU
+        while True:
+            self._turns.get().write_next()
 
 
-def _writer_stream() -> Any:
-    with _STREAM_LOCK:
-        if not _STREAM:
-            _STREAM.append(mx.new_stream(mx.cpu))
-        return _STREAM[0]
+WRITER = DiskWriter()
 
 
 def _unlink(path: Path, reason: str | None) -> None:

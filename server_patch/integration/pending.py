@@ -54,6 +54,7 @@ class Pending:
     wanted: dict[int, str] = field(default_factory=dict)
     taken: dict[int, tuple[str, Any]] = field(default_factory=dict)
     anchor_label: str = ""
+    last_start: int = 0  # where its last message starts (``Admission.last_start``), for the commit
 
     @property
     def key(self) -> tuple[Optional[str], int, int]:

@@ -32,7 +32,8 @@ class Prefills:
 
     def flow(self, pending: Pending) -> Admission:
         """The request flow of a pending prompt, at its admitted plan."""
-        return Admission(self.runtime.cache, pending.tokens, pending.namespace or "", pending.plan)
+        return Admission(self.runtime.cache, pending.tokens, pending.namespace or "", pending.plan,
+                         last_start=pending.last_start)
 
     # ------------------------------------------------------------------ captures
 
@@ -52,7 +53,9 @@ class Prefills:
     def _plan_captures(self, pending: Pending) -> None:
         info = SEGMENTS.boundaries(pending.tokens)  # anchor + chat-template segment boundaries
         pending.anchor_label = info.anchor_label
-        captures = self.flow(pending).captures(anchor_len=info.anchor_len, segments=info.segments)
+        flow = self.flow(pending)
+        captures = flow.captures(anchor_len=info.anchor_len, segments=info.segments)
+        pending.last_start = flow.last_start
         pending.wanted = {c.length: c.kind for c in captures if c.length <= pending.final}
 
     def _unlooked(self, prompt: np.ndarray) -> Pending:

@@ -49,7 +49,8 @@ class LineageRuntime:
         if disk_enabled() and why_no_disk:
             log.warning("apc_lineage: disk tier off for this run: %s", why_no_disk)
         elif disk_enabled():
-            root = default_disk_root() / self.fingerprint[:16]
+            label = self.layout.kv_quant_label  # --kv-bits: its own directory, the float one kept
+            root = default_disk_root() / (self.fingerprint[:16] + (f"-{label}" if label else ""))
             self.disk = DiskStore(root, fingerprint=self.fingerprint, layout=self.layout)
         self.cache = LineageCache(self.config, disk=self.disk, on_event=self._record_event, clock=clock.steady)
         # Request records and cache events also go to the on-disk journal (apcctl report).
@@ -94,8 +95,9 @@ class LineageRuntime:
     def close(self, timeout: float | None = None) -> None:
         """End this runtime, whose model is unloaded or replaced: unwritten entries are written
         (for at most ``timeout`` seconds, default ``shutdown_flush_s``; what is left is dropped),
-        then the cache stores nothing more, the ticker and the disk writer end and the journal
-        closes, so the next runtime is the only one writing its directory. Idempotent."""
+        then the cache stores nothing more, the ticker ends, the disk store closes (refusing
+        writes) and the journal closes, so the next runtime is the only one writing its
+        directory. Idempotent."""
         if self._closed.is_set():
             return
         timeout = self.config.shutdown_flush_s if timeout is None else timeout

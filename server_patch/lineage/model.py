@@ -134,10 +134,11 @@ class Entry:
     # With reply reuse the head sits past the reply; this is the newest turn's prompt end
     # (a FINAL checkpoint thinning never drops). 0: the head is the prompt end itself.
     prompt_end: int = 0
-    # The newest turn's interior points thinning keeps while it is the newest turn (counted in
-    # the cap): its periodic point and the start of its last message, where a next prompt that
-    # drops, edits or follows the last message (an abort, user after user, aider's moving
-    # reminder) restores. Not kept on disk: a restarted entry thins as before.
+    # The newest turn's points (``LineageCache._turn_points``): where it restored, its periodic
+    # point and the start of its last message. While it is the newest turn thinning keeps the
+    # longest checkpoint at or below each (counted in the cap, but for a reply end): where a next
+    # prompt that drops, edits or follows the last message (an abort, user after user, aider's
+    # moving reminder) restores. Not kept on disk: a restarted entry thins as before.
     turn_points: frozenset[int] = frozenset()
 
     @property

@@ -280,9 +280,10 @@ class LineageCache:
         last = inside[-1] if inside else None
         if last is not None and last not in picks and last > base and end - last >= cfg.segment_min_gap \
                 and (anchor_len is None or last >= anchor_len):
-            # The start of the last message, whatever the gap: where a re-sent conversation
-            # diverges when the client rewrites what follows it (aider's moving reminder, an
-            # edit of the last message). Thinning keeps it while this is the newest turn.
+            # The start of the last message, whatever the gap to the restore point and the other
+            # captures: where a re-sent conversation diverges when the client rewrites what
+            # follows it (aider's moving reminder, an edit of the last message). Thinning keeps
+            # it while this is the newest turn (``_turn_points``).
             picks[last] = SEGMENT
             past_anchor = 1
         taken = sorted({base, end, *picks})

@@ -218,6 +218,12 @@ class CacheLayout:
         return cls(layers)
 
     @property
+    def kv_quant_label(self) -> str:
+        """The packed codec's name (``qkv8g64``), or "" for float KV: a disk directory of one
+        never holds the other's files (a layout mismatch would remove them)."""
+        return next((c.name for layer in self.layers for c in layer.codecs if quantized.is_packed(c.name)), "")
+
+    @property
     def packed(self) -> bool:
         """Some layer holds quantized KV (``--kv-bits``): buffers are never lent or adopted."""
         return any(quantized.is_packed(c.name) for layer in self.layers for c in layer.codecs)

@@ -21,8 +21,8 @@ KEYS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("r", "refresh now"),
         ("+ -", "refresh interval (0.5 s to 10 s)"),
         ("ctrl+p", "command palette"),
-        ("?", "this help"),
-        ("q", "quit"),
+        ("?", "this help (up/down, pgup/pgdn, home/end scroll it)"),
+        ("q ctrl+c", "quit"),
     )),
     ("Tables", (
         ("up down pgup pgdn", "move the cursor (it stays on its entry while data refreshes)"),
@@ -72,7 +72,10 @@ def help_text() -> Group:
 
 
 class HelpScreen(ModalScreen[None]):
+    """The keys, in a dialog that fits the screen and scrolls (up/down, pgup/pgdn, home/end)."""
+
     BINDINGS = [Binding("escape,question_mark,q", "dismiss", "Close")]
+    AUTO_FOCUS = "VerticalScroll"  # the arrow and page keys scroll it
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="dialog help"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 from textual.widget import Widget
 
@@ -68,7 +67,7 @@ def legend() -> Text:
     return text
 
 
-def checkpoint_table(entry: dict[str, Any], now: float) -> Table:
+def checkpoint_table(entry: dict[str, Any], now: float) -> render.Fitted:
     table = render.table(("AT TOKEN", "KIND", "SIZE", "HITS", "LAST HIT", "CREATED"),
                          [], numeric=("AT TOKEN", "SIZE", "HITS"))
     for point in sorted(entry.get("checkpoints") or [], key=lambda c: c["length"]):
