@@ -5,7 +5,9 @@ with the working directory and the git status, a last line with the date) and no
 so the finder has no paragraph break in it. A variant that differs in its last line (another
 date) used to restore at the 2048-token stride; with points inside the system text it restores
 at the start of its own section, within a few dozen tokens of where it diverges, and its answer
-equals a cold prefill's. ``python tests/test_e2e_system_points.py report [MODEL_DIR]`` prints the
+equals a cold prefill's: on ChatML (the system turn alone, the anchor moved before its last
+section) and on a Qwen3-shaped template with the tools after the system text (a segment inside
+the system text, before the tools and the anchor). ``python tests/test_e2e_system_points.py report [MODEL_DIR]`` prints the
 before/after numbers of docs/benchmarks.md (restored tokens and checkpoint bytes held; without
 MODEL_DIR it builds the tiny qwen3_5).
 """
@@ -34,14 +36,14 @@ def conversation(date: str, user_seed: int) -> list[dict]:
             {"role": "user", "content": text(30, user_seed)}]
 
 
-def shared_tokens(model_dir: Path, a: list[dict], b: list[dict]) -> tuple[int, int]:
+def shared_tokens(model_dir: Path, a: list[dict], b: list[dict], **kwargs) -> tuple[int, int]:
     """Tokens the two prompts share, and where the ``<env>`` section starts (the last section
     of the system text), as the model's own tokenizer and template render them."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    rendered = tok.apply_chat_template(a, tokenize=False, add_generation_prompt=True)
-    x, y = (tok.encode(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+    rendered = tok.apply_chat_template(a, tokenize=False, add_generation_prompt=True, **kwargs)
+    x, y = (tok.encode(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **kwargs),
                        add_special_tokens=False) for m in (a, b))
     shared = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
     return shared, len(tok.encode(rendered[:rendered.index("<env>")], add_special_tokens=False))
@@ -86,6 +88,57 @@ def test_a_late_change_restores_at_its_own_section_and_equals_cold(model_dir, tm
                           top_logprobs=5)
         assert after.lineage_lines("restore")[-1]["kind"] == "cold"
         assert_same_output(new["answer"], cold)
+
+
+# Qwen3's layout (apcctl/templates/qwen3.jinja, shortened): the system text, then the tools block,
+# in one system turn. Content may come as text parts (mlx-vlm passes qwen3_5 messages that way).
+QWEN_TOOLS_TEMPLATE = """{%- macro text(c) -%}{%- if c is string -%}{{ c }}{%- else -%}{%- for p in c -%}\
+{%- if p.type == 'text' -%}{{ p.text }}{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}
+{%- if tools -%}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ text(messages[0].content) }}
+
+{% endif %}# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ text(messages[0].content) }}<|im_end|>
+{% endif -%}
+{%- for m in messages -%}{%- if not (m.role == 'system' and loop.first) -%}<|im_start|>{{ m.role }}
+{{ text(m.content) }}<|im_end|>
+{% endif -%}{%- endfor -%}
+{%- if add_generation_prompt -%}<|im_start|>assistant
+{% endif -%}"""
+
+
+@pytest.mark.server
+def test_with_the_tools_after_the_system_text_a_late_change_restores_before_the_tools(model_dir, tmp_path):
+    """Qwen3's layout through the real server: the date variant diverges inside the system
+    text, before the tools block and the anchor after it; it restores at its section's start
+    (a segment the first request captured), and equals a cold prefill."""
+    import shutil
+
+    from apcctl.sim.tracegen_rendered import tools
+
+    qwen = tmp_path / "qwen-tools"
+    shutil.copytree(model_dir, qwen)
+    config = json.loads((qwen / "tokenizer_config.json").read_text())
+    (qwen / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN_TOOLS_TEMPLATE}))
+    tool_list = tools(("read_file", "list_dir", "run_tests", "git_diff"))
+    params = {"tools": tool_list, "max_tokens": 4, "logprobs": True, "top_logprobs": 5}
+    with _server(qwen, tmp_path / "log") as server:
+        server.chat(conversation("2026-12-01", 1), tenant="q", **params)
+        first = server.lineage_lines("timing")[-1]
+        answer = server.chat(conversation("2026-12-02", 2), tenant="q", **params)
+        line = server.lineage_lines("restore")[-1]
+        cold = server.chat(conversation("2026-12-02", 2), tenant="q-cold", **params)
+    shared, section = shared_tokens(qwen, conversation("2026-12-01", 1), conversation("2026-12-02", 2),
+                                    tools=tool_list)
+    restored = cached_tokens(answer)
+    anchor = int(next(c for c in first["captures"].split(",") if c.startswith("anchor@")).split("@")[1])
+    assert line["kind"] == "segment" and shared < anchor - 256, (line, first, shared)  # before the tools
+    assert section - BPE_SLACK <= restored <= shared, (restored, section, shared)
+    assert_same_output(answer, cold)
 
 
 def report(model_dir: Path) -> None:

@@ -20,7 +20,7 @@ from apcctl.bench.splits import measure, measure_tiny
 from apcctl.tinymodel.families import build_language_model, forward
 from server_patch.canary import check as C
 from server_patch.canary import points as P
-from server_patch.canary.compare import SPLIT_RTOL, TOLERANCES, compare, tolerance_for
+from server_patch.canary.compare import SPLIT_RTOL, TOLERANCES, tolerance_for
 from server_patch.lineage import LineageCache, LineageConfig
 from server_patch.state import splits
 from server_patch.state.layout import CacheLayout

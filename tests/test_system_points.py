@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 
 from server_patch.boundaries import Kind, SegmentFinder, SegmentSettings

@@ -70,3 +70,48 @@ async def test_ctrl_c_quits_as_in_htop_and_k9s(source: RecordedSource) -> None:
         await pilot.press("ctrl+c")
         await pilot.pause()
         assert not app.is_running
+
+
+def test_the_new_anchor_estimate_counts_the_models_state_snapshot(source: RecordedSource) -> None:
+    """A short prompt's anchor is mostly its fixed-size state snapshot: 9.1 KiB was estimated for
+    a 57 KiB anchor when only bytes per token were counted. Now every recorded anchor is
+    estimated from the other entries' real sizes within a factor of 1.5."""
+    from tui import impact
+
+    entries = source.recording["entries"]
+    for anchor in (e for e in entries if e["kind"] == "anchor"):
+        others = [e for e in entries if e["id"] != anchor["id"]]
+        estimate = impact.Sizes.of(others).anchor_bytes(anchor["length"])
+        assert anchor["bytes"] / 1.5 <= estimate <= anchor["bytes"] * 1.5, (anchor["id"], estimate, anchor["bytes"])
+    sizes = impact.Sizes.of(entries)
+    assert sizes.snapshot > 0 and sizes.anchor_bytes(14) > sizes.snapshot
+    said = impact.new_anchor("p.txt", "You are terse. Answer in one line.", None, {}, entries)
+    assert f"{render_bytes(sizes.snapshot)} state snapshot" in said.body
+
+
+def render_bytes(n: int) -> str:
+    from apcctl.core import render
+
+    return render.human_bytes(n)
+
+
+@sync
+async def test_a_request_of_an_absorbed_entry_opens_the_entry_that_absorbed_it(source: RecordedSource) -> None:
+    """The recording's second request restored c83138c67507, which its conversation's next
+    entries absorbed (into 7709ace9e2f7, then 7a31f17ad2c1): said as absorbed, not "evicted",
+    and the entry held now is shown."""
+    from textual.widgets import TabbedContent
+
+    from tui.messages import EntryRequested
+
+    app = make_app(source)
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(pilot)
+        assert app.state.entry("c83138c67507") is None and app.state.entry("7a31f17ad2c1") is not None
+        app.query_one("#pane-live").post_message(EntryRequested("c83138c67507"))
+        await pilot.pause()
+        await pilot.pause()
+        assert app.query_one(TabbedContent).active == "lineages"
+        assert app.query_one("#pane-lineages").table.selected_key == "7a31f17ad2c1"
+        said = [n.message for n in app._notifications]
+        assert any("absorbed into 7a31f17ad2c1" in m for m in said) and not any("evicted" in m for m in said)

@@ -352,7 +352,8 @@ class DashboardApp(App[None]):
             return
         entry = self.state.entry(message.entry_id)
         if entry is None:
-            self.notify(f"{message.entry_id} is gone (refresh to see the latest entries).", severity="warning")
+            self.notify(f"{self.state.where_gone(message.entry_id)} (refresh to see the latest entries).",
+                        severity="warning")
             return
         describe = {"pin": impact.pin, "unpin": impact.unpin, "evict": impact.evict}[message.verb]
         verb = getattr(self.source, message.verb)
@@ -370,7 +371,7 @@ class DashboardApp(App[None]):
             except (OSError, UnicodeDecodeError) as exc:
                 self.notify(f"cannot read {path}: {exc}", severity="error")
                 return
-            described = impact.new_anchor(str(path), system, tools, self.state.budgets, self.state.anchors())
+            described = impact.new_anchor(str(path), system, tools, self.state.budgets, self.state.entries)
             self._confirm(described, functools.partial(self.source.new_anchor, system, tools))
 
         self.push_screen(AnchorFileScreen(), chosen)
@@ -415,14 +416,19 @@ class DashboardApp(App[None]):
         if not message.entry_id:
             self.notify("A cold request: it restored nothing, so there is no entry to show.", severity="warning")
             return
-        if self.state.entry(message.entry_id) is None:
-            self.notify(f"{message.entry_id} is no longer held (evicted since).", severity="warning")
-            return
+        entry_id = message.entry_id
+        if self.state.entry(entry_id) is None:
+            into = self.state.successor(entry_id)
+            if into is None or self.state.entry(into) is None:
+                self.notify(f"{self.state.where_gone(entry_id)}.", severity="warning")
+                return
+            self.notify(f"{self.state.where_gone(entry_id)}: showing that one.")
+            entry_id = into
         pane = self.query_one(LineagesPane)
         self.action_show_tab("lineages")
-        if not pane.table.select_key(message.entry_id):  # hidden by the tab's filter
+        if not pane.table.select_key(entry_id):  # hidden by the tab's filter
             pane.table.set_query("")
-            pane.table.select_key(message.entry_id)
+            pane.table.select_key(entry_id)
 
     def _performed(self, title: str, answer: dict[str, Any]) -> None:
         self.notify(f"{title}: done" + (f", freed {answer['freed_bytes']:,} bytes" if "freed_bytes" in answer else ""))

@@ -83,17 +83,50 @@ def evict(entry: dict[str, Any], budgets: dict[str, int]) -> Impact:
     return Impact(f"Evict {entry['id']}", "\n".join(lines), "Evict")
 
 
+CHARACTERS_PER_TOKEN = 4  # the dashboard has no tokenizer: a rough count, said as such
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """This model's state sizes, read off the entries the server holds: KV bytes per token, one
+    state snapshot (an entry's head, or a checkpoint: fixed-size for recurrent layers), and the
+    checkpoint bytes anchors carry per token."""
+
+    per_token: float
+    snapshot: int
+    checkpoints_per_token: float
+
+    @classmethod
+    def of(cls, entries: list[dict[str, Any]]) -> "Sizes | None":
+        held = [e for e in entries if e.get("kv_bytes") and e.get("length")]
+        if not held:
+            return None
+        heads = [e["bytes"] - e["kv_bytes"] - (e.get("checkpoint_bytes") or 0) for e in held if e.get("bytes")]
+        points = [c["bytes"] for e in held for c in e.get("checkpoints") or [] if c.get("bytes")]
+        snapshots = sorted(b for b in heads + points if b > 0)
+        anchors = [e for e in held if e.get("pinned")] or held
+        return cls(per_token=sum(e["kv_bytes"] for e in held) / sum(e["length"] for e in held),
+                   snapshot=snapshots[len(snapshots) // 2] if snapshots else 0,
+                   checkpoints_per_token=sum(e.get("checkpoint_bytes") or 0 for e in anchors)
+                   / sum(e["length"] for e in anchors))
+
+    def anchor_bytes(self, tokens: int) -> int:
+        return int((self.per_token + self.checkpoints_per_token) * tokens + self.snapshot)
+
+
 def new_anchor(path: str, system: str, tools: list[dict[str, Any]] | None, budgets: dict[str, int],
-               anchors: list[dict[str, Any]]) -> Impact:
-    pinned = [a for a in anchors if a.get("pinned") and a.get("bytes")]
-    per_token = sum(a["bytes"] for a in pinned) / max(1, sum(a.get("length") or 0 for a in pinned)) if pinned else 0
+               entries: list[dict[str, Any]]) -> Impact:
+    """``entries``: what the server holds (any kind); the estimate is made from their real sizes."""
+    sizes = Sizes.of(entries)
+    tokens = max(1, len(system) // CHARACTERS_PER_TOKEN)
     count, count_cap = budgets.get("anchor_count", 0), budgets.get("anchor_count_limit", 0)
     lines = [f"Prefill the system prompt in {path} ({len(system):,} characters"
              f"{f', {len(tools)} tool' + ('s' if len(tools) != 1 else '') if tools else ''}) now, "
              "and pin the result as an anchor.",
              f"Holds one anchor slot ({count} -> {count + 1} of {count_cap}) and its state in RAM"
-             + (f": about {_bytes(per_token * len(system) / 4)} at the current anchors' "
-                f"{_bytes(per_token)} per token (~4 characters a token)." if per_token else "."),
+             + (f": about {_bytes(sizes.anchor_bytes(tokens))} for ~{tokens:,} tokens ({_bytes(sizes.per_token)} "
+                f"of KV per token and a {_bytes(sizes.snapshot)} state snapshot, as this model's entries hold; "
+                f"~{CHARACTERS_PER_TOKEN} characters a token)." if sizes else "."),
              "The prefill runs as one request on the server, beside live traffic."]
     if count_cap and count + 1 > count_cap:
         lines.append("Over the anchor count cap: the least recently used anchor leaves RAM.")

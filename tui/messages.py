@@ -38,3 +38,8 @@ class EntryRequested(Message):
     """A request row was chosen: show the entry it restored from (``entry_id`` "" for a cold request)."""
 
     entry_id: str
+
+
+@dataclass
+class PollRequested(Message):
+    """Poll the server now (a restarted server: the header must not keep the old one's state)."""

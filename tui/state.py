@@ -176,6 +176,34 @@ class DashboardState:
     def entry(self, entry_id: str) -> dict[str, Any] | None:
         return next((e for e in self.entries if e.get("id") == entry_id), None)
 
+    def successor(self, entry_id: str) -> str | None:
+        """The entry that absorbed ``entry_id`` (its conversation's longer entry), following a
+        chain of absorptions to the one held now; None when it was not absorbed."""
+        into, seen = None, {entry_id}
+        while (following := self._absorbed_into(into or entry_id)) is not None and following not in seen:
+            into = following
+            seen.add(into)
+            if self.entry(into) is not None:
+                break
+        return into
+
+    def _absorbed_into(self, entry_id: str) -> str | None:
+        for keyed in reversed(self.cache_events):
+            event = keyed.data
+            if event.get("event") == "absorb" and event.get("entry_id") == entry_id:
+                detail = str(event.get("detail") or "")
+                return detail[len("into "):] if detail.startswith("into ") else None
+        return None
+
+    def where_gone(self, entry_id: str) -> str:
+        """Why ``entry_id`` is not held, as the event stream said: absorbed or evicted."""
+        into = self.successor(entry_id)
+        if into is not None:
+            return f"{entry_id} was absorbed into {into} (its conversation's longer entry)"
+        if any(k.data.get("event") == "evict" and k.data.get("entry_id") == entry_id for k in self.cache_events):
+            return f"{entry_id} was evicted"
+        return f"{entry_id} is no longer held"
+
 
 # ---------------------------------------------------------------------- request metrics
 

@@ -157,11 +157,14 @@ class RestartPane(Pane, can_focus=True):
     def add_step(self, step: RestartStep) -> None:
         self.steps.append(step)
         self._redraw()
+        if step.phase in (Phase.READY, Phase.DONE, Phase.FAILED):  # a new (or the old) process answers
+            self.post_message(PollRequested())
 
     def finished(self, result: RestartResult | None) -> None:
         self.result, self.running = result, False
         self.refresh_bindings()
         self._redraw()
+        self.post_message(PollRequested())  # the header shows the server as it is now, not as it was lost
 
     def _redraw(self) -> None:
         if self.plan:
