@@ -115,3 +115,25 @@ async def test_a_request_of_an_absorbed_entry_opens_the_entry_that_absorbed_it(s
         assert app.query_one("#pane-lineages").table.selected_key == "7a31f17ad2c1"
         said = [n.message for n in app._notifications]
         assert any("absorbed into 7a31f17ad2c1" in m for m in said) and not any("evicted" in m for m in said)
+
+
+@sync
+async def test_a_finished_restart_polls_at_once_so_the_header_is_current(source: RecordedSource) -> None:
+    """After ✓ restarted the header must not keep "✕ lost … DRAINING" until the next (backed
+    off) poll: the roll's end polls the server at once. The periodic poll is stopped here, so
+    only that poll can come."""
+    from tui.testing import ScriptedRestarter, wait_for
+
+    app = make_app(source, restarter=ScriptedRestarter(servers=("main",)))
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(pilot)
+        pane = app.query_one("#pane-restart")
+        await pilot.press("4")
+        await wait_for(pilot, lambda: bool(pane.plan))
+        app.state.poll_failed("cannot reach the server: it is restarting")  # as during the stop
+        app._poll_timer.stop()
+        before = app.polls
+        await pilot.press("R", "y")
+        await wait_for(pilot, lambda: pane.result is not None)
+        await wait_for(pilot, lambda: app.polls > before)
+        assert app.state.connection.state == "live"

@@ -32,7 +32,8 @@ from textual.worker import Worker, WorkerState
 from apcctl.core.client import AdminClient
 from tui import impact
 from tui.fleet import FleetSource
-from tui.messages import EntryRequested, EventsArrived, NewAnchorRequested, RestartRequested, VerbRequested
+from tui.messages import (EntryRequested, EventsArrived, NewAnchorRequested, PollRequested, RestartRequested,
+                          VerbRequested)
 from tui.panes.base import Pane
 from tui.panes.entries import AnchorsPane, LineagesPane
 from tui.panes.fleet import FleetPane
@@ -410,6 +411,11 @@ class DashboardApp(App[None]):
             self.call_from_thread(self.notify, f"{title} failed: {exc}", severity="error", timeout=8)
             return
         self.call_from_thread(self._performed, title, answer)
+
+    def on_poll_requested(self, _: PollRequested) -> None:
+        """Poll now, without the backoff a lost server built up (a restart just brought it back)."""
+        self._backoff = 0.5
+        self.poll_now()
 
     def on_entry_requested(self, message: EntryRequested) -> None:
         """A request row was chosen: its entry, selected in the Lineages tab (drill-down)."""

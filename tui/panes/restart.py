@@ -19,7 +19,7 @@ from textual.binding import Binding
 from textual.widgets import Static
 
 from apcctl.core.restart import Phase, RestartResult, RestartStep
-from tui.messages import RestartRequested
+from tui.messages import PollRequested, RestartRequested
 from tui.panes.base import Pane
 
 Restarter = Callable[..., RestartResult]  # called as restarter(on_progress=..., dry_run=...)
