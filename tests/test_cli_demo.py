@@ -47,3 +47,20 @@ def test_demo_opens_the_dashboard_when_there_is_one(cli_env: Path, monkeypatch: 
     assert seen["url"] == json.loads(result.stdout)["url"]
     assert seen["token"] and seen["status"]["server"]["model"].endswith("model")
     assert not seen["read_only"] and [t.url for t in seen["targets"]] == [seen["url"]]
+
+
+def test_a_restart_in_the_dashboard_is_said_in_the_summary(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dashboard's Restart tab rolls the demo's server: the summary's counters are the new
+    process's, and it says so instead of mixing two processes' numbers into one hit rate."""
+    from apcctl.core.roll import restart_targets as roll
+
+    def run_dashboard(client: Any, *, read_only: bool = False, restart_targets: Any = None) -> None:
+        done = roll(restart_targets, on_progress=lambda step: None, timeout=120)  # what R in the Restart tab runs
+        assert done.ok, done.as_dict()
+
+    fake = types.ModuleType("tui.app")
+    fake.run_dashboard = run_dashboard  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tui.app", fake)
+    result = run("demo", "--requests", "3")
+    line = next(line for line in result.stdout.splitlines() if line.startswith("demo: 3 requests"))
+    assert "the server restarted (pid " in line and "so its counters cover the" in line

@@ -22,7 +22,8 @@ HEAVY = ("numpy", "mlx", "mlx_vlm")
 def loaded_after(*args: str) -> list[str]:
     """The top-level packages loaded by ``apcctl ARGS`` in a fresh interpreter."""
     code = ("import sys, json\nfrom apcctl.cli import main\n"
-            "try:\n    main(sys.argv[1:], prog_name='apcctl')\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "try:\n    main(sys.argv[1:], prog_name='apcctl')\n"
+            "except SystemExit as e:\n    assert e.code == 0, e.code\n"
             "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr

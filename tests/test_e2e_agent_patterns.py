@@ -11,11 +11,13 @@ patterns (``apcctl.sim.patterns`` has them for the simulator):
   periodic snapshot inside the long turn, which the lineage used to thin away;
 * ``aider``: aider's moving reminder, a long system reminder after the newest user message
   only, so every prompt diverges right after the previous user text;
-* ``edit``: a few turns, then the last user message rewritten twice.
+* ``edit``: a few turns, then the last user message rewritten twice;
+* ``partial``: streamed turns aborted after a few chunks, the partial reply kept in the history.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -54,11 +56,14 @@ class Client:
         self.sent.append(Sent(self.pattern, len(self.sent), answer, reference, cold))
         return answer
 
-    def abort(self, messages: list[dict]) -> None:
-        """A streamed turn the client gives up on after two chunks, on both servers."""
+    def abort(self, messages: list[dict], chunks: int = 2) -> str:
+        """A streamed turn the client gives up on after ``chunks`` chunks, on both servers;
+        returns the text the lineage server streamed until then."""
         tenant = f"agent-{self.pattern}"
-        for server in (self.lineage, self.stock):
-            server.stream_and_drop(messages, chunks=2, tenant=tenant, max_tokens=64)
+        streamed = [server.stream_and_drop(messages, chunks=chunks, tenant=tenant, max_tokens=64)
+                    for server in (self.lineage, self.stock)][0]
+        return "".join((json.loads(line)["choices"][0].get("delta") or {}).get("content") or ""
+                       for line in streamed)
 
 
 def system() -> dict:
@@ -74,6 +79,15 @@ def abort_after_a_long_turn(client: Client) -> None:
     long_turn = messages[:-1] + [{"role": "user", "content": text(600, 920)}]
     client.abort(long_turn)  # the partial reply is dropped: the next message follows the long one
     client.chat(long_turn + [{"role": "user", "content": text(15, 921)}])
+
+
+def aborts_with_the_partial_reply_kept(client: Client) -> None:
+    messages = [system(), {"role": "user", "content": text(40, 960)}]
+    for turn in range(3):
+        partial = client.abort(messages, chunks=4) or "."
+        messages = messages + [{"role": "assistant", "content": partial},
+                               {"role": "user", "content": text(30, 961 + turn)}]
+        client.chat(messages)
 
 
 def aider_turns(client: Client) -> None:
@@ -99,7 +113,8 @@ def edits_of_the_last_message(client: Client) -> None:
 
 
 PATTERNS: dict[str, Callable[[Client], None]] = {
-    "abort": abort_after_a_long_turn, "aider": aider_turns, "edit": edits_of_the_last_message}
+    "abort": abort_after_a_long_turn, "aider": aider_turns, "edit": edits_of_the_last_message,
+    "partial": aborts_with_the_partial_reply_kept}
 
 
 @pytest.fixture(scope="module")

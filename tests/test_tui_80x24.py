@@ -3,13 +3,16 @@ server (issue 27): the footer keeps Help and Quit, the help screen scrolls, Ctrl
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any, AsyncIterator
 
 import pytest
+from textual.pilot import Pilot
 from textual.containers import VerticalScroll
 from textual.widgets import Footer
 
-from tui.app import make_app
+from tui.app import DashboardApp, make_app
 from tui.recorded import RecordedSource
 from tui.screens.help import HelpScreen
 from tui.testing import settle, sync
@@ -23,6 +26,15 @@ def source() -> RecordedSource:
     return RecordedSource.load(RECORDING)
 
 
+@asynccontextmanager
+async def dashboard(source: RecordedSource, **options: Any) -> AsyncIterator[tuple[DashboardApp, Pilot]]:
+    """The app at 80x24, its first poll drawn."""
+    app = make_app(source, **options)
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(pilot)
+        yield app, pilot
+
+
 def footer_keys(app) -> dict[str, bool]:
     """Each footer key's description, and whether it is drawn whole inside the screen."""
     width = app.size.width
@@ -32,9 +44,7 @@ def footer_keys(app) -> dict[str, bool]:
 
 @sync
 async def test_the_footer_keeps_help_and_quit_at_80_columns(source: RecordedSource) -> None:
-    app = make_app(source)
-    async with app.run_test(size=SMALL) as pilot:
-        await settle(pilot)
+    async with dashboard(source) as (app, pilot):
         for tab in ("1", "2", "3", "4", "5"):
             await pilot.press(tab)
             await pilot.pause()
@@ -44,9 +54,7 @@ async def test_the_footer_keeps_help_and_quit_at_80_columns(source: RecordedSour
 
 @sync
 async def test_the_help_screen_scrolls_to_its_end_at_80x24(source: RecordedSource) -> None:
-    app = make_app(source)
-    async with app.run_test(size=SMALL) as pilot:
-        await settle(pilot)
+    async with dashboard(source) as (app, pilot):
         await pilot.press("question_mark")
         assert isinstance(app.screen, HelpScreen)
         scroll = app.screen.query_one(VerticalScroll)
@@ -64,9 +72,7 @@ async def test_the_help_screen_scrolls_to_its_end_at_80x24(source: RecordedSourc
 
 @sync
 async def test_ctrl_c_quits_as_in_htop_and_k9s(source: RecordedSource) -> None:
-    app = make_app(source)
-    async with app.run_test(size=SMALL) as pilot:
-        await settle(pilot)
+    async with dashboard(source) as (app, pilot):
         await pilot.press("ctrl+c")
         await pilot.pause()
         assert not app.is_running
@@ -104,9 +110,7 @@ async def test_a_request_of_an_absorbed_entry_opens_the_entry_that_absorbed_it(s
 
     from tui.messages import EntryRequested
 
-    app = make_app(source)
-    async with app.run_test(size=SMALL) as pilot:
-        await settle(pilot)
+    async with dashboard(source) as (app, pilot):
         assert app.state.entry("c83138c67507") is None and app.state.entry("7a31f17ad2c1") is not None
         app.query_one("#pane-live").post_message(EntryRequested("c83138c67507"))
         await pilot.pause()
@@ -124,9 +128,7 @@ async def test_a_finished_restart_polls_at_once_so_the_header_is_current(source:
     only that poll can come."""
     from tui.testing import ScriptedRestarter, wait_for
 
-    app = make_app(source, restarter=ScriptedRestarter(servers=("main",)))
-    async with app.run_test(size=SMALL) as pilot:
-        await settle(pilot)
+    async with dashboard(source, restarter=ScriptedRestarter(servers=("main",))) as (app, pilot):
         pane = app.query_one("#pane-restart")
         await pilot.press("4")
         await wait_for(pilot, lambda: bool(pane.plan))
@@ -137,3 +139,29 @@ async def test_a_finished_restart_polls_at_once_so_the_header_is_current(source:
         await wait_for(pilot, lambda: pane.result is not None)
         await wait_for(pilot, lambda: app.polls > before)
         assert app.state.connection.state == "live"
+
+
+@sync
+async def test_a_confirmed_evict_acts_on_the_entry_chosen_though_the_rows_moved(source: RecordedSource) -> None:
+    """Sorted by LAST USED, the rows reorder under the open dialog (another entry is used): the
+    evict goes to the entry the key was pressed on, and the cursor stays on it until then."""
+    from tui.testing import wait_for
+
+    async with dashboard(source) as (app, pilot):
+        await pilot.press("2")
+        table = app.query_one("#pane-lineages").table
+        await pilot.press("down", "down")
+        chosen = table.selected_key
+        position = table.cursor_row
+        await pilot.press("x")
+        # Meanwhile the entry below the chosen one is used: it moves to the top.
+        newest = max(e["last_used"] or 0 for e in source.recording["entries"])
+        moved = next(key for key, _ in table._shown[position + 1:])
+        next(e for e in source.recording["entries"] if e["id"] == moved)["last_used"] = newest + 60
+        polls = app.polls
+        app.poll_now()
+        await wait_for(pilot, lambda: app.polls > polls)
+        await pilot.pause()
+        assert table.selected_key == chosen and table.cursor_row != position  # it moved, the cursor with it
+        await pilot.press("y")
+        await wait_for(pilot, lambda: source.calls == [("evict", chosen)])

@@ -197,7 +197,10 @@ def watching(interval: float | None, once: Callable[[], None], *, as_json: bool,
         once()
         return
     lines = _JSON_LINES.set(as_json)  # a stream of JSON: one compact object per line, as --follow prints
-    footer = lambda: click.echo(f"every {interval:g}s, {time.strftime('%H:%M:%S')}; Ctrl-C stops", err=True)  # noqa: E731
+
+    def footer() -> None:
+        click.echo(f"every {interval:g}s, {time.strftime('%H:%M:%S')}; Ctrl-C stops", err=True)
+
     try:
         if not as_json and sys.stdout.isatty():
             _watch_in_place(interval, once, footer, sleep)

@@ -110,6 +110,7 @@ def demo(max_requests: int, duration: float | None, no_dashboard: bool, port: in
     try:
         server.start(spec)
         server.wait_ready(timeout=300)
+        first_pid = server.pid()
         target = Target(NAME, spec.url, server.token(), ServerConfig(NAME, url=spec.url), server)
         traffic = AgentTraffic(target.client(timeout=300), model=str(model), max_requests=max_requests,
                                duration=duration)
@@ -121,7 +122,7 @@ def demo(max_requests: int, duration: float | None, no_dashboard: bool, port: in
             _open_dashboard(run_dashboard, target)
         traffic.stop.set()
         traffic.done.wait(timeout=310)
-        summary = _summary(target, traffic)
+        summary = _summary(target, traffic, first_pid)
     except (ManageError, AdminError) as exc:
         raise CommandError(f"demo: {exc}\n{server.log_tail(15)}") from None
     finally:
@@ -129,15 +130,27 @@ def demo(max_requests: int, duration: float | None, no_dashboard: bool, port: in
     if as_json:
         render.emit_json(summary)
     else:
-        hits = summary["hits"]
-        click.echo(f"demo: {traffic.sent} requests ({traffic.failed} failed), hit rate "
-                   f"{render.percent(hits['hits'], hits['requests'])}, "
-                   f"{render.percent(hits['reused_tokens'], hits['reused_tokens'] + hits['prefill_tokens'])} of prompt "
-                   f"tokens reused; by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(hits["by_kind"].items())))
+        click.echo(summary_line(summary))
     if traffic.failed:
         raise CommandError(f"demo: {traffic.failed} requests failed; see {server.log_path}")
 
 
-def _summary(target: Target, traffic: AgentTraffic) -> dict[str, Any]:
+def _summary(target: Target, traffic: AgentTraffic, first_pid: int | None) -> dict[str, Any]:
+    """What was sent, and the server's hit counters; ``pids`` tells a restart in between (the
+    counters are then the new process's only)."""
     status = target.client().status()
-    return {"sent": traffic.sent, "failed": traffic.failed, "hits": status["hits"], "url": target.url}
+    return {"sent": traffic.sent, "failed": traffic.failed, "hits": status["hits"], "url": target.url,
+            "pids": [first_pid, status["server"]["pid"]]}
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """One line; after a restart in the dashboard, the hit rate says it is the current process's."""
+    hits, (first, last) = summary["hits"], summary["pids"]
+    rates = (f"hit rate {render.percent(hits['hits'], hits['requests'])}, "
+             f"{render.percent(hits['reused_tokens'], hits['reused_tokens'] + hits['prefill_tokens'])} of prompt "
+             "tokens reused; by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(hits["by_kind"].items())))
+    sent = f"demo: {summary['sent']} requests ({summary['failed']} failed)"
+    if first == last:
+        return f"{sent}, {rates}"
+    return (f"{sent}; the server restarted (pid {first} -> {last}), so its counters cover the "
+            f"{hits['requests']} requests since: {rates}")

@@ -24,11 +24,7 @@ def model_problem(model: str) -> str | None:
     directory that exists, or a repo id the server downloads or finds in its cache)."""
     path = Path(model).expanduser()
     if path.exists():
-        if not path.is_dir():
-            return f"model directory {path} is a file, not a directory"
-        if not (path / "config.json").is_file():
-            return f"model directory {path} has no config.json (is it a model directory?)"
-        return None
+        return None if path.is_dir() else f"model directory {path} is a file, not a directory"
     if looks_like_path(model):
         return f"model directory {path} does not exist"
     return None
