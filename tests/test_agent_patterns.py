@@ -9,7 +9,7 @@ default checkpoint budget and through the model of stock 0.7.10's cache with its
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from apcctl.sim.patterns import STEP_KINDS, Step, build
@@ -68,6 +68,34 @@ def test_aider_restores_the_start_of_the_previous_user_message_every_turn():
     assert below_stock(requests, got) == []
 
 
+# Shrunk counterexamples the property once found: an edit that keeps a long user message whole
+# and goes on absorbs the turn's entry; thinning dropped that turn's periodic point (2048), which
+# stock keeps, and a second edit of the message diverged just past it.
+EDIT_AFTER_AN_EXTENDING_EDIT = dict(
+    steps=[Step("turn", 3, 5), Step("turn", 1500, 5), Step("edit", 1500, 5, keep=1500),
+           Step("edit", 3, 5, keep=951)], seed=0, reminder=0, generation=1, tools=50, system=20, first=1005)
+AFTER_MANY_TURNS = dict(
+    steps=[Step("turn", 3, 5)] * 7 + [Step("turn", 3, 469), Step("turn", 1500, 5),
+                                      Step("edit", 3, 5, keep=1500), Step("edit", 3, 5, keep=1419)],
+    seed=0, reminder=0, generation=1, tools=50, system=20, first=3)
+
+
+def agent_trace(steps, seed, reminder, generation, tools, system, first) -> list[Request]:
+    return build(steps, seed=seed, reminder=reminder, generation=generation, tools=tools,
+                 system=system, first_question=first)
+
+
+def test_an_edit_restores_an_earlier_turns_periodic_point_inside_the_message():
+    """Stock keeps the first turn's 2048 point; the lineage's thinning must keep it while the
+    message it lies in is the newest turn's last message (found by the property below)."""
+    requests = agent_trace(**EDIT_AFTER_AN_EXTENDING_EDIT)
+    got = reuse(requests)
+    assert [r.kind for r in requests[-2:]] == ["edit", "edit"]
+    assert got["stock"][-1] == 2048
+    assert got["lineage"][-1] >= 2048
+    assert below_stock(requests, got) == []
+
+
 def test_the_start_of_the_last_message_is_captured_within_the_min_gap():
     requests = aider_turns()
     policy = LineagePolicy(TINY)
@@ -91,14 +119,15 @@ TRACES = dict(steps=st.lists(STEP, min_size=2, max_size=16), seed=st.integers(0,
 
 
 def never_below_stock(steps, seed, reminder, generation, tools, system, first) -> None:
-    requests = build(steps, seed=seed, reminder=reminder, generation=generation, tools=tools,
-                     system=system, first_question=first)
+    requests = agent_trace(steps, seed, reminder, generation, tools, system, first)
     got = reuse(requests)
     assert below_stock(requests, got) == []
     assert all(mine <= best for mine, best in zip(got["lineage"], got["seen"]))
 
 
 @given(**TRACES)
+@example(**EDIT_AFTER_AN_EXTENDING_EDIT)
+@example(**AFTER_MANY_TURNS)
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_the_lineage_never_restores_fewer_tokens_than_stock(steps, seed, reminder, generation, tools,
                                                             system, first):

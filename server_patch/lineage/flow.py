@@ -155,7 +155,7 @@ class Admission:
         """The state at the prefill end becomes the lineage's entry."""
         return self.cache.commit(self.prompt, kv=kv, head=head, captures=captures,
                                  namespace=self.namespace, anchor_label=anchor_label,
-                                 keep=self._keep)
+                                 keep=self._keep, last_start=self.last_start)
 
     def commit_reply(self, reply: Sequence[int] | np.ndarray, *, kv: KVHandle, head: SnapshotHandle,
                      prompt_head: SnapshotHandle,
@@ -164,7 +164,8 @@ class Admission:
         """The state after the reply becomes the entry; the prompt end stays its checkpoint."""
         return self.cache.commit_reply(self.prompt, reply, kv=kv, head=head, prompt_head=prompt_head,
                                        captures=captures, namespace=self.namespace,
-                                       anchor_label=anchor_label, keep=self._keep)
+                                       anchor_label=anchor_label, keep=self._keep,
+                                       last_start=self.last_start)
 
 
 __all__ = ["PLANS_MAX", "Admission", "DiskLoader", "Settle", "cold"]

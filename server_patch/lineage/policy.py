@@ -324,6 +324,7 @@ class LineageCache:
         namespace: str = "",
         anchor_label: str = "",
         keep: Iterable[int] = (),
+        last_start: int = 0,
     ) -> Entry | None:
         """Store the state at the prefill end of prompt ``tokens`` as its lineage's entry.
 
@@ -331,12 +332,13 @@ class LineageCache:
         maps capture lengths to (kind, snapshot). Entries this one extends are absorbed.
         ``keep``: the request's own lengths among the newest turn's points thinning keeps
         (``Entry.turn_points``; the flow passes where it restored and where its last message
-        starts).
+        starts). ``last_start``: where the prompt's last message starts (0: unknown); the turn
+        points of an entry this one absorbs that lie inside that message stay turn points.
         """
         prompt = as_tokens(tokens)
         stored = prompt[: prompt.shape[0] - self.config.entry_offset]
         return self._store(stored, kv, head, dict(captures or {}), namespace, anchor_label,
-                           keep=tuple(keep))
+                           keep=tuple(keep), last_start=last_start)
 
     def commit_reply(
         self,
@@ -350,6 +352,7 @@ class LineageCache:
         namespace: str = "",
         anchor_label: str = "",
         keep: Iterable[int] = (),
+        last_start: int = 0,
     ) -> Entry | None:
         """Store the state after a request's reply as its lineage's entry (reply reuse).
 
@@ -366,17 +369,17 @@ class LineageCache:
         stored = np.concatenate([prompt, as_tokens(reply)])
         if end >= stored.shape[0]:  # nothing was fed past the prompt end: a plain commit
             return self.commit(tokens, kv=kv, head=head, captures=captures, namespace=namespace,
-                               anchor_label=anchor_label, keep=keep)
+                               anchor_label=anchor_label, keep=keep, last_start=last_start)
         with self.lock:
             self.stats["reply_commits"] += 1
             self.stats["reply_tokens"] += int(stored.shape[0]) - int(prompt.shape[0])
         return self._store(stored, kv, head, dict(captures or {}), namespace, anchor_label,
-                           prompt_end=(end, prompt_head), keep=tuple(keep))
+                           prompt_end=(end, prompt_head), keep=tuple(keep), last_start=last_start)
 
     def _store(self, stored: np.ndarray, kv: KVHandle, head: SnapshotHandle,
                captures: dict[int, tuple[str, SnapshotHandle]], namespace: str, anchor_label: str,
                prompt_end: tuple[int, SnapshotHandle] | None = None,
-               keep: tuple[int, ...] = ()) -> Entry | None:
+               keep: tuple[int, ...] = (), last_start: int = 0) -> Entry | None:
         """``commit``'s body: ``stored`` are the entry's tokens; ``prompt_end`` the protected
         prompt-end checkpoint of a head that sits past its reply; ``keep`` the request's own
         lengths among the newest turn's points (``_turn_points``)."""
@@ -415,6 +418,7 @@ class LineageCache:
                           prompt_end=end, turn_points=turn_points)
             self._add_checkpoints(entry, {**captures, **turn}, now)
             for old in self._absorbable(entry):
+                entry.turn_points |= self._points_in_last_message(old, last_start)
                 self._absorb(entry, old, now)
             self._entries[entry.id] = entry
             self.stats["stores"] += 1
@@ -433,6 +437,17 @@ class LineageCache:
         the point below it) and its periodic point (the one stock 0.7.10 keeps inside it)."""
         periodic = {n for n, (kind, _) in captures.items() if kind == PERIODIC}
         return frozenset(periodic | {n for n in keep if n > 0})
+
+    @staticmethod
+    def _points_in_last_message(old: Entry, last_start: int) -> frozenset[int]:
+        """``old``'s turn points inside the new prompt's last message (which starts at
+        ``last_start``; 0: unknown, none). A prompt that extends ``old`` within one message (an
+        edit that kept the whole message and went on) leaves them in the newest turn: stock
+        0.7.10 keeps every point it stored inside that message, and the next edit of it may
+        diverge at any of them (an earlier turn's periodic point, say)."""
+        if last_start <= 0:
+            return frozenset()
+        return frozenset(n for n in old.turn_points if n >= last_start)
 
     def rewind(self, entry: Entry) -> bool:
         """Move ``entry``'s head back from past its reply to its prompt end: what the entry
