@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import MutableMapping
 
 from server_patch.intake.media import LOCAL_ENV
-from server_patch.serving.flags import take_flags
+from server_patch.argv import take_flags
 
 FLAG = "--allowed-local-media-path"
 

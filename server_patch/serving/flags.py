@@ -10,28 +10,10 @@ from __future__ import annotations
 
 from typing import MutableMapping
 
+from server_patch.argv import take_flags
 from server_patch.serving import origins
 
 FLAGS = {"--served-model-name": "APC_SERVED_MODEL_NAME", "--allowed-origins": "APC_ALLOWED_ORIGINS"}
-
-
-def take_flags(args: list[str], names: set[str] | dict[str, str]) -> tuple[list[str], dict[str, list[str]]]:
-    """``args`` without the flags in ``names`` (``--flag VALUE`` or ``--flag=VALUE``), and the
-    values each was given, in order."""
-    rest: list[str] = []
-    given: dict[str, list[str]] = {}
-    it = iter(args)
-    for arg in it:
-        flag, eq, value = arg.partition("=")
-        if flag not in names:
-            rest.append(arg)
-            continue
-        if not eq:
-            value = next(it, None)
-            if value is None or value.startswith("--"):
-                raise SystemExit(f"server_patch.launch: {flag} needs a value")
-        given.setdefault(flag, []).append(value)
-    return rest, given
 
 
 def apply_serving_flags(args: list[str], environ: MutableMapping[str, str], patched: bool = True) -> list[str]:

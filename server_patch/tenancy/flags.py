@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import MutableMapping
 
+from server_patch.argv import take_flags
 from server_patch.tenancy.keys import KEY_FILE_ENV, KEYS_ENV, load
 
 KEY_FLAG, FILE_FLAG = "--api-key", "--api-key-file"
@@ -20,22 +21,9 @@ KEY_FLAG, FILE_FLAG = "--api-key", "--api-key-file"
 
 def take_api_key_flags(args: list[str]) -> tuple[list[str], list[str], str | None]:
     """``args`` without the key flags, the keys given, and the key file (the last one given)."""
-    rest, keys, file = [], [], None
-    it = iter(args)
-    for arg in it:
-        flag, eq, value = arg.partition("=")
-        if flag not in (KEY_FLAG, FILE_FLAG):
-            rest.append(arg)
-            continue
-        if not eq:
-            value = next(it, None)
-            if value is None:
-                raise SystemExit(f"server_patch.launch: {flag} needs a value")
-        if flag == KEY_FLAG:
-            keys.append(value)
-        else:
-            file = value
-    return rest, keys, file
+    rest, given = take_flags(args, (KEY_FLAG, FILE_FLAG))
+    files = given.get(FILE_FLAG, [])
+    return rest, given.get(KEY_FLAG, []), files[-1] if files else None
 
 
 def apply_api_key_flags(args: list[str], environ: MutableMapping[str, str], patched: bool) -> list[str]:
