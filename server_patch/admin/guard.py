@@ -164,6 +164,16 @@ async def read_body(scope: Scope, receive: Receive, limits: BodyLimits) -> tuple
     return "ok", b"".join(chunks)
 
 
+async def read_capped(scope: Scope, receive: Receive, send: Send, limits: BodyLimits, setting: str) -> bytes | None:
+    """The whole body, or None once answered: a 413 JSON naming ``setting`` for an oversized
+    one, nothing for a client that left while sending it."""
+    outcome, body = await read_body(scope, receive, limits)
+    if outcome == "too_big":
+        await reply(send, 413, f"request body is larger than {limits.max_body_bytes} bytes ({setting})",
+                    [(b"connection", b"close")])
+    return body if outcome == "ok" else None
+
+
 def replaying(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that hands the app the body already read, then the client's later messages."""
     pending = True
@@ -205,12 +215,8 @@ class AdminGuard:
                 await reply(send, 401, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
                 return
         if method in BODY_METHODS:
-            outcome, body = await read_body(scope, receive, self.limits)
-            if outcome == "gone":
-                return
-            if outcome == "too_big":
-                await reply(send, 413, f"request body is larger than {self.limits.max_body_bytes} bytes "
-                                       "(APC_ADMIN_MAX_BODY_BYTES)", [(b"connection", b"close")])
+            body = await read_capped(scope, receive, send, self.limits, "APC_ADMIN_MAX_BODY_BYTES")
+            if body is None:
                 return
             receive = replaying(body, receive)
         if route_path(scope) == EVENTS_PATH and method in READ_METHODS:

@@ -16,7 +16,7 @@ import asyncio
 import json
 from typing import Callable
 
-from server_patch.admin.guard import (BODY_METHODS, Receive, Scope, Send, classify, header, read_body, replaying,
+from server_patch.admin.guard import (BODY_METHODS, Receive, Scope, Send, classify, header, read_capped, replaying,
                                       reply, route_path)
 from server_patch.intake import checks, media
 from server_patch.intake.limits import IntakeLimits
@@ -36,12 +36,8 @@ class InferenceBodyGuard:
         if not _applies(scope):
             await self.app(scope, receive, send)
             return
-        outcome, body = await read_body(scope, receive, self.limits)
-        if outcome == "gone":
-            return
-        if outcome == "too_big":
-            await reply(send, 413, f"request body is larger than {self.limits.max_body_bytes} bytes "
-                                   "(APC_INFERENCE_MAX_BODY_BYTES)", [(b"connection", b"close")])
+        body = await read_capped(scope, receive, send, self.limits, "APC_INFERENCE_MAX_BODY_BYTES")
+        if body is None:
             return
         content_type = (header(scope, b"content-type") or b"").lower()
         if body and not content_type.startswith(FORM_TYPES):
