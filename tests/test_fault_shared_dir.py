@@ -23,7 +23,7 @@ def _mode(path: Path) -> int:
 
 def _shared(tmp_path: Path, mode: int = 0o1777) -> Path:
     shared = tmp_path / "shared"
-    shared.mkdir()
+    shared.mkdir(parents=True)
     os.chmod(shared, mode)  # not through mkdir: the umask would mask it
     return shared
 
@@ -32,7 +32,9 @@ def _shared(tmp_path: Path, mode: int = 0o1777) -> Path:
 def test_a_world_writable_disk_path_keeps_its_mode_and_gets_a_private_subdirectory(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     shared = _shared(tmp_path)
-    server = PatchedServer(tiny_model_dir, env={"APC_LINEAGE_DISK": "1", "APC_LINEAGE_DISK_PATH": str(shared)},
+    journal = _shared(tmp_path / "j")  # a shared journal directory keeps its mode too; its files are 0600
+    server = PatchedServer(tiny_model_dir, env={"APC_LINEAGE_DISK": "1", "APC_LINEAGE_DISK_PATH": str(shared),
+                                                "APC_JOURNAL_DIR": str(journal)},
                            log_dir=tmp_path / "log")
     try:
         server.start()
@@ -44,7 +46,9 @@ def test_a_world_writable_disk_path_keeps_its_mode_and_gets_a_private_subdirecto
         assert status == 200 and Path(body["lineage"]["disk_path"]).parent == own, body["lineage"]
     finally:
         server.stop()
-    assert _mode(shared) == 0o1777
+    assert _mode(shared) == 0o1777 and _mode(journal) == 0o1777
+    journal_files = list(journal.iterdir())
+    assert journal_files and all(_mode(p) == 0o600 for p in journal_files)
     assert _mode(own) == 0o700 and (own / ".lock").exists()
     assert not [p for p in shared.iterdir() if p != own]  # nothing of ours outside the subdirectory
     assert "group- or world-writable (mode 1777)" in server.log_text(), server.log_tail()

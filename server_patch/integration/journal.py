@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any, Mapping
 
 from server_patch import clock, settings
+from server_patch.disk.paths import is_shared
 from server_patch.private_files import open_private, private_dir
 from server_patch.paths import state_dir
 
@@ -55,7 +56,9 @@ class Journal:
         self.max_bytes = max_bytes
         self.files = files
         self._lock = threading.Lock()
-        private_dir(self.directory)  # the journal's own directory: owner-only
+        # The journal's own directory is made owner-only, but a shared one (APC_JOURNAL_DIR=/tmp) keeps
+        # its mode: the server never changes a directory others use; the files are 0600 either way.
+        private_dir(self.directory, tighten=not is_shared(self.directory))
         for older in journal_files(self.directory):  # files an earlier version left readable
             try:
                 os.chmod(older, 0o600)

@@ -24,7 +24,7 @@ log = logging.getLogger("server_patch.lineage")
 RING_SIZE = 2048
 _PENDING_MAX = 256
 CANCELLED = "cancelled"
-PREFILL, DECODE = "prefill", "decode"
+QUEUED, PREFILL, DECODE = "queued", "prefill", "decode"
 
 
 @dataclass
@@ -55,8 +55,9 @@ class RequestTiming:
     # the first token on, the bytes copied since by "op.kind" ({} with the counter off).
     copies: Any = field(default_factory=ledger.mark)
     # "" for a request that reached its first token and went on; CANCELLED when its client went
-    # away, in ``phase`` PREFILL (no first token: the record ends there) or DECODE; ``stored``
-    # then says what its entry kept: "nothing", "prompt" (the prompt-end commit) or "reply".
+    # away, in ``phase`` QUEUED (before its prefill and lookup: the record is made then),
+    # PREFILL (no first token: the record ends there) or DECODE (after it); ``stored`` then
+    # says what its entry kept: "nothing", "prompt" (the prompt-end commit) or "reply".
     outcome: str = ""
     phase: str = ""
     stored: str = ""
@@ -80,7 +81,9 @@ class TimingBook:
         self._by_key: OrderedDict[Any, RequestTiming] = OrderedDict()
         self._by_uid: OrderedDict[Any, RequestTiming] = OrderedDict()
         self.ring: deque[RequestTiming] = deque(maxlen=ring_size)
-        self.listeners: list[Callable[[RequestTiming], None]] = []
+        self.listeners: list[Callable[[RequestTiming], None]] = []  # each finished record, once
+        # Records already given to ``listeners`` whose outcome came later (cancelled in decode).
+        self.outcome_listeners: list[Callable[[RequestTiming], None]] = []
         self.metrics = RequestMetrics()
 
     def open(self, key: Any, prompt_tokens: int) -> RequestTiming:
@@ -133,20 +136,18 @@ class TimingBook:
             request=record.request_id, kind=record.restore_kind, prefill_ms=record.prefill_ms,
             commit_ms=record.commit_ms, ttft_ms=record.ttft_ms,
             captures=",".join(record.captures) or "-"))
-        with self._lock:
-            self.ring.append(record)
         try:
             self.metrics.observe(record)
         except Exception as exc:  # a metric must never fail a request
             log.debug("apc_lineage request metrics failed: %s", exc)
-        self._notify(record)
+        self._finish(record)
 
     def cancelled(self, uid: Any, request_id: Any) -> RequestTiming | None:
         """Request ``uid`` was cancelled (its client went away; called once the generator let
         it go, so what its entry kept is known). A record with no first token yet ends here,
         cancelled in prefill, and goes to the ring and the listeners like any other (not to
         the latency histograms: it has no first token); one already finished is marked
-        cancelled in decode where it lies in the ring."""
+        cancelled in decode where it lies in the ring, and told to ``outcome_listeners``."""
         with self._lock:
             record, phase = self._by_uid.pop(uid, None), PREFILL
             if record is None:
@@ -162,13 +163,31 @@ class TimingBook:
             restored=record.restored_tokens, prompt=record.prompt_tokens, stored=record.stored))
         if phase == PREFILL:
             record.copies = ledger.since(record.copies)
-            with self._lock:
-                self.ring.append(record)
-            self._notify(record)
+            self._finish(record)
+        else:
+            self._notify(record, self.outcome_listeners)
         return record
 
-    def _notify(self, record: RequestTiming) -> None:
-        for listener in list(self.listeners):
+    def cancelled_queued(self, request_id: Any, prompt_tokens: int) -> RequestTiming:
+        """A request cancelled while queued (before its prefill, so before any lookup opened
+        its record): its record is made now, with the next sequence number, and ends here."""
+        with self._lock:
+            record = RequestTiming(next(self._seq), clock.wall(), int(prompt_tokens), request_id=str(request_id),
+                                   outcome=CANCELLED, phase=QUEUED, stored="nothing")
+        record.copies = {}
+        log.info("apc_lineage cancelled %s", _fmt(
+            request=record.request_id, phase=QUEUED, prompt=record.prompt_tokens, stored=record.stored))
+        self._finish(record)
+        return record
+
+    def _finish(self, record: RequestTiming) -> None:
+        """A record is complete: into the ring, then to the listeners."""
+        with self._lock:
+            self.ring.append(record)
+        self._notify(record)
+
+    def _notify(self, record: RequestTiming, listeners: list[Callable[[RequestTiming], None]] | None = None) -> None:
+        for listener in list(self.listeners if listeners is None else listeners):
             try:
                 listener(record)
             except Exception:

@@ -31,7 +31,7 @@ from server_patch.lineage.model import (
     ANCHOR, COLD, DISK, DIVERGENCE, FINAL, GUARD, PERIODIC, RAM, SEGMENT,
     Capture, Checkpoint, DiskRecord, Entry, Event, EventKind, RestorePlan, Reason, as_tokens,
 )
-from server_patch.lineage.summary import hits_key, kv_key
+from server_patch.lineage.summary import CANCELLED_QUEUED, hits_key, kv_key
 from server_patch.lineage.tally import EntryMap, RecordMap
 
 
@@ -234,6 +234,12 @@ class LineageCache:
         with self.lock:
             self.stats[hits_key(COLD)] += 1
             self.stats["prefill_tokens"] += plan.prompt_len
+
+    def note_cancelled_queued(self) -> None:
+        """Count a request cancelled while queued: it never reached a lookup, but it is a
+        request (``hits.requests`` and the records agree), counted neither hit nor cold."""
+        with self.lock:
+            self.stats[CANCELLED_QUEUED] += 1
 
     # ------------------------------------------------------------------ captures
 

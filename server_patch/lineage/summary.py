@@ -12,6 +12,7 @@ from server_patch.lineage.model import COLD, KVAdmission
 
 HITS_PREFIX = "hits_"  # + a log kind (``RestorePlan.log_kind``): requests that started there
 KV_PREFIX = "kv_"  # + a ``KVAdmission``: warm requests by how their KV reached the batch
+CANCELLED_QUEUED = "cancelled_queued"  # requests cancelled while queued: they never reached a lookup
 
 
 def hits_key(kind: str) -> str:
@@ -44,16 +45,20 @@ def kv_by_mode(stats: Mapping[str, int]) -> dict[str, int]:
 def hit_summary(stats: Mapping[str, int]) -> dict[str, Any]:
     """Requests, restores (hits) and their rate, hits by restore kind, and the token reuse.
 
-    ``by_kind`` counts every request by how it started (``cold`` included); ``token_hit_rate``
-    is the share of prompt tokens restored rather than prefilled.
+    ``by_kind`` counts every request that reached a lookup by how it started (``cold``
+    included); ``requests`` adds those cancelled while queued (``cancelled_queued``), so it
+    equals the number of request records; ``token_hit_rate`` is the share of prompt tokens
+    restored rather than prefilled.
     """
     by_kind = hits_by_kind(stats)
     hits = sum(v for k, v in by_kind.items() if k != COLD)
-    total = hits + by_kind.get(COLD, 0)
+    queued = int(stats.get(CANCELLED_QUEUED, 0))
+    total = hits + by_kind.get(COLD, 0) + queued
     reused, prefilled = int(stats.get("reused_tokens", 0)), int(stats.get("prefill_tokens", 0))
     return {"requests": total, "hits": hits, "hit_rate": hits / total if total else None, "by_kind": by_kind,
+            "cancelled_queued": queued,
             "reused_tokens": reused, "prefill_tokens": prefilled,
             "token_hit_rate": reused / (reused + prefilled) if reused + prefilled else None}
 
 
-__all__ = ["HITS_PREFIX", "KV_PREFIX", "hit_summary", "hits_by_kind", "hits_key", "kv_by_mode", "kv_key"]
+__all__ = ["CANCELLED_QUEUED", "HITS_PREFIX", "KV_PREFIX", "hit_summary", "hits_by_kind", "hits_key", "kv_by_mode", "kv_key"]

@@ -4,7 +4,8 @@
   coordinator; the batch passes each row's uid to checkpoint stores and binds timing records.
 * server/__init__.py: ``apply_chat_template`` also notes each request's system+tools prefix.
 * server/generation.py: prefill-completed and first-token times go to the timing records, and
-  so does a cancelled request once the generator let it go (a record even with no first token).
+  so does a cancelled request once the generator let it go (a record even with no first token,
+  or one still queued, before its lookup: its prompt length is read before the generator drops it).
 * server/app.py: /admin is mounted; the lifespan flushes unwritten entries to disk at shutdown.
 """
 
@@ -107,8 +108,20 @@ FILE_PATCHES = (
         ),
         Edit(
             name="lineage.cancelled",
-            old="            info = active.pop(uid)\n",
-            new="            info = active.pop(uid)\n            _apc_lineage_hooks.cancelled(uid, info)\n",
+            old=(
+                "            if not batch_gen.remove(uid):\n"
+                "                self._cancel(uid)\n"
+                "                continue\n"
+                "            info = active.pop(uid)\n"
+            ),
+            new=(
+                "            _apc_queued = _apc_lineage_hooks.queued_tokens(batch_gen, uid)\n"
+                "            if not batch_gen.remove(uid):\n"
+                "                self._cancel(uid)\n"
+                "                continue\n"
+                "            info = active.pop(uid)\n"
+                "            _apc_lineage_hooks.cancelled(uid, info, queued_tokens=_apc_queued)\n"
+            ),
         ),
         Edit(
             name="lineage.first_token",
