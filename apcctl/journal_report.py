@@ -19,6 +19,8 @@ from server_patch.integration.journal import journal_files
 from server_patch.lineage.model import EventKind
 
 PHASES = ("lookup", "admission", "prefill", "commit", "ttft")
+CANCEL_PHASES = ("queued", "prefill", "decode")  # where a request's client went away
+OUTCOME_FIELDS = ("outcome", "phase", "stored", "reply_tokens")  # what a request_outcome line sets
 TIER_POINTS = 24  # rows of the bytes-per-tier table
 _SPAN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -68,16 +70,21 @@ def summarize(records: Iterable[dict[str, Any]], *, since: float, until: float) 
     cache: list[dict[str, Any]] = []
     budgets: list[dict[str, Any]] = []
     starts = 0
+    by_seq: dict[Any, dict[str, Any]] = {}  # this server run's request lines, for their outcome lines
     for record in records:
         kind = record.get("type")
         if kind == "request":
             requests.append(record)
+            by_seq[record.get("seq")] = record
+        elif kind == "request_outcome":
+            _apply_outcome(by_seq.get(record.get("seq")), record)
         elif kind == "cache":
             cache.append(record)
         elif kind == "budgets":
             budgets.append(record)
         elif kind == "start":
             starts += 1
+            by_seq.clear()  # sequence numbers restart with the server
     return {
         "window": {"since": since, "until": until, "server_starts": starts},
         "requests": _requests(requests),
@@ -90,9 +97,19 @@ def summarize(records: Iterable[dict[str, Any]], *, since: float, until: float) 
     }
 
 
+def _apply_outcome(request: dict[str, Any] | None, outcome: dict[str, Any]) -> None:
+    """A request's final outcome, journaled after its line (cancelled in decode), onto that line."""
+    if request is not None:
+        request.update({k: outcome[k] for k in OUTCOME_FIELDS if k in outcome})
+
+
+def _cancelled(record: dict[str, Any], phase: str) -> bool:
+    return record.get("outcome") == "cancelled" and record.get("phase") == phase
+
+
 def _no_first_token(record: dict[str, Any]) -> bool:
-    """Cancelled in prefill: it has a record but no latencies to count."""
-    return record.get("outcome") == "cancelled" and record.get("phase") == "prefill"
+    """Cancelled while queued or in prefill: it has a record but no latencies to count."""
+    return _cancelled(record, "queued") or _cancelled(record, "prefill")
 
 
 def _requests(requests: list[dict[str, Any]]) -> dict[str, Any]:
@@ -105,7 +122,8 @@ def _requests(requests: list[dict[str, Any]]) -> dict[str, Any]:
     hits = sum(1 for r in requests if int(r.get("restored_tokens", 0)) > 0)
     prompt = sum(row["prompt_tokens"] for row in by_kind.values())
     reused = sum(row["reused_tokens"] for row in by_kind.values())
-    return {"count": len(requests), "cancelled_in_prefill": sum(map(_no_first_token, requests)),
+    return {"count": len(requests),
+            **{f"cancelled_in_{phase}": sum(_cancelled(r, phase) for r in requests) for phase in CANCEL_PHASES},
             "hits": hits, "hit_rate": hits / len(requests) if requests else None,
             "prompt_tokens": prompt, "reused_tokens": reused,
             "token_hit_rate": reused / prompt if prompt else None,

@@ -54,6 +54,21 @@ def test_a_clean_directory_exits_0(disk):
     assert "1 files checked, 0 damaged" in out
 
 
+def test_a_shared_directory_is_checked_where_the_server_writes(tmp_path, model, layout, monkeypatch):
+    import os
+
+    from server_patch.disk.paths import private_subdir
+
+    monkeypatch.delenv("APC_LINEAGE_DISK_PATH", raising=False)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)  # a server given this directory writes into its apcctl-<uid> subdirectory
+    written(private_subdir(shared) / FINGERPRINT[:16], model, layout, seed=82, fingerprint=FINGERPRINT)
+    code, out = run("--disk-path", str(shared))
+    assert code == 0, out
+    assert f"{private_subdir(shared)}: 1 files checked, 0 damaged" in out
+
+
 def test_damage_is_listed_then_fixed(disk):
     path = only_file(disk)
     flip_data_byte(path)

@@ -21,13 +21,20 @@ def register(main: click.Group, bench: click.Group) -> None:
 
 def disk_path_of(target: Target) -> Path:
     """The documented precedence (docs/cli.md): ``APC_LINEAGE_DISK_PATH`` in this shell, then the
-    path the managed server's record says it runs with, then the server's own default."""
+    path the managed server's record says it runs with, then the server's own default. A shared
+    directory is read where the server puts its files: its private ``apcctl-<uid>`` subdirectory."""
     from server_patch import settings
-    from server_patch.disk.paths import default_disk_root
 
     spec = target.managed.spec() if target.managed is not None else None
     configured = settings.value("APC_LINEAGE_DISK_PATH") or (spec.env.get("APC_LINEAGE_DISK_PATH") if spec else None)
-    return Path(configured).expanduser() if configured else default_disk_root()
+    return server_root(Path(configured)) if configured else server_root(None)
+
+
+def server_root(given: Path | None) -> Path:
+    """Where a server given ``given`` (None: its default) keeps its disk files."""
+    from server_patch.disk.paths import default_disk_root
+
+    return default_disk_root(None if given is None else {"APC_LINEAGE_DISK_PATH": str(given.expanduser())})
 
 
 @click.command(epilog="Exit codes: 0 clean, 1 damaged files found (removed with --fix), "
@@ -59,7 +66,7 @@ def check(targets: list[Target], disk_path: Path | None, fix: bool, as_json: boo
     from apcctl.core import render
     from server_patch.disk.fsck import DiskInUse, check_dir
 
-    root = (disk_path or disk_path_of(one(targets))).expanduser()
+    root = server_root(disk_path) if disk_path is not None else disk_path_of(one(targets))
     if not root.is_dir():
         raise CommandError(f"no lineage disk directory at {root}", ExitStatus.USAGE)
     try:

@@ -7,6 +7,11 @@ journal does not. It is a size-capped set of rotating files in the server's stat
 SIGKILL) loses at most a torn last line, which the reader skips. Lines hold users' token
 ids, so the files are 0600 in a 0700 directory whatever the umask.
 
+Lines by ``type``: ``start`` (a server start), ``request`` (a request's record, once: at its
+first token, or when it was cancelled before one), ``request_outcome`` (the final outcome of a
+request whose ``request`` line came earlier: cancelled in decode; it names that line by its
+``seq``, which restarts at 1 after each ``start``), ``cache`` (a cache event) and ``budgets``.
+
 Settings (environment, ``server_patch.settings``): ``APC_JOURNAL=0`` turns it off;
 ``APC_JOURNAL_DIR`` (default ``<state dir>/journal``); ``APC_JOURNAL_MAX_BYTES`` per file (64M;
 a size such as ``64M`` or ``1GiB``); ``APC_JOURNAL_FILES`` kept in all (8);
@@ -156,10 +161,19 @@ class JournalRecorder:
         self.journal.append({"type": "request", "time": clock.wall(), **record.as_dict()})
         self.snapshot()
 
+    def on_outcome(self, record: Any) -> None:
+        """A request journaled at its first token ended otherwise (cancelled in decode)."""
+        self.journal.append({"type": "request_outcome", "time": clock.wall(), "seq": record.seq,
+                             "request_id": record.request_id, "outcome": record.outcome,
+                             "phase": record.phase, "stored": record.stored,
+                             "reply_tokens": record.reply_tokens})
+
     def close(self) -> None:
         """Stop recording (the runtime is closed: its model was unloaded) and close the file."""
+        timings = self.runtime.timings
         for listeners, listener in ((self.runtime.event_listeners, self.on_event),
-                                    (self.runtime.timings.listeners, self.on_request)):
+                                    (timings.listeners, self.on_request),
+                                    (timings.outcome_listeners, self.on_outcome)):
             if listener in listeners:
                 listeners.remove(listener)
         self.journal.close()
@@ -185,6 +199,7 @@ def attach(runtime: Any) -> JournalRecorder | None:
     recorder = JournalRecorder(journal, runtime, snapshot_s=settings.value("APC_JOURNAL_SNAPSHOT_S"))
     runtime.event_listeners.append(recorder.on_event)
     runtime.timings.listeners.append(recorder.on_request)
+    runtime.timings.outcome_listeners.append(recorder.on_outcome)
     recorder.started()
     log.info("apc_lineage journal %s", journal.path)
     return recorder

@@ -173,8 +173,7 @@ class TimingBook:
         its record): its record is made now, with the next sequence number, and ends here."""
         with self._lock:
             record = RequestTiming(next(self._seq), clock.wall(), int(prompt_tokens), request_id=str(request_id),
-                                   outcome=CANCELLED, phase=QUEUED, stored="nothing")
-        record.copies = {}
+                                   outcome=CANCELLED, phase=QUEUED, stored="nothing", copies={})
         log.info("apc_lineage cancelled %s", _fmt(
             request=record.request_id, phase=QUEUED, prompt=record.prompt_tokens, stored=record.stored))
         self._finish(record)
