@@ -115,6 +115,8 @@ def _no_first_token(record: dict[str, Any]) -> bool:
 def _requests(requests: list[dict[str, Any]]) -> dict[str, Any]:
     by_kind: dict[str, dict[str, int]] = defaultdict(lambda: {"requests": 0, "reused_tokens": 0, "prompt_tokens": 0})
     for r in requests:
+        if _cancelled(r, "queued"):  # never reached a lookup: a request, not a restore kind (as in status)
+            continue
         row = by_kind[str(r.get("restore_kind", "cold"))]
         row["requests"] += 1
         row["reused_tokens"] += int(r.get("restored_tokens", 0))

@@ -240,6 +240,14 @@ class PatchedServer:
             conn.close()
         return got
 
+    def chat_restore(self, messages: list[dict[str, Any]], **params: Any) -> tuple[dict[str, Any], dict[str, str]]:
+        """One sequential ``chat`` and the one restore line it logged (asserted: exactly one)."""
+        before = len(self.lineage_lines("restore"))
+        answer = self.chat(messages, **params)
+        lines = self.lineage_lines("restore")
+        assert len(lines) == before + 1, self.log_tail()
+        return answer, lines[-1]
+
     def lineage_lines(self, what: str = "restore") -> list[dict[str, str]]:
         """The ``apc_lineage <what> key=value ...`` log lines, parsed, oldest first."""
         return parse_lineage_lines(self.log_text(), what)

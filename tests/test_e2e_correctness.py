@@ -58,11 +58,7 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _send(server: PatchedServer, messages: list[dict], tenant: str, **extra: Any) -> tuple[dict, dict]:
-    before = len(server.lineage_lines("restore"))
-    answer = server.chat(messages, tenant=tenant, **PARAMS, **extra)
-    lines = server.lineage_lines("restore")
-    assert len(lines) == before + 1, server.log_tail()
-    return answer, lines[-1]
+    return server.chat_restore(messages, tenant=tenant, **PARAMS, **extra)
 
 
 # Each scenario warms the cache in its own tenant and returns (server name, warm messages,

@@ -37,11 +37,7 @@ TENANT = "disk-suite"
 
 def _send(server: PatchedServer, messages: list[dict], tenant: str = TENANT,
           **extra: Any) -> tuple[dict, dict]:
-    before = len(server.lineage_lines("restore"))
-    answer = server.chat(messages, tenant=tenant, **PARAMS, **extra)
-    lines = server.lineage_lines("restore")
-    assert len(lines) == before + 1, server.log_tail()
-    return answer, lines[-1]
+    return server.chat_restore(messages, tenant=tenant, **PARAMS, **extra)
 
 
 def _cold(server: PatchedServer, messages: list[dict], **extra: Any) -> dict:

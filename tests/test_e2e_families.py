@@ -33,11 +33,8 @@ def server(request, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _chat(server: PatchedServer, messages: list[dict], tenant: str) -> tuple[dict, str]:
-    before = len(server.lineage_lines("restore"))
-    answer = server.chat(messages, tenant=tenant, **PARAMS)
-    lines = server.lineage_lines("restore")
-    assert len(lines) == before + 1, server.log_tail()
-    return answer, lines[-1]["kind"]
+    answer, line = server.chat_restore(messages, tenant=tenant, **PARAMS)
+    return answer, line["kind"]
 
 
 @pytest.mark.server

@@ -43,11 +43,7 @@ def server(request, model_dir, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _chat(server: PatchedServer, messages: list[dict], tenant: str) -> tuple[dict, dict]:
-    before = len(server.lineage_lines("restore"))
-    answer = server.chat(messages, tenant=tenant, **PARAMS)
-    lines = server.lineage_lines("restore")
-    assert len(lines) == before + 1, server.log_tail()
-    return answer, lines[-1]
+    return server.chat_restore(messages, tenant=tenant, **PARAMS)
 
 
 def _equals_cold(server: PatchedServer, messages: list[dict], warm: dict) -> None:

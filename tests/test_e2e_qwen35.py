@@ -35,11 +35,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 def _chat(server: PatchedServer, messages: list[dict], tenant: str) -> tuple[dict, dict]:
     """One request and the restore line it logged."""
-    before = len(server.lineage_lines("restore"))
-    answer = server.chat(messages, tenant=tenant, max_tokens=4, logprobs=True, top_logprobs=5)
-    lines = server.lineage_lines("restore")
-    assert len(lines) == before + 1, server.log_tail()
-    return answer, lines[-1]
+    return server.chat_restore(messages, tenant=tenant, max_tokens=4, logprobs=True, top_logprobs=5)
 
 
 def _assert_equals_cold(server: PatchedServer, messages: list[dict], warm: dict) -> None:

@@ -33,11 +33,7 @@ def _env(disk: Path, state: Path) -> dict[str, str]:
 
 
 def _send(server: PatchedServer, messages: list[dict], tenant: str) -> tuple[dict[str, Any], dict[str, str]]:
-    before = len(server.lineage_lines("restore"))
-    answer = server.chat(messages, tenant=tenant, **PARAMS)
-    lines = server.lineage_lines("restore")
-    assert len(lines) == before + 1, server.log_tail()
-    return answer, lines[-1]
+    return server.chat_restore(messages, tenant=tenant, **PARAMS)
 
 
 def _fingerprint(server: PatchedServer) -> str:

@@ -13,7 +13,7 @@ from rich.table import Table
 from apcctl.commands.common import EXIT_CODES_SHORT, CommandError, ExitStatus, json_option, one, server_options
 from apcctl.config import Target
 from apcctl.core import render
-from apcctl.journal_report import PHASES, parse_since, report as build_report
+from apcctl.journal_report import CANCEL_PHASES, PHASES, parse_since, report as build_report
 from server_patch.integration.journal import directory_from_env
 
 
@@ -77,6 +77,9 @@ def _show(s: dict[str, Any]) -> None:
     out.print(f"{req['count']:,} requests, hit rate {render.percent(req['hits'], req['count'])}, "
               f"{render.percent(req['reused_tokens'], req['prompt_tokens'])} of {req['prompt_tokens']:,} "
               "prompt tokens reused")
+    cancelled = {phase: req.get(f"cancelled_in_{phase}", 0) for phase in CANCEL_PHASES}
+    if any(cancelled.values()):
+        out.print(f"cancelled by their client: {_counts({f'in {k}': v for k, v in cancelled.items()})}")
     for block in (_kinds(req), _latency(s["latency_ms"]), _events(s), _canary(s.get("canary")), _tiers(s["tiers"])):
         if block is not None:
             out.print()

@@ -26,6 +26,7 @@ import numpy as np
 from server_patch.copyfree import replies
 from server_patch.copyfree.replies import Reply
 from server_patch.copyfree.settings import CopyFreeSettings
+from server_patch.failclosed import fail_closed
 from server_patch.lineage import ANCHOR
 from server_patch.lineage.lookup import common_prefix_len
 from server_patch.state import rows
@@ -142,7 +143,7 @@ def commit_reply(layout: Any, settings: CopyFreeSettings, reply: Reply, batch: A
         head = rows.capture(layout, caches, idx, length)
         store(pending, fed, kv=kv, head=head, prompt_head=reply.prompt_head, captures=captures)
     except Exception as exc:  # fail closed: the prompt-end entry (or its deferral) stands
-        log.warning("apc_lineage reply commit of %d tokens failed: %s", length, exc)
+        fail_closed(exc, f"apc_lineage reply commit of {length} tokens", log=log)
         return False
     settle()
     elapsed = (time.perf_counter() - start) * 1000

@@ -1,4 +1,5 @@
-"""The calls the patched mlx-vlm files make (``overlay/patches/copyfree.py``); none raises.
+"""The calls the patched mlx-vlm files make (``overlay/patches/copyfree.py``); none raises
+(but under ``APC_TEST_FAULTS=1``, where a failure re-raises: ``server_patch.failclosed``).
 
 * ``clear(site)``: stock's per-chunk, per-prompt-batch and per-request ``mx.clear_cache()``,
   now opt-in (``server_patch.copyfree.pool``);
@@ -19,6 +20,7 @@ import logging
 from typing import Any, Sequence
 
 from server_patch.copyfree import pool
+from server_patch.failclosed import fail_closed
 
 log = logging.getLogger("server_patch.copyfree")
 
@@ -29,7 +31,7 @@ def clear(site: str) -> None:
     try:
         pool.clear(site)
     except Exception as exc:
-        log.warning("apc_copyfree pool clear at %s failed: %s", site, exc)
+        fail_closed(exc, f"apc_copyfree pool clear at {site}", log=log)
 
 
 def attach(generator: Any) -> None:
@@ -39,7 +41,7 @@ def attach(generator: Any) -> None:
         try:
             attach_generator(generator)
         except Exception as exc:
-            log.warning("apc_copyfree attach failed: %s", exc)
+            fail_closed(exc, "apc_copyfree attach", log=log)
 
 
 def joining(generator: Any, gen_batch: Any) -> None:
@@ -53,7 +55,7 @@ def joining(generator: Any, gen_batch: Any) -> None:
             setattr(existing, _TAG, coordinator)
             coordinator.batches_joining(existing, gen_batch)
     except Exception as exc:
-        log.warning("apc_copyfree join hook failed: %s", exc)
+        fail_closed(exc, "apc_copyfree join hook", log=log)
 
 
 def leaving(batch: Any, keep: Sequence[int]) -> None:
@@ -73,7 +75,7 @@ def _to_coordinator(batch: Any, method: str, arg: Any, *, hook: str) -> None:
     try:
         getattr(coordinator, method)(batch, arg)
     except Exception as exc:
-        log.warning("apc_copyfree %s hook failed: %s", hook, exc)
+        fail_closed(exc, f"apc_copyfree {hook} hook", log=log)
 
 
 def removing(generator: Any, uid: Any) -> None:
@@ -84,4 +86,4 @@ def removing(generator: Any, uid: Any) -> None:
     try:
         request_removed(uid)
     except Exception as exc:
-        log.warning("apc_copyfree remove hook failed: %s", exc)
+        fail_closed(exc, "apc_copyfree remove hook", log=log)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 from mlx_vlm.apc_coordinator import APCCoordinator
 
 from server_patch import canary
+from server_patch.failclosed import fail_closed
 from server_patch.copyfree import pool
 from server_patch.copyfree.settings import CopyFreeSettings
 from server_patch.integration.batch_rows import BatchRows
@@ -110,7 +111,7 @@ class LineageCoordinator(APCCoordinator):
             try:
                 warm, lent = rows.restore(key, plan, reclaimed)
             except Exception as exc:  # fail closed: a cold prefill, never garbage (a lent entry raises)
-                log.warning("apc_lineage restore of %s at %d failed: %s", plan.entry.id, plan.length, exc)
+                fail_closed(exc, f"apc_lineage restore of {plan.entry.id} at {plan.length}", log=log)
         if warm is None:
             admission.refuse()
         lineage.prefills.pending.remember(Pending(prompt, namespace, admission.plan))

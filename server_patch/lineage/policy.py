@@ -14,6 +14,7 @@ moves past the generated reply, the prompt end stays a checkpoint; ``rewind`` mo
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -33,6 +34,11 @@ from server_patch.lineage.model import (
 )
 from server_patch.lineage.summary import CANCELLED_QUEUED, hits_key, kv_key
 from server_patch.lineage.tally import EntryMap, RecordMap
+from server_patch.failclosed import fail_closed
+from server_patch.lineage.invariants import InvariantError, violations
+
+
+_log = logging.getLogger("server_patch.lineage")
 
 
 class DiskTier(Protocol):
@@ -907,6 +913,15 @@ class LineageCache:
         with self.lock:
             return self._entries.get(entry.id) is entry
 
+    def check(self) -> None:
+        """Raise ``InvariantError`` naming every invariant the state breaks (``invariants``):
+        the tallies, checkpoint order, prompt ends, loans in the write queue, supersede cycles.
+        One pass, no mlx work: the tests run it after every verb."""
+        with self.lock:
+            found = violations(self._entries, self._records, self._queued, self._superseded_by)
+        if found:
+            raise InvariantError(found)
+
     def clear(self) -> None:
         """Forget RAM entries, anchors included (disk files stay): mlx-vlm's ``/v1/cache/reset``
         (``integration.runtime``). A lent entry's loan then ends with its entry gone (dropped)."""
@@ -932,6 +947,6 @@ class LineageCache:
         if self.on_event is not None:
             try:
                 self.on_event(event)
-            except Exception:  # an observer must never break the cache
-                pass
+            except Exception as exc:  # an observer must never break the cache (but in tests)
+                fail_closed(exc, f"lineage event observer ({event.kind})", log=_log, level=logging.DEBUG)
 
