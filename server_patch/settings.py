@@ -206,7 +206,8 @@ _SCALARS: tuple[Setting, ...] = (
     _s("APC_CANARY_RTOL", T.FLOAT, None, "Relative logit tolerance of a check.", "canary",
        "server_patch.canary.compare", default_text="by the logits' dtype"),
     _s("APC_TEST_FAULTS", T.BOOL, False, "Arms the test-only fault hooks below (the fault-injection "
-       "suite); nothing else reads them.", "test faults", "server_patch.disk.faults", "server_patch.canary.faults"),
+       "suite), and makes fail-closed handlers re-raise (a test sees the bug); nothing else reads them.",
+       "test faults", "server_patch.disk.faults", "server_patch.canary.faults", "server_patch.failclosed"),
     _s("APC_TEST_FAULT_DISK_STALL_S", T.FLOAT, 0.0, "Every disk write sleeps this long before its rename.",
        "test faults", "server_patch.disk.faults"),
     _s("APC_TEST_FAULT_DISK_ENOSPC", T.BOOL, False, "Every disk write fails with ENOSPC.", "test faults",

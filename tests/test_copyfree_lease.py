@@ -20,6 +20,9 @@ from server_patch.copyfree.merge import merge_rows
 from server_patch.disk.store import DiskStore
 from server_patch.lineage import LineageCache, LineageConfig
 from server_patch.state import rows
+from lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
+
+pytestmark = pytest.mark.usefixtures("checked_lineage")  # check() after every cache verb
 
 PROMPT = tokens(260, seed=11)
 N = 150  # the entry's length

@@ -12,6 +12,9 @@ from server_patch.lineage import (
     LineageCache, LineageConfig, SizedKV, SizedSnapshot,
 )
 from server_patch.lineage.flow import Admission
+from lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
+
+pytestmark = pytest.mark.usefixtures("checked_lineage")  # check() after every cache verb
 
 KV_PER_TOKEN = 100
 SNAP = 1000

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,9 @@ from server_patch.lineage import (
 from server_patch.lineage.flow import Admission
 from server_patch.lineage.summary import hit_summary, hits_by_kind, hits_key, kv_by_mode, kv_key
 from test_lineage_policy import Clock, FakeDisk
+from lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
+
+pytestmark = pytest.mark.usefixtures("checked_lineage")  # check() after every cache verb
 
 KV_PER_TOKEN = 10
 SNAP = 300

@@ -18,6 +18,9 @@ from server_patch.state import quantized, rows
 from server_patch.state.layout import CacheLayout, MlxKV
 from server_patch.state.options import KVQuant, UnsupportedCacheError, check_options, kv_quant_of
 from server_patch.state.registry import codec_for, packed_codec
+from lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
+
+pytestmark = pytest.mark.usefixtures("checked_lineage")  # check() after every cache verb
 
 Q8 = KVQuant(8, 64)
 # Odd lengths: mid allocation step (256), off the group size, 1 and a whole step.

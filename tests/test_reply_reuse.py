@@ -23,6 +23,9 @@ from apcctl.sim.trace import Request
 from server_patch.lineage import FINAL, LineageCache, LineageConfig, SizedKV, SizedSnapshot
 from server_patch.lineage.flow import Admission
 from test_lineage_policy import Clock
+from lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
+
+pytestmark = pytest.mark.usefixtures("checked_lineage")  # check() after every cache verb
 
 KV = 10
 SNAP = 1000

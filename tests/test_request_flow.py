@@ -26,6 +26,9 @@ from apcctl.sim.sizes import load_sizes
 from apcctl.sim.trace import Request
 from server_patch.lineage import LineageConfig
 from test_reply_reuse import WORD, verbatim_model  # noqa: F401 (a fixture: the re-rendering template)
+from lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
+
+pytestmark = pytest.mark.usefixtures("checked_lineage")  # check() after every cache verb
 
 REPO = Path(__file__).resolve().parents[1]
 

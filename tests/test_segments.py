@@ -19,6 +19,9 @@ from mlx_vlm.prompt_utils import apply_chat_template
 from server_patch.boundaries import BPE_SLACK, AnchorRegistry, Kind, SegmentFinder, SegmentInfo, SegmentSettings
 from server_patch.integration import segments
 from server_patch.lineage import SEGMENT, LineageCache, LineageConfig, SizedKV, SizedSnapshot
+from lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
+
+pytestmark = pytest.mark.usefixtures("checked_lineage")  # check() after every cache verb
 
 CONTENT, MESSAGE, PREAMBLE, STRIDE, SYSTEM, TOOL = (Kind.CONTENT, Kind.MESSAGE, Kind.TOOLS, Kind.STRIDE, Kind.SYSTEM,
                                                     Kind.TOOL)

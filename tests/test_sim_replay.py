@@ -17,6 +17,9 @@ from apcctl.sim.sizes import load_sizes
 from apcctl.sim.trace import Request, Trace, write_trace
 from apcctl.sim.tracegen import generate
 from server_patch.lineage import LineageConfig
+from lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
+
+pytestmark = pytest.mark.usefixtures("checked_lineage")  # check() after every cache verb
 
 
 @click.group()

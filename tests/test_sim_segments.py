@@ -16,6 +16,9 @@ from apcctl.sim.sizes import load_sizes
 from apcctl.sim.trace import bundled_trace_path, encode, parse_lines, read_trace
 from apcctl.sim.tracegen import SYSTEM, USER
 from server_patch.lineage.lookup import common_prefix_len
+from lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
+
+pytestmark = pytest.mark.usefixtures("checked_lineage")  # check() after every cache verb
 
 
 @pytest.fixture(scope="module")

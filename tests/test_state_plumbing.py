@@ -9,6 +9,9 @@ import pytest
 from fake_model import prefill, random_tokens as tokens
 from server_patch.lineage import LineageCache, LineageConfig
 from server_patch.state.registry import UnsupportedCacheError, codec_for
+from lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
+
+pytestmark = pytest.mark.usefixtures("checked_lineage")  # check() after every cache verb
 
 
 def test_layout_classifies_every_glm5_next_cache_kind(layout):

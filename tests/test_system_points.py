@@ -20,6 +20,9 @@ from server_patch.boundaries.system_points import (
 )
 from server_patch.lineage import LineageCache, LineageConfig, SizedKV, SizedSnapshot
 from test_segments import CHATML, FakeTokenizer, render, words
+from lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
+
+pytestmark = pytest.mark.usefixtures("checked_lineage")  # check() after every cache verb
 
 
 def test_line_kinds():

@@ -17,6 +17,7 @@ _WHERE = {
         "PERIODIC", "RAM", "RESTORE_KINDS", "SEGMENT", "Capture", "Checkpoint", "DiskRecord", "Entry", "Event",
         "EventKind", "KVAdmission", "Reason", "RestoreKind", "RestorePlan", "Tier", "as_tokens")},
     **{name: "policy" for name in ("CacheError", "DiskTier", "LineageCache")},
+    "InvariantError": "invariants",
 }
 
 __all__ = sorted(_WHERE)

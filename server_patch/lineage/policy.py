@@ -24,9 +24,11 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from server_patch.failclosed import fail_closed
 from server_patch.lineage.budget import WRITE_WAIT_S, WriteQueue, plan_eviction
 from server_patch.lineage.config import LineageConfig, ThinClass
 from server_patch.lineage.handles import KVHandle, SnapshotHandle
+from server_patch.lineage.invariants import InvariantError, violations
 from server_patch.lineage.lookup import common_prefix_len
 from server_patch.lineage.model import (
     ANCHOR, COLD, DISK, DIVERGENCE, FINAL, GUARD, PERIODIC, RAM, SEGMENT,
@@ -34,8 +36,6 @@ from server_patch.lineage.model import (
 )
 from server_patch.lineage.summary import CANCELLED_QUEUED, hits_key, kv_key
 from server_patch.lineage.tally import EntryMap, RecordMap
-from server_patch.failclosed import fail_closed
-from server_patch.lineage.invariants import InvariantError, violations
 
 
 _log = logging.getLogger("server_patch.lineage")
@@ -311,6 +311,14 @@ class LineageCache:
                         continue
                 picks[seg] = SEGMENT
                 taken = sorted({*taken, seg})
+        if cfg.periodic_stride > 0:
+            for length, kind in list(picks.items()):
+                # The stride point below each other capture: a later prompt that restores at the
+                # capture and ends just past it is one stock, restoring less, prefills through
+                # that point and snapshots (its periodic point); a next edit may diverge there.
+                floor = ((length - 1) // cfg.periodic_stride) * cfg.periodic_stride
+                if kind not in (PERIODIC, ANCHOR) and start < floor < end:
+                    picks.setdefault(floor, PERIODIC)
         return [Capture(length, kind) for length, kind in sorted(picks.items())
                 if length >= cfg.min_tokens]
 
