@@ -311,14 +311,6 @@ class LineageCache:
                         continue
                 picks[seg] = SEGMENT
                 taken = sorted({*taken, seg})
-        if cfg.periodic_stride > 0:
-            for length, kind in list(picks.items()):
-                # The stride point below each other capture: a later prompt that restores at the
-                # capture and ends just past it is one stock, restoring less, prefills through
-                # that point and snapshots (its periodic point); a next edit may diverge there.
-                floor = ((length - 1) // cfg.periodic_stride) * cfg.periodic_stride
-                if kind not in (PERIODIC, ANCHOR) and start < floor < end:
-                    picks.setdefault(floor, PERIODIC)
         return [Capture(length, kind) for length, kind in sorted(picks.items())
                 if length >= cfg.min_tokens]
 
