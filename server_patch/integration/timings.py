@@ -12,6 +12,7 @@ import logging
 import threading
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any, Callable, Iterable
 
 from server_patch import clock
@@ -23,8 +24,32 @@ log = logging.getLogger("server_patch.lineage")
 
 RING_SIZE = 2048
 _PENDING_MAX = 256
-CANCELLED = "cancelled"
-QUEUED, PREFILL, DECODE = "queued", "prefill", "decode"
+
+
+class Outcome(StrEnum):
+    """How a request ended, when not by itself ("" in its record: it went on past its first token)."""
+
+    CANCELLED = "cancelled"  # its client went away
+
+
+class Phase(StrEnum):
+    """Where a cancelled request was."""
+
+    QUEUED = "queued"  # before its prefill and lookup: its record is made at the cancel
+    PREFILL = "prefill"  # no first token: its record ends there
+    DECODE = "decode"  # after its first token
+
+
+class Stored(StrEnum):
+    """What a cancelled request's entry kept."""
+
+    NOTHING = "nothing"
+    PROMPT = "prompt"  # the prompt-end commit
+    REPLY = "reply"  # reply reuse kept what was fed
+
+
+CANCELLED = Outcome.CANCELLED
+QUEUED, PREFILL, DECODE = Phase.QUEUED, Phase.PREFILL, Phase.DECODE
 
 
 @dataclass
@@ -54,10 +79,8 @@ class RequestTiming:
     # With the copy counter on (APC_COPY_COUNTER=1): the running totals at lookup, then, from
     # the first token on, the bytes copied since by "op.kind" ({} with the counter off).
     copies: Any = field(default_factory=ledger.mark)
-    # "" for a request that reached its first token and went on; CANCELLED when its client went
-    # away, in ``phase`` QUEUED (before its prefill and lookup: the record is made then),
-    # PREFILL (no first token: the record ends there) or DECODE (after it); ``stored`` then
-    # says what its entry kept: "nothing", "prompt" (the prompt-end commit) or "reply".
+    # ``Outcome`` ("" for a request that reached its first token and went on); for a cancelled
+    # one, the ``Phase`` it was in and what its entry kept (``Stored``).
     outcome: str = ""
     phase: str = ""
     stored: str = ""
@@ -156,7 +179,8 @@ class TimingBook:
         if record is None:
             return None
         record.outcome, record.phase = CANCELLED, phase
-        record.stored = "reply" if record.reply_tokens else "prompt" if record.commit_ms > 0 else "nothing"
+        record.stored = (Stored.REPLY if record.reply_tokens else
+                         Stored.PROMPT if record.commit_ms > 0 else Stored.NOTHING)
         record.request_id = record.request_id or str(request_id)
         log.info("apc_lineage cancelled %s", _fmt(
             request=record.request_id, phase=phase, kind=record.restore_kind,
@@ -173,7 +197,7 @@ class TimingBook:
         its record): its record is made now, with the next sequence number, and ends here."""
         with self._lock:
             record = RequestTiming(next(self._seq), clock.wall(), int(prompt_tokens), request_id=str(request_id),
-                                   outcome=CANCELLED, phase=QUEUED, stored="nothing", copies={})
+                                   outcome=CANCELLED, phase=QUEUED, stored=Stored.NOTHING, copies={})
         log.info("apc_lineage cancelled %s", _fmt(
             request=record.request_id, phase=QUEUED, prompt=record.prompt_tokens, stored=record.stored))
         self._finish(record)
