@@ -90,6 +90,7 @@ def summarize(records: Iterable[dict[str, Any]], *, since: float, until: float) 
         "requests": _requests(requests),
         "latency_ms": {phase: percentiles([float(r.get(f"{phase}_ms", 0.0)) for r in requests if not _no_first_token(r)])
                        for phase in PHASES},
+        "oracle": _oracle(requests),
         "evictions": _evictions(cache),
         "disk": _disk(cache),
         "anchors": _anchors(cache, budgets),
@@ -130,6 +131,23 @@ def _requests(requests: list[dict[str, Any]]) -> dict[str, Any]:
             "prompt_tokens": prompt, "reused_tokens": reused,
             "token_hit_rate": reused / prompt if prompt else None,
             "by_kind": dict(sorted(by_kind.items()))}
+
+
+def _oracle(requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """The live oracle over the window (``lineage.misses``): restored / oracle and the lost
+    tokens by reason, from the request lines that carry an oracle (a server before issue 26
+    journaled none: then no request counts)."""
+    from server_patch.lineage.misses import summarize as oracle_summary
+
+    counts: Counter[str] = Counter()
+    for r in requests:
+        if "oracle" not in r or _cancelled(r, "queued"):
+            continue
+        oracle = int(r.get("oracle", 0))
+        counts.update({"requests": 1, "oracle_tokens": oracle,
+                       "restored_tokens": min(int(r.get("restored_tokens", 0)), oracle)})
+        counts.update({f"lost:{reason}": int(n) for reason, n in (r.get("lost") or {}).items()})
+    return oracle_summary(counts)
 
 
 def _evictions(cache: list[dict[str, Any]]) -> dict[str, Any]:

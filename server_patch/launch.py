@@ -297,14 +297,16 @@ def _end_streams_on_shutdown() -> None:
         return
     import uvicorn
 
-    from server_patch.admin.traffic import TRAFFIC
+    from server_patch.integration.parts import of_server
 
     original = uvicorn.Server.handle_exit
     if getattr(original, "_apc_wrapped", False):
         return
 
     def handle_exit(self, sig, frame):  # type: ignore[no-untyped-def]
-        TRAFFIC.shutting_down.set()
+        parts = of_server()  # the server's traffic gate (built with mlx-vlm's server runtime)
+        if parts is not None:
+            parts.traffic.shutting_down.set()
         return original(self, sig, frame)
 
     handle_exit._apc_wrapped = True  # type: ignore[attr-defined]

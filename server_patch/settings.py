@@ -147,6 +147,10 @@ _SCALARS: tuple[Setting, ...] = (
     _s("APC_LOG_MAX_BYTES", T.SIZE, 64 << 20, "Size of the log file before it rotates.", "log",
        "server_patch.launch"),
     _s("APC_LOG_BACKUPS", T.INT, 4, "Rotated log files kept.", "log", "server_patch.launch"),
+    _s("APC_DECODE_STALL_MS", T.FLOAT, 250.0, "While other rows decode, a prefill chunk is sized to take "
+       "about this long (from the server's measured prefill rate), so no stream waits longer for one chunk; "
+       "with no row decoding, prefill keeps mlx-vlm's full chunk. 0: mlx-vlm's fixed chunk, as stock.",
+       "pacing", "server_patch.pacing"),
     _s("APC_COPY_COUNTER", T.BOOL, False, "Count the bytes every cache copy moves (a debug counter for "
        "benches; it wraps mlx-vlm methods). Same as the launcher's `--copy-counter`.", "copy counter", "server_patch.copyfree.counter"),
     _s("APC_COPY_COUNTER_FILE", T.PATH, None, "Where the copy counter rewrites its totals as JSON.",
@@ -283,6 +287,11 @@ _GROUPS: tuple[_Group, ...] = (
         "shutdown_flush_s": "On SIGTERM, unwritten entries are flushed for at most this long.",
         "reply_reuse": "A finished request's entry moves past its reply, so a next prompt that re-renders "
                        "the reply prefills only what is new (0: the entry stays at the prompt end).",
+        "shadow_budget_bytes": "Bytes of the live oracle's shadow index (hashes of what each namespace "
+                               "processed, never token text; oldest evicted first): what an unbounded cache "
+                               "would have restored, and why each missing token was missed (0: off).",
+        "shadow_block_tokens": "Tokens per shadow block (1..16): the oracle is rounded down to it; larger "
+                               "blocks cost fewer bytes.",
     }, {"enabled": ("server_patch.launch",)}),
     _Group("segments", "server_patch.boundaries.settings:SegmentSettings",
            lambda module: {field: key for key, field in module.ENV.items()}, {

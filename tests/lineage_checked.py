@@ -17,7 +17,7 @@ import pytest
 from server_patch.lineage import LineageCache
 
 VERBS = ("lookup", "note_restore", "note_cold", "note_cancelled_queued", "plan_captures", "commit",
-         "commit_reply", "rewind", "tick", "flush", "promote", "pin", "unpin", "evict", "drop",
+         "commit_reply", "lend", "end", "rewind", "tick", "flush", "promote", "pin", "unpin", "evict", "drop",
          "clear", "close")
 
 _depth = threading.local()

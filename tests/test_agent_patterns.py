@@ -19,7 +19,8 @@ from apcctl.sim.policies.seen import SeenOraclePolicy
 from apcctl.sim.policies.stock import make_stock
 from apcctl.sim.sizes import load_sizes
 from apcctl.sim.trace import Request
-from server_patch.lineage import LineageConfig
+from server_patch.lineage import DIVERGENCE, PERIODIC, LineageConfig
+from server_patch.lineage.flow import Admission
 from lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
 
 pytestmark = pytest.mark.usefixtures("checked_lineage")  # check() after every cache verb
@@ -82,6 +83,19 @@ AFTER_MANY_TURNS = dict(
     steps=[Step("turn", 3, 5)] * 7 + [Step("turn", 3, 469), Step("turn", 1500, 5),
                                       Step("edit", 3, 5, keep=1500), Step("edit", 3, 5, keep=1419)],
     seed=0, reminder=0, generation=1, tools=50, system=20, first=3)
+# Edits of a 4k-token first message: one restores at a divergence point inside it (2597) where
+# stock, cold, prefills through 2048 and snapshots it; the next edit diverges at 2048. The lineage
+# must have captured the stride point below the divergence point when it prefilled past it.
+EDITS_BELOW_A_DIVERGENCE_POINT = dict(
+    steps=[Step("edit", 3, 1, keep=2598), Step("edit", 1500, 1, keep=1101), Step("edit", 3, 1, keep=1101),
+           Step("edit", 3, 1, keep=552)], seed=0, reminder=0, generation=1, tools=50, system=1441, first=4096)
+# The same after a few turns with aider's reminder (a targeted search found it: stock 2,048, the
+# lineage 1,899 before): the last message starts past the first stride point.
+EDITS_BELOW_A_DIVERGENCE_POINT_AFTER_TURNS = dict(
+    steps=[Step("edit", 1, 1, keep=139), Step("turn", 1, 1), Step("edit", 1, 1), Step("turn", 1, 185),
+           Step("turn", 1, 567), Step("edit", 1746, 1, keep=1), Step("edit", 1500, 1, keep=247),
+           Step("edit", 1, 1, keep=247), Step("edit", 1, 1, keep=148)],
+    seed=0, reminder=450, generation=1, tools=50, system=944, first=139)
 
 
 def agent_trace(steps, seed, reminder, generation, tools, system, first) -> list[Request]:
@@ -98,6 +112,30 @@ def test_an_edit_restores_an_earlier_turns_periodic_point_inside_the_message():
     assert got["stock"][-1] == 2048
     assert got["lineage"][-1] >= 2048
     assert below_stock(requests, got) == []
+
+
+def test_an_edit_restores_the_stride_point_below_a_divergence_point_it_restored_at():
+    requests = agent_trace(**EDITS_BELOW_A_DIVERGENCE_POINT)
+    got = reuse(requests)
+    assert got["stock"] == [0, 0, 0, 0, 2048]  # cold on request 3: it snapshots 2048
+    assert got["lineage"][3] == 2597 and got["lineage"][4] == 2048
+    assert below_stock(requests, got) == []
+
+
+def test_the_stride_point_below_a_divergence_point_is_captured_inside_the_last_message_only():
+    requests = agent_trace(**EDITS_BELOW_A_DIVERGENCE_POINT)
+    policy = LineagePolicy(TINY)
+    policy.serve(requests[0])
+    flow = Admission.admit(policy.cache, requests[1].tokens)
+    plan = flow.plan
+    assert plan.length == requests[1].segments[-1] == 1495 and plan.shared == 4094
+    inside = flow.cache.plan_captures(requests[1].tokens, plan, segments=requests[1].segments)
+    assert {(c.length, c.kind) for c in inside} >= {(4094, DIVERGENCE), (2048, PERIODIC)}
+    # Where the last message starts past it (a later message), the divergence point is no edit
+    # of the message that holds the stride point: nothing below it.
+    later = flow.cache.plan_captures(requests[1].tokens, plan, segments=(*requests[1].segments, 2100))
+    assert (2048, PERIODIC) not in {(c.length, c.kind) for c in later}
+    assert not any(c.length == 2048 for c in flow.cache.plan_captures(requests[1].tokens, plan))
 
 
 def test_the_start_of_the_last_message_is_captured_within_the_min_gap():
@@ -132,6 +170,8 @@ def never_below_stock(steps, seed, reminder, generation, tools, system, first) -
 @given(**TRACES)
 @example(**EDIT_AFTER_AN_EXTENDING_EDIT)
 @example(**AFTER_MANY_TURNS)
+@example(**EDITS_BELOW_A_DIVERGENCE_POINT)
+@example(**EDITS_BELOW_A_DIVERGENCE_POINT_AFTER_TURNS)
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_the_lineage_never_restores_fewer_tokens_than_stock(steps, seed, reminder, generation, tools,
                                                             system, first):

@@ -1,58 +1,67 @@
-"""A cancelled request's record: the TimingBook rules and the journal report's reading of it."""
+"""A cancelled request's record: the row book's rules and the journal report's reading of it."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 from click.testing import CliRunner
 
 from apcctl.cli import main
 from apcctl.journal_report import read_journal, summarize
 from server_patch.integration.journal import Journal, JournalRecorder
-from server_patch.integration.timings import CANCELLED, DECODE, PREFILL, QUEUED, TimingBook
+from server_patch.integration.pending import Pending
+from server_patch.integration.rowlife import RowBook
+from server_patch.integration.timings import CANCELLED, DECODE, PREFILL, QUEUED, RequestTiming, TimingBook
+from server_patch.lineage import COLD, RestorePlan
 from server_patch.lineage.summary import CANCELLED_QUEUED, hit_summary, hits_key
 
 
-def book_with_listener() -> tuple[TimingBook, list]:
-    book, seen = TimingBook(), []
-    book.listeners.append(seen.append)
-    return book, seen
+def book_with_listener() -> tuple[RowBook, list]:
+    timings, seen = TimingBook(), []
+    timings.listeners.append(seen.append)
+    return RowBook(timings), seen
+
+
+def bound(book: RowBook, uid: str, prompt_tokens: int) -> RequestTiming:
+    """A request looked up (its row admitted, its record opened), then bound to ``uid``."""
+    tokens = np.full(prompt_tokens, len(book), dtype=np.int32)  # a prompt of its own
+    row = book.admit(Pending(tokens, "0", RestorePlan(0, COLD, prompt_len=prompt_tokens)),
+                     book.timings.open(prompt_tokens))
+    book.bind(row.key, uid)
+    return row.record
 
 
 def test_a_request_cancelled_before_its_first_token_ends_in_the_ring_and_the_listeners():
     book, seen = book_with_listener()
-    record = book.open("key", prompt_tokens=5000)
-    book.bind("uid-1", "key")
+    record = bound(book, "uid-1", prompt_tokens=5000)
     assert book.cancelled("uid-1", "req-1") is record
     assert (record.outcome, record.phase, record.stored, record.request_id) == (CANCELLED, PREFILL, "nothing", "req-1")
-    assert seen == [record] and [r["seq"] for r in book.since()] == [record.seq]
-    assert book.by_uid("uid-1") is None  # finished: a late first token finds nothing
+    assert seen == [record] and [r["seq"] for r in book.timings.since()] == [record.seq]
+    assert book.by_uid("uid-1").timed  # finished: a late first token finds nothing
     book.first_token("uid-1", "req-1", 0.5)
     assert seen == [record] and record.ttft_ms == 0
 
 
 def test_a_request_cancelled_while_decoding_is_marked_where_it_lies():
     book, seen = book_with_listener()
-    record = book.open("key", prompt_tokens=100)
-    book.bind("uid-2", "key")
+    record = bound(book, "uid-2", prompt_tokens=100)
     record.commit_ms, record.reply_tokens = 1.5, 12  # committed at its prompt end, then its reply kept
     book.first_token("uid-2", "req-2", 0.1)
     assert seen == [record] and record.outcome == ""
     assert book.cancelled("uid-2", "req-2") is record
     assert (record.outcome, record.phase, record.stored) == (CANCELLED, DECODE, "reply")
-    assert seen == [record] and len(book.since()) == 1  # one record, not two
-    assert book.since()[0]["outcome"] == CANCELLED
+    assert seen == [record] and len(book.timings.since()) == 1  # one record, not two
+    assert book.timings.since()[0]["outcome"] == CANCELLED
 
 
 def test_a_decode_cancel_is_told_to_the_outcome_listeners_once():
     book, seen = book_with_listener()
     outcomes: list = []
-    book.outcome_listeners.append(outcomes.append)
-    prefill = book.open("a", prompt_tokens=10)
-    book.bind("uid-a", "a")
+    book.timings.outcome_listeners.append(outcomes.append)
+    prefill = bound(book, "uid-a", prompt_tokens=10)
     book.cancelled("uid-a", "req-a")  # cancelled in prefill: a record, no outcome line
-    decode = book.open("b", prompt_tokens=10)
-    book.bind("uid-b", "b")
+    decode = bound(book, "uid-b", prompt_tokens=10)
     book.first_token("uid-b", "req-b", 0.1)
     book.cancelled("uid-b", "req-b")
     assert seen == [prefill, decode] and outcomes == [decode]
@@ -60,8 +69,8 @@ def test_a_decode_cancel_is_told_to_the_outcome_listeners_once():
 
 def test_a_request_cancelled_while_queued_gets_the_next_record():
     book, seen = book_with_listener()
-    first = book.open("key", prompt_tokens=10)
-    queued = book.cancelled_queued("req-q", prompt_tokens=42)
+    first = book.timings.open(prompt_tokens=10)
+    queued = book.timings.cancelled_queued("req-q", prompt_tokens=42)
     assert queued.seq == first.seq + 1 and seen == [queued]
     assert (queued.outcome, queued.phase, queued.stored, queued.prompt_tokens, queued.request_id) == (
         CANCELLED, QUEUED, "nothing", 42, "req-q")
@@ -76,14 +85,13 @@ def test_requests_in_status_count_the_queued_cancels_but_not_as_hits():
 
 
 def test_the_journal_follows_a_decode_cancel_with_its_outcome_and_the_report_applies_it(tmp_path):
-    book = TimingBook()
+    book = RowBook(TimingBook())
     journal = Journal(tmp_path)
     recorder = JournalRecorder(journal, runtime=None, snapshot_s=float("inf"))
     recorder._last_snapshot = float("inf")  # no runtime to sample budgets from: never due
-    book.listeners.append(recorder.on_request)
-    book.outcome_listeners.append(recorder.on_outcome)
-    record = book.open("key", prompt_tokens=100)
-    book.bind("uid", "key")
+    book.timings.listeners.append(recorder.on_request)
+    book.timings.outcome_listeners.append(recorder.on_outcome)
+    record = bound(book, "uid", prompt_tokens=100)
     record.reply_tokens = 7
     book.first_token("uid", "req", 0.1)
     book.cancelled("uid", "req")
@@ -108,7 +116,7 @@ def test_an_outcome_line_names_its_request_in_its_own_server_run():
 
 def test_an_unknown_request_is_not_invented():
     book, seen = book_with_listener()
-    assert book.cancelled("nobody", "req") is None and seen == [] and book.since() == []
+    assert book.cancelled("nobody", "req") is None and seen == [] and book.timings.since() == []
 
 
 def test_the_report_counts_prefill_cancels_but_takes_no_latency_from_them():

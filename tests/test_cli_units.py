@@ -28,6 +28,7 @@ from apcctl.core.process import ProcessSampler, sample_once
 from apcctl.core.restart import (Phase, RestartResult, RestartStep, ServerRestart, rolling_restart,
                                  supervisor_command)
 from apcctl.journal_report import parse_since, percentiles, read_journal, report, summarize
+from server_patch.admin import schema as S
 from server_patch.integration.journal import FILE_NAME, Journal, journal_files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -312,35 +313,53 @@ class FakeClient:
         self.calls = calls
         self.pid = 100
 
-    def status(self) -> dict[str, Any]:
-        return {"server": {"pid": self.pid, "model": "m"}, "idle": {"in_flight": self.in_flight, "queued": 0},
-                "lineage": {"disk_path": "/d"}}
+    # The answers typed, as ``AdminClient`` returns them (``server_patch.admin.schema``).
+
+    def status(self) -> Any:
+        return S.Status.from_json({"server": {"pid": self.pid, "model": "m"},
+                                   "idle": {"in_flight": self.in_flight, "queued": 0},
+                                   "lineage": {"disk_path": "/d", "budgets": ROOMY, "stats": {}}})
 
     def health(self) -> dict[str, Any]:
         return {"status": "healthy"}
 
-    def anchors(self) -> list[dict[str, Any]]:
-        return [{"id": "pinned1", "pinned": True}, {"id": "probe", "pinned": True}]
+    def entries(self) -> list[Any]:
+        return []
 
-    def new_anchor(self, system: str) -> dict[str, Any]:
+    def anchors(self) -> list[Any]:
+        return [anchor("pinned1"), anchor("probe")]
+
+    def new_anchor(self, system: str) -> Any:
         self.calls.append("new_anchor")
-        return {"anchor": {"id": "probe"}, "created": True}
+        return S.NewAnchor(anchor=anchor("probe"), created=True)
 
-    def requests(self, since: int = 0, limit: int = 200) -> list[dict[str, Any]]:
+    def requests(self, since: int = 0, limit: int = 200) -> list[Any]:
         if "chat" not in self.calls:
             return []
-        return [{"seq": 1, "entry_id": "probe", "restore_kind": "disk", "restored_tokens": 40}]
+        return [S.RequestRecord(seq=1, started=0.0, prompt_tokens=40, entry_id="probe", restore_kind="disk",
+                                restored_tokens=40)]
 
     def chat(self, messages: list, **params: Any) -> dict[str, Any]:
         self.calls.append("chat")
         return {}
 
     def __getattr__(self, verb: str) -> Any:  # drain, undrain, flush, evict
-        def call(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
             self.calls.append(verb)
-            return {"complete": True}
+            return S.FlushReport(queued=0, written=0, failed=0, unwritten=[], pending=0, complete=True, reason=None,
+                                 disk_enabled=True)
 
         return call
+
+
+ROOMY = {"ram_used": 0, "ram_limit": 1 << 30, "conversation_bytes": 0, "disk_queue_bytes": 0, "anchor_bytes": 0,
+         "anchor_bytes_limit": 1 << 30, "anchor_count": 1, "anchor_count_limit": 16, "disk_used": 0,
+         "disk_limit": 1 << 30, "entries": 1, "disk_files": 0}
+
+
+def anchor(entry_id: str) -> Any:
+    return S.EntryInfo(id=entry_id, kind=S.EntryKind.ANCHOR, pinned=True, length=40, bytes=0, kv_bytes=0,
+                       tier=S.Residence.DISK)
 
 
 class FakeTarget(Target):

@@ -18,7 +18,7 @@ from server_patch.copyfree import lease as lending
 from server_patch.copyfree.counter import _address
 from server_patch.copyfree.merge import merge_rows
 from server_patch.disk.store import DiskStore
-from server_patch.lineage import LineageCache, LineageConfig
+from server_patch.lineage import LineageCache, LineageConfig, RestorePlan
 from server_patch.state import rows
 from lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
 
@@ -163,11 +163,13 @@ def test_disk_file_holds_the_entry_rows_not_the_spare_room(tmp_path, model, layo
     assert loaded is not None and loaded.kv.capacity() == N
     assert all(np.array_equal(a, b) for a, b in zip(state_rows(loaded.kv), state_rows(entry.kv)))
 
-    # While lent, the entry is neither written nor evicted.
-    warm = lending.lend(layout, kv, head, N)
+    # While lent (under the cache's receipt), the entry is neither written nor evicted.
+    lease = lending.lend_entry(layout, cache, RestorePlan(N, "entry", entry=entry))
+    assert lease is not None
     entry.dirty = True
     assert entry.lent and cache.flush() == 0 and cache.tick(now=1e12) == 0
     cache._enforce_budgets()  # noqa: SLF001 - the budget pass itself
     assert cache.holds(entry)
-    kv.give_back(layout.lent_rows(warm, N))
-    assert cache.flush() == 1
+    cache.check()
+    assert lending.end(layout, cache, lease, reason="test")
+    assert not entry.lent and cache.flush() == 1

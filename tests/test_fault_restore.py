@@ -35,7 +35,8 @@ SCRIPT = textwrap.dedent(r"""
     from mlx_vlm import apc as _apc
     from mlx_vlm.prompt_utils import apply_chat_template
     from mlx_vlm.server.generation import GenerationArguments, ResponseGenerator
-    from server_patch.integration.runtime import current
+    from server_patch.integration.parts import of_server
+    current = lambda: of_server().runtimes.current  # the server's open lineage runtime
 
     loans = []
 

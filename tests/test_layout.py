@@ -14,11 +14,19 @@
 * The dashboard (``tui``) imports nothing of ``apcctl`` but the shared core, ``apcctl.core``; the
   core imports no other ``apcctl`` module (so never ``apcctl.commands``) and never ``tui``, at
   load or call time (``if TYPE_CHECKING:`` imports are types only and do not count).
+* The overlay's edits (the text they add to mlx-vlm, parsed from the topics) reach the lineage
+  cache, the copy-free hooks, the canary and the admin endpoint only through the one door,
+  ``server_patch.integration.hooks``, which dispatches by no name (no ``getattr``/``hasattr``).
+* The server's parts are handed on from one object (``integration.parts.Parts``): no module
+  holds ``RUNTIMES``, ``FINDER``, ``BOOK``, ``RUNNER`` or ``TRAFFIC``, ``integration.runtime``
+  has no ``current()``, and the canary package imports none of its modules (its runner once
+  imported the package that imported it back).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -244,3 +252,66 @@ def test_the_dashboard_loads_no_cli_module_in_a_fresh_interpreter():
             "print(sorted(m for m in sys.modules if m.startswith('apcctl.') and not m.startswith('apcctl.core')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# ----------------------------------------------------------------------------- the one door and the parts
+
+DOOR = "server_patch.integration.hooks"
+# The packages whose code a patched mlx-vlm file may reach only through the door.
+BEHIND_THE_DOOR = ("server_patch.integration", "server_patch.copyfree", "server_patch.canary",
+                   "server_patch.admin.api", "server_patch.admin.traffic")
+_NAMED = re.compile(r"(?:from\s+(server_patch[\w.]*)\s+import\s+(\w+)|import\s+(server_patch[\w.]*))")
+
+
+def _edit_imports(text: str) -> set[str]:
+    """The server_patch modules an edit's new text imports (``from P import m`` names P.m)."""
+    found = set()
+    for base, name, plain in _NAMED.findall(text):
+        module = plain or (f"{base}.{name}" if _is_module(f"{base}.{name}") else base)
+        found.add(module)
+    return found
+
+
+def test_overlay_edits_reach_the_lineage_only_through_the_door():
+    from server_patch.overlay.patches import load_topics
+
+    seen, wrong = set(), []
+    for file_patch in load_topics().values():
+        for edit in file_patch.edits:
+            for module in _edit_imports(edit.new):
+                seen.add(module)
+                if any(_within(module, p) for p in BEHIND_THE_DOOR) and module != DOOR:
+                    wrong.append((file_patch.module, edit.name, module))
+    assert DOOR in seen and "server_patch.intake.media" in seen  # the parser sees the edits' imports
+    assert not wrong, wrong
+
+
+def test_the_door_dispatches_by_no_name():
+    """No ``getattr``/``hasattr``/``setattr`` in the door: what it calls is in its source."""
+    tree = ast.parse(modules()[DOOR].read_text(encoding="utf-8"))
+    calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert not calls & {"getattr", "hasattr", "setattr"}, calls & {"getattr", "hasattr", "setattr"}
+
+
+SINGLETONS = ("RUNTIMES", "FINDER", "BOOK", "RUNNER", "TRAFFIC")
+
+
+def test_the_parts_are_no_module_singletons():
+    """The server's parts live on one object (``integration.parts.Parts``) that is handed on;
+    no module holds a runtime registry, the finder, the canary's book or runner, or the gate."""
+    wrong = []
+    for name, path in modules().items():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign) else []
+            wrong += [(name, t.id) for t in targets if isinstance(t, ast.Name) and t.id in SINGLETONS]
+            if name == "server_patch.integration.runtime" and isinstance(node, ast.FunctionDef):
+                assert node.name != "current", "integration.runtime.current(): the most recent runtime"
+    assert not wrong, wrong
+
+
+def test_the_canary_package_and_its_runner_do_not_import_each_other():
+    package = [i.target for i in all_imports() if i.source == "server_patch.canary"]
+    assert not [t for t in package if _within(t, "server_patch.canary")], package
+    assert ("server_patch.canary.service", "server_patch.canary.runner", True) in \
+        {(i.source, i.target, i.eager) for i in all_imports()}

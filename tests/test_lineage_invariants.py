@@ -8,9 +8,10 @@ import logging
 
 import pytest
 
-from server_patch.copyfree import hooks as copyfree_hooks
+from server_patch.integration import hooks as door
+from server_patch.integration.coordinator import LineageCoordinator
 from server_patch.failclosed import fail_closed
-from server_patch.lineage import LineageCache, LineageConfig, SizedSnapshot
+from server_patch.lineage import Entry, LineageCache, LineageConfig, RestorePlan, SizedSnapshot
 from server_patch.lineage.invariants import InvariantError
 from lineage_checked import checked_lineage, checks  # noqa: F401 (the fixture)
 from test_lineage_policy import FakeDisk, make, serve, words
@@ -76,16 +77,43 @@ def test_a_checkpoint_at_or_past_the_entry_length_is_named():
                              f"{entry.length} tokens"]
 
 
-def test_a_lent_entry_in_the_write_queue_is_named():
+def lendable_entry() -> tuple[LineageCache, Entry, RestorePlan]:
     cache = LineageCache(LineageConfig(), disk=FakeDisk())
     prompt = words(120, 4)
     cache.commit(prompt, kv=LoanKV(100, len(prompt) - 1), head=SizedSnapshot(1000))
     (entry,) = cache.entries()
-    cache._queued.add(entry.id, entry.nbytes)  # a write queued, then ...
+    return cache, entry, RestorePlan(entry.length, "entry", entry=entry)
+
+
+def test_an_entry_queued_for_writing_is_not_lent_and_a_lent_one_queued_is_named():
+    cache, entry, plan = lendable_entry()
+    cache._queued.add(entry.id, entry.nbytes)  # the idle tick queued a write, then ...
     cache.check()  # (not lent yet: fine)
-    entry.kv.lent = True  # ... the rows lent
+    assert cache.lend(plan) is None and not entry.lent  # ... a lookup asks for its rows: refused
+    cache._queued.done(entry.id)
+    loan = cache.lend(plan)
+    assert loan is not None and entry.lent and cache.lend(plan) is None  # one borrower at a time
+    entry.kv.lent = True  # the rows lent under the receipt
     cache._entries.resized(entry)
+    cache.check()
+    assert cache.tick(now=1e12) == 0 and cache.flush() == 0 and not cache.rewind(entry)
+    cache._queued.add(entry.id, entry.nbytes)  # a write queued behind the loan's back
     assert broken(cache) == [f"entry {entry.id}: lent and queued for writing"]
+
+
+def test_a_loan_ends_once_and_rows_lent_without_a_receipt_are_named():
+    cache, entry, plan = lendable_entry()
+    loan = cache.lend(plan)
+    cache.end(loan)
+    cache.end(loan)  # a second end of the same receipt counts nothing
+    assert entry.loans == 0 and not entry.lent
+    cache.check()
+    entry.kv.lent = True  # lent around the cache
+    cache._entries.resized(entry)
+    assert broken(cache) == [f"entry {entry.id}: its buffer is lent without a receipt"]
+    entry.kv.lent = False
+    entry.loans = 1  # counted, no receipt out
+    assert broken(cache) == [f"entry {entry.id}: counts 1 loans, 0 receipts out"]
 
 
 def test_a_missing_prompt_end_is_named_and_a_head_at_its_prompt_end_needs_none():
@@ -147,8 +175,11 @@ def test_fail_closed_logs_and_re_raises_only_under_the_test_fault_switch(monkeyp
         fail_closed(caught, "a restore", log=log)
 
 
-class _BrokenCoordinator:
-    """A coordinator whose leave hook has a bug."""
+class _BrokenCoordinator(LineageCoordinator):
+    """A lineage coordinator (never built: only its leave hook runs) whose leave hook has a bug."""
+
+    def __init__(self) -> None:
+        pass
 
     def rows_leaving(self, batch, keep):
         raise RuntimeError("a bug in rows_leaving")
@@ -159,15 +190,14 @@ class _Batch:
 
 
 def test_a_copyfree_hook_stays_closed_in_production_and_re_raises_under_the_switch(monkeypatch, caplog):
-    batch = _Batch()
-    setattr(batch, copyfree_hooks._TAG, _BrokenCoordinator())
+    batch, coordinator = _Batch(), _BrokenCoordinator()
     monkeypatch.delenv("APC_TEST_FAULTS", raising=False)
     with caplog.at_level(logging.WARNING, logger="server_patch.copyfree"):
-        copyfree_hooks.leaving(batch, [0])  # mlx-vlm's filter goes on
+        door.rows_leaving(coordinator, batch, [0])  # mlx-vlm's filter goes on
     assert "apc_copyfree leave hook failed: a bug in rows_leaving" in caplog.text
     monkeypatch.setenv("APC_TEST_FAULTS", "1")
     with pytest.raises(RuntimeError, match="a bug in rows_leaving"):
-        copyfree_hooks.leaving(batch, [0])
+        door.rows_leaving(coordinator, batch, [0])
 
 
 def test_a_failing_event_observer_never_breaks_the_cache_but_re_raises_under_the_switch(monkeypatch):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from server_patch.lineage import (
     ANCHOR, COLD, DISK, ENTRY, LOG_KINDS, RAM, RESTORE_KINDS, Checkpoint, DiskRecord, Entry,
-    EventKind, KVAdmission, KVHandle, LineageCache, LineageConfig, Reason, RestoreKind,
+    EventKind, KVAdmission, KVHandle, LineageCache, LineageConfig, Loan, Reason, RestoreKind,
     RestorePlan, SizedKV, SizedSnapshot, Tier,
 )
 from server_patch.lineage.flow import Admission
@@ -144,7 +144,7 @@ class Driver:
         self.rng, self.clock = rng, Clock()
         self.cache = LineageCache(LineageConfig(**config), disk=FakeDisk(), clock=self.clock)
         self.seen: list[list[int]] = []  # every prompt, with its reply re-rendered
-        self.loans: list[LoanKV] = []
+        self.loans: list[tuple[Loan, LoanKV]] = []
 
     def fresh(self, n: int) -> list[int]:
         return [int(x) for x in self.rng.randint(100, 5000, n)]
@@ -181,15 +181,18 @@ class Driver:
             cache.flush()
         elif op == "promote":
             self.promote(self.pick(cache.records(), a))
-        elif op == "lend" and entry is not None and isinstance(entry.kv, LoanKV) and not entry.lent:
-            entry.kv.lent = True  # what MlxKV.lend does, then the restore is counted
-            cache.note_restore(RestorePlan(entry.length, ENTRY, RAM, entry, prompt_len=entry.length + 1),
-                               KVAdmission.LENT)
-            self.loans.append(entry.kv)
+        elif op == "lend" and entry is not None and isinstance(entry.kv, LoanKV):
+            plan = RestorePlan(entry.length, ENTRY, RAM, entry, prompt_len=entry.length + 1)
+            loan = cache.lend(plan)  # the receipt (refused while lent or queued for writing) ...
+            if loan is not None:
+                entry.kv.lent = True  # ... then what MlxKV.lend does, then the restore is counted
+                cache.note_restore(plan, KVAdmission.LENT)
+                self.loans.append((loan, entry.kv))
         elif op == "give_back" and self.loans:
-            kv = self.loans.pop(a % len(self.loans))
+            loan, kv = self.loans.pop(a % len(self.loans))
             kv.spare += 1 + b % 64  # the buffer came back grown
             kv.lent = False
+            cache.end(loan)
         elif op == "clear":
             cache.clear()
 

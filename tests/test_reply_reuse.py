@@ -206,16 +206,27 @@ def test_a_row_is_trusted_only_if_its_cache_holds_prompt_plus_every_fed_id(model
     from types import SimpleNamespace
 
     from fake_model import prefill, random_tokens
-    from server_patch.copyfree.replies import Reply, ReplyBook, validated
+    from server_patch.copyfree.replies import Reply, validated
+    from server_patch.integration.pending import Pending
+    from server_patch.integration.rowlife import RowBook
+    from server_patch.integration.timings import TimingBook
+    from server_patch.lineage import COLD, RestorePlan
 
     prompt, generated = random_tokens(40, seed=3), random_tokens(5, seed=4)
     caches = model.make_cache()
     prefill(model, caches, np.concatenate([prompt, generated]))
-    book = ReplyBook()
-    book.track(7, Reply(SimpleNamespace(tokens=prompt), prompt_head=None))
+    book = RowBook(TimingBook())
+
+    def tracked(uid: int, tokens: np.ndarray):
+        row = book.admit(Pending(tokens, "0", RestorePlan(0, COLD, prompt_len=len(tokens))))
+        book.bind(row.key, uid)
+        row.reply = Reply(row.pending, prompt_head=None)
+        return row
+
+    row = tracked(7, prompt)
     for token in generated:
         book.decoded([7, 8], [int(token), 99])  # uid 8 is not tracked: ignored
-    reply = book.take(7)
+    reply, row.reply = row.reply, None
     def batch(counted: int) -> SimpleNamespace:  # the generator's own count of emitted tokens
         return SimpleNamespace(prompt_cache=caches, _num_tokens=[counted], uids=[7])
 
@@ -223,10 +234,10 @@ def test_a_row_is_trusted_only_if_its_cache_holds_prompt_plus_every_fed_id(model
     assert validated(layout, reply, batch(6), 0) is None
     short = Reply(reply.pending, None, fed=reply.fed[:-1])  # a step the hook did not see
     assert validated(layout, short, batch(4), 0) is None
-    assert book.take(7) is None and len(book) == 0
-    book.track(9, Reply(SimpleNamespace(tokens=prompt), None))
-    book.sweep(active=[7])  # uid 9 left no batch we saw: forgotten
-    assert len(book) == 0
+    assert book.replying() == []
+    tracked(9, prompt[:-1])
+    book.forget_replies(active=[7])  # uid 9 left no batch we saw: forgotten
+    assert book.replying() == []
 
 
 # ----------------------------------------------------------------------------- real server

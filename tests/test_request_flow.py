@@ -44,7 +44,8 @@ SCRIPT = textwrap.dedent(r"""
     from server_patch.integration import segments
     from server_patch.integration.coordinator import LineageCoordinator
     from server_patch.integration.pending import namespace_of, request_key
-    from server_patch.integration.runtime import current
+    from server_patch.integration.parts import of_server
+    current = lambda: of_server().runtimes.current  # the server's open lineage runtime
     from server_patch.lineage import as_tokens
 
     model_dir, word = sys.argv[1], sys.argv[2]
@@ -54,7 +55,7 @@ SCRIPT = textwrap.dedent(r"""
     def seen_lookup(self, token_ids, **kw):
         answer = lookup(self, token_ids, **kw)
         prompt = as_tokens(token_ids)
-        record = self.runtime.timings.by_key(request_key(namespace_of(kw["extra_hash"]), prompt))
+        record = self.lineage.book.by_key(request_key(namespace_of(kw["extra_hash"]), prompt)).record
         served.append({"tokens": [int(t) for t in prompt], "namespace": namespace_of(kw["extra_hash"]),
                        "restored": record.restored_tokens if answer else 0,
                        "kind": record.restore_kind if answer else "cold"})
@@ -98,7 +99,7 @@ SCRIPT = textwrap.dedent(r"""
     ask(convo + [{"role": "user", "content": text(12, 11)}])  # back to the long conversation
 
     for req in served:
-        info = segments.boundaries(np.asarray(req["tokens"], dtype=np.int32))
+        info = segments.boundaries(np.asarray(req["tokens"], dtype=np.int32), of_server().finder)
         req["anchor_len"], req["segments"] = info.anchor_len, [int(s) for s in info.segments]
         req["reply"] = fed.get(np.asarray(req["tokens"], dtype=np.int32).tobytes())
     config = {k: list(v) if isinstance(v, tuple) else v

@@ -395,15 +395,14 @@ def test_tiny_glm_template_tools_end_system_end_and_message_starts(tiny_processo
     assert registry.boundary(ids)[0] == info.anchor_len
 
 
-def test_tiny_wrapper_notes_segments_and_the_coordinator_entry_point_finds_them(tiny_processor, monkeypatch):
+def test_tiny_wrapper_notes_segments_and_the_coordinator_entry_point_finds_them(tiny_processor):
     config, processor = tiny_processor
     finder = SegmentFinder(SegmentSettings())
-    monkeypatch.setattr(segments, "FINDER", finder)
-    wrapped = segments.wrap_apply_chat_template(apply_chat_template)
+    wrapped = segments.wrap_apply_chat_template(apply_chat_template, finder)
     messages = [{"role": "system", "content": "Be brief. " * 30}, {"role": "user", "content": "hi"}]
     text = wrapped(processor, config, messages, tools=TINY_TOOLS)
     ids = processor.tokenizer.encode(text, add_special_tokens=False)
-    info = segments.boundaries(ids)
+    info = segments.boundaries(ids, finder)
     assert isinstance(info, SegmentInfo) and info.source == "template" and len(finder) == 1
     assert info.anchor_len is not None and info.anchor_label.startswith("Be brief.")
 

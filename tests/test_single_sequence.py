@@ -44,9 +44,9 @@ SCRIPT = textwrap.dedent("""
         msgs += [{"role": "assistant", "content": text or "ok"},
                  {"role": "user", "content": f"question {turn}"}]
     if lineage:
-        from server_patch.integration.runtime import current
+        from server_patch.integration.runtime import runtime_of
         print(json.dumps({"entries": [[e.length, [c.kind for c in e.checkpoints]]
-                                      for e in current().cache.entries()]}))
+                                      for e in runtime_of(manager).cache.entries()]}))
 """)
 
 

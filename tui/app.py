@@ -358,7 +358,7 @@ class DashboardApp(App[None]):
             return
         describe = {"pin": impact.pin, "unpin": impact.unpin, "evict": impact.evict}[message.verb]
         verb = getattr(self.source, message.verb)
-        self._confirm(describe(entry, self.state.budgets), functools.partial(verb, entry["id"]))
+        self._confirm(describe(entry, self.state.budgets), functools.partial(verb, entry.id))
 
     def on_new_anchor_requested(self, _: NewAnchorRequested) -> None:
         if self.read_only:
@@ -381,12 +381,12 @@ class DashboardApp(App[None]):
         pane = self.query_one(RestartPane)
         if self.read_only or pane.restarter is None or pane.running:
             return
-        idle = (self.state.status or {}).get("idle") or {}
+        in_flight = self.state.status.idle.in_flight if self.state.status else "?"
         servers = ", ".join(pane.servers) or "the target"
         first = ("take it out of the gateway (the other servers get its new requests), then drain"
                  if self.fleet is not None else "drain (new requests get 503 with Retry-After)")
         body = (f"Restart {servers}, one at a time: {first}, wait until "
-                f"nothing is in flight ({idle.get('in_flight', '?')} now), flush RAM entries to disk, stop, start, "
+                f"nothing is in flight ({in_flight} now), flush RAM entries to disk, stop, start, "
                 "wait until ready, then probe that an anchor restores from disk"
                 + (", and put it back in the gateway" if self.fleet is not None else "") + ".\n"
                 "The first failure stops the roll and lifts the drain.")
@@ -436,8 +436,9 @@ class DashboardApp(App[None]):
             pane.table.set_query("")
             pane.table.select_key(entry_id)
 
-    def _performed(self, title: str, answer: dict[str, Any]) -> None:
-        self.notify(f"{title}: done" + (f", freed {answer['freed_bytes']:,} bytes" if "freed_bytes" in answer else ""))
+    def _performed(self, title: str, answer: Any) -> None:
+        freed = getattr(answer, "freed_bytes", None)  # an eviction's answer (``schema.Evicted``)
+        self.notify(f"{title}: done" + (f", freed {freed:,} bytes" if freed is not None else ""))
         self.poll_now()
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from rich.text import Text
 
 from apcctl.core import render
 from tui.state import Keyed, reuse_fraction
 from tui.widgets.keyed_table import Column
+
+if TYPE_CHECKING:
+    from server_patch.admin.schema import EntryInfo
 
 KIND_STYLES = {"cold": "red", "entry": "green", "anchor": "cyan", "disk": "blue", "final": "green",
                "divergence": "magenta", "periodic": "blue", "segment": "cyan", "guard": "yellow"}
@@ -62,26 +65,25 @@ def request_columns() -> list[Column[Keyed]]:
     ]
 
 
-def entry_columns(now: Callable[[], float]) -> list[Column[dict[str, Any]]]:
+def _label(entry: EntryInfo | Mapping[str, Any]) -> str:
+    """An entry's label; also of a row still in JSON (the label tests hand the column one)."""
+    return (entry.get("label") if isinstance(entry, Mapping) else entry.label) or ""
+
+
+def entry_columns(now: Callable[[], float]) -> list[Column[EntryInfo]]:
     """Lineage entries and anchors: what they hold, where, and how recently they paid off."""
-
-    def get(name: str) -> Callable[[dict[str, Any]], Any]:
-        return lambda e: e.get(name)
-
     return [
-        Column("id", "ID", get("id"), get("id")),
-        Column("kind", "KIND", lambda e: kind_text(e.get("kind", "?")), get("kind")),
-        Column("pinned", "PIN", lambda e: Text("●", style="bold cyan") if e.get("pinned") else "",
-               lambda e: bool(e.get("pinned"))),
-        Column("length", "TOKENS", lambda e: tokens(e.get("length")), get("length"), numeric=True),
-        Column("bytes", "RAM", lambda e: render.human_bytes(e.get("bytes")) if e.get("bytes") else "-", get("bytes"),
+        Column("id", "ID", lambda e: e.id, lambda e: e.id),
+        Column("kind", "KIND", lambda e: kind_text(str(e.kind)), lambda e: str(e.kind)),
+        Column("pinned", "PIN", lambda e: Text("●", style="bold cyan") if e.pinned else "", lambda e: e.pinned),
+        Column("length", "TOKENS", lambda e: tokens(e.length), lambda e: e.length, numeric=True),
+        Column("bytes", "RAM", lambda e: render.human_bytes(e.bytes) if e.bytes else "-", lambda e: e.bytes,
                numeric=True),
-        Column("disk_bytes", "DISK", lambda e: render.human_bytes(e.get("disk_bytes")) if e.get("disk_bytes") else "-",
-               get("disk_bytes"), numeric=True),
-        Column("tier", "TIER", get("tier"), get("tier")),
-        Column("checkpoints", "CKPTS", lambda e: str(len(e.get("checkpoints") or [])),
-               lambda e: len(e.get("checkpoints") or []), numeric=True),
-        Column("hits", "HITS", lambda e: str(e.get("hits", 0)), get("hits"), numeric=True),
-        Column("last_used", "LAST USED", lambda e: render.ago(e.get("last_used"), now()), get("last_used")),
-        Column("label", "LABEL", lambda e: label_text(e.get("label") or "", 32), get("label")),
+        Column("disk_bytes", "DISK", lambda e: render.human_bytes(e.disk_bytes) if e.disk_bytes else "-",
+               lambda e: e.disk_bytes, numeric=True),
+        Column("tier", "TIER", lambda e: str(e.tier), lambda e: str(e.tier)),
+        Column("checkpoints", "CKPTS", lambda e: str(len(e.checkpoints)), lambda e: len(e.checkpoints), numeric=True),
+        Column("hits", "HITS", lambda e: str(e.hits), lambda e: e.hits, numeric=True),
+        Column("last_used", "LAST USED", lambda e: render.ago(e.last_used, now()), lambda e: e.last_used),
+        Column("label", "LABEL", lambda e: label_text(_label(e), 32), _label),
     ]

@@ -14,12 +14,15 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from apcctl.core.client import AdminClient, AdminError, hits_of
 from apcctl.core.gateway import GatewayClient, worker_state
 from tui.source import SourceError
 from tui.state import Keyed
+
+if TYPE_CHECKING:
+    from server_patch.admin.schema import Hits, RequestRecord, Status
 
 RECENT = 40  # requests asked of each server; the pane lists the newest of all of them
 
@@ -32,11 +35,13 @@ class FleetServer:
     url: str
     state: str  # apcctl.core.gateway.STATES: healthy, draining, unhealthy, absent
     load: int | None = None
-    status: dict[str, Any] | None = None  # its /admin/status; None when it does not answer
+    # Its /admin/status (``schema.Status``; read by key, so a recorded or hand-made JSON status reads
+    # the same); None when it does not answer.
+    status: Status | dict[str, Any] | None = None
     error: str = ""
 
     @property
-    def hits(self) -> dict[str, Any]:
+    def hits(self) -> Hits:
         return hits_of(self.status)
 
     @property
@@ -103,8 +108,8 @@ class LiveFleetSource:
             worker = workers.get(_key(client.base_url))
             servers.append(FleetServer(name, client.base_url.rstrip("/"), worker_state(worker),
                                        worker.get("load") if worker else None, status, error))
-            pid = ((status or {}).get("server") or {}).get("pid")
-            recent += [Keyed(f"{name}:{pid}:{r.get('seq', n)}", {**r, "server": name}) for n, r in enumerate(records)]
+            pid = status.server.pid if status is not None else None
+            recent += [Keyed(f"{name}:{pid}:{r.seq}", {**r.to_json(), "server": name}) for r in records]
         if gateway_error and all(s.status is None for s in servers):
             raise SourceError(f"neither the gateway nor any server answers: {gateway_error}")
         recent.sort(key=lambda k: k.data.get("started") or 0.0)
@@ -112,10 +117,10 @@ class LiveFleetSource:
                              time.time())
 
 
-def _ask(client: AdminClient) -> tuple[dict[str, Any] | None, list[dict[str, Any]], str]:
+def _ask(client: AdminClient) -> tuple[Status | None, list[RequestRecord], str]:
     try:
         status = client.status()
-        records = client.requests(limit=RECENT) if status.get("lineage") is not None else []
+        records = client.requests(limit=RECENT) if status.started else []
         return status, records, ""
     except AdminError as exc:
         return None, [], exc.message

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from apcctl.core import render
+from server_patch.admin.schema import Budgets, EntryInfo
 
 
 @dataclass(frozen=True)
@@ -27,60 +28,70 @@ def _bytes(n: int | None) -> str:
     return render.human_bytes(n or 0)
 
 
-def _name(entry: dict[str, Any]) -> str:
-    return f"{entry.get('kind', 'entry')} {entry['id']} ({int(entry.get('length') or 0):,} tokens)"
+def _budgets(budgets: Budgets | Mapping[str, int] | None) -> Budgets:
+    """The last poll's budgets; before the cache runs (None), or a budget an older server lacks, reads 0."""
+    if isinstance(budgets, Budgets):
+        return budgets
+    return Budgets.from_json({**{key: 0 for key in Budgets.json_keys()}, **(budgets or {})}, "budgets")
 
 
-def pin(entry: dict[str, Any], budgets: dict[str, int]) -> Impact:
-    size = entry.get("bytes") or 0
-    if entry.get("tier") == "disk":
-        return Impact(f"Pin {entry['id']}", f"{_name(entry)} is only on disk; the server pins entries held in RAM. "
+def _name(entry: EntryInfo) -> str:
+    return f"{entry.kind} {entry.id} ({entry.length:,} tokens)"
+
+
+def pin(entry: EntryInfo | Mapping[str, Any], budgets: Budgets | Mapping[str, int] | None) -> Impact:
+    entry, b = EntryInfo.of(entry), _budgets(budgets)
+    size = entry.bytes
+    if entry.only_on_disk:
+        return Impact(f"Pin {entry.id}", f"{_name(entry)} is only on disk; the server pins entries held in RAM. "
                       "A request that restores it brings it back to RAM.", "Pin", possible=False)
-    if entry.get("pinned"):
-        return Impact(f"Pin {entry['id']}", f"{_name(entry)} is already a pinned anchor.", "Pin", possible=False)
-    count, count_cap = budgets.get("anchor_count", 0), budgets.get("anchor_count_limit", 0)
-    held, held_cap = budgets.get("anchor_bytes", 0), budgets.get("anchor_bytes_limit", 0)
+    if entry.pinned:
+        return Impact(f"Pin {entry.id}", f"{_name(entry)} is already a pinned anchor.", "Pin", possible=False)
+    count, count_cap = b.anchor_count, b.anchor_count_limit
+    held, held_cap = b.anchor_bytes, b.anchor_bytes_limit
     lines = [f"Pin {_name(entry)} as an anchor: LRU eviction no longer touches it.",
              f"Holds {_bytes(size)} of RAM on the anchor budget: {_bytes(held)} -> {_bytes(held + size)} "
              f"of {_bytes(held_cap)}; anchors {count} -> {count + 1} of {count_cap}.",
              f"Frees {_bytes(size)} of the conversation budget (it stops counting there)."]
     if (count_cap and count + 1 > count_cap) or (held_cap and held + size > held_cap):
         lines.append("Over an anchor cap: the least recently used anchor leaves RAM (it stays on disk if written).")
-    return Impact(f"Pin {entry['id']}", "\n".join(lines), "Pin")
+    return Impact(f"Pin {entry.id}", "\n".join(lines), "Pin")
 
 
-def unpin(entry: dict[str, Any], budgets: dict[str, int]) -> Impact:
-    if not entry.get("pinned"):
-        return Impact(f"Unpin {entry['id']}", f"{_name(entry)} is not pinned.", "Unpin", possible=False)
-    if entry.get("tier") == "disk":
-        return Impact(f"Unpin {entry['id']}", f"{_name(entry)} is only on disk; the server unpins entries held "
+def unpin(entry: EntryInfo | Mapping[str, Any], budgets: Budgets | Mapping[str, int] | None) -> Impact:
+    entry, b = EntryInfo.of(entry), _budgets(budgets)
+    if not entry.pinned:
+        return Impact(f"Unpin {entry.id}", f"{_name(entry)} is not pinned.", "Unpin", possible=False)
+    if entry.only_on_disk:
+        return Impact(f"Unpin {entry.id}", f"{_name(entry)} is only on disk; the server unpins entries held "
                       "in RAM.", "Unpin", possible=False)
-    size = entry.get("bytes") or 0
-    count, held = budgets.get("anchor_count", 0), budgets.get("anchor_bytes", 0)
+    size = entry.bytes
+    count, held = b.anchor_count, b.anchor_bytes
     body = (f"Unpin {_name(entry)}: it joins the conversation LRU and may be evicted like any conversation.\n"
             f"Frees {_bytes(size)} of the anchor budget ({_bytes(held)} -> {_bytes(max(0, held - size))}; "
             f"anchors {count} -> {max(0, count - 1)}) and holds it on the conversation budget "
-            f"({_bytes(budgets.get('conversation_bytes'))} -> {_bytes((budgets.get('conversation_bytes') or 0) + size)}"
-            f" of {_bytes(budgets.get('ram_limit'))} RAM).")
-    return Impact(f"Unpin {entry['id']}", body, "Unpin")
+            f"({_bytes(b.conversation_bytes)} -> {_bytes(b.conversation_bytes + size)}"
+            f" of {_bytes(b.ram_limit)} RAM).")
+    return Impact(f"Unpin {entry.id}", body, "Unpin")
 
 
-def evict(entry: dict[str, Any], budgets: dict[str, int]) -> Impact:
-    ram, disk = entry.get("bytes") or 0, entry.get("disk_bytes") or 0
-    checkpoints = len(entry.get("checkpoints") or [])
+def evict(entry: EntryInfo | Mapping[str, Any], budgets: Budgets | Mapping[str, int] | None) -> Impact:
+    entry, b = EntryInfo.of(entry), _budgets(budgets)
+    ram, disk = entry.bytes, entry.disk_bytes
+    checkpoints = len(entry.checkpoints)
     held = f"with its {checkpoints} checkpoint{'s' if checkpoints != 1 else ''}" if checkpoints else "(no checkpoints)"
     lines = [f"Evict {_name(entry)} {held} from RAM and disk."]
-    if entry.get("pinned"):
+    if entry.pinned:
         lines.append("Sessions sharing this system prompt prefill it again until it is captured again.")
     else:
         lines.append("The conversation's next request prefills from its anchor, or from the start.")
-    lines.append(f"Frees {_bytes(ram)} of RAM ({_bytes(budgets.get('ram_used'))} -> "
-                 f"{_bytes(max(0, (budgets.get('ram_used') or 0) - ram))} of {_bytes(budgets.get('ram_limit'))}) "
+    lines.append(f"Frees {_bytes(ram)} of RAM ({_bytes(b.ram_used)} -> "
+                 f"{_bytes(max(0, b.ram_used - ram))} of {_bytes(b.ram_limit)}) "
                  f"and {_bytes(disk)} of disk.")
-    if entry.get("pinned"):
-        lines.append(f"Frees an anchor slot ({budgets.get('anchor_count', 0)} -> "
-                     f"{max(0, budgets.get('anchor_count', 0) - 1)} of {budgets.get('anchor_count_limit', 0)}).")
-    return Impact(f"Evict {entry['id']}", "\n".join(lines), "Evict")
+    if entry.pinned:
+        lines.append(f"Frees an anchor slot ({b.anchor_count} -> "
+                     f"{max(0, b.anchor_count - 1)} of {b.anchor_count_limit}).")
+    return Impact(f"Evict {entry.id}", "\n".join(lines), "Evict")
 
 
 CHARACTERS_PER_TOKEN = 4  # the dashboard has no tokenizer: a rough count, said as such
@@ -97,29 +108,29 @@ class Sizes:
     checkpoints_per_token: float
 
     @classmethod
-    def of(cls, entries: list[dict[str, Any]]) -> "Sizes | None":
-        held = [e for e in entries if e.get("kv_bytes") and e.get("length")]
+    def of(cls, entries: Sequence[EntryInfo | Mapping[str, Any]]) -> "Sizes | None":
+        held = [e for e in map(EntryInfo.of, entries) if e.kv_bytes and e.length]
         if not held:
             return None
-        heads = [e["bytes"] - e["kv_bytes"] - (e.get("checkpoint_bytes") or 0) for e in held if e.get("bytes")]
-        points = [c["bytes"] for e in held for c in e.get("checkpoints") or [] if c.get("bytes")]
+        heads = [e.bytes - e.kv_bytes - e.checkpoint_bytes for e in held if e.bytes]
+        points = [c.bytes for e in held for c in e.checkpoints if c.bytes]
         snapshots = sorted(b for b in heads + points if b > 0)
-        anchors = [e for e in held if e.get("pinned")] or held
-        return cls(per_token=sum(e["kv_bytes"] for e in held) / sum(e["length"] for e in held),
+        anchors = [e for e in held if e.pinned] or held
+        return cls(per_token=sum(e.kv_bytes for e in held) / sum(e.length for e in held),
                    snapshot=snapshots[len(snapshots) // 2] if snapshots else 0,
-                   checkpoints_per_token=sum(e.get("checkpoint_bytes") or 0 for e in anchors)
-                   / sum(e["length"] for e in anchors))
+                   checkpoints_per_token=sum(e.checkpoint_bytes for e in anchors) / sum(e.length for e in anchors))
 
     def anchor_bytes(self, tokens: int) -> int:
         return int((self.per_token + self.checkpoints_per_token) * tokens + self.snapshot)
 
 
-def new_anchor(path: str, system: str, tools: list[dict[str, Any]] | None, budgets: dict[str, int],
-               entries: list[dict[str, Any]]) -> Impact:
+def new_anchor(path: str, system: str, tools: list[dict[str, Any]] | None,
+               budgets: Budgets | Mapping[str, int] | None, entries: Sequence[EntryInfo | Mapping[str, Any]]) -> Impact:
     """``entries``: what the server holds (any kind); the estimate is made from their real sizes."""
     sizes = Sizes.of(entries)
     tokens = max(1, len(system) // CHARACTERS_PER_TOKEN)
-    count, count_cap = budgets.get("anchor_count", 0), budgets.get("anchor_count_limit", 0)
+    b = _budgets(budgets)
+    count, count_cap = b.anchor_count, b.anchor_count_limit
     lines = [f"Prefill the system prompt in {path} ({len(system):,} characters"
              f"{f', {len(tools)} tool' + ('s' if len(tools) != 1 else '') if tools else ''}) now, "
              "and pin the result as an anchor.",

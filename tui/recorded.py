@@ -20,6 +20,7 @@ from typing import Any
 
 from apcctl.core.client import AdminClient
 from apcctl.core.process import ProcessInfo
+from server_patch.admin.schema import EntryInfo, Evicted, NewAnchor
 from tui.source import Emit, LiveSource, Snapshot, SourceError
 
 
@@ -80,28 +81,28 @@ class RecordedSource:
             raise SourceError(f"HTTP 404: no entry {entry_id!r}", 404)
         return found
 
-    def pin(self, entry_id: str) -> dict[str, Any]:
+    def pin(self, entry_id: str) -> EntryInfo:
         self._check()
         self.calls.append(("pin", entry_id))
         entry = self._find(entry_id)
         entry.update(pinned=True, kind="anchor")
-        return copy.deepcopy(entry)
+        return EntryInfo.from_json(copy.deepcopy(entry))
 
-    def unpin(self, entry_id: str) -> dict[str, Any]:
+    def unpin(self, entry_id: str) -> EntryInfo:
         self._check()
         self.calls.append(("unpin", entry_id))
         entry = self._find(entry_id)
         entry["pinned"] = False
-        return copy.deepcopy(entry)
+        return EntryInfo.from_json(copy.deepcopy(entry))
 
-    def evict(self, entry_id: str) -> dict[str, Any]:
+    def evict(self, entry_id: str) -> Evicted:
         self._check()
         self.calls.append(("evict", entry_id))
         entry = self._find(entry_id)
         self.recording["entries"].remove(entry)
-        return {"evicted": entry_id, "freed_bytes": (entry.get("bytes") or 0) + (entry.get("disk_bytes") or 0)}
+        return Evicted(evicted=entry_id, freed_bytes=(entry.get("bytes") or 0) + (entry.get("disk_bytes") or 0))
 
-    def new_anchor(self, system: str, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def new_anchor(self, system: str, tools: list[dict[str, Any]] | None = None) -> NewAnchor:
         self._check()
         self.calls.append(("new_anchor", {"system": system, "tools": tools}))
         entry = {"id": f"rec{len(self.calls):09d}", "kind": "anchor", "pinned": True, "length": len(system) // 4,
@@ -109,7 +110,7 @@ class RecordedSource:
                  "last_hit": None, "hits": 0, "tier": "ram", "disk_bytes": 0, "label": system[:80],
                  "namespace": "0", "checkpoints": []}
         self.recording["entries"].append(entry)
-        return {"anchor": copy.deepcopy(entry), "created": True}
+        return NewAnchor(anchor=EntryInfo.from_json(copy.deepcopy(entry)), created=True)
 
 
 def record(client: AdminClient, seconds: float = 2.0) -> dict[str, Any]:
@@ -125,7 +126,7 @@ def record(client: AdminClient, seconds: float = 2.0) -> dict[str, Any]:
     finally:
         timer.cancel()
     process = snapshot.process
-    return {"now": snapshot.taken, "status": snapshot.status, "entries": snapshot.entries,
+    return {"now": snapshot.taken, "status": snapshot.status.to_json(), "entries": [e.to_json() for e in snapshot.entries],
             "process": None if process is None else vars(process), "events": events}
 
 

@@ -13,11 +13,14 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from apcctl.core.client import AdminClient, AdminError
 from apcctl.core.hosts import is_local_url
 from apcctl.core.process import ProcessInfo, ProcessSampler
+
+if TYPE_CHECKING:
+    from server_patch.admin.schema import EntryInfo, Evicted, NewAnchor, Status
 
 Emit = Callable[[str, dict[str, Any]], None]
 
@@ -32,12 +35,21 @@ class SourceError(RuntimeError):
 
 @dataclass(frozen=True)
 class Snapshot:
-    """One poll: ``/admin/status``, ``/admin/entries`` and the process, taken at ``taken`` (source clock)."""
+    """One poll: ``/admin/status``, ``/admin/entries`` and the process, taken at ``taken`` (source clock).
 
-    status: dict[str, Any]
-    entries: list[dict[str, Any]]
+    Typed (``server_patch.admin.schema``); given as JSON (a recording) they are parsed here.
+    """
+
+    status: Status
+    entries: list[EntryInfo]
     process: ProcessInfo | None
     taken: float
+
+    def __post_init__(self) -> None:
+        from server_patch.admin.schema import EntryInfo, Status
+
+        object.__setattr__(self, "status", Status.of(self.status))
+        object.__setattr__(self, "entries", [EntryInfo.of(e) for e in self.entries])
 
 
 class DashboardSource(Protocol):
@@ -61,13 +73,13 @@ class DashboardSource(Protocol):
         """
         ...
 
-    def pin(self, entry_id: str) -> dict[str, Any]: ...
+    def pin(self, entry_id: str) -> EntryInfo: ...
 
-    def unpin(self, entry_id: str) -> dict[str, Any]: ...
+    def unpin(self, entry_id: str) -> EntryInfo: ...
 
-    def evict(self, entry_id: str) -> dict[str, Any]: ...
+    def evict(self, entry_id: str) -> Evicted: ...
 
-    def new_anchor(self, system: str, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]: ...
+    def new_anchor(self, system: str, tools: list[dict[str, Any]] | None = None) -> NewAnchor: ...
 
 
 def _source_error(exc: AdminError) -> SourceError:
@@ -90,17 +102,16 @@ class LiveSource:
         try:
             status = self.client.status()
             # Before the first request there is no lineage cache: no entries to list.
-            entries = self.client.entries() if status.get("lineage") is not None else []
+            entries = self.client.entries() if status.started else []
         except AdminError as exc:
             raise _source_error(exc) from None
-        pid = (status.get("server") or {}).get("pid")
-        process = self._sampler.sample(pid) if self._sampler is not None else None
+        process = self._sampler.sample(status.server.pid) if self._sampler is not None else None
         return Snapshot(status, entries, process, time.time())
 
     def follow(self, emit: Emit, stop: threading.Event) -> None:
         try:
-            server = self.client.status()["server"]
-            emit("hello", {"pid": server.get("pid"), "started": server.get("started")})
+            server = self.client.status().server
+            emit("hello", {"pid": server.pid, "started": server.started})
             for name, data in self.client.events(since=0, timeout=self.stream_timeout, stop=stop):
                 emit(name, data)
         except AdminError as exc:
@@ -108,20 +119,20 @@ class LiveSource:
         except (OSError, ValueError) as exc:  # the connection dropped mid-stream
             raise SourceError(f"event stream broke: {exc}") from None
 
-    def _call(self, verb: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    def _call(self, verb: Callable[..., Any], *args: Any) -> Any:
         try:
             return verb(*args)
         except AdminError as exc:
             raise _source_error(exc) from None
 
-    def pin(self, entry_id: str) -> dict[str, Any]:
+    def pin(self, entry_id: str) -> EntryInfo:
         return self._call(self.client.pin, entry_id)
 
-    def unpin(self, entry_id: str) -> dict[str, Any]:
+    def unpin(self, entry_id: str) -> EntryInfo:
         return self._call(self.client.unpin, entry_id)
 
-    def evict(self, entry_id: str) -> dict[str, Any]:
+    def evict(self, entry_id: str) -> Evicted:
         return self._call(self.client.evict, entry_id)
 
-    def new_anchor(self, system: str, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def new_anchor(self, system: str, tools: list[dict[str, Any]] | None = None) -> NewAnchor:
         return self._call(self.client.new_anchor, system, tools)

@@ -18,6 +18,7 @@ from apcctl.core.process import ProcessInfo
 from tui.source import Snapshot
 
 if TYPE_CHECKING:
+    from server_patch.admin.schema import Budgets, EntryInfo, Hits, Idle, LineageInfo, Pool, ServerInfo, Status
     from tui.fleet import FleetSnapshot
 
 HISTORY = 600  # cache events kept
@@ -54,9 +55,9 @@ class ServerIdentity:
     started: float | None
 
     @classmethod
-    def of(cls, server: dict[str, Any]) -> "ServerIdentity":
-        started = server.get("started")
-        return cls(server.get("pid"), None if started is None else round(float(started), 3))
+    def of(cls, server: ServerInfo) -> "ServerIdentity":
+        started = server.started
+        return cls(server.pid, None if started is None else round(float(started), 3))
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,8 @@ class Keyed:
 @dataclass
 class DashboardState:
     history: int = HISTORY
-    status: dict[str, Any] | None = None
-    entries: list[dict[str, Any]] = field(default_factory=list)
+    status: Status | None = None  # the last poll's answers, typed (``server_patch.admin.schema``)
+    entries: list[EntryInfo] = field(default_factory=list)
     process: ProcessInfo | None = None
     taken: float | None = None
     connection: Connection = field(default_factory=Connection)
@@ -98,7 +99,7 @@ class DashboardState:
     # ------------------------------------------------------------------ inputs
 
     def apply_snapshot(self, snapshot: Snapshot) -> None:
-        self.identify(ServerIdentity.of(snapshot.status.get("server") or {}))
+        self.identify(ServerIdentity.of(snapshot.status.server))
         self.status, self.entries = snapshot.status, snapshot.entries
         self.process, self.taken = snapshot.process, snapshot.taken
         if self.connection.state == "lost":
@@ -154,27 +155,37 @@ class DashboardState:
     # ------------------------------------------------------------------ views
 
     @property
-    def lineage(self) -> dict[str, Any]:
-        return (self.status or {}).get("lineage") or {}
+    def lineage(self) -> LineageInfo | None:
+        """The running cache; None before the first poll and before the first request."""
+        return self.status.lineage if self.status is not None else None
 
     @property
-    def budgets(self) -> dict[str, int]:
-        return self.lineage.get("budgets") or {}
+    def budgets(self) -> Budgets | None:
+        """The running cache's budgets (None until it runs: the dashboard shows no configured ones)."""
+        return self.lineage.budgets if self.lineage is not None else None
 
     @property
     def stats(self) -> dict[str, int]:
-        return self.lineage.get("stats") or {}
+        return self.lineage.stats if self.lineage is not None else {}
 
     @property
-    def hits(self) -> dict[str, Any]:
+    def hits(self) -> Hits:
         """The server's hit summary (``/admin/status``'s ``hits``)."""
         return hits_of(self.status)
 
-    def anchors(self) -> list[dict[str, Any]]:
-        return [e for e in self.entries if e.get("kind") == "anchor"]
+    @property
+    def idle(self) -> Idle | None:
+        return self.status.idle if self.status is not None else None
 
-    def entry(self, entry_id: str) -> dict[str, Any] | None:
-        return next((e for e in self.entries if e.get("id") == entry_id), None)
+    @property
+    def pool(self) -> Pool | None:
+        return self.status.pool if self.status is not None else None
+
+    def anchors(self) -> list[EntryInfo]:
+        return [e for e in self.entries if e.is_anchor]
+
+    def entry(self, entry_id: str) -> EntryInfo | None:
+        return next((e for e in self.entries if e.id == entry_id), None)
 
     def successor(self, entry_id: str) -> str | None:
         """The entry that absorbed ``entry_id`` (its conversation's longer entry), following a

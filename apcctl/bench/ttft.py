@@ -150,16 +150,23 @@ class BenchServer:
         except (OSError, ValueError):
             return {}
 
-    def get_json(self, path: str) -> Any:
-        request = urllib.request.Request(self.admin.base_url + path,
-                                         headers={"Authorization": f"Bearer {self.token}"})
-        with urllib.request.urlopen(request, timeout=30) as response:
+    def get_json(self, path: str, payload: Any = None, timeout: float = 30) -> Any:
+        """GET ``path`` (POST ``payload`` when given) with the admin token; the JSON answer."""
+        data = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(self.admin.base_url + path, data=data,
+                                         headers={"Authorization": f"Bearer {self.token}",
+                                                  "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
 
-    def stream(self, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, str, dict[str, Any]]:
-        """(ms to the first streamed token, reply text, usage) of one greedy streamed chat request."""
+    def stream(self, messages: list[dict[str, str]], max_tokens: int,
+               on_token: Callable[[float], None] | None = None,
+               extra: dict[str, Any] | None = None) -> tuple[float, str, dict[str, Any]]:
+        """(ms to the first streamed token, reply text, usage) of one greedy streamed chat request;
+        ``on_token`` gets the ``perf_counter`` time of every streamed piece (``bench stall``)."""
         payload = {"model": str(self.model_dir), "messages": messages, "temperature": 0.0,
-                   "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+                   "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
+                   **(extra or {})}
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=3600)
         start = time.perf_counter()
         conn.request("POST", "/v1/chat/completions", body=json.dumps(payload),
@@ -176,6 +183,8 @@ class BenchServer:
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or ():
                 piece = (choice.get("delta") or {}).get("content")
+                if piece is not None and on_token is not None:
+                    on_token(time.perf_counter())
                 if piece is not None and first is None:
                     first = (time.perf_counter() - start) * 1000
                 text += piece or ""

@@ -39,7 +39,7 @@ def list_(targets: Targets, checkpoints: bool, as_json: bool) -> None:
                                                            checkpoints=checkpoints, title="anchors"))
 
 
-def _verb(name: str, call: Callable[[AdminClient, str], dict[str, Any]], done: str, help_text: str) -> click.Command:
+def _verb(name: str, call: Callable[[AdminClient, str], Any], done: str, help_text: str) -> click.Command:
     """pin/unpin/evict share one shape: an id (or the start of one, as docker takes them) in, the
     server's answer out."""
 
@@ -55,7 +55,7 @@ def _verb(name: str, call: Callable[[AdminClient, str], dict[str, Any]], done: s
         if as_json:
             render.emit_json(answer)
         else:
-            size = answer.get("freed_bytes", answer.get("bytes"))
+            size = answer.freed_bytes if hasattr(answer, "freed_bytes") else answer.bytes  # Evicted, or EntryInfo
             click.echo(f"{target.name}: {done} {entry_id}" + (f" ({render.human_bytes(size)})" if size else ""))
 
     return anchors.command(name, help=help_text, epilog=EXIT_CODES_SHORT)(command)
@@ -100,6 +100,6 @@ def new(targets: list[Target], system_file: Any, tools_file: Any, tenant: str | 
     if as_json:
         render.emit_json(answer)
     else:
-        anchor = answer["anchor"]
-        click.echo(f"{target.name}: {'new' if answer['created'] else 'existing'} anchor {anchor['id']} "
-                   f"({anchor['length']:,} tokens, {render.human_bytes(anchor['bytes'])}), pinned")
+        anchor = answer.anchor
+        click.echo(f"{target.name}: {'new' if answer.created else 'existing'} anchor {anchor.id} "
+                   f"({anchor.length:,} tokens, {render.human_bytes(anchor.bytes)}), pinned")

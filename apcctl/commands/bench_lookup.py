@@ -29,23 +29,58 @@ def measure(entries: int, tokens: int, shared: int, repeats: int) -> dict[str, f
             "median_ms": float(np.median(times)), "max_ms": float(np.max(times))}
 
 
+def measure_shadow(entries: int, tokens: int, shared: int, repeats: int, budget: int) -> dict[str, float]:
+    """Time the live oracle's part of a lookup (hash the prompt's blocks, match them) with the
+    shadow index filled by the same ``entries`` prompts, within ``budget`` bytes; and what it
+    holds per million tokens."""
+    from server_patch.lineage.shadow import ShadowIndex
+
+    rng = np.random.RandomState(0)
+    prefix = rng.randint(0, 150_000, shared)
+    shadow = ShadowIndex(budget)
+    for _ in range(entries):
+        prompt = np.concatenate([prefix, rng.randint(0, 150_000, tokens - shared)])
+        shadow.add(shadow.hashes(prompt), "")
+    probe = np.concatenate([prefix, rng.randint(0, 150_000, tokens - shared)])
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        shadow.match(shadow.hashes(probe), "", tokens)
+        times.append((time.perf_counter() - start) * 1000)
+    held_tokens = len(shadow) * shadow.block
+    return {"budget_bytes": budget, "blocks": len(shadow), "bytes": shadow.nbytes,
+            "bytes_per_million_tokens": shadow.nbytes / held_tokens * 1e6 if held_tokens else 0.0,
+            "median_ms": float(np.median(times)), "max_ms": float(np.max(times))}
+
+
 @click.command("lookup")
 @click.option("--entries", default=300, show_default=True, help="Stored lineage entries.")
 @click.option("--tokens", default=100_000, show_default=True, help="Tokens per entry.")
 @click.option("--shared", default=10_000, show_default=True, help="Prefix every entry shares.")
 @click.option("--repeats", default=20, show_default=True)
+@click.option("--shadow-bytes", default=None, type=int,
+              help="The live oracle's shadow budget (default: APC_LINEAGE_SHADOW_BUDGET_BYTES's default).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def bench_lookup(entries: int, tokens: int, shared: int, repeats: int, as_json: bool) -> None:
-    """Lookup time against ENTRIES stored prompts of TOKENS tokens (numpy prefix compare)."""
+def bench_lookup(entries: int, tokens: int, shared: int, repeats: int, shadow_bytes: int | None,
+                 as_json: bool) -> None:
+    """Lookup time against ENTRIES stored prompts of TOKENS tokens (numpy prefix compare), and
+    what the live oracle's shadow index adds to it (block hashes and a binary search)."""
+    from server_patch.lineage import LineageConfig
+
     result = measure(entries, tokens, shared, repeats)
     worst = measure(entries, tokens, tokens - 200, max(3, repeats // 4))
+    budget = LineageConfig().shadow_budget_bytes if shadow_bytes is None else shadow_bytes
+    shadow = measure_shadow(entries, tokens, shared, repeats, budget)
     if as_json:
-        click.echo(json.dumps({"typical": result, "all_shared": worst}))
+        click.echo(json.dumps({"typical": result, "all_shared": worst, "shadow": shadow}))
         return
     click.echo(f"{entries} entries x {tokens} tokens, {shared} shared: "
                f"median {result['median_ms']:.2f} ms, max {result['max_ms']:.2f} ms")
     click.echo(f"worst case (every entry shares {tokens - 200} tokens): "
                f"median {worst['median_ms']:.2f} ms, max {worst['max_ms']:.2f} ms")
+    click.echo(f"live oracle (shadow index, {shadow['bytes'] / (1 << 20):.1f} MiB of "
+               f"{shadow['budget_bytes'] / (1 << 20):.1f} MiB, {shadow['bytes_per_million_tokens'] / (1 << 20):.1f} "
+               f"MiB per million tokens): median {shadow['median_ms']:.2f} ms, max {shadow['max_ms']:.2f} ms more")
 
 
 def register(main: click.Group, bench: click.Group) -> None:

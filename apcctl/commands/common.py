@@ -146,7 +146,7 @@ def full_id(client: AdminClient, given: str) -> str:
     """An entry or anchor id, or (as docker takes them) the start of exactly one: the whole id.
     Several matches are a usage error naming them; none is left to the server (exit 5)."""
     try:
-        ids = [e["id"] for e in client.entries()]
+        ids = [e.id for e in client.entries()]
     except AdminError as exc:
         if exc.status == 409:  # no cache yet: no id to expand
             return given

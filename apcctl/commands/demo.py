@@ -74,9 +74,12 @@ def _print_events(events: queue.Queue[tuple[str, dict[str, Any]]], traffic: Agen
             seen += 1
             click.echo(format_request(data), err=err)
         elif name == "cache":
-            size = f" {render.human_bytes(data['bytes'])}" if data.get("bytes") else ""
-            click.echo(f"{'':>6} cache    {data['event']:<12} {data['entry_id']} @{data['length']}{size} "
-                       f"{data.get('detail') or ''}".rstrip(), err=err)
+            from server_patch.admin.schema import CacheEvent
+
+            event = CacheEvent.of(data)
+            size = f" {render.human_bytes(event.bytes)}" if event.bytes else ""
+            click.echo(f"{'':>6} cache    {event.event:<12} {event.entry_id} @{event.length}{size} "
+                       f"{event.detail or ''}".rstrip(), err=err)
 
 
 @click.command(epilog=EXIT_CODES_SHORT)
@@ -139,18 +142,18 @@ def _summary(target: Target, traffic: AgentTraffic, first_pid: int | None) -> di
     """What was sent, and the server's hit counters; ``pids`` tells a restart in between (the
     counters are then the new process's only)."""
     status = target.client().status()
-    return {"sent": traffic.sent, "failed": traffic.failed, "hits": status["hits"], "url": target.url,
-            "pids": [first_pid, status["server"]["pid"]]}
+    return {"sent": traffic.sent, "failed": traffic.failed, "hits": status.hits, "url": target.url,
+            "pids": [first_pid, status.server.pid]}
 
 
 def summary_line(summary: dict[str, Any]) -> str:
     """One line; after a restart in the dashboard, the hit rate says it is the current process's."""
     hits, (first, last) = summary["hits"], summary["pids"]
-    rates = (f"hit rate {render.percent(hits['hits'], hits['requests'])}, "
-             f"{render.percent(hits['reused_tokens'], hits['reused_tokens'] + hits['prefill_tokens'])} of prompt "
-             "tokens reused; by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(hits["by_kind"].items())))
+    rates = (f"hit rate {render.percent(hits.hits, hits.requests)}, "
+             f"{render.percent(hits.reused_tokens, hits.reused_tokens + hits.prefill_tokens)} of prompt "
+             "tokens reused; by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(hits.by_kind.items())))
     sent = f"demo: {summary['sent']} requests ({summary['failed']} failed)"
     if first == last:
         return f"{sent}, {rates}"
     return (f"{sent}; the server restarted (pid {first} -> {last}), so its counters cover the "
-            f"{hits['requests']} requests since: {rates}")
+            f"{hits.requests} requests since: {rates}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -10,6 +10,9 @@ from apcctl.commands.common import (EXIT_CODES_SHORT, Targets, emit_results, for
                                     server_options, watch_option, watching)
 from apcctl.config import Target
 from apcctl.core import render
+
+if TYPE_CHECKING:
+    from server_patch.admin.schema import EntryInfo
 
 COLUMNS = ("ID", "KIND", "PIN", "TIER", "TOKENS", "RAM", "DISK", "HITS", "LAST USED", "CKPTS", "LABEL")
 NUMERIC = ("TOKENS", "RAM", "DISK", "HITS", "CKPTS")
@@ -20,18 +23,18 @@ def register(main: click.Group, bench: click.Group) -> None:
     main.add_command(entries)
 
 
-def entry_rows(rows: list[dict[str, Any]], *, checkpoints: bool = False) -> list[tuple[Any, ...]]:
+def entry_rows(rows: list[EntryInfo], *, checkpoints: bool = False) -> list[tuple[Any, ...]]:
     """Table rows for entries; with ``checkpoints`` each entry is followed by one row per checkpoint."""
     out: list[tuple[Any, ...]] = []
     for e in rows:
-        out.append((e["id"], e["kind"], "yes" if e["pinned"] else "", e["tier"], f"{e['length']:,}",
-                    render.human_bytes(e["bytes"]) if e["bytes"] else "-",
-                    render.human_bytes(e["disk_bytes"]) if e["disk_bytes"] else "-", e["hits"],
-                    render.ago(e.get("last_used")), len(e["checkpoints"]), render.printable(e.get("label") or "")[:40]))
+        out.append((e.id, str(e.kind), "yes" if e.pinned else "", str(e.tier), f"{e.length:,}",
+                    render.human_bytes(e.bytes) if e.bytes else "-",
+                    render.human_bytes(e.disk_bytes) if e.disk_bytes else "-", e.hits,
+                    render.ago(e.last_used), len(e.checkpoints), render.printable(e.label or "")[:40]))
         if checkpoints:
-            for c in e["checkpoints"]:
-                out.append(("", f"  @{c['length']:,}", "", c["kind"], "", render.human_bytes(c["bytes"]),
-                            "", c["hits"], render.ago(c.get("last_hit")) if c.get("last_hit") else "-", "", ""))
+            for c in e.checkpoints:
+                out.append(("", f"  @{c.length:,}", "", str(c.kind), "", render.human_bytes(c.bytes),
+                            "", c.hits, render.ago(c.last_hit) if c.last_hit else "-", "", ""))
     return out
 
 

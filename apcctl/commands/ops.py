@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
@@ -11,6 +11,9 @@ from apcctl.commands.common import (EXIT_CODES_SHORT, ExitStatus, Targets, emit_
 from apcctl.config import Target
 from apcctl.core.client import AdminClient
 
+if TYPE_CHECKING:
+    from server_patch.admin.schema import FlushReport
+
 
 def register(main: click.Group, bench: click.Group) -> None:
     del bench
@@ -18,20 +21,19 @@ def register(main: click.Group, bench: click.Group) -> None:
         main.add_command(command)
 
 
-def _run(targets: Targets, as_json: bool, call: Callable[[AdminClient], dict[str, Any]],
-         describe: Callable[[dict[str, Any]], str]) -> None:
-    """Call every target; print the answers as JSON or one line per server."""
+def _run(targets: Targets, as_json: bool, call: Callable[[AdminClient], Any], describe: Callable[[Any], str]) -> None:
+    """Call every target; print the answers (with ``server``) as JSON or one line per server."""
 
-    def action(target: Target) -> dict[str, Any]:
-        return {"server": target.name, **call(target.client(timeout=30.0))}
+    def action(target: Target) -> tuple[str, Any]:
+        return target.name, call(target.client(timeout=30.0))
 
-    def show(results: list[dict[str, Any]]) -> None:
-        if as_json:
-            emit_results(targets, results)
+    def show(results: list[Any]) -> None:
+        if as_json:  # a failing server's result (--all) is its error object already
+            emit_results(targets, [r if isinstance(r, dict) else {"server": r[0], **r[1].to_json()} for r in results])
             return
         for result in results:
-            if "error" not in result:
-                click.echo(f"{result['server']}: {describe(result)}")
+            if not isinstance(result, dict):
+                click.echo(f"{result[0]}: {describe(result[1])}")
 
     for_each(targets, action, show)
 
@@ -46,26 +48,26 @@ def flush(targets: Targets, timeout: float, as_json: bool) -> None:
 
     Exits 1 when anything RAM holds did not reach the disk (a full disk, a failing one, a
     timeout): the answer's ``written``, ``failed`` and ``reason`` say what."""
-    answers: list[dict[str, Any]] = []
+    answers: list[FlushReport] = []
 
-    def call(client: AdminClient) -> dict[str, Any]:
+    def call(client: AdminClient) -> FlushReport:
         answer = client.flush(timeout=timeout)
         answers.append(answer)
         return answer
 
     _run(targets, as_json, call, describe_flush)
-    incomplete = [a for a in answers if not a.get("complete")]
+    incomplete = [a for a in answers if not a.complete]
     if incomplete:
         click.echo(f"Error: {len(incomplete)} of {len(answers)} servers did not write everything to disk", err=True)
         raise click.exceptions.Exit(int(ExitStatus.FAILED))
 
 
-def describe_flush(r: dict[str, Any]) -> str:
-    if not r.get("disk_enabled", True):
+def describe_flush(r: FlushReport) -> str:
+    if not r.disk_enabled:
         return "the disk tier is off; nothing to write"
-    if r.get("complete"):
-        return f"{r['written']} entries written"
-    return f"{r['written']} entries written, {r['failed']} not: {r['reason']}"
+    if r.complete:
+        return f"{r.written} entries written"
+    return f"{r.written} entries written, {r.failed} not: {r.reason}"
 
 
 @click.command(epilog=EXIT_CODES_SHORT)
@@ -76,7 +78,7 @@ def describe_flush(r: dict[str, Any]) -> str:
 def drain(targets: Targets, retry_after: int, as_json: bool) -> None:
     """Refuse new inference requests (503 + Retry-After); requests in flight finish."""
     _run(targets, as_json, lambda c: c.drain(retry_after),
-         lambda r: f"draining, {r['in_flight']} in flight, clients retry after {r['retry_after_s']}s")
+         lambda r: f"draining, {r.in_flight} in flight, clients retry after {r.retry_after_s}s")
 
 
 @click.command(epilog=EXIT_CODES_SHORT)
@@ -84,4 +86,4 @@ def drain(targets: Targets, retry_after: int, as_json: bool) -> None:
 @json_option
 def undrain(targets: Targets, as_json: bool) -> None:
     """Admit new inference requests again."""
-    _run(targets, as_json, lambda c: c.undrain(), lambda r: f"admitting requests ({r['in_flight']} in flight)")
+    _run(targets, as_json, lambda c: c.undrain(), lambda r: f"admitting requests ({r.in_flight} in flight)")

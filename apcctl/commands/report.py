@@ -44,8 +44,14 @@ def _when(text: str | None, param: str, default: float | None) -> float | None:
 @click.option("--until", "until_", help="Window end (same forms; default now).")
 @click.option("--journal", "journal", type=click.Path(file_okay=False, path_type=Path),
               help="Journal directory (default: the server's state dir/journal).")
+@click.option("--what-if", "what_if", metavar="NAME=VALUE,...",
+              help="Replay the window through the simulator with the server's settings and with these "
+                   "(ram_budget=64G,max_checkpoints=6: any APC_LINEAGE_* field), side by side.")
+@click.option("--sizes", default="full", show_default=True,
+              help="The model's state sizes for --what-if: full, tiny, or a model's config.json.")
 @json_option
-def report(targets: list[Target], since: str, until_: str | None, journal: Path | None, as_json: bool) -> None:
+def report(targets: list[Target], since: str, until_: str | None, journal: Path | None, what_if: str | None,
+           sizes: str, as_json: bool) -> None:
     """Summarise the journal: hit rate and reused tokens by restore kind, TTFT percentiles split
     into lookup/admission/prefill/commit, evictions, bytes per tier over time, anchors pinned.
 
@@ -61,6 +67,9 @@ def report(targets: list[Target], since: str, until_: str | None, journal: Path 
         raise CommandError(f"no journal at {directory}", ExitStatus.NOT_FOUND)
     start = _when(since, "--since", None)
     end = _when(until_, "--until", time.time())
+    if what_if is not None:
+        _what_if(directory, start or 0.0, end, what_if, sizes, as_json)
+        return
     summary = build_report(directory, start, end)
     summary["canary"] = canary_report(directory, start or 0.0, end)
     if as_json:
@@ -77,6 +86,10 @@ def _show(s: dict[str, Any]) -> None:
     out.print(f"{req['count']:,} requests, hit rate {render.percent(req['hits'], req['count'])}, "
               f"{render.percent(req['reused_tokens'], req['prompt_tokens'])} of {req['prompt_tokens']:,} "
               "prompt tokens reused")
+    if s.get("oracle"):
+        from server_patch.lineage.misses import describe
+
+        out.print(f"oracle: {describe(s['oracle'])}")
     cancelled = {phase: req.get(f"cancelled_in_{phase}", 0) for phase in CANCEL_PHASES}
     if any(cancelled.values()):
         out.print(f"cancelled by their client: {_counts({f'in {k}': v for k, v in cancelled.items()})}")
@@ -84,6 +97,41 @@ def _show(s: dict[str, Any]) -> None:
         if block is not None:
             out.print()
             out.print(block)
+
+
+def _what_if(directory: Path, since: float, until: float, overrides: str, sizes: str, as_json: bool) -> None:
+    """``--what-if``: the window's traffic with the current and the proposed settings."""
+    from apcctl.journal_report import read_journal
+    from apcctl.sim.sizes import load_sizes
+    from apcctl.sim.whatif import parse_overrides, what_if
+
+    try:
+        proposed = parse_overrides(overrides)
+        state = load_sizes(sizes)
+    except (ValueError, OSError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--what-if" if "=" in str(exc) else "--sizes") from None
+    try:
+        result = what_if(read_journal(directory, since, until), state, proposed)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--what-if") from None
+    if as_json:
+        render.emit_json(result)
+        return
+    out = render.console()
+    out.print(f"{result['requests']:,} journaled prompts ({result['prompt_tokens']:,} tokens), replayed in "
+              f"{result['block']}-token blocks with {result['sizes']} state sizes; the server restored "
+              f"{result['journal_restored_tokens']:,} tokens")
+    current, proposed_run = result["runs"]
+    rows = [(label, fmt(current), fmt(proposed_run)) for label, fmt in (
+        ("prefill tokens", lambda r: f"{r['prefill_tokens']:,}"),
+        ("restored tokens", lambda r: f"{r['restored_tokens']:,}"),
+        ("restored / oracle", lambda r: "-" if r["oracle_ratio"] is None else f"{r['oracle_ratio']:.3f}"),
+        ("lost", lambda r: _counts(r["lost_tokens"])),
+        ("RAM peak", lambda r: render.human_bytes(r["ram_peak_bytes"])),
+        ("disk", lambda r: render.human_bytes(r["disk_bytes"])),
+        ("checkpoint bytes", lambda r: render.human_bytes(r["checkpoint_bytes"])),
+    )]
+    out.print(render.table(("", "CURRENT", f"PROPOSED ({overrides})"), rows, title="what if"))
 
 
 def _kinds(req: dict[str, Any]) -> Table:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import click
 
@@ -11,6 +11,9 @@ from apcctl.commands.common import EXIT_CODES_SHORT, json_option, one, server_op
 from apcctl.config import Target
 from apcctl.core import render
 from apcctl.core.client import AdminClient, AdminError
+
+if TYPE_CHECKING:
+    from server_patch.admin.schema import RequestRecord
 
 COLUMNS = ("SEQ", "TIME", "KIND", "PROMPT", "REUSED", "LOOKUP", "ADMIT", "PREFILL", "COMMIT", "TTFT ms", "ENTRY")
 NUMERIC = ("SEQ", "PROMPT", "REUSED", "LOOKUP", "ADMIT", "PREFILL", "COMMIT", "TTFT ms")
@@ -22,13 +25,16 @@ def register(main: click.Group, bench: click.Group) -> None:
     main.add_command(requests)
 
 
-def row(r: dict[str, Any]) -> tuple[Any, ...]:
-    return (r["seq"], render.clock(r.get("started")), render.restore_label(r), f"{r['prompt_tokens']:,}",
-            f"{r['restored_tokens']:,}", render.ms(r["lookup_ms"]), render.ms(r["admission_ms"]),
-            render.ms(r["prefill_ms"]), render.ms(r["commit_ms"]), render.ms(r["ttft_ms"]), r.get("entry_id") or "-")
+def row(record: RequestRecord | Mapping[str, Any]) -> tuple[object, ...]:
+    from server_patch.admin.schema import RequestRecord
+
+    r = RequestRecord.of(record)
+    return (r.seq, render.clock(r.started), render.restore_label(r), f"{r.prompt_tokens:,}",
+            f"{r.restored_tokens:,}", render.ms(r.lookup_ms), render.ms(r.admission_ms),
+            render.ms(r.prefill_ms), render.ms(r.commit_ms), render.ms(r.ttft_ms), r.entry_id or "-")
 
 
-def format_request(r: dict[str, Any]) -> str:
+def format_request(r: RequestRecord | Mapping[str, Any]) -> str:
     """One aligned line per request, for ``--follow`` and the demo's live view."""
     return LINE.format(*row(r))
 
@@ -37,13 +43,13 @@ def header() -> str:
     return LINE.format(*COLUMNS)
 
 
-def poll(client: AdminClient, since: int = 0, interval: float = 1.0) -> Iterator[dict[str, Any]]:
+def poll(client: AdminClient, since: int = 0, interval: float = 1.0) -> Iterator[RequestRecord]:
     """New request records forever; rides out restarts (sequence numbers start again at 1)."""
     last, waiting = since, False
     while True:
         try:
             batch = client.requests(since=last, limit=5000)
-            if not batch and last and max((r["seq"] for r in client.requests(since=0, limit=1)), default=0) < last:
+            if not batch and last and max((r.seq for r in client.requests(since=0, limit=1)), default=0) < last:
                 last = 0  # the server restarted: its ring starts over
                 continue
             waiting = False
@@ -54,19 +60,21 @@ def poll(client: AdminClient, since: int = 0, interval: float = 1.0) -> Iterator
                 click.echo(f"(waiting for the server: {exc.message})", err=True)
             waiting, batch = True, []
         for record in batch:
-            last = max(last, record["seq"])
+            last = max(last, record.seq)
             yield record
         time.sleep(interval)
 
 
-def stream(client: AdminClient, since: int = 0) -> Iterator[dict[str, Any]]:
+def stream(client: AdminClient, since: int = 0) -> Iterator[RequestRecord]:
     """Request records from the server-sent event stream."""
+    from server_patch.admin.schema import RequestRecord
+
     for name, data in client.events(since=0, timeout=60):
-        if name == "request" and data["seq"] > since:
-            yield data
+        if name == "request" and (record := RequestRecord.from_json(data)).seq > since:
+            yield record
 
 
-def _take(records: Iterator[dict[str, Any]], count: int | None, emit: Callable[[dict[str, Any]], None]) -> None:
+def _take(records: Iterator[RequestRecord], count: int | None, emit: Callable[[RequestRecord], None]) -> None:
     seen = 0
     try:
         for record in records:

@@ -6,7 +6,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
 import click
 
@@ -17,6 +17,9 @@ from apcctl.core import render
 from apcctl.core.manage import ManagedServer, ManageError, ServerSpec, build_spec
 from apcctl.core.model_source import model_problem
 from apcctl.service.record import read_record
+
+if TYPE_CHECKING:
+    from server_patch.admin.schema import Sizing
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -98,7 +101,7 @@ def serve(name: str | None, model: str | None, port: int | None, host: str | Non
             "state_dir": str(server.directory), "ready": wait, "sizing": sizing}
     if as_json:
         render.emit_json(info)
-        for warning in sizing["warnings"]:
+        for warning in sizing.warnings:
             click.echo(f"warning: {warning}", err=True)
     else:
         click.echo(f"{spec.name}: pid {pid} serving {spec.model} at {spec.url}" + ("" if wait else " (starting)"))
@@ -135,7 +138,7 @@ def server_spec(name: str | None, model: str | None, port: int | None, host: str
     return spec, server
 
 
-def spec_sizing(spec: ServerSpec) -> dict[str, Any]:
+def spec_sizing(spec: ServerSpec) -> Sizing:
     """The budgets this server will run with, the machine's memory and disk, and the warnings;
     a bad budget value is a usage error here rather than a server that exits at start."""
     from server_patch.admin.views import sizing_view
@@ -149,14 +152,14 @@ def spec_sizing(spec: ServerSpec) -> dict[str, Any]:
     return sizing_view(config, env)
 
 
-def sizing_lines(sizing: dict[str, Any]) -> list[str]:
+def sizing_lines(sizing: Sizing) -> list[str]:
     """The budgets line and one ``warning:`` line per thing the machine cannot hold."""
-    b, disk = sizing["budgets"], sizing["disk"]
-    lines = [f"budgets: RAM {render.human_bytes(b['ram_limit'])} (of {render.human_bytes(sizing['ram_total_bytes'])} "
-             f"physical), anchors {b['anchor_count_limit']} / {render.human_bytes(b['anchor_bytes_limit'])}, disk "
-             + (f"{render.human_bytes(b['disk_limit'])} at {disk['path']} "
-                f"({render.human_bytes(disk.get('free_bytes'))} free)" if disk["enabled"] else "off")]
-    return lines + [f"warning: {w}" for w in sizing["warnings"]]
+    b, disk = sizing.budgets, sizing.disk
+    lines = [f"budgets: RAM {render.human_bytes(b.ram_limit)} (of {render.human_bytes(sizing.ram_total_bytes)} "
+             f"physical), anchors {b.anchor_count_limit} / {render.human_bytes(b.anchor_bytes_limit)}, disk "
+             + (f"{render.human_bytes(b.disk_limit)} at {disk.path} "
+                f"({render.human_bytes(disk.free_bytes)} free)" if disk.enabled else "off")]
+    return lines + [f"warning: {w}" for w in sizing.warnings]
 
 
 def api_key_env(keys: tuple[str, ...], key_file: Path | None) -> list[str]:

@@ -4,7 +4,7 @@ for a server a fleet's gateway fronts, the gateway's state of it (``apcctl.fleet
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -15,6 +15,9 @@ from apcctl.config import Target
 from apcctl.core import render
 from apcctl.core.hosts import is_local_url
 from apcctl.core.process import sample_once
+
+if TYPE_CHECKING:
+    from server_patch.admin.schema import Budgets, Idle, Sizing, Status
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -33,8 +36,8 @@ def process_info(target: Target, pid: int | None) -> dict[str, Any] | None:
 def collect(target: Target) -> dict[str, Any]:
     body = target.client().status()
     return {"server": target.name, "url": target.url, "managed": target.managed is not None, "status": body,
-            "process": process_info(target, body["server"].get("pid")), "hits": body["hits"],
-            "canary": canary_state(target.client()) if body.get("lineage") else None}
+            "process": process_info(target, body.server.pid), "hits": body.hits,
+            "canary": canary_state(target.client()) if body.started else None}
 
 
 @click.command(epilog=EXIT_CODES_SHORT)
@@ -82,58 +85,64 @@ def _gateway_row(view: dict[str, Any]) -> tuple[str, str]:
 
 
 def _rows(result: dict[str, Any]) -> list[tuple[str, str]]:
-    body, process, hits = result["status"], result["process"], result["hits"]
-    server, idle, pool = body["server"], body["idle"], body.get("pool", {})
-    rows = [("model", str(server.get("model"))),
-            ("version", f"mlx-vlm {server.get('mlx_vlm_version')} + patch {server.get('patch_version')}"),
-            ("server", f"pid {server.get('pid')}, up {render.human_duration(server.get('uptime_s'))}"
+    from server_patch.admin.schema import Pool
+
+    body: Status = result["status"]
+    process, hits = result["process"], body.hits
+    server, idle, pool = body.server, body.idle, body.pool or Pool()
+    rows = [("model", str(server.model)),
+            ("version", f"mlx-vlm {server.mlx_vlm_version} + patch {server.patch_version}"),
+            ("server", f"pid {server.pid}, up {render.human_duration(server.uptime_s)}"
                        + (", managed by apcctl" if result["managed"] else ""))]
     if process:
         rows.append(("process", f"RSS {render.human_bytes(process['rss_bytes'])}, CPU {process['cpu_percent']:.0f}%, "
                                 f"{process['threads']} threads, up {render.human_duration(process['uptime_s'])}"))
-    rows.append(("traffic", f"{idle.get('in_flight', 0)} in flight, {idle.get('queued', 0)} queued, "
-                            f"draining {'yes' if idle.get('draining') else 'no'}, " + _last(idle)))
+    rows.append(("traffic", f"{idle.in_flight} in flight, {idle.queued} queued, "
+                            f"draining {'yes' if idle.draining else 'no'}, " + _last(idle)))
     if result.get("gateway"):
         rows.append(_gateway_row(result["gateway"]))
-    rows.append(("mlx memory", f"active {render.human_bytes(pool.get('active_bytes'))}, "
-                               f"cache {render.human_bytes(pool.get('cache_bytes'))}, "
-                               f"peak {render.human_bytes(pool.get('peak_bytes'))}"))
-    lineage, sizing = body.get("lineage"), body.get("sizing") or {}
+    rows.append(("mlx memory", f"active {render.human_bytes(pool.active_bytes)}, "
+                               f"cache {render.human_bytes(pool.cache_bytes)}, "
+                               f"peak {render.human_bytes(pool.peak_bytes)}"))
+    lineage, sizing = body.lineage, body.sizing
     if lineage is None:
         rows.append(("cache", "not started yet (it starts with the first request); the budgets are the configured ones"))
-    budgets = lineage["budgets"] if lineage else sizing.get("budgets")
-    disk_on = bool(lineage.get("disk_path")) if lineage else bool((sizing.get("disk") or {}).get("enabled"))
-    if budgets:
-        rows += _budget_rows(budgets, disk_on, lineage.get("disk_pending_writes", 0) if lineage else 0, sizing)
-    rows += [("warning", w) for w in sizing.get("warnings", [])]
+    disk_on = bool(lineage.disk_path) if lineage else bool(sizing and sizing.disk.enabled)
+    if body.budgets:
+        rows += _budget_rows(body.budgets, disk_on, lineage.disk_pending_writes if lineage else 0, sizing)
+    rows += [("warning", w) for w in (sizing.warnings if sizing else [])]
     if lineage is None:
         return rows
     rows += [
-        ("hit rate", f"{render.percent(hits['hits'], hits['requests'])} of {hits['requests']} requests, "
-                     f"{render.percent(hits['reused_tokens'], hits['reused_tokens'] + hits['prefill_tokens'])} "
+        ("hit rate", f"{render.percent(hits.hits, hits.requests)} of {hits.requests} requests, "
+                     f"{render.percent(hits.reused_tokens, hits.reused_tokens + hits.prefill_tokens)} "
                      f"of prompt tokens reused"),
-        ("by kind", ", ".join(f"{k} {v}" for k, v in sorted(hits["by_kind"].items())) or "-"),
+        ("by kind", ", ".join(f"{k} {v}" for k, v in sorted(hits.by_kind.items())) or "-"),
         ("canary", canary_line(result.get("canary"))),
     ]
+    if body.oracle is not None:
+        from server_patch.lineage.misses import describe
+
+        rows.append(("oracle", describe(body.oracle)))
     return rows
 
 
-def _budget_rows(b: dict[str, Any], disk_on: bool, pending: int, sizing: dict[str, Any]) -> list[tuple[str, str]]:
+def _budget_rows(b: Budgets, disk_on: bool, pending: int, sizing: Sizing | None) -> list[tuple[str, str]]:
     """Used / limit of the RAM, anchor and disk budgets, and what the machine has for them."""
-    ram_total = sizing.get("ram_total_bytes")
-    disk = sizing.get("disk") or {}
-    rows = [("ram", f"{render.human_bytes(b['ram_used'])} / {render.human_bytes(b['ram_limit'])} "
-                    f"({b['entries']} entries)" + (f", {render.human_bytes(ram_total)} physical" if ram_total else "")),
-            ("anchors", f"{b['anchor_count']} / {b['anchor_count_limit']} pinned, "
-                        f"{render.human_bytes(b['anchor_bytes'])} / {render.human_bytes(b['anchor_bytes_limit'])}"),
-            ("disk", (f"{render.human_bytes(b['disk_used'])} / {render.human_bytes(b['disk_limit'])} "
-                      f"({b['disk_files']} files, {pending} writes pending)") if disk_on else "off")]
-    if disk_on and disk.get("free_bytes") is not None:
-        rows.append(("volume", f"{render.human_bytes(disk['free_bytes'])} free of "
-                               f"{render.human_bytes(disk.get('total_bytes'))} at {disk.get('path')}"))
+    ram_total = sizing.ram_total_bytes if sizing else None
+    rows = [("ram", f"{render.human_bytes(b.ram_used)} / {render.human_bytes(b.ram_limit)} "
+                    f"({b.entries} entries)" + (f", {render.human_bytes(ram_total)} physical" if ram_total else "")),
+            ("anchors", f"{b.anchor_count} / {b.anchor_count_limit} pinned, "
+                        f"{render.human_bytes(b.anchor_bytes)} / {render.human_bytes(b.anchor_bytes_limit)}"),
+            ("disk", (f"{render.human_bytes(b.disk_used)} / {render.human_bytes(b.disk_limit)} "
+                      f"({b.disk_files} files, {pending} writes pending)") if disk_on else "off")]
+    disk = sizing.disk if sizing else None
+    if disk_on and disk is not None and disk.free_bytes is not None:
+        rows.append(("volume", f"{render.human_bytes(disk.free_bytes)} free of "
+                               f"{render.human_bytes(disk.total_bytes)} at {disk.path}"))
     return rows
 
 
-def _last(idle: dict[str, Any]) -> str:
-    seconds = idle.get("since_last_finished_s")
+def _last(idle: Idle) -> str:
+    seconds = idle.since_last_finished_s
     return "no request yet" if seconds is None else f"last finished {render.human_duration(seconds)} ago"

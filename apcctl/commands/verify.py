@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -10,6 +10,9 @@ from apcctl.commands.common import CommandError, ExitStatus, full_id, json_optio
 from apcctl.config import Target
 from apcctl.core import render
 from apcctl.core.client import AdminClient
+
+if TYPE_CHECKING:
+    from server_patch.admin.schema import CanaryState, VerifyReport
 
 COLUMNS = ("KIND", "TIER", "ENTRY", "LENGTH", "CHECKED", "MODE", "MAX DIFF", "TOL", "TOP-K", "GREEDY", "RESULT")
 NUMERIC = ("LENGTH", "CHECKED", "MAX DIFF", "TOL", "TOP-K")
@@ -20,7 +23,7 @@ def register(main: click.Group, bench: click.Group) -> None:
     main.add_command(verify)
 
 
-def canary_state(client: AdminClient) -> dict[str, Any] | None:
+def canary_state(client: AdminClient) -> CanaryState | None:
     """``GET /admin/verify`` (counters, last result, suspects), or None from a server without it."""
     from apcctl.core.client import AdminError
 
@@ -32,18 +35,18 @@ def canary_state(client: AdminClient) -> dict[str, Any] | None:
         raise
 
 
-def canary_line(state: dict[str, Any] | None) -> str:
+def canary_line(state: CanaryState | None) -> str:
     """One line for ``apcctl status``: counts, the last difference, suspect kinds."""
     if not state:
         return "no checks yet"
-    counts, last = state["counts"], state.get("last") or {}
+    counts, last = state.counts, state.last or {}
     text = ", ".join(f"{k} {v}" for k, v in counts.items() if v) or "no checks yet"
     if last:
         text += f"; last {last['kind']}@{last['length']} diff {last['max_abs_diff']:.3g} (tol {last['tolerance']:.3g})"
-    if state.get("suspects"):
-        text += f"; SUSPECT: {', '.join(sorted(state['suspects']))}"
-        text += " (served cold)" if state.get("on_fail") == "cold" else ""
-    interval = state.get("interval_s") or 0
+    if state.suspects:
+        text += f"; SUSPECT: {', '.join(sorted(state.suspects))}"
+        text += " (served cold)" if state.on_fail == "cold" else ""
+    interval = state.interval_s or 0
     return text + (f"; every {render.human_duration(interval)}" if interval else "")
 
 
@@ -91,15 +94,15 @@ def verify(targets: list[Target], entry_id: str | None, recent: int | None, time
     if as_json:
         render.emit_json(body)
     elif clear:
-        click.echo(f"cleared: {', '.join(body['cleared']) or 'nothing'}; suspect now: "
-                   f"{', '.join(body['suspects']) or 'none'}")
+        click.echo(f"cleared: {', '.join(body.cleared) or 'nothing'}; suspect now: "
+                   f"{', '.join(body.suspects) or 'none'}")
     else:
         _show(body)
     if not clear:
         _exit_for(body)
 
 
-def _show(body: dict[str, Any]) -> None:
+def _show(body: VerifyReport) -> None:
     out = render.console()
     rows = [(r["kind"] if r["kind"] == r["stored_kind"] else f"{r['kind']}:{r['stored_kind']}", r["tier"],
              r["entry_id"], f"{r['length']:,}", f"{r['checked_tokens']:,}",
@@ -109,22 +112,22 @@ def _show(body: dict[str, Any]) -> None:
              "-" if r.get("greedy_cold") is None else
              ("same" if r["greedy_cold"] == r["greedy_restored"] else f"{r['greedy_restored']}!={r['greedy_cold']}"),
              r["result"] if r["result"] == "pass" else f"{r['result']}: {r['reason']}")
-            for r in body["results"]]
-    out.print(render.table(COLUMNS, rows, numeric=NUMERIC, title=f"{body['points']} restore points"))
-    summary = f"{body['pass']} passed, {body['fail']} failed, {body['skip']} skipped"
-    if body.get("abandoned"):
-        summary += f"; yielded to requests {body['abandoned']} times"
-    if body.get("suspects"):
-        summary += f"; suspect restore kinds: {', '.join(body['suspects'])}"
-    click.echo(summary if body["complete"] else summary + "; NOT COMPLETE (the server was not idle long enough)")
+            for r in body.results]
+    out.print(render.table(COLUMNS, rows, numeric=NUMERIC, title=f"{body.points} restore points"))
+    summary = f"{body.passed} passed, {body.failed} failed, {body.skipped} skipped"
+    if body.abandoned:
+        summary += f"; yielded to requests {body.abandoned} times"
+    if body.suspects:
+        summary += f"; suspect restore kinds: {', '.join(body.suspects)}"
+    click.echo(summary if body.complete else summary + "; NOT COMPLETE (the server was not idle long enough)")
 
 
 def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}"
 
 
-def _exit_for(body: dict[str, Any]) -> None:
-    if body["fail"] or body.get("errors"):
+def _exit_for(body: VerifyReport) -> None:
+    if body.failed or body.errors:
         raise click.exceptions.Exit(int(ExitStatus.FAILED))
-    if not body["complete"]:
+    if not body.complete:
         raise CommandError("the checks did not finish in time (the server was busy); run again later")

@@ -3,6 +3,10 @@
 HTTP through httpx, the event stream through httpx-sse (both imported on the first call, so a
 command that never talks to a server does not load them). Errors are ``AdminError`` with the
 HTTP status and the server's JSON message, never a traceback.
+
+Every ``/admin`` answer comes back as its type from ``server_patch.admin.schema`` (parsed here,
+so a field the server renamed or dropped is one ``AnswerMismatch`` naming it, not a ``KeyError``
+in a command or the dashboard). The event stream's data stays JSON objects.
 """
 
 from __future__ import annotations
@@ -11,7 +15,12 @@ import json
 import threading
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, TypeVar
+
+if TYPE_CHECKING:
+    from server_patch.admin import schema as S
+
+T = TypeVar("T")
 
 
 class AdminError(RuntimeError):
@@ -23,15 +32,19 @@ class AdminError(RuntimeError):
         self.message = message
 
 
-def hits_of(status: dict[str, Any] | None) -> dict[str, Any]:
+class AnswerMismatch(AdminError):
+    """The server answered, but not in the shape this client knows (a field renamed or missing)."""
+
+
+def hits_of(status: "S.Status | None") -> "S.Hits":
     """The server's own hit summary (``hits`` of ``/admin/status``, which every server sends:
     requests, hits and their rate, hits by restore kind, token reuse); the server's empty
     summary when there is no status (a server that does not answer)."""
-    if status:
-        return status["hits"]
-    from server_patch.lineage.summary import hit_summary  # (the server package loads numpy)
+    from server_patch.admin.schema import Answer, Hits
 
-    return hit_summary({})
+    if isinstance(status, Answer):
+        return status.hits
+    return Hits.from_json((status or {}).get("hits") or {}, "hits")  # a status that is still JSON
 
 
 @dataclass
@@ -62,6 +75,17 @@ class AdminClient:
             return response.json()
         return response.text
 
+    def _answer(self, kind: "type[T]", method: str, path: str, body: Any = None, **kwargs: Any) -> T:
+        """``path``'s answer parsed as ``kind`` (a ``schema.Answer``)."""
+        from server_patch.admin.schema import SchemaError
+
+        answer = self._request(method, path, body, **kwargs)
+        try:
+            return kind.from_json(answer)  # type: ignore[attr-defined]
+        except SchemaError as exc:
+            raise AnswerMismatch(200, f"{method} {path}: the server's answer does not fit this apcctl: {exc} "
+                                      "(are apcctl and the server the same version?)") from None
+
     def _headers(self, auth: bool = True) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if auth and self.token else {}
 
@@ -70,20 +94,21 @@ class AdminClient:
     def health(self) -> dict[str, Any]:
         return self._request("GET", "/health", auth=False)
 
-    def status(self) -> dict[str, Any]:
-        return self._request("GET", "/admin/status")
+    def status(self) -> "S.Status":
+        return self._answer(_schema().Status, "GET", "/admin/status")
 
-    def entries(self, tier: str = "all", kind: str = "all") -> list[dict[str, Any]]:
-        return self._request("GET", "/admin/entries", query={"tier": tier, "kind": kind})["entries"]
+    def entries(self, tier: str = "all", kind: str = "all") -> "list[S.EntryInfo]":
+        return self._answer(_schema().Entries, "GET", "/admin/entries", query={"tier": tier, "kind": kind}).entries
 
-    def entry(self, entry_id: str) -> dict[str, Any]:
-        return self._request("GET", f"/admin/entries/{urllib.parse.quote(entry_id, safe='')}")
+    def entry(self, entry_id: str) -> "S.EntryInfo":
+        return self._answer(_schema().EntryInfo, "GET", f"/admin/entries/{_quoted(entry_id)}")
 
-    def anchors(self) -> list[dict[str, Any]]:
-        return self._request("GET", "/admin/anchors")["anchors"]
+    def anchors(self) -> "list[S.EntryInfo]":
+        return self._answer(_schema().Anchors, "GET", "/admin/anchors").anchors
 
-    def requests(self, since: int = 0, limit: int = 200) -> list[dict[str, Any]]:
-        return self._request("GET", "/admin/requests", query={"since": since, "limit": limit})["requests"]
+    def requests(self, since: int = 0, limit: int = 200) -> "list[S.RequestRecord]":
+        return self._answer(_schema().Requests, "GET", "/admin/requests",
+                            query={"since": since, "limit": limit}).requests
 
     def metrics(self) -> str:
         return self._request("GET", "/admin/metrics")
@@ -131,46 +156,61 @@ class AdminClient:
 
     # ------------------------------------------------------------------ writes
 
-    def pin(self, entry_id: str) -> dict[str, Any]:
-        return self._request("POST", f"/admin/anchors/{urllib.parse.quote(entry_id, safe='')}/pin")
+    def pin(self, entry_id: str) -> "S.EntryInfo":
+        return self._answer(_schema().EntryInfo, "POST", f"/admin/anchors/{_quoted(entry_id)}/pin")
 
-    def unpin(self, entry_id: str) -> dict[str, Any]:
-        return self._request("POST", f"/admin/anchors/{urllib.parse.quote(entry_id, safe='')}/unpin")
+    def unpin(self, entry_id: str) -> "S.EntryInfo":
+        return self._answer(_schema().EntryInfo, "POST", f"/admin/anchors/{_quoted(entry_id)}/unpin")
 
-    def evict(self, entry_id: str) -> dict[str, Any]:
-        return self._request("DELETE", f"/admin/entries/{urllib.parse.quote(entry_id, safe='')}")
+    def evict(self, entry_id: str) -> "S.Evicted":
+        return self._answer(_schema().Evicted, "DELETE", f"/admin/entries/{_quoted(entry_id)}")
 
     def new_anchor(self, system: str, tools: list[dict] | None = None, tenant: str | None = None,
-                   timeout: float = 600) -> dict[str, Any]:
+                   timeout: float = 600) -> "S.NewAnchor":
         body = {"system": system, "tools": tools, "tenant": tenant}
-        return self._request("POST", "/admin/anchors", {k: v for k, v in body.items() if v is not None},
-                             timeout=timeout)
+        return self._answer(_schema().NewAnchor, "POST", "/admin/anchors",
+                            {k: v for k, v in body.items() if v is not None}, timeout=timeout)
 
-    def flush(self, timeout: float = 60.0) -> dict[str, Any]:
-        return self._request("POST", "/admin/flush", {"timeout": timeout}, timeout=timeout + 10)
+    def flush(self, timeout: float = 60.0) -> "S.FlushReport":
+        return self._answer(_schema().FlushReport, "POST", "/admin/flush", {"timeout": timeout}, timeout=timeout + 10)
 
-    def drain(self, retry_after: int = 5) -> dict[str, Any]:
-        return self._request("POST", "/admin/drain", {"retry_after": retry_after})
+    def drain(self, retry_after: int = 5) -> "S.Traffic":
+        return self._answer(_schema().Traffic, "POST", "/admin/drain", {"retry_after": retry_after})
 
-    def undrain(self) -> dict[str, Any]:
-        return self._request("POST", "/admin/undrain")
+    def undrain(self) -> "S.Traffic":
+        return self._answer(_schema().Traffic, "POST", "/admin/undrain")
 
-    def canary(self) -> dict[str, Any]:
+    def model(self) -> "S.ModelInfo":
+        """The served model (and its names), the loaded one, the open lineage runtimes."""
+        return self._answer(_schema().ModelInfo, "GET", "/admin/model")
+
+    def canary(self) -> "S.CanaryState":
         """The canary's counters, last result and suspect restore kinds."""
-        return self._request("GET", "/admin/verify")
+        return self._answer(_schema().CanaryState, "GET", "/admin/verify")
 
     def verify(self, *, entry_id: str | None = None, recent: int | None = None,
-               timeout: float = 300.0) -> dict[str, Any]:
+               timeout: float = 300.0) -> "S.VerifyReport":
         """Check restore points against a cold prefill (the server runs them while idle)."""
         body: dict[str, Any] = {"timeout_s": timeout}
         if entry_id:
             body["entry"] = entry_id
         if recent:
             body["recent"] = recent
-        return self._request("POST", "/admin/verify", body, timeout=timeout + 30)
+        return self._answer(_schema().VerifyReport, "POST", "/admin/verify", body, timeout=timeout + 30)
 
-    def clear_suspects(self, kind: str | None = None) -> dict[str, Any]:
-        return self._request("POST", "/admin/verify/clear", {"kind": kind} if kind else {})
+    def clear_suspects(self, kind: str | None = None) -> "S.Cleared":
+        return self._answer(_schema().Cleared, "POST", "/admin/verify/clear", {"kind": kind} if kind else {})
+
+
+def _schema() -> Any:
+    """The answers' types (imported on the first call, like httpx)."""
+    from server_patch.admin import schema
+
+    return schema
+
+
+def _quoted(entry_id: str) -> str:
+    return urllib.parse.quote(entry_id, safe="")
 
 
 class _Stoppable:

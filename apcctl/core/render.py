@@ -199,9 +199,15 @@ KEY = "key"  # the key column of ``key_values`` (its header is not shown)
 
 def emit_json(value: Any) -> None:
     """Machine output: one JSON document on stdout."""
-    click.echo(json.dumps(value, indent=2, default=str))
+    click.echo(json.dumps(value, indent=2, default=_as_json))
 
 
 def emit_json_line(value: Any) -> None:
     """One compact JSON object per line, for ``--follow`` streams."""
-    click.echo(json.dumps(value, separators=(",", ":"), default=str))
+    click.echo(json.dumps(value, separators=(",", ":"), default=_as_json))
+
+
+def _as_json(value: Any) -> Any:
+    """An admin answer (``server_patch.admin.schema``) as the JSON the server sent; else its text."""
+    to_json = getattr(value, "to_json", None)
+    return to_json() if callable(to_json) else str(value)

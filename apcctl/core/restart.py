@@ -27,7 +27,7 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import psutil
 
@@ -38,6 +38,7 @@ from apcctl.core.manage import (CREATE_TIME_TOLERANCE_S, GRACE_MARGIN_S, LAUNCHE
 
 if TYPE_CHECKING:  # the CLI's resolved server (the engine reads only its fields; no import at run time)
     from apcctl.config import Target
+    from server_patch.admin.schema import Budgets, EntryInfo, ServerInfo, Status
 
 
 class Phase(StrEnum):
@@ -141,17 +142,20 @@ def supervisor_command(supervisor: str, service: str) -> list[str]:
     raise ValueError(f"no restart command for supervisor {supervisor!r}")
 
 
-def grace_for(status: dict[str, Any], spec: ServerSpec | None) -> float:
+def grace_for(status: Status, spec: ServerSpec | None) -> float:
     """SIGTERM-to-SIGKILL time covering the shutdown flush: the running server's setting if it
     reports one, else the setting its command's environment gives it."""
-    config = (status.get("lineage") or {}).get("config") or {}
+    config = status.lineage.config if status.lineage else {}
     if isinstance(config.get("shutdown_flush_s"), (int, float)):
         return float(config["shutdown_flush_s"]) + GRACE_MARGIN_S
     return default_grace(spec.env if spec else None)
 
 
-def anchor_cap_full(budgets: dict[str, Any], entries: Callable[[], list[dict[str, Any]]], system: str) -> str:
+def anchor_cap_full(budgets: Budgets | Mapping[str, Any], entries: Callable[[], list[EntryInfo] | list[dict[str, Any]]],
+                    system: str) -> str:
     """Why one more pinned anchor would make the server evict one (empty when it fits).
+
+    Read by key, so a budget an older server lacks (or none at all, ``{}``) is no cap.
 
     The probe's size is bounded from the entries held in RAM: bytes grow with length, so an
     entry at least as long bounds it, and a shorter one does once scaled up by the length ratio.
@@ -281,12 +285,12 @@ class _OneServer:
 
     def _steps(self) -> None:
         status = self.client.status()
-        self.result.old_pid = status["server"]["pid"]
-        self.old_process = self._identify(status["server"])
+        self.result.old_pid = status.server.pid
+        self.old_process = self._identify(status.server)
         self.previous = self.managed.running_spec() if self.managed else None
         if self.grace is None:
             self.grace = grace_for(status, self.previous)
-        self.model = status["server"].get("model")
+        self.model = status.server.model
         try:
             self.probe = None if self._model_changes() else self._prepare_probe(status)
             self._roll()
@@ -321,16 +325,16 @@ class _OneServer:
 
     # ------------------------------------------------------------------ identity
 
-    def _identify(self, server: dict[str, Any]) -> psutil.Process | None:
+    def _identify(self, server: ServerInfo) -> psutil.Process | None:
         """The old server's process, known by PID and create time; refuse if it is not ours."""
         if self.managed is not None:
             process = self.managed.process()
-            if process is None or process.pid != server["pid"]:
+            if process is None or process.pid != server.pid:
                 named = f"pid {process.pid}" if process else "no running process"
-                raise RestartFailed(f"{self.plan.target.url} is served by pid {server['pid']}, but the PID file of "
+                raise RestartFailed(f"{self.plan.target.url} is served by pid {server.pid}, but the PID file of "
                                     f"'apcctl serve --server {self.managed.name}' names {named}: refusing to stop a "
                                     "process apcctl did not start")
-            if isinstance(server.get("create_time"), (int, float)) and not _reported_matches(process, server):
+            if isinstance(server.create_time, (int, float)) and not _reported_matches(process, server):
                 raise RestartFailed(f"pid {process.pid} was created at another time than the server at "
                                     f"{self.plan.target.url} reports: the PID was reused")
             return process
@@ -341,9 +345,9 @@ class _OneServer:
                 return None
         return self._local_process(server)
 
-    def _local_process(self, server: dict[str, Any]) -> psutil.Process:
+    def _local_process(self, server: ServerInfo) -> psutil.Process:
         """The local process behind the status' PID; a reused PID or another machine's is refused."""
-        pid = server["pid"]
+        pid = server.pid
         try:
             process = psutil.Process(pid)
             if _reported_matches(process, server):
@@ -358,36 +362,36 @@ class _OneServer:
         process = self.old_process
         try:
             if process is None:
-                return self.client.status()["server"]["pid"] == self.result.old_pid
+                return self.client.status().server.pid == self.result.old_pid
             return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
         except (psutil.Error, AdminError):
             return False
 
     # ------------------------------------------------------------------ before the stop
 
-    def _prepare_probe(self, status: dict[str, Any]) -> dict[str, Any] | None:
+    def _prepare_probe(self, status: Status) -> dict[str, Any] | None:
         """Pin the probe anchor now, if the anchor cap has room; remember the pinned anchors.
 
         A server that has not served yet reports no lineage (it starts with the first request):
         nothing is in RAM then, so the probe fits, and creating it starts the cache.
         """
-        lineage = status.get("lineage") or {}
         system = PROBE_SYSTEM.format(nonce=secrets.token_hex(4))
-        full = anchor_cap_full(lineage.get("budgets") or {}, self.client.entries, system)
+        full = anchor_cap_full(status.lineage.budgets if status.lineage else {}, self.client.entries, system)
         if full:
             self.warn(f"{full}: the restart is not probed (a probe anchor would push out an operator's)")
             return None
-        in_ram = {a["id"] for a in self._anchors() if a.get("pinned") and a.get("tier") in RAM_TIERS}
+        in_ram = {a.id for a in self._anchors() if a.pinned and a.tier in RAM_TIERS}
         made = self.client.new_anchor(system)
-        if not made.get("created"):
-            raise RestartFailed(f"POST /admin/anchors answered with the existing anchor {made['anchor']['id']} "
+        if not made.created:
+            raise RestartFailed(f"POST /admin/anchors answered with the existing anchor {made.anchor.id} "
                                 "instead of creating the probe's")
-        anchor_id = made["anchor"]["id"]
+        anchor_id = made.anchor.id
         self.probe = {"anchor_id": anchor_id, "system": system}  # from here on, removed whatever happens
         anchors = self.client.anchors()
-        self.probe.update(pinned_before=sorted(a["id"] for a in anchors if a.get("pinned") and a["id"] != anchor_id),
-                          disk=(self.client.status().get("lineage") or {}).get("disk_path") is not None)
-        pushed = in_ram - {a["id"] for a in anchors if a.get("tier") in RAM_TIERS}
+        lineage = self.client.status().lineage
+        self.probe.update(pinned_before=sorted(a.id for a in anchors if a.pinned and a.id != anchor_id),
+                          disk=lineage is not None and lineage.disk_path is not None)
+        pushed = in_ram - {a.id for a in anchors if a.tier in RAM_TIERS}
         if pushed:
             self._forget_probe()
             self.warn(f"the probe anchor pushed {', '.join(sorted(pushed))} out of RAM (it reloads from disk on "
@@ -404,7 +408,7 @@ class _OneServer:
                   "not restore for the new one; the restart is not probed")
         return True
 
-    def _anchors(self) -> list[dict[str, Any]]:
+    def _anchors(self) -> list[EntryInfo]:
         """The anchors, or none before the first request (the cache does not exist yet: 409)."""
         try:
             return self.client.anchors()
@@ -417,7 +421,7 @@ class _OneServer:
         start = time.monotonic()
         while True:
             try:
-                idle = self.client.status()["idle"]
+                idle = self.client.status().idle
             except AdminError as exc:
                 # A busy server (every core decoding) may not answer one poll in time; that is
                 # no reason to give up the restart before the wait itself runs out.
@@ -426,7 +430,7 @@ class _OneServer:
                 self.emit(Phase.WAITING, f"no answer to a status poll ({exc.message}); still waiting")
                 time.sleep(self.poll_s)
                 continue
-            in_flight = int(idle.get("in_flight", 0)) + int(idle.get("queued", 0))
+            in_flight = idle.in_flight + idle.queued
             waited = time.monotonic() - start
             self.result.waited_s = waited
             self.emit(Phase.WAITING, f"{in_flight} in flight", in_flight)
@@ -451,9 +455,9 @@ class _OneServer:
                 return
             self._flush_failed(f"flush failed ({exc.message})")
             return
-        if not answer.get("complete"):
-            self._flush_failed(f"flush wrote {answer.get('written', 0)} entries, {answer.get('failed', 0)} not "
-                               f"({answer.get('reason') or 'incomplete'})")
+        if not answer.complete:
+            self._flush_failed(f"flush wrote {answer.written} entries, {answer.failed} not "
+                               f"({answer.reason or 'incomplete'})")
 
     def _flush_failed(self, why: str) -> None:
         """Stopping now would lose what RAM holds and the disk lacks: nothing is stopped, unless forced."""
@@ -495,7 +499,7 @@ class _OneServer:
                 raise RestartFailed("the server exited while starting", log_tail=self.managed.log_tail(15))
             try:
                 self.client.health()
-                pid = self.client.status()["server"]["pid"]
+                pid = self.client.status().server.pid
                 if (pid == process.pid) if process is not None else (pid != self.result.old_pid):
                     return pid
             except AdminError as exc:
@@ -567,16 +571,16 @@ class _OneServer:
         before must be listed again. Returns what was seen; ``failure`` says what went wrong."""
         assert self.probe is not None
         probe, anchor_id = self.probe, self.probe["anchor_id"]
-        seen = max((r["seq"] for r in self.client.requests()), default=0)
+        seen = max((r.seq for r in self.client.requests()), default=0)
         messages = [{"role": "system", "content": probe["system"]}, {"role": "user", "content": PROBE_USER}]
         self.client.chat(messages, model=self.model, max_tokens=1, temperature=0.0, timeout=self.timeout)
-        records = [r for r in self.client.requests(since=seen) if r.get("entry_id") == anchor_id]
+        records = [r for r in self.client.requests(since=seen) if r.entry_id == anchor_id]
         from server_patch.lineage.model import ANCHOR, DISK  # (the server package: loaded for a probe only)
 
-        restored = next((r for r in records if r["restore_kind"] in (ANCHOR, DISK) and r["restored_tokens"]), None)
-        missing = sorted(set(probe["pinned_before"]) - {a["id"] for a in self.client.anchors()})
-        seen_now = {**probe, "restore_kind": restored["restore_kind"] if restored else None,
-                    "restored_tokens": restored["restored_tokens"] if restored else 0, "missing_anchors": missing}
+        restored = next((r for r in records if r.restore_kind in (ANCHOR, DISK) and r.restored_tokens), None)
+        missing = sorted(set(probe["pinned_before"]) - {a.id for a in self.client.anchors()})
+        seen_now = {**probe, "restore_kind": str(restored.restore_kind) if restored else None,
+                    "restored_tokens": restored.restored_tokens if restored else 0, "missing_anchors": missing}
         if not probe["disk"]:
             self.warn("the disk tier is off: anchors do not survive a restart")
         elif restored is None:
@@ -600,7 +604,7 @@ class _OneServer:
         self.probe = None
 
 
-def _reported_matches(process: psutil.Process, server: dict[str, Any]) -> bool:
+def _reported_matches(process: psutil.Process, server: ServerInfo | Mapping[str, Any]) -> bool:
     """``process`` is the server that answered /admin/status with ``server``.
 
     With a reported ``create_time`` that is exact; without one (older servers) the process must

@@ -137,12 +137,13 @@ def _through_gateway(directory: Path, variant: Variant, urls: list[str], model: 
 
 
 def _anchor_bytes(admin: AdminClient) -> int:
-    return int(((admin.status().get("sizing") or {}).get("budgets") or {}).get("anchor_bytes") or 0)
+    sizing = admin.status().sizing
+    return sizing.budgets.anchor_bytes if sizing else 0
 
 
 def _counters(admin: AdminClient) -> tuple[int, int]:
     """Requests this server has answered (lookups of its lineage cache, hits and colds) and the
     prompt tokens it prefilled."""
 
-    hits = admin.status()["hits"]
-    return int(hits["requests"]), int(hits["prefill_tokens"])
+    hits = admin.status().hits
+    return hits.requests, hits.prefill_tokens

@@ -61,11 +61,10 @@ def server_view(name: str, url: str, config_path: Path | None = None) -> dict[st
         body = target.client(timeout=5.0).status()
     except AdminError as exc:
         return {"reachable": False, "error": exc.message}
-    idle = body.get("idle") or {}
-    hits = body["hits"]
-    return {"reachable": True, "pid": body["server"].get("pid"), "in_flight": idle.get("in_flight"),
-            "draining": idle.get("draining"), "requests": hits["requests"], "hit_rate": hits["hit_rate"],
-            "token_hit_rate": hits["token_hit_rate"]}
+    idle, hits = body.idle, body.hits
+    return {"reachable": True, "pid": body.server.pid, "in_flight": idle.in_flight,
+            "draining": idle.draining, "requests": hits.requests, "hit_rate": hits.hit_rate,
+            "token_hit_rate": hits.token_hit_rate}
 
 
 def fleet_status(state: FleetState, config_path: Path | None = None) -> dict[str, Any]:

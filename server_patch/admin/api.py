@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import psutil
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
@@ -22,20 +22,23 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from server_patch import MLX_VLM_VERSION, PATCH_VERSION, clock
-from server_patch.admin import views
+from server_patch.admin import schema, views
 from server_patch.admin.auth import TokenError, load_or_create_token, token_matches
 from server_patch.admin.flush import flush_report
 from server_patch.admin.guard import STREAMS, AdminLimits, install_outermost
 from server_patch.admin.internal import internal_chat
 from server_patch.admin.metrics import exposition
-from server_patch.admin.traffic import TRAFFIC, TrafficMiddleware
+from server_patch.admin.traffic import TrafficMiddleware
 from server_patch.admin.model_switch import model_router
 from server_patch.canary.admin import verify_router
-from server_patch.canary.book import BOOK
-from server_patch.integration import runtime as lineage_runtime
+from server_patch.admin.deps import PartsDep, lineage_of as _lineage
 from server_patch.lineage.summary import hit_summary
 from server_patch.boundaries.anchors import anchor_label
 from server_patch.lineage import CacheError, LineageConfig
+
+if TYPE_CHECKING:
+    from server_patch.integration.parts import Parts
+    from server_patch.integration.runtime import LineageRuntime
 
 log = logging.getLogger("server_patch.admin")
 
@@ -69,13 +72,6 @@ def _server_app_module() -> Any:
 def _mlx_runtime() -> Any:
     module = _server_app_module()
     return getattr(module, "runtime", None) if module is not None else None
-
-
-def _lineage() -> lineage_runtime.LineageRuntime:
-    current = lineage_runtime.current()
-    if current is None:
-        raise HTTPException(409, detail="no model has been served yet: the lineage cache starts with the first request")
-    return current
 
 
 def _require_token(request: Request) -> None:
@@ -114,38 +110,39 @@ def _queued() -> int:
 
 
 @router.get("/status", summary="Server identity, budgets, idle state and counters")
-def status() -> dict[str, Any]:
-    current = lineage_runtime.current()
+def status(parts: PartsDep) -> dict[str, Any]:
+    current = parts.runtimes.current
     started = getattr(router, "started", clock.wall())
-    body: dict[str, Any] = {
-        "server": {"model": _model_path(), "pid": os.getpid(), "create_time": _CREATE_TIME,
-                   "uptime_s": clock.monotonic() - getattr(router, "started_monotonic", clock.monotonic()),
-                   "started": started, "mlx_vlm_version": MLX_VLM_VERSION, "patch_version": PATCH_VERSION,
-                   "fingerprint": current.fingerprint if current else None},
-        "idle": {**TRAFFIC.snapshot(), "queued": _queued()},
-        "pool": _pool(),
-        "admin": {"event_streams": STREAMS.open, **asdict(router.limits)},
-        "canary": {"suspects": sorted(BOOK.suspects), "on_fail": BOOK.on_fail},
-        # Always, so no reader rebuilds the empty summary: zeros before the cache starts.
-        "hits": hit_summary(current.cache.stats if current is not None else {}),
-        "lineage": None,
-    }
+    lineage = None
     if current is not None:
         cfg = current.config
-        body["lineage"] = {
-            "budgets": current.cache.budgets(),
-            "stats": dict(current.cache.stats),
-            "layout": current.layout.describe(),
-            "disk_path": str(current.disk.root) if current.disk else None,
-            "disk_pending_writes": current.disk.pending if current.disk else 0,
-            "disk": current.disk.health() if current.disk else None,
-            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()},
-        }
-    body["sizing"] = _sizing(current, body["lineage"]["budgets"] if body["lineage"] else None)
-    return body
+        lineage = schema.LineageInfo(
+            budgets=schema.Budgets.from_json(current.cache.budgets(), "budgets"),
+            stats=dict(current.cache.stats),
+            layout=current.layout.describe(),
+            disk_path=str(current.disk.root) if current.disk else None,
+            disk_pending_writes=current.disk.pending if current.disk else 0,
+            disk=current.disk.health() if current.disk else None,
+            config={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()})
+    return schema.Status(
+        server=schema.ServerInfo(
+            model=_model_path(), pid=os.getpid(), create_time=_CREATE_TIME,
+            uptime_s=clock.monotonic() - getattr(router, "started_monotonic", clock.monotonic()),
+            started=started, mlx_vlm_version=MLX_VLM_VERSION, patch_version=PATCH_VERSION,
+            fingerprint=current.fingerprint if current else None),
+        idle=schema.Idle.from_json({**parts.traffic.snapshot(), "queued": _queued()}, "idle"),
+        pool=schema.Pool.from_json(_pool(), "pool"),
+        admin=schema.AdminInfo.from_json({"event_streams": STREAMS.open, **asdict(router.limits)}, "admin"),
+        canary=schema.CanaryBrief(suspects=sorted(parts.canary.book.suspects), on_fail=parts.canary.book.on_fail),
+        # Always, so no reader rebuilds the empty summary: zeros before the cache starts.
+        hits=schema.Hits.from_json(hit_summary(current.cache.stats if current is not None else {}), "hits"),
+        lineage=lineage,
+        sizing=_sizing(current, lineage.budgets if lineage else None),
+        oracle=current.cache.misses.totals() if current is not None else None,
+    ).to_json()
 
 
-def _sizing(current: lineage_runtime.LineageRuntime | None, budgets: dict[str, int] | None = None) -> dict[str, Any]:
+def _sizing(current: LineageRuntime | None, budgets: schema.Budgets | None = None) -> schema.Sizing:
     """Budgets, memory and the disk volume, from the first second: the running cache's budgets,
     or before the first request the configured ones (the cache does not exist yet)."""
     if current is not None:
@@ -159,10 +156,10 @@ def _sizing(current: lineage_runtime.LineageRuntime | None, budgets: dict[str, i
 
 @router.get("/entries", summary="Lineage entries and anchors with their checkpoints")
 def entries(tier: str = Query("all", pattern="^(ram|disk|all)$"),
-            kind: str = Query("all", pattern="^(conversation|anchor|all)$")) -> dict[str, Any]:
-    current = lineage_runtime.current()
+            kind: str = Query("all", pattern="^(conversation|anchor|all)$"), *, parts: PartsDep) -> dict[str, Any]:
+    current = parts.runtimes.current
     if current is None:  # before the first request: nothing held yet, but the budgets are known
-        return {"entries": [], "budgets": _sizing(None)["budgets"], "started": False}
+        return schema.Entries(entries=[], budgets=_sizing(None).budgets, started=False).to_json()
     records = {r.id: r for r in current.cache.records()}
     rows = []
     if tier in ("ram", "all"):
@@ -171,56 +168,57 @@ def entries(tier: str = Query("all", pattern="^(ram|disk|all)$"),
         in_ram = {e.id for e in current.cache.entries()}
         rows += [views.record_view(r) for r in records.values() if r.id not in in_ram]
     if kind != "all":
-        rows = [r for r in rows if r["kind"] == kind]
-    return {"entries": rows, "budgets": current.cache.budgets(), "started": True}
+        rows = [r for r in rows if r.kind == kind]
+    return schema.Entries(entries=rows, budgets=schema.Budgets.from_json(current.cache.budgets(), "budgets"),
+                          started=True).to_json()
 
 
 @router.get("/entries/{entry_id}", summary="One entry")
-def entry(entry_id: str) -> dict[str, Any]:
-    current = _lineage()
+def entry(entry_id: str, parts: PartsDep) -> dict[str, Any]:
+    current = _lineage(parts)
     records = {r.id: r for r in current.cache.records()}
     found = current.cache.get(entry_id)
     if found is not None:
-        return views.entry_view(found, records.get(entry_id))
+        return views.entry_view(found, records.get(entry_id)).to_json()
     if entry_id in records:
-        return views.record_view(records[entry_id])
+        return views.record_view(records[entry_id]).to_json()
     raise HTTPException(404, detail=f"no entry {entry_id!r}")
 
 
 @router.delete("/entries/{entry_id}", summary="Evict an entry or anchor from RAM and disk")
-def evict(entry_id: str) -> dict[str, Any]:
+def evict(entry_id: str, parts: PartsDep) -> dict[str, Any]:
     try:
-        freed = _lineage().cache.evict(entry_id)
+        freed = _lineage(parts).cache.evict(entry_id)
     except CacheError:
         raise HTTPException(404, detail=f"no entry {entry_id!r}") from None
-    return {"evicted": entry_id, "freed_bytes": freed}
+    return schema.Evicted(evicted=entry_id, freed_bytes=freed).to_json()
 
 
 @router.get("/anchors", summary="Anchors (system prompt + tools prefixes)")
-def anchors() -> dict[str, Any]:
-    return {"anchors": entries(tier="all", kind="anchor")["entries"]}
+def anchors(parts: PartsDep) -> dict[str, Any]:
+    return {"anchors": entries(tier="all", kind="anchor", parts=parts)["entries"]}
 
 
 def _in_ram(verb: Any, entry_id: str) -> dict[str, Any]:
     """Apply a cache verb that needs the entry in RAM; an unknown id is a 404."""
     try:
-        return views.entry_view(verb(entry_id))
+        return views.entry_view(verb(entry_id)).to_json()
     except CacheError:
         raise HTTPException(404, detail=f"no entry {entry_id!r} in RAM") from None
 
 
 @router.post("/anchors/{entry_id}/pin", summary="Pin an entry as an anchor")
-def pin(entry_id: str) -> dict[str, Any]:
-    return _in_ram(_lineage().cache.pin, entry_id)
+def pin(entry_id: str, parts: PartsDep) -> dict[str, Any]:
+    return _in_ram(_lineage(parts).cache.pin, entry_id)
 
 
 @router.post("/anchors/{entry_id}/unpin", summary="Unpin an anchor (it joins the conversation LRU)")
-def unpin(entry_id: str) -> dict[str, Any]:
-    return _in_ram(_lineage().cache.unpin, entry_id)
+def unpin(entry_id: str, parts: PartsDep) -> dict[str, Any]:
+    return _in_ram(_lineage(parts).cache.unpin, entry_id)
 
 
 @router.post("/anchors", summary="Prefill a system prompt + tools now and pin it")
-async def new_anchor(body: NewAnchorBody, request: Request) -> dict[str, Any]:
+async def new_anchor(body: NewAnchorBody, request: Request, parts: PartsDep) -> dict[str, Any]:
     model = _model_path()
     if model is None:
         raise HTTPException(409, detail="no model is loaded")
@@ -229,11 +227,11 @@ async def new_anchor(body: NewAnchorBody, request: Request) -> dict[str, Any]:
     if body.tools:
         payload["tools"] = body.tools
     headers = {"x-apc-tenant": body.tenant} if body.tenant else {}
-    before = {e.id for e in _lineage().cache.entries()} if lineage_runtime.current() else set()
+    before = {e.id for e in _lineage(parts).cache.entries()} if parts.runtimes.current else set()
     status_code, answer = await internal_chat(request.app.state.apc_inner_app, payload, headers)
     if status_code != 200:
         raise HTTPException(422, detail=f"prefill failed: {answer}")
-    anchors_now = [e for e in _lineage().cache.entries() if e.is_anchor]
+    anchors_now = [e for e in _lineage(parts).cache.entries() if e.is_anchor]
     created = [e for e in anchors_now if e.id not in before]
     label = anchor_label([{"role": "system", "content": body.system}], body.tools)
     same = [e for e in anchors_now if e.label == label]  # an anchor this prompt already had
@@ -243,24 +241,25 @@ async def new_anchor(body: NewAnchorBody, request: Request) -> dict[str, Any]:
             "no anchor was captured: a conversation entry already covers this system prompt, or "
             "the chat template renders no separate system/tools prefix"))
     if not chosen.pinned:  # an anchor an operator unpinned: pinned again by the policy's own verb
-        chosen = _lineage().cache.pin(chosen.id)
-    return {"anchor": views.entry_view(chosen), "created": bool(created)}
+        chosen = _lineage(parts).cache.pin(chosen.id)
+    return schema.NewAnchor(anchor=views.entry_view(chosen), created=bool(created)).to_json()
 
 
 @router.get("/requests", summary="Per-request timing records (poll with since=)")
-def requests_(since: int = Query(0, ge=0), limit: int = Query(200, ge=1, le=5000)) -> dict[str, Any]:
-    current = lineage_runtime.current()
+def requests_(parts: PartsDep, since: int = Query(0, ge=0),
+              limit: int = Query(200, ge=1, le=5000)) -> dict[str, Any]:
+    current = parts.runtimes.current
     records = current.timings.since(since) if current else []
     return {"requests": records[-limit:]}
 
 
 @router.get("/events", summary="Server-sent events: requests and cache events")
-async def events(request: Request, since: int = Query(0, ge=0)) -> StreamingResponse:
+async def events(request: Request, parts: PartsDep, since: int = Query(0, ge=0)) -> StreamingResponse:
     async def stream():
         cache_seq, request_seq = since, 0
         yield ": apc admin event stream\n\n"
-        while not TRAFFIC.shutting_down.is_set() and not await request.is_disconnected():
-            current = lineage_runtime.current()
+        while not parts.traffic.shutting_down.is_set() and not await request.is_disconnected():
+            current = parts.runtimes.current
             if current is not None:
                 for seq, at, event in list(current.events):
                     if seq > cache_seq:
@@ -277,27 +276,27 @@ async def events(request: Request, since: int = Query(0, ge=0)) -> StreamingResp
 
 
 @router.get("/metrics", summary="Prometheus text exposition of the lineage cache")
-def metrics() -> Response:
-    return Response(exposition(lineage_runtime.current, TRAFFIC),
+def metrics(parts: PartsDep) -> Response:
+    return Response(exposition(parts),
                     media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @router.post("/flush", summary="Write every RAM entry the disk lacks, wait, and say what reached the disk")
-def flush(body: Optional[FlushBody] = None) -> dict[str, Any]:
-    return flush_report(_lineage(), body.timeout if body else 60.0)
+def flush(parts: PartsDep, body: Optional[FlushBody] = None) -> dict[str, Any]:
+    return flush_report(_lineage(parts), body.timeout if body else 60.0).to_json()
 
 
 @router.post("/drain", summary="Refuse new inference requests (503 + Retry-After); finish those in flight")
-def drain(body: Optional[DrainBody] = None) -> dict[str, Any]:
-    TRAFFIC.retry_after = body.retry_after if body else 5
-    TRAFFIC.draining = True
-    return TRAFFIC.snapshot()
+def drain(parts: PartsDep, body: Optional[DrainBody] = None) -> dict[str, Any]:
+    parts.traffic.retry_after = body.retry_after if body else 5
+    parts.traffic.draining = True
+    return parts.traffic.snapshot()
 
 
 @router.post("/undrain", summary="Admit new requests again")
-def undrain() -> dict[str, Any]:
-    TRAFFIC.draining = False
-    return TRAFFIC.snapshot()
+def undrain(parts: PartsDep) -> dict[str, Any]:
+    parts.traffic.draining = False
+    return parts.traffic.snapshot()
 
 
 router.include_router(verify_router)  # /admin/verify: the canary (server_patch.canary.admin)
@@ -306,14 +305,15 @@ router.include_router(model_router)  # /admin/model: the served model and its sw
 
 @router.get("/openapi.json", summary="The OpenAPI schema of /admin")
 def openapi(request: Request) -> dict[str, Any]:
-    schema = request.app.openapi()
-    paths = {p: v for p, v in schema.get("paths", {}).items() if p.startswith(PREFIX)}
-    return {**schema, "paths": paths, "info": {**schema.get("info", {}), "title": "apcctl admin API",
-                                               "version": PATCH_VERSION}}
+    spec = request.app.openapi()  # (not ``schema``: that is the answers' types, admin.schema)
+    paths = {p: v for p, v in spec.get("paths", {}).items() if p.startswith(PREFIX)}
+    return {**spec, "paths": paths, "info": {**spec.get("info", {}), "title": "apcctl admin API",
+                                             "version": PATCH_VERSION}}
 
 
-def install(app: FastAPI) -> None:
-    """Mount /admin, the traffic middleware, the guard and the token on mlx-vlm's app.
+def install(app: FastAPI, parts: Parts) -> None:
+    """Mount /admin, the traffic middleware, the guard and the token on mlx-vlm's app; the
+    routes reach ``parts`` (the server's, ``integration.parts``) through ``admin.deps``.
 
     Runs while mlx-vlm's app module is imported, before uvicorn serves anything: a blank or
     unusable token, or a bad limit, stops the server here with a message.
@@ -326,7 +326,8 @@ def install(app: FastAPI) -> None:
     router.started, router.started_monotonic = clock.wall(), clock.monotonic()
     router.limits = limits
     app.state.apc_admin_token = token
+    app.state.apc_parts = parts
     app.state.apc_inner_app = app  # pinning prefills through the real route, counted like any request
     app.include_router(router)
-    app.add_middleware(TrafficMiddleware)
+    app.add_middleware(TrafficMiddleware, traffic=parts.traffic)
     install_outermost(app, token=token, limits=limits)

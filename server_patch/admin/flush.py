@@ -13,15 +13,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from server_patch.admin.schema import FlushReport
+
 LISTED = 50  # unwritten entry ids in the answer (the count is always exact)
 
 
-def flush_report(runtime: Any, timeout: float) -> dict[str, Any]:
+def flush_report(runtime: Any, timeout: float) -> FlushReport:
     """Flush ``runtime``'s cache and wait up to ``timeout`` seconds for the writer."""
     disk = runtime.disk
     if disk is None:
-        return {"queued": 0, "written": 0, "failed": 0, "unwritten": [], "pending": 0, "complete": True,
-                "reason": None, "disk_enabled": False}
+        return FlushReport(queued=0, written=0, failed=0, unwritten=[], pending=0, complete=True, reason=None,
+                           disk_enabled=False)
     stats = runtime.cache.stats
     before = int(stats.get("disk_writes", 0))
     queued = runtime.cache.flush()
@@ -29,10 +31,9 @@ def flush_report(runtime: Any, timeout: float) -> dict[str, Any]:
     written = int(stats.get("disk_writes", 0)) - before
     dirty = [e for e in runtime.cache.entries() if e.dirty]
     pending = 0 if finished else disk.pending
-    return {"queued": queued, "written": written, "failed": len(dirty),
-            "unwritten": [e.id for e in dirty[:LISTED]], "pending": pending,
-            "complete": finished and not dirty, "reason": _reason(dirty, pending, timeout, disk),
-            "disk_enabled": True}
+    return FlushReport(queued=queued, written=written, failed=len(dirty), unwritten=[e.id for e in dirty[:LISTED]],
+                       pending=pending, complete=finished and not dirty,
+                       reason=_reason(dirty, pending, timeout, disk), disk_enabled=True)
 
 
 def _reason(dirty: list[Any], pending: int, timeout: float, disk: Any) -> str | None:

@@ -9,7 +9,7 @@ docs/metrics.md lists every metric.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,6 +20,9 @@ from server_patch.canary.metrics import families as canary_families
 from server_patch.disk.integrity import FINGERPRINT, FORMAT_REASON, HASH, HEADER, IO, TRUNCATED
 from server_patch.lineage.model import COLD, DISK, LOG_KINDS, RAM, KVAdmission
 from server_patch.lineage.summary import hits_by_kind, kv_by_mode
+
+if TYPE_CHECKING:
+    from server_patch.integration.parts import Parts
 
 # Seconds, 1 ms to 10 min: a warm lookup is a millisecond, a cold 100k-token prefill minutes.
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -74,19 +77,18 @@ class RequestMetrics:
 class LineageCollector(Collector):
     """Reads counters and budgets at scrape time; nothing is updated on the hot path."""
 
-    def __init__(self, runtime_getter: Callable[[], Any], traffic: Any) -> None:
-        self.runtime_getter = runtime_getter
-        self.traffic = traffic
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
 
     def collect(self) -> Iterable:
-        idle = self.traffic.snapshot()
+        idle = self.parts.traffic.snapshot()
         in_flight = GaugeMetricFamily("apc_requests_in_flight", "Inference requests in flight")
         in_flight.add_metric([], idle["in_flight"])
         yield in_flight
         draining = GaugeMetricFamily("apc_draining", "1 while the server refuses new requests")
         draining.add_metric([], 1 if idle["draining"] else 0)
         yield draining
-        runtime = self.runtime_getter()
+        runtime = self.parts.runtimes.current
         if runtime is None:
             return
         stats = dict(runtime.cache.stats)
@@ -107,6 +109,8 @@ class LineageCollector(Collector):
             ("apc_lineage_reused_tokens", "reused_tokens", "Prompt tokens restored instead of computed"),
             ("apc_lineage_prefill_tokens", "prefill_tokens", "Prompt tokens computed"),
             ("apc_lineage_evictions", "evictions", "Entries evicted from RAM"),
+            ("apc_lineage_evicted_unwritten", "evicted_unwritten", "Entries that left RAM unwritten: "
+             "no room in the disk writer's queue, and a commit never waits for the writer"),
             ("apc_lineage_disk_evictions", "disk_evictions", "Files evicted by the disk cap"),
             ("apc_lineage_disk_bytes_written", "disk_bytes_written", "Bytes written to the disk tier"),
             ("apc_lineage_absorbs", "absorbs", "Entries absorbed by their extension"),
@@ -114,8 +118,9 @@ class LineageCollector(Collector):
             counter = CounterMetricFamily(name, doc)
             counter.add_metric([], stats.get(key, 0))
             yield counter
+        yield from _oracle_metrics(runtime.cache.misses.totals())
         yield from runtime.timings.metrics.collect()
-        yield from canary_families()
+        yield from canary_families(self.parts.canary.book)
         if runtime.disk is not None:
             yield from _disk_metrics(runtime.disk.health())
         budgets = runtime.cache.budgets()
@@ -128,6 +133,20 @@ class LineageCollector(Collector):
         entries.add_metric([RAM], budgets["entries"])
         entries.add_metric([DISK], budgets["disk_files"])
         yield entries
+
+
+def _oracle_metrics(totals: dict) -> Iterable[Any]:
+    """The live oracle (``lineage.misses``): what an unbounded cache would have restored, and
+    why each token it had was not restored (every reason exported from 0)."""
+    oracle = CounterMetricFamily("apc_lineage_oracle_tokens", "Prompt tokens an unbounded cache would have "
+                                 "restored on the same traffic (the live oracle, block-rounded)")
+    oracle.add_metric([], totals["oracle_tokens"])
+    yield oracle
+    lost = CounterMetricFamily("apc_lineage_lost_tokens", "Oracle tokens not restored, by reason",
+                               labels=["reason"])
+    for reason, tokens in totals["lost_tokens"].items():
+        lost.add_metric([reason], tokens)
+    yield lost
 
 
 def _disk_metrics(health: dict) -> Iterable[Any]:
@@ -151,7 +170,7 @@ def _disk_metrics(health: dict) -> Iterable[Any]:
     yield free
 
 
-def exposition(runtime_getter: Callable[[], Any], traffic: Any) -> bytes:
+def exposition(parts: Parts) -> bytes:
     registry = CollectorRegistry()
-    registry.register(LineageCollector(runtime_getter, traffic))
+    registry.register(LineageCollector(parts))
     return generate_latest(registry)

@@ -18,7 +18,7 @@ from typing import Any, Optional
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
-from server_patch.integration import runtime as lineage_runtime
+from server_patch.admin.deps import PartsDep
 from server_patch.serving.served import SERVED, TEXT
 
 model_router = APIRouter()
@@ -41,7 +41,7 @@ def _app_module() -> Any:
     return module
 
 
-def model_view() -> dict[str, Any]:
+def model_view(parts: Any) -> dict[str, Any]:
     """What is served and loaded, and the lineage runtimes and threads open (one of each kind
     after any number of switches)."""
     module = sys.modules.get("mlx_vlm.server.app")
@@ -50,9 +50,9 @@ def model_view() -> dict[str, Any]:
     except Exception:
         loaded = None
     threads = sorted(t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX))
-    current = lineage_runtime.current()
+    current = parts.runtimes.current
     return {"served": SERVED.as_dict(), "loaded_model": loaded,
-            "lineage": {"open_runtimes": lineage_runtime.open_runtimes(), "threads": threads,
+            "lineage": {"open_runtimes": parts.runtimes.count(), "threads": threads,
                         "runtime_started": current.started if current is not None else None}}
 
 
@@ -75,12 +75,12 @@ def _load(module: Any, body: SwitchBody) -> None:
 
 
 @model_router.get("/model", summary="The served model (and its names), the loaded one, open lineage runtimes")
-def served_model() -> dict[str, Any]:
-    return model_view()
+def served_model(parts: PartsDep) -> dict[str, Any]:
+    return model_view(parts)
 
 
 @model_router.post("/model", summary="Switch the served model: unload the old one (its cache written), load this")
-async def switch_model(body: SwitchBody) -> dict[str, Any]:
+async def switch_model(body: SwitchBody, parts: PartsDep) -> dict[str, Any]:
     module = _app_module()
     await asyncio.to_thread(_load, module, body)
-    return model_view()
+    return model_view(parts)

@@ -24,7 +24,7 @@ _ALWAYS_OPEN = ("/admin", "/health", "/metrics", "/v1/metrics", "/docs", "/opena
 
 
 class Traffic:
-    """Counters the admin endpoint reads; one per process."""
+    """Counters the admin endpoint and the canary read; one per server (``integration.parts``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -54,8 +54,6 @@ class Traffic:
                     "rejected_while_draining": self.rejected}
 
 
-TRAFFIC = Traffic()
-
 
 def counted(path: str) -> bool:
     """Inference traffic: everything but the admin, health and metrics routes."""
@@ -65,7 +63,7 @@ def counted(path: str) -> bool:
 class TrafficMiddleware:
     """Counts in-flight inference requests and turns them away while draining."""
 
-    def __init__(self, app: Callable, traffic: Traffic = TRAFFIC) -> None:
+    def __init__(self, app: Callable, traffic: Traffic) -> None:
         self.app = app
         self.traffic = traffic
 

@@ -1,4 +1,4 @@
-"""JSON shapes of the admin endpoint: what an operator sees of entries, anchors and events."""
+"""The admin endpoint's answers, built as their types (``admin.schema``): entries, anchors, events, sizing."""
 
 from __future__ import annotations
 
@@ -6,63 +6,49 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from server_patch.admin.schema import (Budgets, CacheEvent, CheckpointInfo, DiskVolume, EntryInfo, EntryKind,
+                                      Residence, Sizing)
 from server_patch.lineage import DiskRecord, Entry, Event
 
 
-def checkpoint_view(entry: Entry) -> list[dict[str, Any]]:
-    return [{"length": c.length, "kind": c.kind, "bytes": c.nbytes, "created": c.created,
-             "last_hit": c.last_hit, "hits": c.hits} for c in entry.checkpoints]
+def _kind(is_anchor: bool) -> EntryKind:
+    return EntryKind.ANCHOR if is_anchor else EntryKind.CONVERSATION
 
 
-def entry_view(entry: Entry, record: DiskRecord | None = None) -> dict[str, Any]:
+def checkpoint_view(entry: Entry) -> list[CheckpointInfo]:
+    return [CheckpointInfo(length=c.length, kind=c.kind, bytes=c.nbytes, created=c.created, last_hit=c.last_hit,
+                           hits=c.hits) for c in entry.checkpoints]
+
+
+def entry_view(entry: Entry, record: DiskRecord | None = None) -> EntryInfo:
     """One lineage entry or anchor held in RAM (and maybe on disk too)."""
-    return {
-        "id": entry.id,
-        "kind": "anchor" if entry.is_anchor else "conversation",
-        "pinned": entry.pinned,
-        "length": entry.length,
-        "bytes": entry.nbytes,
-        "kv_bytes": int(entry.kv.nbytes),
-        "kv_buffer_bytes": int(entry.kv.held_nbytes),
-        "checkpoint_bytes": entry.checkpoint_bytes,
-        "created": entry.created,
-        "last_used": entry.last_used,
-        "last_hit": entry.last_hit,
-        "hits": entry.hits,
-        "tier": "ram+disk" if record is not None else "ram",
-        "disk_bytes": record.nbytes if record is not None else 0,
-        "label": entry.label,
-        "namespace": entry.namespace,
-        "checkpoints": checkpoint_view(entry),
-    }
+    return EntryInfo(
+        id=entry.id, kind=_kind(entry.is_anchor), pinned=entry.pinned, length=entry.length, bytes=entry.nbytes,
+        kv_bytes=int(entry.kv.nbytes), kv_buffer_bytes=int(entry.kv.held_nbytes),
+        checkpoint_bytes=entry.checkpoint_bytes, created=entry.created, last_used=entry.last_used,
+        last_hit=entry.last_hit, hits=entry.hits, tier=Residence.RAM_DISK if record is not None else Residence.RAM,
+        disk_bytes=record.nbytes if record is not None else 0, label=entry.label, namespace=entry.namespace,
+        checkpoints=checkpoint_view(entry))
 
 
-def record_view(record: DiskRecord) -> dict[str, Any]:
+def record_view(record: DiskRecord) -> EntryInfo:
     """An entry that lives only on disk (its header is all RAM knows of it)."""
-    return {
-        "id": record.id,
-        "kind": "anchor" if record.is_anchor else "conversation",
-        "pinned": record.pinned,
-        "length": record.length,
-        "bytes": 0,
-        "kv_bytes": 0,
-        "checkpoint_bytes": 0,
-        "created": None,
-        "last_used": record.last_used,
-        "last_hit": None,
-        "hits": 0,
-        "tier": "disk",
-        "disk_bytes": record.nbytes,
-        "label": record.label,
-        "namespace": record.namespace,
-        "checkpoints": [{"length": n, "kind": k, "bytes": None, "created": None, "last_hit": None,
-                         "hits": 0} for n, k in record.checkpoints],
-    }
+    return EntryInfo(
+        id=record.id, kind=_kind(record.is_anchor), pinned=record.pinned, length=record.length, bytes=0, kv_bytes=0,
+        checkpoint_bytes=0, created=None, last_used=record.last_used, last_hit=None, hits=0, tier=Residence.DISK,
+        disk_bytes=record.nbytes, label=record.label, namespace=record.namespace,
+        checkpoints=[CheckpointInfo(length=n, kind=k, bytes=None, created=None, last_hit=None, hits=0)
+                     for n, k in record.checkpoints])
+
+
+def cache_event(seq: int, at: float, event: Event) -> CacheEvent:
+    return CacheEvent(seq=seq, time=at, type="cache", event=event.kind, entry_id=event.entry_id, length=event.length,
+                      bytes=event.nbytes, detail=event.detail)
 
 
 def event_view(seq: int, at: float, event: Event) -> dict[str, Any]:
-    return {"seq": seq, "time": at, "type": "cache", "event": event.kind, "entry_id": event.entry_id,
-            "length": event.length, "bytes": event.nbytes, "detail": event.detail}
+    """A cache event as the event stream and the journal write it."""
+    return cache_event(seq, at, event).to_json()
 
 
 # ---------------------------------------------------------------------- sizing
@@ -81,12 +67,12 @@ def human_size(n: int) -> str:
     return f"{value:.1f} TiB"
 
 
-def configured_budgets(config: Any, disk_used: int = 0, disk_files: int = 0) -> dict[str, int]:
+def configured_budgets(config: Any, disk_used: int = 0, disk_files: int = 0) -> Budgets:
     """``LineageCache.budgets()``'s shape before the cache exists: the limits, nothing in RAM."""
-    return {"ram_used": 0, "ram_limit": int(config.ram_budget_bytes), "conversation_bytes": 0,
-            "disk_queue_bytes": 0, "anchor_bytes": 0, "anchor_bytes_limit": int(config.anchor_max_bytes),
-            "anchor_count": 0, "anchor_count_limit": int(config.anchor_max_entries), "disk_used": disk_used,
-            "disk_limit": int(config.disk_max_bytes), "entries": 0, "disk_files": disk_files}
+    return Budgets(ram_used=0, ram_limit=int(config.ram_budget_bytes), conversation_bytes=0, disk_queue_bytes=0,
+                   anchor_bytes=0, anchor_bytes_limit=int(config.anchor_max_bytes), anchor_count=0,
+                   anchor_count_limit=int(config.anchor_max_entries), disk_used=disk_used,
+                   disk_limit=int(config.disk_max_bytes), entries=0, disk_files=disk_files)
 
 
 def sizing_warnings(config: Any, *, ram_total: int | None, disk_enabled: bool, disk_free: int | None,
@@ -104,7 +90,7 @@ def sizing_warnings(config: Any, *, ram_total: int | None, disk_enabled: bool, d
     return out
 
 
-def disk_volume(root: Path, count_files: bool = True) -> dict[str, Any]:
+def disk_volume(root: Path, count_files: bool = True) -> DiskVolume:
     """Free and total bytes of the volume ``root`` is (or will be) on, and (``count_files``) the
     bytes of the cache files already there (the running cache's index knows them already)."""
     import shutil
@@ -124,11 +110,11 @@ def disk_volume(root: Path, count_files: bool = True) -> dict[str, Any]:
                 files += 1
     except OSError:
         pass
-    return {"path": str(root), "free_bytes": free, "total_bytes": total, "files_bytes": used, "files": files}
+    return DiskVolume(enabled=True, path=str(root), free_bytes=free, total_bytes=total, files_bytes=used, files=files)
 
 
 def sizing_view(config: Any, env: Mapping[str, str] = os.environ,
-                budgets: dict[str, int] | None = None) -> dict[str, Any]:
+                budgets: Budgets | Mapping[str, int] | None = None) -> Sizing:
     """Budgets (``budgets`` when the cache runs, else the configured ones), physical memory,
     the disk volume's free space, and what this machine cannot honour."""
     import psutil
@@ -136,10 +122,11 @@ def sizing_view(config: Any, env: Mapping[str, str] = os.environ,
     from server_patch.disk.paths import default_disk_root, disk_enabled
 
     enabled = disk_enabled(env)
-    disk = {"enabled": enabled, **(disk_volume(default_disk_root(env), budgets is None) if enabled else {})}
+    disk = disk_volume(default_disk_root(env), budgets is None) if enabled else DiskVolume(enabled=False)
     if budgets is None:
-        budgets = configured_budgets(config, disk.get("files_bytes", 0), disk.get("files", 0))
+        budgets = configured_budgets(config, disk.files_bytes or 0, disk.files or 0)
+    budgets = Budgets.from_json(budgets, "budgets")
     ram_total = int(psutil.virtual_memory().total)
-    warnings = sizing_warnings(config, ram_total=ram_total, disk_enabled=enabled, disk_free=disk.get("free_bytes"),
-                               disk_used=int(budgets.get("disk_used", 0)))
-    return {"budgets": budgets, "ram_total_bytes": ram_total, "disk": disk, "warnings": warnings}
+    warnings = sizing_warnings(config, ram_total=ram_total, disk_enabled=enabled, disk_free=disk.free_bytes,
+                               disk_used=budgets.disk_used)
+    return Sizing(budgets=budgets, ram_total_bytes=ram_total, disk=disk, warnings=warnings)

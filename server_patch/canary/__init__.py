@@ -6,37 +6,24 @@
 * ``runner``: runs checks on the generation thread between loop turns, only while idle, and
   abandons them at the next chunk boundary when a request arrives; the optional schedule;
 * ``book``: results, counters, suspect restore kinds (``APC_CANARY_ON_FAIL=cold``);
-* ``metrics``: the Prometheus families; ``faults``: test-only corruption.
+* ``metrics``: the Prometheus families; ``faults``: test-only corruption;
+* ``service``: the book and the runner as one part (``Canary``), which the server's parts
+  (``integration.parts``) build; the generation loop's idle hook reaches it through the door.
 
-The overlay calls ``on_idle``; the coordinator asks ``refuses``. Neither ever raises.
+This package module imports none of its modules (so ``runner`` and the package never import
+each other); ``refuses`` is kept for callers that hold no parts yet.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
-log = logging.getLogger("server_patch.canary")
-
-
-def on_idle(generator: Any) -> None:
-    """The generation loop found nothing to do: run (a part of) a queued check."""
-    try:
-        from server_patch.canary.runner import RUNNER
-        from server_patch.integration import runtime as lineage_runtime
-
-        current = lineage_runtime.current()
-        if current is not None:
-            RUNNER.on_idle(generator, current)
-    except Exception as exc:  # never into the generation loop: its handler drops the batch
-        log.warning("apc_canary idle pass failed: %s", exc)
-
 
 def refuses(kind: str) -> bool:
-    """Whether a request must prefill ``kind`` cold (a failed check, APC_CANARY_ON_FAIL=cold)."""
+    """Whether a request must prefill ``kind`` cold, by the server's canary; never raises.
+    Prefer ``LineageRuntime.refuses``, which holds its canary (this finds the server's parts)."""
     try:
-        from server_patch.canary.book import BOOK
+        from server_patch.integration.parts import of_server
 
-        return BOOK.refuses(kind)
+        parts = of_server()
+        return parts is not None and parts.canary.refuses(kind)
     except Exception:  # never fails an admission
         return False

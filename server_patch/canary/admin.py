@@ -13,11 +13,9 @@ from typing import Any, Optional
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
+from server_patch.admin.deps import PartsDep
 from server_patch.canary import points as P
-from server_patch.canary.book import BOOK
 from server_patch.canary.check import FAIL, PASS, SKIP
-from server_patch.canary.runner import RUNNER
-from server_patch.integration import runtime as lineage_runtime
 from server_patch.lineage import LOG_KINDS, CacheError
 
 verify_router = APIRouter()
@@ -37,8 +35,8 @@ class ClearBody(BaseModel):
     kind: Optional[str] = Field(None, description="Clear only this restore kind (default: all).")
 
 
-def _runtime() -> Any:
-    current = lineage_runtime.current()
+def _runtime(parts: Any) -> Any:
+    current = parts.runtimes.current
     if current is None:
         raise HTTPException(409, detail="no model has been served yet: nothing to verify")
     return current
@@ -58,12 +56,13 @@ def _choose(cache: Any, body: VerifyBody) -> list[P.Point]:
 
 
 @verify_router.post("/verify", summary="Check restore points against a cold prefill (runs while idle)")
-def verify(body: Optional[VerifyBody] = None) -> dict[str, Any]:
+def verify(parts: PartsDep, body: Optional[VerifyBody] = None) -> dict[str, Any]:
     body = body or VerifyBody()
-    current = _runtime()
+    current = _runtime(parts)
     chosen = _choose(current.cache, body)
-    job = RUNNER.submit(chosen, source="admin")
-    complete = _wait(job, body.timeout_s)
+    book = parts.canary.book
+    job = parts.canary.runner.submit(chosen, source="admin")
+    complete = _wait(job, body.timeout_s, parts.traffic)
     if not complete:
         job.cancelled = True
     order = {(p.entry_id, p.tier, p.length): i for i, p in enumerate(chosen)}
@@ -72,32 +71,32 @@ def verify(body: Optional[VerifyBody] = None) -> dict[str, Any]:
     counts = {name: sum(1 for r in results if r["result"] == name) for name in (PASS, FAIL, SKIP)}
     return {"complete": complete, "points": len(chosen), "results": results, **counts,
             "errors": sum(1 for r in results if r["result"] not in (PASS, FAIL, SKIP)),
-            "abandoned": job.abandons, "suspects": sorted(BOOK.suspects), "on_fail": BOOK.on_fail}
+            "abandoned": job.abandons, "suspects": sorted(book.suspects), "on_fail": book.on_fail}
 
 
-def _wait(job: Any, timeout_s: float) -> bool:
+def _wait(job: Any, timeout_s: float, traffic: Any) -> bool:
     """Until the job is done, the timeout passes, or the server begins to shut down (a waiting
     handler would hold uvicorn's shutdown, and so the flush of unwritten entries, until then)."""
-    from server_patch.admin.traffic import TRAFFIC
-
     deadline = time.monotonic() + timeout_s
     while not job.done.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
-        if time.monotonic() >= deadline or TRAFFIC.shutting_down.is_set():
+        if time.monotonic() >= deadline or traffic.shutting_down.is_set():
             return False
     return True
 
 
 @verify_router.get("/verify", summary="The canary's counters, last result, suspect kinds and schedule")
-def verify_state() -> dict[str, Any]:
-    return {**BOOK.summary(), "queued": RUNNER.queued(), "running": RUNNER.running,
-            "interval_s": RUNNER.schedule.interval_s, "idle_s": RUNNER.schedule.idle_s,
-            "chunk": RUNNER.settings.chunk, "max_tokens": RUNNER.settings.max_tokens,
-            "recent": list(BOOK.history)[-20:]}
+def verify_state(parts: PartsDep) -> dict[str, Any]:
+    book, runner = parts.canary.book, parts.canary.runner
+    return {**book.summary(), "queued": runner.queued(), "running": runner.running,
+            "interval_s": runner.schedule.interval_s, "idle_s": runner.schedule.idle_s,
+            "chunk": runner.settings.chunk, "max_tokens": runner.settings.max_tokens,
+            "recent": list(book.history)[-20:]}
 
 
 @verify_router.post("/verify/clear", summary="Clear suspect restore kinds: requests restore them again")
-def verify_clear(body: Optional[ClearBody] = None) -> dict[str, Any]:
+def verify_clear(parts: PartsDep, body: Optional[ClearBody] = None) -> dict[str, Any]:
     kind = body.kind if body else None
     if kind is not None and kind not in LOG_KINDS:
         raise HTTPException(422, detail=f"unknown restore kind {kind!r}")
-    return {"cleared": BOOK.clear(kind), "suspects": sorted(BOOK.suspects)}
+    book = parts.canary.book
+    return {"cleared": book.clear(kind), "suspects": sorted(book.suspects)}

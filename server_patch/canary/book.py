@@ -1,6 +1,6 @@
 """What the canary found: counts by result, the last difference, suspect restore kinds.
 
-One book per process (the server serves one text model at a time). Every result is logged
+One book per server (``integration.parts``: the server serves one text model at a time). Every result is logged
 (``apc_canary result=...``), goes to the runtime's event ring as a ``canary`` event (so the
 admin event stream, the dashboard and the journal see it) and is counted here for
 ``/admin/metrics``. A failed check marks its restore kind *suspect*; with
@@ -118,5 +118,3 @@ def _emit(runtime: Any, event: Event) -> None:
         except Exception:  # an observer must never break the canary
             pass
 
-
-BOOK = Book(on_fail=on_fail_from_env())

@@ -1,4 +1,4 @@
-"""The canary's Prometheus families, read at scrape time from the book."""
+"""The canary's Prometheus families, read at scrape time from its book."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ from typing import Any, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from server_patch.canary.book import Book
 
-def families() -> Iterable[Any]:
+
+def families(book: Book) -> Iterable[Any]:
     """``apc_lineage_canary_total{result}``, the last max |difference| and its tolerance, and
     ``apc_lineage_canary_suspect{kind}`` (1 per restore kind a failed check marked)."""
-    from server_patch.canary.book import BOOK
-
-    summary = BOOK.summary()
+    summary = book.summary()
     total = CounterMetricFamily("apc_lineage_canary", "Canary checks (restore vs cold prefill) by result",
                                 labels=["result"])
     for result, count in summary["counts"].items():

@@ -20,7 +20,7 @@ import os
 import random
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,10 +28,12 @@ import mlx.core as mx
 
 from server_patch import clock, settings
 
+from server_patch.admin.traffic import Traffic
 from server_patch.canary import faults, points as P
-from server_patch.canary.book import BOOK
+from server_patch.canary.book import Book
 from server_patch.canary.check import ERROR, SKIP, Abandoned, Result, Settings, check_entry, compute_dtype
 from server_patch.canary.compare import Tolerance, tolerance_for
+from server_patch.disk.loader import LOADS
 from server_patch.state.splits import family_of
 from server_patch.lineage import DISK
 
@@ -69,7 +71,13 @@ class Job:
 
 
 class Runner:
-    def __init__(self, settings: Settings | None = None, schedule: Schedule | None = None) -> None:
+    """Runs queued checks when the server is idle; records each result in ``book``. ``traffic``:
+    the HTTP side's in-flight count and last finish, which ``busy``/``quiet`` read."""
+
+    def __init__(self, book: Book, traffic: Traffic, settings: Settings | None = None,
+                 schedule: Schedule | None = None) -> None:
+        self.book = book
+        self.traffic = traffic
         self.settings = settings or settings_from_env()
         self.schedule = schedule or Schedule.from_env()
         self._jobs: deque[Job] = deque()
@@ -97,9 +105,9 @@ class Runner:
         faults.corrupt_states(runtime)
 
         def busy() -> bool:
-            return _busy(generator)
+            return _busy(generator, self.traffic)
 
-        if busy() or not _quiet_for(self.schedule.idle_s):
+        if busy() or not _quiet_for(self.traffic, self.schedule.idle_s):
             return
         job = self._next_job(runtime)
         if job is None:
@@ -117,10 +125,12 @@ class Runner:
                 del job.remaining[(entry_id, tier)]
                 for result in results:
                     job.results.append(result)
-                    BOOK.record(result, runtime)
+                    self.book.record(result, runtime)
+        except LoadPending:
+            return  # its file loads on the loader thread: the next idle pass goes on
         except Abandoned:
             job.abandons += 1
-            BOOK.abandoned()
+            self.book.abandoned()
             log.info("apc_canary abandoned: a request arrived; %d entries of the check left, retried when idle",
                      len(job.remaining))
             return
@@ -164,6 +174,10 @@ class Runner:
             return [Result(p, ERROR, f"{type(exc).__name__}: {exc}") for p in targets]
 
 
+class LoadPending(Exception):
+    """A disk point's file is still loading off the generation thread; the check resumes later."""
+
+
 def _from_ram(runtime: Any, entry_id: str) -> tuple[Any, str]:
     entry = runtime.cache.get(entry_id)
     if entry is None:
@@ -177,14 +191,17 @@ def _from_disk(runtime: Any, record_id: str) -> tuple[Any, str]:
     """The file loaded into a temporary entry, through the same validation a request's load
     runs, and not promoted: a check must not change what RAM holds (promoting would evict
     conversations to make room, and an idle canary would reorder the LRU). A file that fails
-    validation is forgotten exactly as a request's lookup forgets it."""
+    validation is forgotten exactly as a request's lookup forgets it. The file loads on the
+    loader thread (``disk.loader``), never on the generation thread: ``LoadPending`` until done."""
     record = next((r for r in runtime.cache.records() if r.id == record_id), None)
     if record is None or runtime.disk is None:
         return None, "file no longer on disk"
-    before = Counter(runtime.disk.rejects)
-    entry = runtime.disk.load(record)
+    ready, loaded = LOADS.poll(runtime.disk, record)
+    if not ready:
+        raise LoadPending(record_id)
+    entry, why = loaded
     if entry is None:
-        why = ",".join(sorted(Counter(runtime.disk.rejects) - before)) or "failed validation"
+        why = why or "failed validation"
         runtime.cache.promote(record, None, reason=why)
         return None, f"file rejected by the disk tier ({why}): requests prefill it cold"
     return entry, ""
@@ -218,23 +235,16 @@ def _media_ids(model: Any) -> frozenset[int]:
         return frozenset()
 
 
-def _busy(generator: Any) -> bool:
+def _busy(generator: Any, traffic: Traffic) -> bool:
     """A request is queued for the generation thread, or in flight on the HTTP side (being
     read or tokenized, not queued yet), or the server is stopping."""
-    from server_patch.admin.traffic import TRAFFIC
-
     try:
         queued = not generator.requests.empty()
     except AttributeError:
         queued = False
-    return queued or TRAFFIC.in_flight > 0 or bool(getattr(generator, "_stop", False))
+    return queued or traffic.in_flight > 0 or bool(getattr(generator, "_stop", False))
 
 
-def _quiet_for(seconds: float) -> bool:
-    from server_patch.admin.traffic import TRAFFIC
-
-    last = TRAFFIC.last_finished
+def _quiet_for(traffic: Traffic, seconds: float) -> bool:
+    last = traffic.last_finished
     return last is None or clock.monotonic() - last >= seconds
-
-
-RUNNER = Runner()

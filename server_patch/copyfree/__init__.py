@@ -11,5 +11,6 @@
 * ``counter``: a debug copy counter (``APC_COPY_COUNTER=1``) that counts the bytes every
   cache copy moves, including the implicit copy-on-write of a shared buffer.
 
-Settings live in ``settings``; ``hooks`` is what the patched mlx-vlm files call.
+Settings live in ``settings``; the patched mlx-vlm files reach this package through the one door,
+``server_patch.integration.hooks``.
 """

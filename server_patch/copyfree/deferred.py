@@ -4,8 +4,9 @@ At the prefill end a row alone in its batch is *deferred*: its snapshot is kept 
 and its own KV buffer is adopted, truncated, once its request stops writing it (it leaves the
 decoding batch, or its rows are concatenated into a shared batch). With reply reuse a row
 sharing its batch is deferred too, found by uid when needed and copied out once when it ends.
-A lookup that would restore from a deferred entry commits it first (``DeferredBook.surface``),
-by a copy, so deferral never hides a restore point.
+A lookup that would restore from a deferred entry commits it first (``surfaces``), by a copy,
+so deferral never hides a restore point. A request's deferral is its row's ``deferral``
+(``integration.rowlife``); these are the mechanics.
 
 When a tracked row ends and its cache provably holds prompt + the ids it was fed
 (``replies.validated``), ``commit_reply`` moves its entry's head past the reply: a lone row's
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -33,8 +34,6 @@ from server_patch.state import rows
 
 # The commit lines go to the lineage log (operators and tests read them there).
 log = logging.getLogger("server_patch.lineage")
-
-RowFinder = Callable[[Any], Optional[tuple[list[Any], int]]]  # uid -> (its batch's caches, index)
 
 
 @dataclass
@@ -51,72 +50,33 @@ class Deferred:
     shared: bool = False
 
 
-class DeferredBook:
-    """Deferred entries by uid, and their commits. ``store(pending, kv, head)`` commits an
-    entry at its prompt end (the coordinator's, through the request flow)."""
+def resolve(layout: Any, settings: CopyFreeSettings, deferred: Deferred, caches: list[Any], idx: int, *,
+            adopt: bool, reason: str, store: Callable[[Any, Any, Any], bool]) -> Optional[float]:
+    """Commit a deferred entry: adopt the row's buffer (views) or copy the row, then
+    ``store(pending, kv, head)`` it at its prompt end. Returns the milliseconds it took, or
+    None if the row was gone (removed mid-prefill: no entry, never garbage)."""
+    start = time.perf_counter()
+    final = deferred.pending.final
+    capacity = rows.buffer_rows(caches)
+    adopt = adopt and settings.adoptable(final, capacity)
+    try:
+        kv = rows.kv_rows(layout, caches, idx, final, copy=not adopt)
+        store(deferred.pending, kv, deferred.head)
+    except Exception as exc:  # the row is gone (removed mid-prefill): no entry, never garbage
+        log.warning("apc_lineage deferred commit of %d tokens dropped (%s): %s", final, reason, exc)
+        return None
+    elapsed = (time.perf_counter() - start) * 1000
+    log.info("apc_copyfree commit uid=%s mode=%s reason=%s tokens=%d kv_bytes=%d buffer_rows=%d "
+             "deferred_s=%.2f ms=%.1f", deferred.uid, "adopt" if adopt else "copy", reason, final,
+             kv.nbytes, capacity, time.monotonic() - deferred.since, elapsed)
+    return elapsed
 
-    def __init__(self, layout: Any, settings: CopyFreeSettings, timings: Any,
-                 store: Callable[[Any, Any, Any], bool]) -> None:
-        self._layout, self._settings, self._timings, self._store = layout, settings, timings, store
-        self._items: dict[Any, Deferred] = {}
 
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def add(self, deferred: Deferred) -> None:
-        self._items[deferred.uid] = deferred
-
-    def get(self, uid: Any) -> Optional[Deferred]:
-        return self._items.get(uid)
-
-    def pop(self, uid: Any) -> Optional[Deferred]:
-        return self._items.pop(uid, None)
-
-    def resolve(self, deferred: Deferred, caches: list[Any], idx: int, *, adopt: bool, reason: str) -> None:
-        """Commit a deferred entry: adopt the row's buffer (views) or copy the row."""
-        start = time.perf_counter()
-        final = deferred.pending.final
-        capacity = rows.buffer_rows(caches)
-        adopt = adopt and self._settings.adoptable(final, capacity)
-        try:
-            kv = rows.kv_rows(self._layout, caches, idx, final, copy=not adopt)
-            self._store(deferred.pending, kv, deferred.head)
-        except Exception as exc:  # the row is gone (removed mid-prefill): no entry, never garbage
-            log.warning("apc_lineage deferred commit of %d tokens dropped (%s): %s", final, reason, exc)
-            return
-        elapsed = (time.perf_counter() - start) * 1000
-        record = self._timings.by_uid(deferred.uid)
-        if record is not None:
-            record.commit_ms += elapsed
-        log.info("apc_copyfree commit uid=%s mode=%s reason=%s tokens=%d kv_bytes=%d buffer_rows=%d "
-                 "deferred_s=%.2f ms=%.1f", deferred.uid, "adopt" if adopt else "copy", reason, final,
-                 kv.nbytes, capacity, time.monotonic() - deferred.since, elapsed)
-
-    def surface(self, prompt: np.ndarray, namespace: str, restorable: int, *,
-                active: Optional[Iterable[Any]], row_of: RowFinder, forget: Callable[[Any], Any]) -> bool:
-        """Commit deferred entries a lookup would restore from (``restorable``: what it
-        restores now), and those nobody writes any more (not ``active``; ``forget`` drops
-        their tracked reply). True if a useful one was committed (plan again)."""
-        alive = set(active) if active is not None else None
-        surfaced = False
-        for uid, deferred in list(self._items.items()):
-            orphan = alive is not None and uid not in alive
-            useful = deferred.pending.namespace == namespace and best_restore(deferred.pending, prompt) > restorable
-            if orphan:
-                forget(uid)
-            if orphan or useful:
-                del self._items[uid]
-                reason = "orphan" if orphan else "lookup"
-                if not deferred.shared:
-                    self.resolve(deferred, deferred.caches, 0, adopt=orphan, reason=reason)
-                elif (found := row_of(uid)) is not None:
-                    self.resolve(deferred, found[0], found[1], adopt=False, reason=reason)
-                else:  # its row is gone and nothing saw it leave: no entry, never garbage
-                    log.warning("apc_lineage deferred entry of %d tokens lost: its row left unseen",
-                                deferred.pending.final)
-                    continue
-                surfaced = surfaced or useful
-        return surfaced
+def surfaces(deferred: Deferred, prompt: np.ndarray, namespace: str, restorable: int) -> bool:
+    """Whether a lookup of ``prompt`` would restore more from this deferred entry than the
+    ``restorable`` tokens it restores now (so it is committed first: deferral never hides a
+    restore point)."""
+    return deferred.pending.namespace == namespace and best_restore(deferred.pending, prompt) > restorable
 
 
 def commit_reply(layout: Any, settings: CopyFreeSettings, reply: Reply, batch: Any, idx: int, *,
@@ -167,4 +127,4 @@ def best_restore(pending: Any, prompt: np.ndarray) -> int:
     return max((n for n in lengths if n <= common and n < prompt.shape[0]), default=0)
 
 
-__all__ = ["Deferred", "DeferredBook", "RowFinder", "best_restore", "commit_reply"]
+__all__ = ["Deferred", "best_restore", "commit_reply", "resolve", "surfaces"]

@@ -19,16 +19,20 @@ A loan ends in one of two ways:
   (``give_back``). If the buffer is no longer where a lone row keeps it, the entry is
   dropped: a cold prefill later, never garbage.
 
-``LeaseBook`` keeps the loans in force, by the borrowing request's key, and ends them.
-Everything here runs on the generation thread, which is the only one that writes caches.
+The loan itself is the cache's receipt (``LineageCache.lend``/``end``): while it is out the
+entry is not evictable, writable nor rewindable, and the cache refuses a loan of an entry
+queued for writing (the writer reads its rows). A request's loan is its row's ``loan``
+(``integration.rowlife``). Everything here runs on the generation thread, which is the only
+one that writes caches.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
+from server_patch.lineage.model import Loan
 from server_patch.state.layout import CacheLayout, MlxKV
 
 log = logging.getLogger("server_patch.copyfree")
@@ -38,13 +42,15 @@ events = logging.getLogger("server_patch.lineage")
 
 @dataclass
 class Lease:
-    """One entry's KV buffers, lent to one request."""
+    """One entry's KV buffers, lent to one request under a receipt (``LineageCache.lend``)."""
 
-    entry: Any  # the policy's Entry; ``entry.kv`` is the lent ``MlxKV``
-    key: Any  # the borrowing prompt's key (its uid comes later, from ``bind_rows``)
+    loan: Loan  # the cache's receipt: the entry is not evictable, writable nor rewindable meanwhile
     holder: list[Any]  # per-layer caches that hold the buffers now
-    uid: Any = None
     merged: bool = False  # the batch cache was built around the buffers (not a copy of them)
+
+    @property
+    def entry(self) -> Any:
+        return self.loan.entry
 
     @property
     def kv(self) -> MlxKV:
@@ -90,79 +96,41 @@ def give_back(layout: CacheLayout, lease: Lease, caches: Sequence[Any] | None = 
         return False
 
 
-class LeaseBook:
-    """The loans in force, by the borrowing request's key, over one cache and its layout.
-    Ending a loan gives the rows back to the entry, or drops the entry if they are gone."""
-
-    def __init__(self, layout: CacheLayout, cache: Any) -> None:
-        self._layout, self._cache = layout, cache
-        self._loans: dict[Any, Lease] = {}
-
-    def __len__(self) -> int:
-        return len(self._loans)
-
-    def __contains__(self, key: Any) -> bool:
-        return key in self._loans
-
-    def get(self, key: Any) -> Optional[Lease]:
-        return self._loans.get(key)
-
-    def lend(self, key: Any, entry: Any, snapshot: Any, length: int) -> list[Any]:
-        """Restored row caches around ``entry``'s own buffers, lent to request ``key``."""
-        warm = lend(self._layout, entry.kv, snapshot, length)
-        self._loans[key] = Lease(entry, key, list(warm))
-        return warm
-
-    def bind(self, key: Any, uid: Any) -> None:
-        """The borrower's generator uid, once its batch is built."""
-        lease = self._loans.get(key)
-        if lease is not None and lease.uid is None:
-            lease.uid = uid
-
-    def end(self, lease: Lease, caches: Optional[Sequence[Any]] = None, *, reason: str) -> bool:
-        """Give the lent rows back to their entry (or drop the entry if they are gone)."""
-        self._loans.pop(lease.key, None)
-        kept = give_back(self._layout, lease, caches, still_stored=self._cache.holds)
-        if not kept:
-            self._cache.drop(lease.entry.id, "lent rows lost")
-        events.info("apc_copyfree loan of entry %s ended: %s%s", lease.entry.id, reason,
-                    "" if kept else " (entry dropped)")
-        return kept
-
-    def end_of(self, uid: Any, caches: Optional[Sequence[Any]], *, reason: str) -> None:
-        """End the loans of borrower ``uid`` (``caches``: where its buffers are now)."""
-        if uid is None:
-            return
-        for lease in [lease for lease in self._loans.values() if lease.uid == uid]:
-            self.end(lease, caches, reason=reason)
-
-    def sweep(self, entry: Any, reclaimed: set[str], active: Optional[Iterable[Any]]) -> bool:
-        """Before a lookup builds anything: end the loan of ``entry`` (the rows this prompt
-        needs; its id goes into ``reclaimed``), loans whose borrower is not ``active`` any
-        more, and loans never merged (their batch was not a lone row). True if an entry had
-        to be dropped."""
-        alive = set(active) if active is not None else None
-        dropped = False
-        for lease in list(self._loans.values()):
-            if entry is lease.entry:
-                reason = "shared"
-                reclaimed.add(lease.entry.id)
-            elif not lease.merged:
-                reason = "unmerged"
-            elif alive is not None and lease.uid is not None and lease.uid not in alive:
-                reason = "orphan"
-            else:
-                continue
-            dropped = not self.end(lease, reason=reason) or dropped
-        return dropped
-
-    def settle(self) -> None:
-        """Loans whose entry was absorbed (by the borrower's own entry) or evicted are over:
-        the buffer belongs to whoever writes it now."""
-        for lease in list(self._loans.values()):
-            if not self._cache.holds(lease.entry):
-                del self._loans[lease.key]
-                events.info("apc_copyfree loan of entry %s ended: absorbed", lease.entry.id)
+def lend_entry(layout: CacheLayout, cache: Any, plan: Any) -> Optional[Lease]:
+    """Restored row caches around ``plan.entry``'s own buffers, under the cache's receipt;
+    None if the cache refuses the loan (the entry is queued for writing, or lent already)."""
+    loan = cache.lend(plan)
+    if loan is None:
+        return None
+    try:
+        return Lease(loan, list(lend(layout, plan.entry.kv, plan.state, plan.length)))
+    except Exception:
+        cache.end(loan)
+        raise
 
 
-__all__ = ["Lease", "LeaseBook", "give_back", "has_room", "lend", "lendable"]
+def end(layout: CacheLayout, cache: Any, lease: Lease, caches: Optional[Sequence[Any]] = None, *,
+        reason: str) -> bool:
+    """End ``lease``: the rows go back to their entry (or the entry is dropped if they are
+    gone), and the receipt is returned. Returns False if the entry was dropped."""
+    kept = give_back(layout, lease, caches, still_stored=cache.holds)
+    cache.end(lease.loan)
+    if not kept:
+        cache.drop(lease.entry.id, "lent rows lost")
+    events.info("apc_copyfree loan of entry %s ended: %s%s", lease.entry.id, reason,
+                "" if kept else " (entry dropped)")
+    return kept
+
+
+def absorbed(cache: Any, lease: Lease) -> bool:
+    """Whether the loan is over because its entry left the cache (the borrower's own entry
+    absorbed it, or it was evicted): the buffer belongs to whoever writes it now. If so, the
+    receipt is returned."""
+    if cache.holds(lease.entry):
+        return False
+    cache.end(lease.loan)
+    events.info("apc_copyfree loan of entry %s ended: absorbed", lease.entry.id)
+    return True
+
+
+__all__ = ["Lease", "absorbed", "end", "give_back", "has_room", "lend", "lend_entry", "lendable"]

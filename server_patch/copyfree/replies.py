@@ -8,23 +8,19 @@ pipelining makes the ids it reports exactly the ones the cache took: ``_step`` f
 ``_next_tokens`` and returns the ids it fed, and ``next`` emits them (a stop id included);
 the id sampled last is never fed and never reported.
 
-A row is tracked from its prefill end (``LineageCoordinator._commit``) until it leaves the
-decoding batch; the book is bounded and forgets rows that are no longer in any batch, so a
+A row is tracked from its prefill end until it leaves the decoding batch (its row's ``reply``,
+``integration.rowlife``); a lookup forgets the replies of rows no batch holds any more, so a
 row whose leaving was never seen costs nothing but its reply.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
 from server_patch.state import rows
-
-_TRACKED_MAX = 512
 
 
 @dataclass
@@ -42,47 +38,6 @@ class Reply:
         return int(self.pending.tokens.shape[0]) + len(self.fed)
 
 
-class ReplyBook:
-    """Tracked rows by uid, bounded (oldest forgotten first). Generation thread only, but
-    /admin may read its size, so a lock guards the dict."""
-
-    def __init__(self, limit: int = _TRACKED_MAX) -> None:
-        self._rows: OrderedDict[Any, Reply] = OrderedDict()
-        self._lock = threading.Lock()
-        self._limit = limit
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def track(self, uid: Any, reply: Reply) -> None:
-        with self._lock:
-            self._rows[uid] = reply
-            while len(self._rows) > self._limit:
-                self._rows.popitem(last=False)
-
-    def decoded(self, uids: Sequence[Any], tokens: Sequence[int]) -> None:
-        """One decode step: ``tokens[i]`` was fed to row ``uids[i]``."""
-        if len(uids) != len(tokens):  # not the shape this hook was written for: stop tracking
-            for uid in uids:
-                self.take(uid)
-            return
-        for uid, token in zip(uids, tokens):
-            reply = self._rows.get(uid)
-            if reply is not None:
-                reply.fed.append(int(token))
-
-    def take(self, uid: Any) -> Optional[Reply]:
-        with self._lock:
-            return self._rows.pop(uid, None)
-
-    def sweep(self, active: Iterable[Any]) -> None:
-        """Forget rows no batch holds any more (their leaving was never reported)."""
-        alive = set(active)
-        with self._lock:
-            for uid in [u for u in self._rows if u not in alive]:
-                del self._rows[uid]
-
-
 def validated(layout: Any, reply: Reply, batch: Any, idx: int) -> Optional[np.ndarray]:
     """The fed reply ids, if row ``idx`` of ``batch`` provably holds prompt + exactly those:
     the generator counted as many tokens as were reported, and every KV cache of the row
@@ -95,4 +50,4 @@ def validated(layout: Any, reply: Reply, batch: Any, idx: int) -> Optional[np.nd
     return np.asarray(reply.fed, dtype=np.int32)
 
 
-__all__ = ["Reply", "ReplyBook", "validated"]
+__all__ = ["Reply", "validated"]

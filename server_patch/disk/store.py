@@ -105,6 +105,9 @@ def _as_mlx(raw: mx.array | np.ndarray) -> mx.array:
 class DiskStore:
     """The policy's ``DiskTier`` over a directory, written by the process's one writer thread."""
 
+    # ``write`` only queues: the policy never waits for a file, it frees RAM at once (``budget``).
+    writes_in_background = True
+
     def __init__(self, root: Path | str, *, fingerprint: str, layout: CacheLayout,
                  min_free: float | None = None) -> None:
         self.root = private_dir(Path(root))

@@ -1,7 +1,8 @@
 """A row's buffers from restore to leaving the batch: loans, deferred entries, tracked replies.
 
 The coordinator answers mlx-vlm's verbs; what happens to a row's KV buffers in between is
-decided here, over the three books in ``server_patch.copyfree`` and the generator's rows:
+decided here, over the rows of the ``RowBook`` (``integration.rowlife``: one record per
+request) with the mechanics of ``server_patch.copyfree``, and the generator's rows:
 
 * at admission a lone request that extends an entry at its head is *lent* the entry's buffer
   (``may_lend``), or the entry is rewound to the protected prompt end it restores at so it
@@ -12,6 +13,10 @@ decided here, over the three books in ``server_patch.copyfree`` and the generato
 * when rows leave the decoding batch, are concatenated into a shared one, or are removed
   mid-prefill (``leaving``, ``joining``, ``removed``), deferred entries are committed, replies
   kept, and loans end.
+
+A row's commit has one home, ``commit`` (past its reply where it checks out, else its
+deferred prompt-end state), and one store, ``_store``; the prefill end's immediate copy is
+the only other caller of ``_store``.
 
 Every step runs on the generation thread, the only one that writes caches.
 """
@@ -24,13 +29,15 @@ from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
+from server_patch.copyfree import deferred as deferral
 from server_patch.copyfree import lease as lending
 from server_patch.copyfree import merge as copyfree_merge
-from server_patch.copyfree.deferred import Deferred, DeferredBook, commit_reply
-from server_patch.copyfree.replies import Reply, ReplyBook
+from server_patch.copyfree.deferred import Deferred
+from server_patch.copyfree.replies import Reply
 from server_patch.copyfree.settings import CopyFreeSettings
 from server_patch.integration.generator import GeneratorView
 from server_patch.integration.pending import Pending, RequestKey
+from server_patch.integration.rowlife import RowBook, RowLife, RowState
 from server_patch.integration.runtime import LineageRuntime
 from server_patch.lineage import RestorePlan
 from server_patch.state import rows
@@ -49,36 +56,80 @@ class Commits(Protocol):
         """Past the reply: ``kv``, ``head``, ``prompt_head``, ``captures``."""
         ...
 
-    def note_commit(self, pending: Pending, uid: Any, start: float) -> None:
+    def note_commit(self, row: RowLife, start: float) -> None:
         """The commit's time and captures, on the request's timing record."""
         ...
 
 
 class BatchRows:
-    """The loans, deferred entries and tracked replies of one runtime's batch rows."""
+    """What happens to the KV buffers of one runtime's rows: loans, deferrals, replies."""
 
     def __init__(self, runtime: LineageRuntime, settings: CopyFreeSettings, generator: GeneratorView,
-                 commits: Commits) -> None:
+                 commits: Commits, book: RowBook) -> None:
         self.runtime, self.settings, self.generator, self.commits = runtime, settings, generator, commits
-        self.deferred = DeferredBook(runtime.layout, settings, runtime.timings, self._store)
-        self.leases = lending.LeaseBook(runtime.layout, runtime.cache)
-        self.replies = ReplyBook()
+        self.book = book
 
     # ------------------------------------------------------------------ admission
 
     def sweep(self) -> None:
         """Forget tracked replies of rows no batch holds any more."""
-        if len(self.replies) and (active := self.generator.active_uids()) is not None:
-            self.replies.sweep(active)
+        if self.book.replying() and (active := self.generator.active_uids()) is not None:
+            self.book.forget_replies(active)
 
     def settle(self, prompt: np.ndarray, namespace: str, plan: RestorePlan, reclaimed: set[str]) -> bool:
         """The flow's settle hook: commit deferred entries this plan would miss, end loans of
         the rows it needs (their ids go into ``reclaimed``). True: plan again."""
         active = self.generator.active_uids()
-        if self.deferred and self.deferred.surface(prompt, namespace, plan.length, active=active,
-                                                   row_of=self.generator.row_of, forget=self.replies.take):
+        if self._surface(prompt, namespace, plan.length, active):
             return True  # a deferred entry was committed: there may be a longer restore point
-        return bool(self.leases) and self.leases.sweep(plan.entry, reclaimed, active)
+        return self._sweep_loans(plan.entry, reclaimed, active)
+
+    def _surface(self, prompt: np.ndarray, namespace: str, restorable: int, active: Optional[set[Any]]) -> bool:
+        """Commit deferred entries a lookup would restore from (``restorable``: what it
+        restores now), and those nobody writes any more (not ``active``; their tracked reply
+        is forgotten). True if a useful one was committed (plan again)."""
+        surfaced = False
+        for row in self.book.deferred():
+            deferred = row.deferral
+            orphan = active is not None and row.uid not in active
+            useful = deferral.surfaces(deferred, prompt, namespace, restorable)
+            if orphan:
+                row.reply = None
+            if not (orphan or useful):
+                continue
+            reason = "orphan" if orphan else "lookup"
+            if not deferred.shared:
+                self.commit(row, deferred.caches, 0, adopt=orphan, reason=reason)
+            elif (found := self.generator.row_of(row.uid)) is not None:
+                self.commit(row, found[0], found[1], adopt=False, reason=reason)
+            else:  # its row is gone and nothing saw it leave: no entry, never garbage
+                row.deferral = None
+                self.book.tidy(row)
+                log.warning("apc_lineage deferred entry of %d tokens lost: its row left unseen",
+                            deferred.pending.final)
+                continue
+            surfaced = surfaced or useful
+        return surfaced
+
+    def _sweep_loans(self, entry: Any, reclaimed: set[str], active: Optional[set[Any]]) -> bool:
+        """Before a lookup builds anything: end the loan of ``entry`` (the rows this prompt
+        needs; its id goes into ``reclaimed``), loans whose borrower is not ``active`` any
+        more, and loans never merged (their batch was not a lone row). True if an entry had
+        to be dropped."""
+        dropped = False
+        for row in self.book.lent():
+            lease = row.loan
+            if entry is lease.entry:
+                reason = "shared"
+                reclaimed.add(lease.entry.id)
+            elif not lease.merged:
+                reason = "unmerged"
+            elif active is not None and row.uid is not None and row.uid not in active:
+                reason = "orphan"
+            else:
+                continue
+            dropped = not self._end_loan(row, reason=reason) or dropped
+        return dropped
 
     def may_rewind(self, plan: RestorePlan) -> bool:
         """A prompt that restores at an entry's protected prompt end (it did not re-render the
@@ -105,61 +156,77 @@ class BatchRows:
         merged by mlx-vlm's packed merge, which copies, so there is no buffer to lend."""
         return self.settings.lending and not self.runtime.layout.packed
 
-    def restore(self, key: RequestKey, plan: RestorePlan, reclaimed: set[str]) -> tuple[list[Any], bool]:
-        """The restored row caches (truncated views, or the entry's own lent buffers) and
-        whether they were lent. Raises if they cannot be built (a lent entry cannot)."""
+    def restore(self, key: RequestKey, plan: RestorePlan, reclaimed: set[str]) -> tuple[list[Any], Any]:
+        """The restored row caches (truncated views, or the entry's own lent buffers) and the
+        loan (a ``Lease``, None for views). Raises if they cannot be built (a lent entry cannot)."""
         entry = plan.entry
         assert entry is not None
-        if key not in self.leases and entry.id not in reclaimed and self.may_lend(plan):
-            return self.leases.lend(key, entry, plan.state, plan.length), True
-        return self.runtime.layout.build(entry.kv, plan.state, plan.length), False
+        if not self.book.lent_to(key) and entry.id not in reclaimed and self.may_lend(plan):
+            lease = lending.lend_entry(self.runtime.layout, self.runtime.cache, plan)
+            if lease is not None:
+                return lease.holder, lease
+        return self.runtime.layout.build(entry.kv, plan.state, plan.length), None
 
     def merge(self, keys: Sequence[Optional[RequestKey]], row_caches: Sequence[Sequence[Any]],
               prefix_lens: Sequence[int], suffixes: Sequence[int]) -> Optional[list[Any]]:
         """One copy per restored row into buffers with room for the suffix and the decode
         reserve; none when a lone row was lent its entry's buffer. None: stock's merge."""
-        leases = [self.leases.get(key) if key is not None else None for key in keys]
-        lone = leases[0] if len(keys) == 1 else None
-        for lease in leases:
-            if lease is not None and lease is not lone:  # rows sharing a batch: the merge copies
-                self.leases.end(lease, reason="batch")
+        found = [self.book.by_key(key) if key is not None else None for key in keys]
+        lent = [row if row is not None and row.loan is not None else None for row in found]
+        lone = lent[0] if len(keys) == 1 else None
+        for row in lent:
+            if row is not None and row is not lone:  # rows sharing a batch: the merge copies
+                self._end_loan(row, reason="batch")
         headroom = self.settings.lend_headroom if len(keys) == 1 and self.settings.lending else 0
         caches = copyfree_merge.merge_rows(row_caches, prefix_lens, suffixes, self.settings.decode_reserve,
                                            headroom=headroom, lend=lone is not None)
         if lone is not None:
             if caches is None:
-                self.leases.end(lone, reason="fallback")
+                self._end_loan(lone, reason="fallback")
             else:
-                lone.holder, lone.merged = list(caches), True
+                lone.loan.holder, lone.loan.merged = list(caches), True
         return caches
-
-    def bind(self, key: RequestKey, uid: Any) -> None:
-        self.leases.bind(key, uid)
 
     # ------------------------------------------------------------------ prefill end
 
-    def prefill_end(self, pending: Pending, prompt_cache: Sequence[Any], batch_idx: Optional[int],
+    def prefill_end(self, row: RowLife, prompt_cache: Sequence[Any], batch_idx: Optional[int],
                     uid: Any) -> bool:
         """Commit the row's entry at its prompt end: deferred (a lone row; with reply reuse a
         shared one too, copied out once when it ends) or copied out now."""
         start = time.perf_counter()
-        layout = self.runtime.layout
+        pending, layout = row.pending, self.runtime.layout
+        if uid is not None and row.uid is None:  # stored before its batch was bound: bound now
+            self.book.bind(row.key, uid)
         lone = self._deferrable(prompt_cache, uid)
         if lone or (self.settings.enabled and self.reply_reuse(pending, uid)):
             head = rows.capture(layout, prompt_cache, batch_idx, pending.final)
-            self.deferred.add(Deferred(pending, head, list(prompt_cache) if lone else [], uid,
-                                       time.monotonic(), shared=not lone))
+            row.deferral = Deferred(pending, head, list(prompt_cache) if lone else [], uid,
+                                    time.monotonic(), shared=not lone)
             committed = True
         else:
             kv, head = rows.extract(layout, prompt_cache, batch_idx, pending.final)
-            committed = self._store(pending, kv, head)
-        self.track_reply(pending, head, uid)
-        self.commits.note_commit(pending, uid, start)
+            committed = self._store(row.pending, kv, head)
+        self._decoding(row, head, uid, "prefill end")
+        self.commits.note_commit(row, start)
         return committed
 
+    def resent(self, row: RowLife, uid: Any) -> None:
+        """A prompt restored at its own prompt end has nothing to prefill: it is at its prefill
+        end now, its restored state its prompt-end snapshot (no store will commit it)."""
+        self._decoding(row, row.pending.plan.state, uid, "resend")
+
+    def _decoding(self, row: RowLife, head: Any, uid: Any, event: str) -> None:
+        """Past the prefill end: its reply tracked from ``head``; a row with no uid (the
+        single-sequence path: no later event will come) ends here."""
+        row.move(RowState.DECODING, event)
+        self.track_reply(row, head, uid)
+        if uid is None:
+            self.book.end(row, event)
+
     def _store(self, pending: Pending, kv: Any, head: Any) -> bool:
+        """The one store of a prompt-end entry."""
         committed = self.commits.store(pending, kv, head)
-        self._settle_leases()  # a loan whose entry the commit absorbed is over
+        self._settle_loans()  # a loan whose entry the commit absorbed is over
         return committed
 
     def _deferrable(self, prompt_cache: Sequence[Any], uid: Any) -> bool:
@@ -167,6 +234,25 @@ class BatchRows:
         if not (self.settings.enabled and self.settings.adopt) or uid is None or not self.generator.plain():
             return False
         return rows.batch_size(prompt_cache) == 1
+
+    # ------------------------------------------------------------------ the commit
+
+    def commit(self, row: RowLife, caches: list[Any], idx: int, *, adopt: bool, reason: str,
+               batch: Any = None) -> None:
+        """The one home of a row's commit once nothing but its own request writes its rows:
+        past its reply when it leaves the decoding batch (``batch``) and the row checks out,
+        else its deferred prompt-end state (adopted where ``adopt``, else copied)."""
+        deferred = row.deferral
+        reply, row.reply = (row.reply, None) if batch is not None else (None, row.reply)
+        if reply is not None and self._keep_reply(reply, batch, idx, alone=adopt, deferred=deferred):
+            row.deferral = None
+        elif deferred is not None:
+            row.deferral = None
+            elapsed = deferral.resolve(self.runtime.layout, self.settings, deferred, caches, idx,
+                                       adopt=adopt, reason=reason, store=self._store)
+            if elapsed is not None and row.record is not None and not row.timed:
+                row.record.commit_ms += elapsed
+        self.book.tidy(row)
 
     # ------------------------------------------------------------------ reply reuse
 
@@ -180,69 +266,78 @@ class BatchRows:
             return False
         return pending.final == int(pending.tokens.shape[0]) - config.entry_offset
 
-    def track_reply(self, pending: Pending, head: Any, uid: Any) -> None:
+    def track_reply(self, row: RowLife, head: Any, uid: Any) -> None:
         """Record the ids row ``uid`` is fed from now on (``head``: its prompt-end state)."""
-        if self.reply_reuse(pending, uid):
-            self.replies.track(uid, Reply(pending, head, self.runtime.timings.by_uid(uid)))
-
-    def decoded(self, uids: Sequence[Any], tokens: Sequence[int]) -> None:
-        if len(self.replies):
-            self.replies.decoded(uids, tokens)
+        if self.reply_reuse(row.pending, uid):
+            row.reply = Reply(row.pending, head, row.record)
 
     def _keep_reply(self, reply: Reply, batch: Any, idx: int, *, alone: bool,
                     deferred: Optional[Deferred]) -> bool:
         """Move the row's entry past its reply (``copyfree.deferred.commit_reply``)."""
-        return commit_reply(self.runtime.layout, self.settings, reply, batch, idx, alone=alone,
-                            deferred=deferred, settle=self._settle_leases, store=self.commits.store_reply)
+        return deferral.commit_reply(self.runtime.layout, self.settings, reply, batch, idx, alone=alone,
+                                     deferred=deferred, settle=self._settle_loans,
+                                     store=self.commits.store_reply)
 
-    def _settle_leases(self) -> None:
+    # ------------------------------------------------------------------ loans
+
+    def _end_loan(self, row: RowLife, caches: Optional[Sequence[Any]] = None, *, reason: str) -> bool:
+        """Give the row's lent rows back to their entry (or drop the entry if they are gone)."""
+        lease, row.loan = row.loan, None
+        kept = lending.end(self.runtime.layout, self.runtime.cache, lease, caches, reason=reason)
+        self.book.tidy(row)
+        return kept
+
+    def _settle_loans(self) -> None:
         """Loans whose entry was absorbed or evicted are over."""
-        if self.leases:
-            self.leases.settle()
+        for row in self.book.lent():
+            if lending.absorbed(self.runtime.cache, row.loan):
+                row.loan = None
+                self.book.tidy(row)
 
     # ------------------------------------------------------------------ rows going away
 
     def leaving(self, batch: Any, keep: Sequence[int]) -> None:
         """``GenerationBatch.filter``: rows not in ``keep`` stop writing their caches now.
         A tracked row's entry moves past its reply; otherwise a deferred one is committed at
-        its prompt end."""
-        if not self.deferred and not self.leases and not len(self.replies):
-            return
+        its prompt end. The row has ended."""
         kept = set(keep)
         alone = len(batch.uids) == 1
         for i, uid in enumerate(list(batch.uids)):
-            if i in kept:
+            if i in kept or (row := self.book.by_uid(uid)) is None:
                 continue
-            reply = self.replies.take(uid)
-            deferred = self.deferred.pop(uid)
-            kept_reply = reply is not None and self._keep_reply(reply, batch, i, alone=alone, deferred=deferred)
-            if deferred is not None and not kept_reply:
-                self.deferred.resolve(deferred, list(batch.prompt_cache), i, adopt=alone, reason="end")
-            self.leases.end_of(uid, batch.prompt_cache if alone else None, reason="end")
+            self.commit(row, list(batch.prompt_cache), i, adopt=alone, reason="end", batch=batch)
+            if row.loan is not None:
+                self._end_loan(row, batch.prompt_cache if alone else None, reason="end")
+            self.book.end(row, "leaving")
 
     def joining(self, existing: Any, incoming: Any) -> None:
         """Before ``existing.extend(incoming)``: a lone row's buffer is about to be replaced by
         the concatenation, so it can be adopted as it is."""
-        if (not self.deferred and not self.leases) or len(existing) == 0:
+        if len(existing) == 0:
             return
         for batch in (existing, incoming):
             alone = len(batch.uids) == 1
             for i, uid in enumerate(list(batch.uids)):
-                deferred = self.deferred.get(uid)
-                if deferred is not None and not deferred.shared:  # shared rows move along, by uid
-                    self.deferred.resolve(self.deferred.pop(uid), list(batch.prompt_cache), i, adopt=alone,
-                                          reason="join")
-                self.leases.end_of(uid, batch.prompt_cache if alone else None, reason="join")
+                if (row := self.book.by_uid(uid)) is None:
+                    continue
+                if row.deferral is not None and not row.deferral.shared:  # shared rows move along, by uid
+                    self.commit(row, list(batch.prompt_cache), i, adopt=alone, reason="join")
+                if row.loan is not None:
+                    self._end_loan(row, batch.prompt_cache if alone else None, reason="join")
 
     def removed(self, uid: Any) -> None:
         """A request is taken out of the prompt batch mid-prefill: its loan ends now, it will
-        feed no reply, and a deferred row sharing the batch is committed now, while it is there."""
-        self.replies.take(uid)
-        deferred = self.deferred.get(uid)
+        feed no reply, and a deferred row sharing the batch is committed now, while it is there.
+        The row has ended (a lone row's deferral waits for a lookup to adopt it)."""
+        if (row := self.book.by_uid(uid)) is None:
+            return
+        row.reply = None
+        deferred = row.deferral
         if deferred is not None and deferred.shared and (found := self.generator.row_of(uid)) is not None:
-            self.deferred.pop(uid)
-            self.deferred.resolve(deferred, found[0], found[1], adopt=False, reason="removed")
-        self.leases.end_of(uid, None, reason="removed")
+            self.commit(row, found[0], found[1], adopt=False, reason="removed")
+        if row.loan is not None:
+            self._end_loan(row, None, reason="removed")
+        self.book.end(row, "removed")
 
 
 __all__ = ["BatchRows", "Commits"]

@@ -19,8 +19,10 @@ adapter that answers those verbs; the decisions are made elsewhere:
 * the generator's hooks (rows decoded, leaving, joining, removed; ``copyfree.hooks``) go to
   ``BatchRows``.
 
-Every request is named by its namespace and its tokens (``pending.request_key``): pending
-prompts, loans and timing records never mix two tenants that send the same tokens.
+Every request is one record (``integration.rowlife.RowLife``: its pending prompt, loan,
+deferral, reply and timing record, and its ``RowState``), named by its namespace and its tokens
+(``pending.request_key``) until ``bind_rows`` names it by the generator's uid: two tenants that
+send the same tokens never share one. Each verb and hook here is one transition of it.
 Block-mode (pure attention) models keep stock behaviour. ``APC_COPYFREE=0`` keeps the stock
 merge and commits every entry by an immediate copy.
 """
@@ -42,9 +44,11 @@ from server_patch.integration.batch_rows import BatchRows
 from server_patch.integration.generator import GeneratorView
 from server_patch.integration.pending import Pending, RequestKey, namespace_of, request_key
 from server_patch.integration.prefill import Prefills
+from server_patch.integration.rowlife import RowBook
 from server_patch.integration.runtime import LineageRuntime, runtime_for
 from server_patch.lineage import DISK, KVAdmission, as_tokens
 from server_patch.lineage.flow import Admission
+from server_patch.lineage.misses import Lost
 
 log = logging.getLogger("server_patch.lineage")
 
@@ -54,6 +58,7 @@ class _Lineage:
     """The lineage cache's parts for one model: built together, or not at all (stock APC)."""
 
     runtime: LineageRuntime
+    book: RowBook  # one record per request (``integration.rowlife``)
     prefills: Prefills
     rows: BatchRows
 
@@ -61,17 +66,22 @@ class _Lineage:
 class LineageCoordinator(APCCoordinator):
     """APCCoordinator whose checkpoint mode is the lineage cache."""
 
-    def __init__(self, manager: Any, model: Any) -> None:
+    def __init__(self, manager: Any, model: Any, *, runtime: LineageRuntime | None = None) -> None:
+        """``runtime``: the model's lineage runtime (default: the one of ``manager``, made on
+        first use; the row-machine tests hand in a light one)."""
         super().__init__(manager, model)
         self.copyfree: CopyFreeSettings = pool.configure()
         self.generator = GeneratorView()
         self.lineage: _Lineage | None = None
         if self.enabled and self.is_checkpoint:
-            language_model = getattr(model, "language_model", model)
-            model_dir = getattr(model, "model_path", None) or getattr(language_model, "_apc_model_path", None)
-            runtime = runtime_for(manager, language_model, model_dir)
-            prefills = Prefills(runtime)
-            self.lineage = _Lineage(runtime, prefills, BatchRows(runtime, self.copyfree, self.generator, prefills))
+            if runtime is None:
+                language_model = getattr(model, "language_model", model)
+                model_dir = getattr(model, "model_path", None) or getattr(language_model, "_apc_model_path", None)
+                runtime = runtime_for(manager, language_model, model_dir)
+            book = RowBook(runtime.timings)
+            prefills = Prefills(runtime, book)
+            rows = BatchRows(runtime, self.copyfree, self.generator, prefills, book)
+            self.lineage = _Lineage(runtime, book, prefills, rows)
 
     @property
     def runtime(self) -> LineageRuntime | None:
@@ -94,7 +104,7 @@ class LineageCoordinator(APCCoordinator):
         start = time.perf_counter()
         prompt, namespace = as_tokens(token_ids), namespace_of(extra_hash)
         key = request_key(namespace, prompt)
-        record = lineage.runtime.timings.open(key, int(prompt.shape[0]))
+        record = lineage.runtime.timings.open(int(prompt.shape[0]))
         rows = lineage.rows
         rows.sweep()
         reclaimed: set[str] = set()  # entries whose loans this lookup ended: never lent again now
@@ -102,25 +112,29 @@ class LineageCoordinator(APCCoordinator):
                                     settle=lambda plan: rows.settle(prompt, namespace, plan, reclaimed),
                                     disk_refused=lambda: canary.refuses(DISK))
         plan = admission.plan
-        if key not in rows.leases and plan.entry is not None and plan.entry.id not in reclaimed:
+        if not lineage.book.lent_to(key) and plan.entry is not None and plan.entry.id not in reclaimed:
             plan = admission.rewind(rows.may_rewind)
         if plan.hit and canary.refuses(plan.kind):  # a failed canary check (ON_FAIL=cold): cold
-            plan = admission.refuse()
-        warm, lent = None, False
+            plan = admission.refuse(Lost.CANARY)
+        warm, lease = None, None
         if plan.hit and plan.length >= safe_lookup_min and suffix_is_text_only(plan.length):
             try:
-                warm, lent = rows.restore(key, plan, reclaimed)
+                warm, lease = rows.restore(key, plan, reclaimed)
             except Exception as exc:  # fail closed: a cold prefill, never garbage (a lent entry raises)
                 fail_closed(exc, f"apc_lineage restore of {plan.entry.id} at {plan.length}", log=log)
-        if warm is None:
-            admission.refuse()
-        lineage.prefills.pending.remember(Pending(prompt, namespace, admission.plan))
+        if warm is None:  # a lent entry's rows are a loan in the way; media, a failed build: other
+            admission.refuse(Lost.LOAN if plan.entry is not None and plan.entry.lent else Lost.OTHER)
+        lineage.book.admit(Pending(prompt, namespace, admission.plan), record, lease)
         record.lookup_ms = (time.perf_counter() - start) * 1000
         if warm is None:
             admission.cold()
+            miss = admission.miss
+            record.oracle, record.lost, record.lost_why = miss.oracle, miss.lost, miss.detail
             return None
-        kv_admission = KVAdmission.LENT if lent else KVAdmission.COPIED
+        kv_admission = KVAdmission.LENT if lease is not None else KVAdmission.COPIED
         admission.restored(kv_admission)
+        miss = admission.miss
+        record.oracle, record.lost, record.lost_why = miss.oracle, miss.lost, miss.detail
         record.restore_kind = DISK if admission.tier == DISK else plan.kind
         record.restored_tokens, record.entry_id = plan.length, plan.entry.id
         record.kv_admission, record.admission_ms = kv_admission, record.lookup_ms
@@ -141,9 +155,9 @@ class LineageCoordinator(APCCoordinator):
             result = super().merge_rows(picks, prefix_lens, kv_quant_config=kv_quant_config)
         merge_ms = (time.perf_counter() - start) * 1000
         for key in keys:
-            record = lineage.runtime.timings.by_key(key) if key is not None else None
-            if record is not None:
-                record.admission_ms += merge_ms
+            row = lineage.book.by_key(key) if key is not None else None
+            if row is not None and row.record is not None:
+                row.record.admission_ms += merge_ms
         return result
 
     def _merge_copyfree(self, rows: BatchRows, picks: Sequence[Optional[dict]],
@@ -165,17 +179,16 @@ class LineageCoordinator(APCCoordinator):
         return caches, max(prefix_lens) if prefix_lens else 0
 
     def bind_rows(self, uids: Sequence[Any], metas: Sequence[Optional[dict]]) -> None:
-        """Tie each row to the generator's uid (called when a batch is built): its timing
-        record, its loan, and the reply of a prompt restored at its own prompt end."""
+        """Tie each row to the generator's uid (called when a batch is built): its record is
+        named by the uid from now on; a prompt restored at its own prompt end is at its
+        prefill end already, its reply tracked."""
         if (lineage := self.lineage) is None or not metas:
             return
         for uid, meta in zip(uids, metas):
             if meta is not None and "full_input_ids" in meta:
-                key = _key_of(meta)
-                lineage.runtime.timings.bind(uid, key)
-                lineage.rows.bind(key, uid)
-                if (resend := lineage.prefills.resend(key)) is not None:
-                    lineage.rows.track_reply(resend, resend.plan.state, uid)
+                row = lineage.book.bind(_key_of(meta), uid)
+                if row is not None and lineage.prefills.resend(row):
+                    lineage.rows.resent(row, uid)
 
     # ------------------------------------------------------------------ captures and commits
 
@@ -190,8 +203,8 @@ class LineageCoordinator(APCCoordinator):
         if (lineage := self.lineage) is None:
             return super().store_checkpoint(token_ids, prompt_cache, extra_hash=extra_hash,
                                             batch_idx=batch_idx)
-        took, ending = lineage.prefills.take(token_ids, prompt_cache, extra_hash, batch_idx)
-        committed = [lineage.rows.prefill_end(pending, prompt_cache, batch_idx, uid) for pending in ending]
+        took, ending = lineage.prefills.take(token_ids, prompt_cache, extra_hash, batch_idx, uid)
+        committed = [lineage.rows.prefill_end(row, prompt_cache, batch_idx, uid) for row in ending]
         return any(committed) or took
 
     def commit(self, prompt_cache, token_ids, *, batch_idx=None, extra_hash=0,
@@ -208,7 +221,7 @@ class LineageCoordinator(APCCoordinator):
     def rows_decoded(self, batch: Any, tokens: Sequence[int]) -> None:
         """``GenerationBatch.next``: ``tokens[i]`` was just fed to row ``batch.uids[i]``."""
         if self.lineage is not None:
-            self.lineage.rows.decoded(list(batch.uids), tokens)
+            self.lineage.book.decoded(list(batch.uids), tokens)
 
     def rows_leaving(self, batch: Any, keep: Sequence[int]) -> None:
         """``GenerationBatch.filter``: rows not in ``keep`` stop writing their caches now."""
@@ -224,6 +237,29 @@ class LineageCoordinator(APCCoordinator):
         """A request is taken out of the prompt batch mid-prefill."""
         if self.lineage is not None:
             self.lineage.rows.removed(uid)
+
+    # ------------------------------------------------------------------ the server's request events
+
+    def prefill_completed(self, uid: Any, request_id: Any, prompt_time_s: float) -> None:
+        """The row's prefill ended (the server's prompt-time report): its restore line."""
+        if self.lineage is not None:
+            self.lineage.book.prefill_completed(uid, request_id, prompt_time_s)
+
+    def first_token(self, uid: Any, request_id: Any, ttft_s: float) -> None:
+        """The row's first token reached its client: its record is finished."""
+        if self.lineage is not None:
+            self.lineage.book.first_token(uid, request_id, ttft_s)
+
+    def cancelled(self, uid: Any, request_id: Any, queued_tokens: int | None) -> None:
+        """The request was cancelled and the generator let it go; ``queued_tokens``: its
+        prompt length if it was still queued (it never reached a lookup), else None."""
+        if (lineage := self.lineage) is None:
+            return
+        if queued_tokens is not None:
+            lineage.runtime.timings.cancelled_queued(request_id, queued_tokens)
+            lineage.runtime.cache.note_cancelled_queued()
+        else:
+            lineage.book.cancelled(uid, request_id)
 
 
 def _key_of(meta: dict) -> RequestKey:

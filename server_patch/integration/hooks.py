@@ -1,40 +1,168 @@
-"""The few functions patched mlx-vlm code calls; each is cheap and never raises."""
+"""The one door: every call the patched mlx-vlm files make into the lineage cache comes here.
+
+Each function is handed what it acts on by its call site in mlx-vlm: the coordinator (a
+``BatchGenerator``'s ``apc``, a ``PromptProcessingBatch``'s ``_apc_coordinator``, the one a
+``GenerationBatch`` was built with) or the server's parts (``ServerRuntime.apc_parts``). Nothing
+is looked up by name and nothing is tagged onto mlx-vlm's objects. The one way to tell a lineage
+coordinator from stock's (``APC_LINEAGE=0`` leaves no overlay at all, but block-mode models and
+``APC_ENABLED=0`` keep mlx-vlm's own ``APCCoordinator``) is ``_lineage``: an ``isinstance``.
+
+None of these raises into mlx-vlm: a failure is logged (and re-raised under
+``APC_TEST_FAULTS=1``, ``server_patch.failclosed``) or, for the timing records, logged at debug.
+
+* built with the server: ``build_parts`` (the ``ServerRuntime`` field), ``install_admin``,
+  ``wrap_apply_chat_template``; ``coordinator`` (the factory in generate/ar.py, dispatch.py);
+* the batch generator's rows: ``generator_started``, ``rows_bound``, ``rows_decoded``,
+  ``rows_leaving``, ``batches_joining``, ``request_removed``; the buffer pool: ``clear``;
+* the server's request events: ``prefill_completed``, ``first_token``, ``queued_tokens``,
+  ``cancelled``; the idle loop: ``idle``; the model's end: ``model_unloading``, ``shutdown``.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from server_patch.integration import runtime as _runtime
+from server_patch.copyfree import pool
+from server_patch.failclosed import fail_closed
+
+if TYPE_CHECKING:
+    from server_patch.integration.coordinator import LineageCoordinator
+    from server_patch.integration.parts import Parts
 
 log = logging.getLogger("server_patch.lineage")
+copyfree_log = logging.getLogger("server_patch.copyfree")
 
 
-def prefill_completed(uid: Any, info: dict, prompt_time_s: float) -> None:
-    current = _runtime.current()
-    if current is None:
+def _lineage(coordinator: Any) -> "LineageCoordinator | None":
+    """``coordinator`` if it is the lineage cache's, else None (stock APC, or no APC)."""
+    from server_patch.integration.coordinator import LineageCoordinator
+
+    return coordinator if isinstance(coordinator, LineageCoordinator) else None
+
+
+# ---------------------------------------------------------------------- built with the server
+
+
+def build_parts() -> "Parts":
+    """The server's parts, built once with mlx-vlm's ``ServerRuntime``."""
+    from server_patch.integration.parts import Parts
+
+    return Parts.from_env()
+
+
+def install_admin(app: Any, parts: "Parts") -> None:
+    """/admin, the traffic gate and the guard on mlx-vlm's app, reading ``parts``."""
+    from server_patch.admin.api import install
+
+    install(app, parts)
+
+
+def wrap_apply_chat_template(apply: Callable[..., Any], parts: "Parts") -> Callable[..., Any]:
+    """mlx-vlm's ``apply_chat_template``, noting each rendered request in the server's finder."""
+    from server_patch.integration.segments import wrap_apply_chat_template as wrap
+
+    return wrap(apply, parts.finder)
+
+
+def coordinator(manager: Any, model: Any) -> Any:
+    """The APC coordinator of ``manager`` (never None: the call sites check the manager):
+    the lineage cache's, whose runtime the server's parts adopt, replacing (and closing) the
+    one of a model served before. A library caller with no server gets the coordinator alone
+    (its runtime still one per manager). mlx-vlm's generate modules have no server in scope,
+    so this is where the server's parts are read (``parts.of_server``)."""
+    from server_patch.integration.coordinator import LineageCoordinator
+    from server_patch.integration.parts import of_server
+
+    parts = of_server()
+    if parts is not None:
+        parts.runtimes.replacing(manager)
+    built = LineageCoordinator(manager, model)
+    if parts is not None and built.runtime is not None:
+        parts.runtimes.adopt(manager, built.runtime, parts)
+    return built
+
+
+# ---------------------------------------------------------------------- the batch generator's rows
+
+
+def clear(site: str) -> None:
+    """Stock's per-chunk, per-prompt-batch and per-request ``mx.clear_cache()``, now opt-in
+    (``APC_POOL_CLEAR=1``, ``server_patch.copyfree.pool``)."""
+    try:
+        pool.clear(site)
+    except Exception as exc:
+        fail_closed(exc, f"apc_copyfree pool clear at {site}", log=copyfree_log)
+
+
+def generator_started(coordinator: Any, generator: Any) -> None:
+    """A ``BatchGenerator`` built its coordinator: the coordinator learns who else decodes."""
+    _tell(coordinator, "apc_copyfree attach", lambda lineage: lineage.attach_generator(generator))
+
+
+def rows_bound(coordinator: Any, uids: Sequence[Any], metas: Sequence[dict]) -> None:
+    """A prompt batch was built: each row's uid is bound to its lookup (timing records, loans)."""
+    if (lineage := _lineage(coordinator)) is not None:
+        lineage.bind_rows(uids, metas)
+
+
+def batches_joining(coordinator: Any, existing: Any, incoming: Any) -> None:
+    """Before a finished prompt batch joins (or becomes) the decoding batch."""
+    _tell(coordinator, "apc_copyfree join hook", lambda lineage: lineage.batches_joining(existing, incoming))
+
+
+def rows_leaving(coordinator: Any, batch: Any, keep: Sequence[int]) -> None:
+    """Before ``GenerationBatch.filter`` drops the rows not in ``keep``."""
+    pool.touch()
+    _tell(coordinator, "apc_copyfree leave hook", lambda lineage: lineage.rows_leaving(batch, keep))
+
+
+def rows_decoded(coordinator: Any, batch: Any, tokens: Sequence[int]) -> None:
+    """After each decode step: the ids it fed (0.7.10 keeps no generated ids; reply reuse)."""
+    _tell(coordinator, "apc_copyfree decode hook", lambda lineage: lineage.rows_decoded(batch, tokens))
+
+
+def request_removed(coordinator: Any, uid: Any) -> None:
+    """Before a cancelled request's row leaves the prompt batch mid-prefill."""
+    _tell(coordinator, "apc_copyfree remove hook", lambda lineage: lineage.request_removed(uid))
+
+
+def _tell(coordinator: Any, hook: str, call: Callable[["LineageCoordinator"], Any], *,
+          record: bool = False) -> None:
+    """``call`` the lineage coordinator (nothing for stock's). A failure never reaches mlx-vlm:
+    a copy-free hook fails closed (``failclosed``), a timing ``record`` hook logs at debug."""
+    if (lineage := _lineage(coordinator)) is None:
         return
     try:
-        current.timings.prefill_completed(uid, info.get("request_id", uid), prompt_time_s)
+        call(lineage)
     except Exception as exc:
-        log.debug("apc_lineage prefill hook failed: %s", exc)
+        if record:
+            log.debug("%s failed: %s", hook, exc)
+        else:
+            fail_closed(exc, hook, log=copyfree_log)
 
 
-def first_token(uid: Any, request_id: Any, ttft_s: float) -> None:
-    current = _runtime.current()
-    if current is None:
-        return
-    try:
-        current.timings.first_token(uid, request_id, ttft_s)
-    except Exception as exc:
-        log.debug("apc_lineage first-token hook failed: %s", exc)
+# ---------------------------------------------------------------------- the server's request events
+
+
+def prefill_completed(coordinator: Any, uid: Any, info: dict, prompt_time_s: float) -> None:
+    """The row's prefill ended: its restore line and prefill time."""
+    request_id = info.get("request_id", uid)
+    _tell(coordinator, "apc_lineage prefill hook",
+          lambda lineage: lineage.prefill_completed(uid, request_id, prompt_time_s), record=True)
+
+
+def first_token(coordinator: Any, uid: Any, request_id: Any, ttft_s: float) -> None:
+    """The row's first token went to its client: its timing record is finished."""
+    _tell(coordinator, "apc_lineage first-token hook",
+          lambda lineage: lineage.first_token(uid, request_id, ttft_s), record=True)
 
 
 def queued_tokens(batch_gen: Any, uid: Any) -> int | None:
     """The prompt length of ``uid`` while it still waits in the generator's queue (its prefill,
     and so its lookup, not started), else None: read before a cancel removes it."""
     try:
-        for sequence in getattr(batch_gen, "unprocessed_prompts", ()) or ():
+        for sequence in batch_gen.unprocessed_prompts:
             if sequence[0] == uid:
                 return len(sequence[1])
     except Exception as exc:
@@ -42,26 +170,31 @@ def queued_tokens(batch_gen: Any, uid: Any) -> int | None:
     return None
 
 
-def cancelled(uid: Any, info: dict, queued_tokens: int | None = None) -> None:
+def cancelled(coordinator: Any, uid: Any, info: dict, queued_tokens: int | None = None) -> None:
     """A request was cancelled and the generator let it go: its record says so (one cancelled
     while queued never reached the cache, so its record is made here and counted)."""
-    current = _runtime.current()
-    if current is None:
-        return
-    try:
-        request_id = info.get("request_id", uid)
-        if queued_tokens is not None:
-            current.timings.cancelled_queued(request_id, queued_tokens)
-            current.cache.note_cancelled_queued()
-        else:
-            current.timings.cancelled(uid, request_id)
-    except Exception as exc:
-        log.debug("apc_lineage cancel hook failed: %s", exc)
+    request_id = info.get("request_id", uid)
+    _tell(coordinator, "apc_lineage cancel hook",
+          lambda lineage: lineage.cancelled(uid, request_id, queued_tokens), record=True)
 
 
-def shutdown() -> None:
+# ---------------------------------------------------------------------- idle, unload, shutdown
+
+
+def idle(parts: "Parts", generator: Any) -> None:
+    """The generation loop found no active request: the canary may run (a part of) a check
+    on the open runtime. Never raises (the canary's own guard)."""
+    parts.canary.on_idle(generator, parts.runtimes.current)
+
+
+def model_unloading(parts: "Parts", manager: Any) -> None:
+    """mlx-vlm unloads the model of APC ``manager``: its runtime is closed (written) first."""
+    parts.runtimes.retire(manager)
+
+
+def shutdown(parts: "Parts") -> None:
     """Write unwritten entries before the process exits, so a restart starts warm."""
     try:
-        _runtime.flush_all()
+        parts.runtimes.flush()
     except Exception as exc:
         log.warning("apc_lineage shutdown flush failed: %s", exc)

@@ -10,7 +10,12 @@ ids, so the files are 0600 in a 0700 directory whatever the umask.
 Lines by ``type``: ``start`` (a server start), ``request`` (a request's record, once: at its
 first token, or when it was cancelled before one), ``request_outcome`` (the final outcome of a
 request whose ``request`` line came earlier: cancelled in decode; it names that line by its
-``seq``, which restarts at 1 after each ``start``), ``cache`` (a cache event) and ``budgets``.
+``seq``, which restarts at 1 after each ``start``), ``cache`` (a cache event), ``budgets`` and
+``blocks``: each sequence the cache processed (a prompt at its lookup, a prompt and its fed
+reply when its entry moved past it) as the live oracle's block hashes (``lineage.shadow``: 8
+bytes per 16 tokens, base64, no token text; delta-encoded, ``block_lines``), which ``apcctl
+report --what-if`` replays. The
+``start`` line carries the lineage settings in force.
 
 Settings (environment, ``server_patch.settings``): ``APC_JOURNAL=0`` turns it off;
 ``APC_JOURNAL_DIR`` (default ``<state dir>/journal``); ``APC_JOURNAL_MAX_BYTES`` per file (64M;
@@ -29,6 +34,7 @@ from typing import IO, Any, Mapping
 
 from server_patch import clock, settings
 from server_patch.disk.paths import is_shared
+from server_patch.integration.block_lines import BlockEncoder
 from server_patch.private_files import open_private, private_dir
 from server_patch.paths import state_dir
 
@@ -144,10 +150,12 @@ class JournalRecorder:
         self.runtime = runtime
         self.snapshot_s = snapshot_s
         self._last_snapshot = float("-inf")
+        self._blocks = BlockEncoder()
 
     def started(self) -> None:
+        config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.runtime.config).items()}
         self.journal.append({"type": "start", "time": clock.wall(), "pid": os.getpid(),
-                             "fingerprint": self.runtime.fingerprint})
+                             "fingerprint": self.runtime.fingerprint, "lineage_config": config})
         self.snapshot(force=True)
 
     def on_event(self, seq: int, at: float, event: Any) -> None:
@@ -161,6 +169,13 @@ class JournalRecorder:
         self.journal.append({"type": "request", "time": clock.wall(), **record.as_dict()})
         self.snapshot()
 
+    def on_blocks(self, namespace: str, hashes: Any, tokens: int, kind: str) -> None:
+        """A processed sequence's block hashes (``lineage.misses``'s listener), delta-encoded
+        against a recent line (``block_lines``)."""
+        self.journal.append({"type": "blocks", "time": clock.wall(), "kind": kind, "namespace": namespace,
+                             "tokens": tokens, "block": self.runtime.cache.misses.shadow.block,
+                             **self._blocks.fields(namespace, hashes)})
+
     def on_outcome(self, record: Any) -> None:
         """A request journaled at its first token ended otherwise (cancelled in decode)."""
         self.journal.append({"type": "request_outcome", "time": clock.wall(), "seq": record.seq,
@@ -173,7 +188,8 @@ class JournalRecorder:
         timings = self.runtime.timings
         for listeners, listener in ((self.runtime.event_listeners, self.on_event),
                                     (timings.listeners, self.on_request),
-                                    (timings.outcome_listeners, self.on_outcome)):
+                                    (timings.outcome_listeners, self.on_outcome),
+                                    (self.runtime.cache.misses.listeners, self.on_blocks)):
             if listener in listeners:
                 listeners.remove(listener)
         self.journal.close()
@@ -200,6 +216,7 @@ def attach(runtime: Any) -> JournalRecorder | None:
     runtime.event_listeners.append(recorder.on_event)
     runtime.timings.listeners.append(recorder.on_request)
     runtime.timings.outcome_listeners.append(recorder.on_outcome)
+    runtime.cache.misses.listeners.append(recorder.on_blocks)
     recorder.started()
     log.info("apc_lineage journal %s", journal.path)
     return recorder

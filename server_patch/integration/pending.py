@@ -1,4 +1,5 @@
-"""Prompts between lookup and commit, keyed by namespace *and* tokens.
+"""Prompts between lookup and commit (a row's ``pending``, ``integration.rowlife``), keyed by
+namespace *and* tokens.
 
 Two requests with identical token ids may belong to different namespaces (tenants, or images
 behind the same placeholder tokens): each must commit into its own. ``lookup`` and
@@ -15,16 +16,12 @@ holds another namespace's state.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 
 from server_patch.lineage import RestorePlan
-
-_PENDING_MAX = 256
 
 RequestKey = tuple[str, int, int]  # (namespace, prompt length, hash of the token bytes)
 
@@ -61,53 +58,4 @@ class Pending:
         return (self.namespace, *prompt_key(self.tokens))
 
 
-class PendingBook:
-    """The pending prompts, bounded (oldest forgotten first). Thread-safe."""
-
-    def __init__(self, limit: int = _PENDING_MAX) -> None:
-        self._items: OrderedDict[tuple[Optional[str], int, int], Pending] = OrderedDict()
-        self._lock = threading.Lock()
-        self._limit = limit
-
-    def remember(self, pending: Pending) -> None:
-        with self._lock:
-            self._put(pending)
-
-    def _put(self, pending: Pending) -> None:
-        self._items[pending.key] = pending
-        self._items.move_to_end(pending.key)
-        while len(self._items) > self._limit:
-            self._items.popitem(last=False)
-
-    def with_tokens(self, prompt: np.ndarray) -> list[Pending]:
-        """Every pending prompt with exactly these tokens, whatever its namespace."""
-        key = prompt_key(prompt)
-        with self._lock:
-            return [p for k, p in self._items.items() if k[1:] == key and np.array_equal(p.tokens, prompt)]
-
-    def get(self, key: tuple[Optional[str], int, int]) -> Optional[Pending]:
-        with self._lock:
-            return self._items.get(key)
-
-    def forget(self, pending: Pending) -> None:
-        with self._lock:
-            if self._items.get(pending.key) is pending:
-                del self._items[pending.key]
-
-    def matching(self, prefix: np.ndarray, namespace: str) -> list[Pending]:
-        """Pending prompts of ``namespace`` that start with ``prefix`` and want a state at its
-        length; a prompt without a namespace takes this one."""
-        length = int(prefix.shape[0])
-        with self._lock:
-            found = [p for p in self._items.values()
-                     if p.namespace in (namespace, None) and (length in p.wanted or length == p.final)
-                     and p.tokens.shape[0] >= length and np.array_equal(p.tokens[:length], prefix)]
-            for pending in found:
-                if pending.namespace is None:
-                    del self._items[pending.key]
-                    pending.namespace = namespace
-                    self._put(pending)
-            return found
-
-
-__all__ = ["Pending", "PendingBook", "RequestKey", "namespace_of", "prompt_key", "request_key"]
+__all__ = ["Pending", "RequestKey", "namespace_of", "prompt_key", "request_key"]

@@ -16,7 +16,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from server_patch.integration import segments as SEGMENTS
-from server_patch.integration.pending import Pending, PendingBook, RequestKey, namespace_of
+from server_patch.integration.pending import Pending, namespace_of
+from server_patch.integration.rowlife import RowBook, RowLife
 from server_patch.integration.runtime import LineageRuntime
 from server_patch.lineage import ANCHOR, COLD, RestorePlan, as_tokens
 from server_patch.lineage.flow import Admission, cold
@@ -24,11 +25,11 @@ from server_patch.state import rows
 
 
 class Prefills:
-    """The pending prompts of one runtime, and where their state is committed."""
+    """The prefilling rows of one runtime (``RowBook``), and where their state is committed."""
 
-    def __init__(self, runtime: LineageRuntime) -> None:
+    def __init__(self, runtime: LineageRuntime, book: RowBook) -> None:
         self.runtime = runtime
-        self.pending = PendingBook()
+        self.book = book
 
     def flow(self, pending: Pending) -> Admission:
         """The request flow of a pending prompt, at its admitted plan."""
@@ -41,7 +42,7 @@ class Prefills:
         """Where prefill must hand over state: every pending prompt's captures with these
         tokens (no namespace here, see ``pending``), and the prefill end ``final``."""
         prompt = as_tokens(token_ids)
-        pendings = self.pending.with_tokens(prompt) or [self._unlooked(prompt)]
+        pendings = [row.pending for row in self.book.with_tokens(prompt)] or [self._unlooked(prompt)]
         text_only = not (media_token_ids and np.isin(prompt, list(media_token_ids)).any())
         for pending in pendings:
             if pending.final == 0:
@@ -61,37 +62,36 @@ class Prefills:
     def _unlooked(self, prompt: np.ndarray) -> Pending:
         """A prompt that skipped lookup: planned as cold, its namespace named by its first store."""
         pending = Pending(prompt, None, cold(RestorePlan(0, COLD, prompt_len=int(prompt.shape[0]))))
-        self.pending.remember(pending)
+        self.book.admit(pending)
         return pending
 
     def take(self, token_ids: Sequence[int], prompt_cache: Sequence[Any], extra_hash: int,
-             batch_idx: Optional[int]) -> tuple[bool, list[Pending]]:
+             batch_idx: Optional[int], uid: Any = None) -> tuple[bool, list[RowLife]]:
         """The state after ``token_ids``: a capture (references to the snapshot layers) for
-        every pending prompt that wants one here. Returns whether any was taken, and the
-        prompts whose prefill ends here (forgotten as pending: the caller commits them)."""
+        every prefilling row that wants one here (one per request key: row ``uid``'s own,
+        else the newest). Returns whether any was taken, and the rows whose prefill ends here
+        (the caller commits them)."""
         prefix = as_tokens(token_ids)
         length = int(prefix.shape[0])
-        matches = self.pending.matching(prefix, namespace_of(extra_hash))
+        by_key: dict[Any, RowLife] = {}
+        for row in self.book.matching(prefix, namespace_of(extra_hash)):
+            mine = by_key.get(row.key)
+            if mine is None or (mine.uid != uid or uid is None):
+                by_key[row.key] = row
         snapshot = None
-        for pending in matches:
+        for pending in (row.pending for row in by_key.values()):
             if length in pending.wanted and length != pending.final:
                 if snapshot is None:
                     snapshot = rows.capture(self.runtime.layout, prompt_cache, batch_idx, length)
                 pending.taken[length] = (pending.wanted[length], snapshot)
-        ending = [p for p in matches if length == p.final]
-        for pending in ending:
-            self.pending.forget(pending)
-        return snapshot is not None, ending
+        return snapshot is not None, [row for row in by_key.values() if length == row.pending.final]
 
-    def resend(self, key: RequestKey) -> Optional[Pending]:
+    @staticmethod
+    def resend(row: RowLife) -> bool:
         """A prompt restored at its own prompt end (a regenerate, a retry): nothing is left to
-        prefill, so no store will commit it. Forgotten as pending and returned, its restored
-        state being its prompt-end snapshot; None for any other prompt."""
-        pending = self.pending.get(key)
-        if pending is None or not pending.final or not pending.plan.hit or pending.plan.length != pending.final:
-            return None
-        self.pending.forget(pending)
-        return pending
+        prefill, so no store will commit it; its restored state is its prompt-end snapshot."""
+        pending = row.pending
+        return bool(pending.final) and pending.plan.hit and pending.plan.length == pending.final
 
     # ------------------------------------------------------------------ commits
 
@@ -107,12 +107,12 @@ class Prefills:
         """The state past the reply becomes the entry; the prompt end stays its checkpoint."""
         return self.flow(pending).commit_reply(fed, anchor_label=pending.anchor_label, **state)
 
-    def note_commit(self, pending: Pending, uid: Any, start: float) -> None:
-        timings = self.runtime.timings
-        record = timings.by_uid(uid) if uid is not None else timings.by_key(pending.key)
-        if record is not None:
+    @staticmethod
+    def note_commit(row: RowLife, start: float) -> None:
+        """The commit's time and captures, on the row's timing record."""
+        if (record := row.record) is not None:
             record.commit_ms += (time.perf_counter() - start) * 1000
-            record.captures = [f"{kind}@{n}" for n, (kind, _) in sorted(pending.taken.items())]
+            record.captures = [f"{kind}@{n}" for n, (kind, _) in sorted(row.pending.taken.items())]
 
 
 __all__ = ["Prefills"]

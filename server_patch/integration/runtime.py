@@ -1,7 +1,8 @@
 """One lineage runtime per loaded model: the policy, its layout, disk tier, timings, events.
 
-Created lazily by the coordinator the first time a model is served, and registered in
-``RUNTIMES`` so the admin endpoint can find it. Nothing here runs per token.
+Created lazily by the coordinator the first time a model is served (``runtime_for``, one per
+APC manager) and adopted by the server's parts (``integration.parts``), through which the admin
+endpoint, the canary and the shutdown flush reach it. Nothing here runs per token.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import logging
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from server_patch import clock
 from server_patch.disk.paths import default_disk_root, disk_enabled
@@ -23,6 +24,10 @@ from server_patch.state.fingerprint import model_fingerprint
 from server_patch.state.layout import CacheLayout
 from server_patch.state import splits
 from server_patch.state.options import kv_quant_of
+
+if TYPE_CHECKING:
+    from server_patch.boundaries import SegmentFinder, SegmentInfo
+    from server_patch.canary.service import Canary
 
 log = logging.getLogger("server_patch.lineage")
 
@@ -45,6 +50,9 @@ class LineageRuntime:
         self._event_lock = threading.Lock()
         self.event_listeners: list[Callable[[int, float, Event], None]] = []
         self.timings = TimingBook()
+        # The server's parts this runtime serves under, set when they adopt it (``parts.Runtimes``).
+        self.finder: SegmentFinder | None = None
+        self.canary: Canary | None = None
         self.disk: DiskStore | None = None
         if disk_enabled() and why_no_disk:
             log.warning("apc_lineage: disk tier off for this run: %s", why_no_disk)
@@ -88,6 +96,16 @@ class LineageRuntime:
             self.disk.flush(timeout)
         return queued
 
+    def refuses(self, kind: str) -> bool:
+        """Whether a request must prefill ``kind`` cold (a failed canary check, ``APC_CANARY_ON_FAIL=cold``)."""
+        return self.canary is not None and self.canary.refuses(kind)
+
+    def boundaries(self, prompt_token_ids: Any) -> SegmentInfo:
+        """Anchor and segment boundaries of one prompt, from the server's boundary finder."""
+        from server_patch.integration.segments import boundaries
+
+        return boundaries(prompt_token_ids, self.finder)
+
     @property
     def closed(self) -> bool:
         return self._closed.is_set()
@@ -115,33 +133,6 @@ class LineageRuntime:
                  self.fingerprint[:16], "none" if complete else "dropped")
 
 
-def retire(manager: Any) -> None:
-    """mlx-vlm unloads the model of APC ``manager`` (a switch, ``POST /unload``): close its
-    runtime before stock clears the manager, so what it held unwritten reaches the disk. Never raises."""
-    with _LOCK:
-        runtime = RUNTIMES.pop(id(manager), None) if manager is not None else None
-    if runtime is None:
-        return
-    try:
-        runtime.close()
-    except Exception as exc:
-        log.warning("apc_lineage close of runtime %s failed: %s", runtime.fingerprint[:16], exc)
-
-
-def _close_others(manager: Any) -> None:
-    """A new runtime replaces any still open (one text model at a time): never two writers in
-    one disk directory, even where the unload did not go through ``retire``. Holds ``_LOCK``."""
-    for key in [k for k in RUNTIMES if k != id(manager)]:
-        old = RUNTIMES.pop(key)
-        log.warning("apc_lineage runtime %s replaced while still open: closing it", old.fingerprint[:16])
-        old.close()
-
-
-def open_runtimes() -> int:
-    with _LOCK:
-        return len(RUNTIMES)
-
-
 def _weights_of(model_dir: Path | str | None) -> tuple[str | None, str]:
     """The weight files' digest, and why the disk tier must stay off ("" when it may run):
     state keyed by weights that cannot be hashed, or that changed after this process started
@@ -158,22 +149,25 @@ def _weights_of(model_dir: Path | str | None) -> tuple[str | None, str]:
         return None, str(exc)
 
 
-RUNTIMES: dict[int, LineageRuntime] = {}
-_LOCK = threading.Lock()
-
-
 def runtime_for(manager: Any, language_model: Any, model_dir: Path | str | None = None) -> LineageRuntime:
-    """The runtime of ``manager`` (one per APC manager, i.e. per loaded model); ``model_dir``:
-    where its weights were loaded from (mlx-vlm's ``model.model_path``)."""
-    with _LOCK:
+    """The runtime of ``manager`` (one per APC manager, i.e. per loaded model), built on first
+    use; ``model_dir``: where its weights were loaded from (mlx-vlm's ``model.model_path``).
+    The server's parts adopt it (``integration.parts.Runtimes``) once its coordinator exists."""
+    with _BUILDING:
         runtime = getattr(manager, "_apc_lineage_runtime", None)
         if runtime is None:
-            _close_others(manager)
             runtime = LineageRuntime(language_model, model_dir=model_dir)
             manager._apc_lineage_runtime = runtime
-            RUNTIMES[id(manager)] = runtime
             _clear_with(manager, runtime)
         return runtime
+
+
+def runtime_of(manager: Any) -> LineageRuntime | None:
+    """The runtime ``runtime_for`` built for ``manager``, if any (None for stock APC)."""
+    return getattr(manager, "_apc_lineage_runtime", None) if manager is not None else None
+
+
+_BUILDING = threading.Lock()  # one runtime per manager even if two generators start at once
 
 
 def _clear_with(manager: Any, runtime: LineageRuntime) -> None:
@@ -187,16 +181,3 @@ def _clear_with(manager: Any, runtime: LineageRuntime) -> None:
         runtime.cache.clear()
 
     manager.clear = clear
-
-
-def current() -> LineageRuntime | None:
-    """The most recently created runtime (the server serves one text model at a time)."""
-    with _LOCK:
-        return next(reversed(RUNTIMES.values()), None) if RUNTIMES else None
-
-
-def flush_all(timeout: float | None = None) -> None:
-    """Write every runtime's unwritten entries (graceful shutdown), each for at most ``timeout``
-    seconds (default: its ``shutdown_flush_s``)."""
-    for runtime in list(RUNTIMES.values()):
-        runtime.flush(runtime.config.shutdown_flush_s if timeout is None else timeout)

@@ -6,58 +6,40 @@ template's seams (after the tools block, a system message, at a message start); 
 package ``server_patch.boundaries`` finds them, and the coordinator asks the policy to capture a
 checkpoint at each one in the prompt's uncached region (docs/segments.md).
 
-This module owns the instances: the finder (and its anchor registry), built from
-``APC_SEGMENTS_*`` when the overlay wraps ``apply_chat_template`` at server start (so a bad
-value stops the start), and the two entry points: the wrapper, which notes each rendered chat
-request, and ``boundaries``, which the coordinator calls when prefill is planned.
+The finder (and its anchor registry) is one of the server's parts (``integration.parts``),
+built from ``APC_SEGMENTS_*`` with mlx-vlm's server runtime (so a bad value stops the start).
+This module holds no instance, only the two entry points, each handed the finder: the wrapper,
+which notes each rendered chat request, and ``boundaries``, which prefill planning calls.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
 from typing import Any, Callable, Mapping
 
 from server_patch.boundaries import SegmentFinder, SegmentInfo, SegmentSettings
 
 log = logging.getLogger("server_patch.lineage")
 
-# The server's finder; None until first used. Tests swap in their own.
-FINDER: SegmentFinder | None = None
-_BUILDING = threading.Lock()
 
-
-def finder() -> SegmentFinder:
-    """The server's finder, built from the environment on first use."""
-    global FINDER
-    current = FINDER
-    if current is not None:
-        return current
-    with _BUILDING:
-        if FINDER is None:
-            FINDER = SegmentFinder(SegmentSettings.from_env())
-        return FINDER
-
-
-def wrap_apply_chat_template(apply: Callable[..., Any]) -> Callable[..., Any]:
-    """mlx-vlm's ``apply_chat_template``, also noting each request's anchor prefix and segments."""
-    finder()  # settings are read (and checked) when the server wraps the template, not mid-request
+def wrap_apply_chat_template(apply: Callable[..., Any], finder: SegmentFinder) -> Callable[..., Any]:
+    """mlx-vlm's ``apply_chat_template``, also noting each request's anchor prefix and segments
+    in ``finder`` (the server's: its settings were read and checked when it was built)."""
 
     @functools.wraps(apply)
     def wrapper(processor, config, prompt, *args, **kwargs):
         result = apply(processor, config, prompt, *args, **kwargs)
         if not args:
-            note_request(apply, processor, config, prompt, kwargs, result)
+            note_request(finder, apply, processor, config, prompt, kwargs, result)
         return result
 
     return wrapper
 
 
-def note_request(apply: Callable[..., Any], processor: Any, config: Any, prompt: Any,
+def note_request(found: SegmentFinder, apply: Callable[..., Any], processor: Any, config: Any, prompt: Any,
                  kwargs: Mapping[str, Any], rendered: Any) -> None:
     """Note one rendered chat request: its system+tools prefix, then its segments (best effort)."""
-    found = finder()
     tokenizer = getattr(processor, "tokenizer", processor)
     found.registry.note_request(apply, processor, config, prompt, kwargs, found.hard_ids(tokenizer))
     if not kwargs.get("add_generation_prompt", True):
@@ -68,11 +50,20 @@ def note_request(apply: Callable[..., Any], processor: Any, config: Any, prompt:
         log.debug("segment note failed: %s", exc)
 
 
-def boundaries(prompt_token_ids: Any) -> SegmentInfo:
-    """The coordinator's entry point: anchor and segment boundaries of one prompt."""
-    found = finder()
+def boundaries(prompt_token_ids: Any, finder: SegmentFinder | None = None) -> SegmentInfo:
+    """The coordinator's entry point: anchor and segment boundaries of one prompt, by ``finder``
+    (the runtime's, ``LineageRuntime.boundaries``); without one, the server's, or where no server
+    was built (a library caller) a finder of its own, which has noted no request."""
+    found = finder or _server_finder()
     try:
         return found.boundaries(prompt_token_ids)
     except Exception as exc:  # never break prefill over a hint
         log.warning("apc_lineage segment boundaries failed: %s", exc)
         return found.anchor_only(prompt_token_ids, [])
+
+
+def _server_finder() -> SegmentFinder:
+    from server_patch.integration.parts import of_server
+
+    parts = of_server()
+    return parts.finder if parts is not None else SegmentFinder(SegmentSettings.from_env())

@@ -1,8 +1,8 @@
 """Per-request timing records: two greppable log lines each, and a ring buffer for /admin.
 
-A record is opened at lookup (keyed by the prompt), bound to the generator's uid when the
-prompt batch is built, filled in at commit, prefill completion and first token, then logged
-and observed into the book's Prometheus histograms (``metrics``, read by /admin/metrics).
+A record is opened at lookup and lives in its request's row (``integration.rowlife``) while
+it is filled in at commit, prefill completion and first token; then it is logged and observed
+into the book's Prometheus histograms (``metrics``, read by /admin/metrics).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, Callable, Iterable
@@ -23,7 +23,6 @@ from server_patch.lineage import COLD
 log = logging.getLogger("server_patch.lineage")
 
 RING_SIZE = 2048
-_PENDING_MAX = 256
 
 
 class Outcome(StrEnum):
@@ -84,6 +83,11 @@ class RequestTiming:
     outcome: str = ""
     phase: str = ""
     stored: str = ""
+    # The live oracle (``lineage.misses``): the tokens an unbounded cache would have restored,
+    # and what it restored less, ``{reason: tokens}`` (a ``Lost`` each; {}: nothing lost).
+    oracle: int = 0
+    lost: dict[str, int] = field(default_factory=dict)
+    lost_why: str = ""  # why a disk file it would have restored from was rejected
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -96,50 +100,25 @@ def _fmt(**fields: Any) -> str:
 
 
 class TimingBook:
-    """Open records by prompt key and by uid; finished records in a bounded ring and in ``metrics``."""
+    """Records from their opening to the ring: the open ones live in their request's row
+    (``integration.rowlife``); finished ones go to a bounded ring, the listeners and ``metrics``."""
 
     def __init__(self, ring_size: int = RING_SIZE) -> None:
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
-        self._by_key: OrderedDict[Any, RequestTiming] = OrderedDict()
-        self._by_uid: OrderedDict[Any, RequestTiming] = OrderedDict()
         self.ring: deque[RequestTiming] = deque(maxlen=ring_size)
         self.listeners: list[Callable[[RequestTiming], None]] = []  # each finished record, once
         # Records already given to ``listeners`` whose outcome came later (cancelled in decode).
         self.outcome_listeners: list[Callable[[RequestTiming], None]] = []
         self.metrics = RequestMetrics()
 
-    def open(self, key: Any, prompt_tokens: int) -> RequestTiming:
+    def open(self, prompt_tokens: int) -> RequestTiming:
+        """A new record, numbered (at lookup)."""
         with self._lock:
-            record = RequestTiming(next(self._seq), clock.wall(), prompt_tokens)
-            self._by_key[key] = record
-            while len(self._by_key) > _PENDING_MAX:
-                self._by_key.popitem(last=False)
-            return record
+            return RequestTiming(next(self._seq), clock.wall(), prompt_tokens)
 
-    def by_key(self, key: Any) -> RequestTiming | None:
-        with self._lock:
-            return self._by_key.get(key)
-
-    def bind(self, uid: Any, key: Any) -> None:
-        """Attach the record opened for prompt ``key`` to the generator's ``uid``."""
-        with self._lock:
-            record = self._by_key.pop(key, None)
-            if record is None:
-                return
-            record.uid = uid
-            self._by_uid[uid] = record
-            while len(self._by_uid) > _PENDING_MAX:
-                self._by_uid.popitem(last=False)
-
-    def by_uid(self, uid: Any) -> RequestTiming | None:
-        with self._lock:
-            return self._by_uid.get(uid)
-
-    def prefill_completed(self, uid: Any, request_id: str, prefill_s: float) -> None:
-        record = self.by_uid(uid)
-        if record is None:
-            return
+    def log_restore(self, record: RequestTiming, request_id: Any, prefill_s: float) -> None:
+        """Its prefill ended: the restore line."""
         record.request_id = str(request_id)
         record.prefill_ms = prefill_s * 1000
         log.info("apc_lineage restore %s", _fmt(
@@ -147,11 +126,8 @@ class TimingBook:
             prompt=record.prompt_tokens, lookup_ms=record.lookup_ms,
             admission_ms=record.admission_ms, kv=record.kv_admission or "-", entry=record.entry_id or "-"))
 
-    def first_token(self, uid: Any, request_id: str, ttft_s: float) -> None:
-        with self._lock:
-            record = self._by_uid.pop(uid, None)
-        if record is None:
-            return
+    def finish(self, record: RequestTiming, request_id: Any, ttft_s: float) -> None:
+        """Its first token: the timing line, the histograms, the ring and the listeners."""
         record.request_id = record.request_id or str(request_id)
         record.ttft_ms = ttft_s * 1000
         record.copies = ledger.since(record.copies)
@@ -165,19 +141,16 @@ class TimingBook:
             log.debug("apc_lineage request metrics failed: %s", exc)
         self._finish(record)
 
-    def cancelled(self, uid: Any, request_id: Any) -> RequestTiming | None:
-        """Request ``uid`` was cancelled (its client went away; called once the generator let
-        it go, so what its entry kept is known). A record with no first token yet ends here,
-        cancelled in prefill, and goes to the ring and the listeners like any other (not to
-        the latency histograms: it has no first token); one already finished is marked
-        cancelled in decode where it lies in the ring, and told to ``outcome_listeners``."""
+    def finished_record(self, uid: Any) -> RequestTiming | None:
+        """The newest finished record of ``uid`` still in the ring."""
         with self._lock:
-            record, phase = self._by_uid.pop(uid, None), PREFILL
-            if record is None:
-                record = next((r for r in reversed(self.ring) if r.uid == uid), None)
-                phase = DECODE
-        if record is None:
-            return None
+            return next((r for r in reversed(self.ring) if r.uid == uid), None)
+
+    def cancel(self, record: RequestTiming, request_id: Any, phase: Phase) -> RequestTiming:
+        """``record``'s request was cancelled (its client went away) in ``phase``: in prefill
+        (no first token) its record ends here and goes to the ring and the listeners like any
+        other (not to the latency histograms: it has no first token); in decode (already
+        finished) it is marked where it lies in the ring, and told to ``outcome_listeners``."""
         record.outcome, record.phase = CANCELLED, phase
         record.stored = (Stored.REPLY if record.reply_tokens else
                          Stored.PROMPT if record.commit_ms > 0 else Stored.NOTHING)

@@ -15,7 +15,7 @@ _WHERE = {
     **{name: "model" for name in (
         "ANCHOR", "CHECKPOINT_KINDS", "COLD", "DISK", "DIVERGENCE", "ENTRY", "FINAL", "GUARD", "LOG_KINDS",
         "PERIODIC", "RAM", "RESTORE_KINDS", "SEGMENT", "Capture", "Checkpoint", "DiskRecord", "Entry", "Event",
-        "EventKind", "KVAdmission", "Reason", "RestoreKind", "RestorePlan", "Tier", "as_tokens")},
+        "EventKind", "KVAdmission", "Loan", "Reason", "RestoreKind", "RestorePlan", "Tier", "as_tokens")},
     **{name: "policy" for name in ("CacheError", "DiskTier", "LineageCache")},
     "InvariantError": "invariants",
 }

@@ -6,18 +6,16 @@ their write was in flight). The writer holds the same arrays, so an entry both i
 queued is counted once.
 
 Evicting an entry the disk lacks frees nothing at once: its arrays move to the write queue
-until the file is written. So when a new entry (a commit, a disk promotion) does not fit, the
-policy writes the entries it pushes out, keeps the new one aside while the writer drains the
-queue (the generation thread waits for those writes, bounded by ``WRITE_WAIT_S``), and only
-then takes the new entry in. Nothing is lost and the bound holds throughout; the cost is a
-stall of that commit for the writes, only when RAM is full of state the idle write-behind
-has not written yet. If the writer does not drain in time (a stalled or failing disk), the
-second pass must free memory now: it evicts entries already on disk first where that makes
-room in the queue for a write, and an entry still without room leaves RAM unwritten (the new
-entry itself last): later requests restore from an older file or prefill cold, never from a
-wrong state. Lent entries (their rows belong to a running request) are never evicted, and
-entries whose write is in flight only by the pass that then waits (evicting them frees
-nothing until the write lands).
+until the file is written. A commit or a disk promotion never waits for the writer: it runs on
+the generation thread, and every decoding stream would wait with it (issue 29 measured 10 s
+under a slow disk). So when a new entry does not fit, a tier whose writes land at once (the
+simulator's) has every entry pushed out written (``lossless``); with the real store, whose
+writer runs in the background (``writes_in_background``), the pass frees RAM now: entries
+already on disk go first where that makes room in the queue for a write, and an entry still
+without room leaves RAM unwritten (the least recently used first, the new entry itself last;
+counted as ``evicted_unwritten``): later requests restore from an older file or prefill cold,
+never from a wrong state. Lent entries (their rows belong to a running request) and entries
+whose write is in flight (evicting them frees nothing until the write lands) are never evicted.
 """
 
 from __future__ import annotations
@@ -61,15 +59,12 @@ class EvictionPass:
     written: list[Entry]
 
 
-WRITE_WAIT_S = 10.0  # how long a commit waits for the writer to make room, at most
-
-
 def plan_eviction(order: Sequence[Entry], excess: int, needs_write: Callable[[Entry], bool],
                   keep: Entry | None = None, *, lossless: bool = False,
                   size: Callable[[Entry], int] = lambda entry: entry.nbytes) -> EvictionPass:
     """Evict from ``order`` (evictable entries, first victim first) until ``excess`` bytes
-    have left RAM. ``lossless``: every victim the disk lacks is written (its bytes then wait
-    in the queue). Otherwise such a victim is written only where the slack, or further
+    have left RAM. ``lossless``: every victim the disk lacks is written (its bytes then stay
+    in the queue until it lands). Otherwise such a victim is written only where the slack, or further
     entries already on disk (never ``keep``), make room for it in the queue; else dropped.
     ``size``: an entry's bytes (the cache passes its running count, ``tally``)."""
     victims: list[Entry] = []
@@ -100,4 +95,4 @@ def plan_eviction(order: Sequence[Entry], excess: int, needs_write: Callable[[En
     return EvictionPass(victims, written)
 
 
-__all__ = ["WRITE_WAIT_S", "EvictionPass", "WriteQueue", "plan_eviction"]
+__all__ = ["EvictionPass", "WriteQueue", "plan_eviction"]

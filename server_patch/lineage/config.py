@@ -59,6 +59,10 @@ class LineageConfig:
     # model was fed), the prompt end staying a checkpoint: a next prompt that re-renders the
     # reply verbatim prefills only what is new. 0 keeps the entry at the prompt end.
     reply_reuse: bool = True
+    # The live oracle (``shadow``): prefix hashes of what each namespace processed, in blocks
+    # of this many tokens, within this budget (about 8 MB per million tokens at 16; 0: off).
+    shadow_budget_bytes: int = 16 << 20
+    shadow_block_tokens: int = 16
 
     @classmethod
     def env_names(cls) -> dict[str, str]:
@@ -79,9 +83,12 @@ class LineageConfig:
         """Reject settings that would make the policy misbehave rather than fail loudly later."""
         for name in ("entry_offset", "guard_tokens", "guard_min_suffix", "divergence_min_gain",
                      "periodic_stride", "segment_min_gap", "min_tokens", "max_checkpoints",
-                     "ram_budget_bytes", "anchor_max_entries", "anchor_max_bytes", "disk_max_bytes"):
+                     "ram_budget_bytes", "anchor_max_entries", "anchor_max_bytes", "disk_max_bytes",
+                     "shadow_budget_bytes"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"lineage config {name} must be >= 0, got {getattr(self, name)}")
+        if not 1 <= self.shadow_block_tokens <= 16:
+            raise ValueError("lineage config shadow_block_tokens must be in 1..16")
         if self.shutdown_flush_s <= 0:
             raise ValueError("lineage config shutdown_flush_s must be > 0")
         if not 0 < self.disk_low_watermark <= 1:

@@ -21,8 +21,10 @@ from typing import Callable, Iterable, Mapping, Protocol, Sequence
 import numpy as np
 
 from server_patch.lineage.handles import KVHandle, SnapshotHandle
+from server_patch.lineage.misses import REPLY, Lost, Miss
 from server_patch.lineage.model import COLD, DISK, Capture, DiskRecord, Entry, RestorePlan, as_tokens
 from server_patch.lineage.policy import LineageCache
+from server_patch.lineage.shadow import Match
 
 log = logging.getLogger("server_patch.lineage")
 
@@ -57,6 +59,14 @@ class Admission:
     plan: RestorePlan | None = None
     promoted: set[str] = field(default_factory=set)  # ids of entries this admission loaded from disk
     last_start: int = 0  # where the prompt's last message starts (its last segment; 0: unknown)
+    # The live oracle (``misses``): the prompt's block hashes and match, what this admission
+    # met that cost tokens (length, ``Lost``), and the request's miss once counted.
+    hashes: np.ndarray | None = None
+    match: Match = Match(0)
+    steps: list[tuple[int, str]] = field(default_factory=list)
+    detail: str = ""  # why a disk file was rejected
+    reply_diverged: bool = False  # it restored at an entry's prompt end and diverged inside the reply
+    miss: Miss | None = None
 
     @classmethod
     def admit(cls, cache: LineageCache, tokens: Sequence[int] | np.ndarray, namespace: str = "", *,
@@ -65,7 +75,12 @@ class Admission:
         """Plan until stable (see the module docstring). ``disk_refused``: a disk restore
         must not be used now (it is then cold, its file kept)."""
         admission = cls(cache, as_tokens(tokens), namespace)
+        misses = cache.misses
+        admission.hashes = misses.hashes(admission.prompt)
+        admission.match = misses.match(admission.hashes, namespace, int(admission.prompt.shape[0]))
         admission.plan = admission._settled(disk, settle, disk_refused)
+        misses.processed(admission.prompt, namespace, admission.hashes)
+        admission.reply_diverged = _inside_reply(admission.plan)
         return admission
 
     def _settled(self, disk: DiskLoader | None, settle: Settle | None,
@@ -76,10 +91,16 @@ class Admission:
             if settle is not None and settle(plan):
                 pass  # a deferred entry was committed or an entry dropped: plan again
             elif plan.tier == DISK and (disk is None or plan.record.id in loaded or disk_refused()):
-                break  # loaded once already and gone again (no room in RAM), or a suspect tier: cold
+                # loaded once already and gone again (no room in RAM), or a suspect tier: cold
+                unused = disk is None or plan.record.id in loaded
+                self.steps.append((plan.length, Lost.DISK_UNUSED if unused else Lost.CANARY))
+                break
             elif plan.tier == DISK:
                 loaded.add(plan.record.id)
                 entry, why = disk.load_checked(plan.record)
+                if entry is None:
+                    self.steps.append((plan.length, Lost.DISK_REJECTED))
+                    self.detail = why or "failed validation"
                 if self.cache.promote(plan.record, entry, reason=why) is not None:
                     self.promoted.add(plan.record.id)
             else:
@@ -87,6 +108,7 @@ class Admission:
             plan = self.lookup()
         else:
             log.warning("apc_lineage lookup did not settle after %d plans: cold prefill", PLANS_MAX)
+            self.steps.append((plan.length, Lost.OTHER))
         return cold(plan)
 
     def lookup(self) -> RestorePlan:
@@ -121,18 +143,33 @@ class Admission:
             self.plan = again
         return self._plan
 
-    def refuse(self) -> RestorePlan:
-        """Admit cold instead (a failed canary, a restore that could not be built)."""
+    def refuse(self, reason: str = Lost.OTHER) -> RestorePlan:
+        """Admit cold instead (a failed canary, a restore that could not be built); what the
+        plan would have restored is lost for ``reason`` (a ``Lost``)."""
+        self.steps.append((self._plan.length, reason))
         self.plan = cold(self._plan)
         return self.plan
 
     def restored(self, admission: str = "") -> None:
         """Count the restore (it happened; ``admission``: how its KV reached the batch)."""
         self.cache.note_restore(self._plan, admission)
+        self._explain()
 
     def cold(self) -> None:
         """Count a cold prefill."""
         self.cache.note_cold(self._plan)
+        self._explain()
+
+    def _explain(self) -> None:
+        """The request against its oracle: why each token it lost was lost (``misses``)."""
+        plan = self._plan
+        if self.reply_diverged:
+            residual = Lost.REPLY
+        else:
+            residual = Lost.NO_POINT if plan.shared >= self.match.oracle else Lost.OTHER
+        hashes = self.hashes if self.hashes is not None else self.cache.misses.hashes(self.prompt)
+        self.miss = self.cache.misses.explain(self.match, plan.length, hashes, self.namespace,
+                                              self.steps, residual, self.detail)
 
     def captures(self, *, anchor_len: int | None = None, segments: Iterable[int] = ()) -> list[Capture]:
         """Where prefill must hand over state for this plan (``segments``' last is remembered
@@ -162,10 +199,21 @@ class Admission:
                      captures: Mapping[int, tuple[str, SnapshotHandle]] | None = None,
                      anchor_label: str = "") -> Entry | None:
         """The state after the reply becomes the entry; the prompt end stays its checkpoint."""
+        self.cache.misses.processed(np.concatenate([self.prompt, as_tokens(reply)]), self.namespace,
+                                    kind=REPLY)
         return self.cache.commit_reply(self.prompt, reply, kv=kv, head=head, prompt_head=prompt_head,
                                        captures=captures, namespace=self.namespace,
                                        anchor_label=anchor_label, keep=self._keep,
                                        last_start=self.last_start)
+
+
+def _inside_reply(plan: RestorePlan) -> bool:
+    """The plan restores at an entry's protected prompt end and the prompt shares more of the
+    entry than that: it diverged inside the reply the entry kept (the client or its template
+    did not re-render the reply as it was generated)."""
+    entry = plan.entry
+    return entry is not None and entry.prompt_end > 0 and plan.length == entry.prompt_end \
+        and plan.shared > plan.length
 
 
 __all__ = ["PLANS_MAX", "Admission", "DiskLoader", "Settle", "cold"]

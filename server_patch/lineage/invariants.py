@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from server_patch.lineage.budget import WriteQueue
-from server_patch.lineage.model import Entry
+from server_patch.lineage.model import Entry, Loan
 from server_patch.lineage.tally import EntryMap, RecordMap
 
 
@@ -61,6 +61,24 @@ def queue_violations(entries: Iterable[Entry], queued: WriteQueue) -> list[str]:
     return [f"entry {e.id}: lent and queued for writing" for e in entries if e.lent and queued.holds(e.id)]
 
 
+def loan_violations(entries: EntryMap, loans: Iterable[Loan]) -> list[str]:
+    """Loans are counted on their entries (``Entry.loans``, one receipt each), and a stored
+    entry's buffer is lent only under a receipt."""
+    found = []
+    out: dict[str, int] = {}
+    for loan in loans:
+        if loan.ended:
+            found.append(f"entry {loan.entry.id}: an ended loan is still out")
+        if entries.get(loan.entry.id) is loan.entry:
+            out[loan.entry.id] = out.get(loan.entry.id, 0) + 1
+    for entry_id, entry in entries.items():
+        if entry.loans != out.get(entry_id, 0):
+            found.append(f"entry {entry_id}: counts {entry.loans} loans, {out.get(entry_id, 0)} receipts out")
+        if getattr(entry.kv, "lent", False) and not entry.lent:
+            found.append(f"entry {entry_id}: its buffer is lent without a receipt")
+    return found
+
+
 def supersede_cycles(superseded_by: Mapping[str, str]) -> list[str]:
     """The supersede chains (absorbed id -> absorber id) end: no cycle."""
     found, done = [], set()
@@ -91,4 +109,4 @@ def violations(entries: EntryMap, records: RecordMap, queued: WriteQueue,
     return found
 
 
-__all__ = ["InvariantError", "violations"]
+__all__ = ["InvariantError", "loan_violations", "violations"]

@@ -140,6 +140,9 @@ class Entry:
     # prompt that drops, edits or follows the last message (an abort, user after user, aider's
     # moving reminder) restores. Not kept on disk: a restarted entry thins as before.
     turn_points: frozenset[int] = frozenset()
+    # Loan receipts out on its KV rows (``LineageCache.lend``/``end``, counted as SGLang counts
+    # ``lock_ref``): while any is out the entry is not evictable, writable nor rewindable.
+    loans: int = 0
 
     @property
     def length(self) -> int:
@@ -153,9 +156,9 @@ class Entry:
 
     @property
     def lent(self) -> bool:
-        """Its KV rows are lent to the running request that extends them: not evictable nor
-        writable until the request ends (its own entry then absorbs this one)."""
-        return bool(self.kv.lent)
+        """A loan receipt is out on its KV rows (the running request that extends them): not
+        evictable, writable nor rewindable until the loan ends (or the borrower's entry absorbs it)."""
+        return self.loans > 0
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -166,6 +169,16 @@ class Entry:
         yield self.length, (ANCHOR if self.is_anchor else ENTRY), None
         for cp in sorted(self.checkpoints, key=lambda c: -c.length):
             yield cp.length, cp.kind, cp
+
+
+@dataclass(eq=False)
+class Loan:
+    """A receipt for an entry's KV rows lent to one request (``LineageCache.lend``): the
+    borrower holds it until ``LineageCache.end``; each receipt ends once."""
+
+    entry: Entry
+    length: int  # the rows lent: the entry's length when it was lent
+    ended: bool = False
 
 
 @dataclass

@@ -25,14 +25,15 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 import numpy as np
 
 from server_patch.failclosed import fail_closed
-from server_patch.lineage.budget import WRITE_WAIT_S, WriteQueue, plan_eviction
+from server_patch.lineage.budget import WriteQueue, plan_eviction
 from server_patch.lineage.config import LineageConfig, ThinClass
 from server_patch.lineage.handles import KVHandle, SnapshotHandle
-from server_patch.lineage.invariants import InvariantError, violations
+from server_patch.lineage.invariants import InvariantError, loan_violations, violations
 from server_patch.lineage.lookup import common_prefix_len
+from server_patch.lineage.misses import Lost, MissBook
 from server_patch.lineage.model import (
     ANCHOR, COLD, DISK, DIVERGENCE, FINAL, GUARD, PERIODIC, RAM, SEGMENT,
-    Capture, Checkpoint, DiskRecord, Entry, Event, EventKind, RestorePlan, Reason, as_tokens,
+    Capture, Checkpoint, DiskRecord, Entry, Event, EventKind, Loan, RestorePlan, Reason, as_tokens,
 )
 from server_patch.lineage.summary import CANCELLED_QUEUED, hits_key, kv_key
 from server_patch.lineage.tally import EntryMap, RecordMap
@@ -53,6 +54,10 @@ class DiskTier(Protocol):
         ...
 
     def delete(self, record_id: str) -> None: ...
+
+    # Optional attribute ``writes_in_background``: True where ``write`` only queues (its file
+    # lands later, on another thread); a tier without it lands each write before ``write``
+    # returns (the simulator's), and the budget pass writes what it pushes out (``budget``).
 
 
 class CacheError(KeyError):
@@ -88,10 +93,10 @@ class LineageCache:
         self._records = RecordMap()
         self._superseded_by: dict[str, str] = {}
         self._queued = WriteQueue()  # what the disk writer holds: counted in the RAM budget
-        self._written_cv = threading.Condition(self.lock)  # notified as each write lands
-        self.write_wait_s = WRITE_WAIT_S
+        self._loans: dict[int, Loan] = {}  # receipts out (``lend``), ended by ``end``
         self.stats: Counter[str] = Counter()
         self.closed = False  # close(): its model is unloaded, nothing more is stored or written
+        self.misses = MissBook.from_config(self.config, clock)  # the live oracle (``misses``)
         if disk is not None:
             for record in disk.records():
                 self._records[record.id] = record
@@ -287,7 +292,8 @@ class LineageCache:
             periodic = ((end - 1) // cfg.periodic_stride) * cfg.periodic_stride
             if start < periodic < end:
                 picks.setdefault(periodic, PERIODIC)
-        inside = [seg for seg in sorted(set(int(s) for s in segments)) if start < seg < end]
+        known = sorted(set(int(s) for s in segments))
+        inside = [seg for seg in known if start < seg < end]
         past_anchor = 0
         last = inside[-1] if inside else None
         if last is not None and last not in picks and last > base and end - last >= cfg.segment_min_gap \
@@ -311,6 +317,15 @@ class LineageCache:
                         continue
                 picks[seg] = SEGMENT
                 taken = sorted({*taken, seg})
+        if picks.get(gain_point) == DIVERGENCE and cfg.periodic_stride > 0 and known:
+            # The stride point below a divergence point inside the last message (an edit of it
+            # diverged there; ``known[-1]`` is where it starts), taken after the segments so it
+            # never blocks one. A later prompt restoring at the divergence point and ending
+            # before the next stride point is one stock 0.7.10, restoring less, prefills through
+            # this point and snapshots; the next edit of the message may diverge anywhere above.
+            floor = ((gain_point - 1) // cfg.periodic_stride) * cfg.periodic_stride
+            if floor > start and floor >= known[-1]:
+                picks.setdefault(floor, PERIODIC)
         return [Capture(length, kind) for length, kind in sorted(picks.items())
                 if length >= cfg.min_tokens]
 
@@ -461,6 +476,31 @@ class LineageCache:
             return frozenset()
         return frozenset(n for n in old.turn_points if n >= last_start)
 
+    # ------------------------------------------------------------------ loans
+
+    def lend(self, plan: RestorePlan) -> Loan | None:
+        """A receipt for ``plan.entry``'s KV rows, lent to the one request that restores at its
+        head; None where they may not be lent: the entry is not stored, already lent, or queued
+        for writing (the writer reads its rows; the request then restores a copy). The one room
+        where an entry becomes lent: until ``end`` it is not evictable, writable nor rewindable."""
+        with self.lock:
+            entry = plan.entry
+            if entry is None or not self.holds(entry) or entry.lent or self._queued.holds(entry.id):
+                return None
+            entry.loans += 1
+            loan = Loan(entry, entry.length)
+            self._loans[id(loan)] = loan
+            return loan
+
+    def end(self, loan: Loan) -> None:
+        """The borrower is done with the rows (given back, or its own entry absorbed them)."""
+        with self.lock:
+            if loan.ended:
+                return
+            loan.ended = True
+            loan.entry.loans -= 1
+            self._loans.pop(id(loan), None)
+
     def rewind(self, entry: Entry) -> bool:
         """Move ``entry``'s head back from past its reply to its prompt end: what the entry
         would be without reply reuse. For a next prompt that did not re-render the reply and
@@ -581,6 +621,7 @@ class LineageCache:
             entry.dirty = True
             self.stats["thinned"] += 1
             self._emit(Event(EventKind.THIN, entry.id, victim.length, victim.nbytes, victim.kind))
+            self.misses.went(entry, Lost.THINNED, (victim.length,))
         self._entries.resized(entry)
 
     def _thin_victim(self, entry: Entry) -> Checkpoint | None:
@@ -651,25 +692,14 @@ class LineageCache:
 
     def _take_in(self, added: list[Entry]) -> None:
         """Make room for ``added`` (just stored or promoted; the last one is the entry the
-        request made) without losing what they push out: write it, and wait with ``added``
-        kept aside until the writer has drained the queue enough (``budget``). Called with
-        the lock held once (it is released while waiting); only the generation thread stores
-        and promotes."""
-        keep, budget = added[-1], self.config.ram_budget_bytes
-        self._enforce_budgets(keep=keep, lossless=True)
-        queued = lambda: self._queued.bytes_outside(self._entries)  # noqa: E731
-        if self.ram_used <= budget or not queued():
-            return  # fits, or waiting cannot help (what is over is lent)
-        aside = [e for e in added if self.holds(e)]  # the pass may have written some out too
-        for entry in aside:
-            del self._entries[entry.id]  # RAM + queue stay within the budget meanwhile
-        limit = budget - sum(e.nbytes for e in aside)
-        if not self._written_cv.wait_for(lambda: self.ram_used <= limit or not queued(),
-                                         timeout=self.write_wait_s):
-            self.stats["disk_write_waits_timed_out"] += 1
-        for entry in aside:
-            self._entries[entry.id] = entry
-        self._enforce_budgets(keep=keep if any(e is keep for e in aside) else None)
+        request made) now, never waiting for the disk writer (``budget``): this runs on the
+        generation thread, and every decoding stream would wait with it. A tier whose writes
+        land at once (the simulator's) has everything pushed out written; one that writes in
+        the background (``DiskTier.writes_in_background``, the real store) frees RAM at once
+        instead: entries already on disk first, and the least recently used entry without room
+        in the writer's queue leaves RAM unwritten (``evicted_unwritten``). Metadata only."""
+        background = bool(getattr(self.disk, "writes_in_background", False))
+        self._enforce_budgets(keep=added[-1], lossless=not background)
 
     def _enforce_budgets(self, keep: Entry | None = None, *, lossless: bool = False) -> None:
         """Anchor caps, then the RAM budget (see ``budget`` for what it counts and when an
@@ -687,17 +717,17 @@ class LineageCache:
         excess = self.ram_used - cfg.ram_budget_bytes
         if excess <= 0:
             return
-        chosen = plan_eviction(self._eviction_order(keep, in_flight=lossless), excess,
+        chosen = plan_eviction(self._eviction_order(keep), excess,
                                self._needs_write, keep, lossless=lossless,
                                size=lambda e: self._entries.counted(e.id))
         written = {id(e) for e in chosen.written}
         for victim in chosen.victims:
             self._evict_ram(victim, Reason.RAM_BUDGET, write=id(victim) in written)
 
-    def _evictable(self, entry: Entry, in_flight: bool = False) -> bool:
-        """Not lent; and, unless ``in_flight``, no write in flight (evicting it would free
-        nothing until the write lands: only a pass that then waits for the writer takes it)."""
-        return not entry.lent and (in_flight or not self._queued.holds(entry.id))
+    def _evictable(self, entry: Entry) -> bool:
+        """Not lent, and no write in flight (evicting it would free nothing until the write
+        lands, and no pass waits for the writer)."""
+        return not entry.lent and not self._queued.holds(entry.id)
 
     def _needs_write(self, entry: Entry) -> bool:
         """Whether leaving RAM loses state the disk lacks and no queued write will hold (a
@@ -705,14 +735,14 @@ class LineageCache:
         return self.disk is not None and (entry.dirty or not entry.on_disk) \
             and not self._queued.holds(entry.id)
 
-    def _eviction_order(self, keep: Entry | None, *, in_flight: bool = False) -> list[Entry]:
+    def _eviction_order(self, keep: Entry | None) -> list[Entry]:
         """Evictable entries, least recently used first: conversations, then pinned anchors,
         then ``keep`` (the entry this pass was started for)."""
-        others = (e for e in self._entries.values() if e is not keep and self._evictable(e, in_flight))
+        others = (e for e in self._entries.values() if e is not keep and self._evictable(e))
         candidates = sorted(others, key=lambda e: e.last_used)
         ordinary = [e for e in candidates if not (e.is_anchor and e.pinned)]
         pinned = [e for e in candidates if e.is_anchor and e.pinned]
-        last = [keep] if keep is not None and self.holds(keep) and self._evictable(keep, in_flight) else []
+        last = [keep] if keep is not None and self.holds(keep) and self._evictable(keep) else []
         return ordinary + pinned + last
 
     def _evict_ram(self, entry: Entry, reason: str, *, write: bool = True) -> None:
@@ -727,6 +757,8 @@ class LineageCache:
             self.stats["evicted_unwritten"] += 1
         self._emit(Event(EventKind.EVICT, entry.id, entry.length, entry.nbytes,
                          f"{reason}, {Reason.UNWRITTEN}" if unwritten else reason))
+        self.misses.went(entry, reason if unwritten or self.disk is None else
+                         Lost.DISK_UNUSED if self._queued.holds(entry.id) else None)
 
     # ------------------------------------------------------------------ disk
 
@@ -772,7 +804,6 @@ class LineageCache:
         """Writer callback: index the file, delete what it supersedes, keep the disk cap."""
         with self.lock:
             self._queued.done(entry.id)
-            self._written_cv.notify_all()
             if record is None:
                 entry.dirty = True
                 self.stats["disk_write_failures"] += 1
@@ -822,6 +853,8 @@ class LineageCache:
             entry.on_disk = False
         self.stats["disk_deletes"] += 1
         self._emit(Event(EventKind.DISK_DELETE, record_id, record.length, record.nbytes, reason))
+        if entry is None and reason == Reason.DISK_CAP:
+            self.misses.went(record, reason)
 
     def _enforce_disk_cap(self) -> None:
         """Evict least recently used files; pinned anchors are the last candidates, not exempt."""
@@ -846,6 +879,7 @@ class LineageCache:
                 self.stats["disk_rejects"] += 1
                 self._emit(Event(EventKind.DISK_REJECT, record.id, record.length, record.nbytes,
                                  reason or Reason.FAILED_VALIDATION))
+                self.misses.went(record, Lost.DISK_REJECTED)
                 return None
             now = self.clock()
             entry.on_disk, entry.dirty = True, False
@@ -895,6 +929,7 @@ class LineageCache:
                     self._delete_record(old_id, Reason.OPERATOR)
             self.stats["operator_evictions"] += 1
             self._emit(Event(EventKind.EVICT, entry_id, (entry or record).length, freed, Reason.OPERATOR))
+            self.misses.went(entry or record, Reason.OPERATOR)
             return freed
 
     def drop(self, entry_id: str, reason: str) -> bool:
@@ -906,6 +941,7 @@ class LineageCache:
                 return False
             self.stats["dropped"] += 1
             self._emit(Event(EventKind.EVICT, entry.id, entry.length, entry.nbytes, reason))
+            self.misses.went(entry, reason)
             return True
 
     def holds(self, entry: Entry) -> bool:
@@ -919,6 +955,7 @@ class LineageCache:
         One pass, no mlx work: the tests run it after every verb."""
         with self.lock:
             found = violations(self._entries, self._records, self._queued, self._superseded_by)
+            found += loan_violations(self._entries, self._loans.values())
         if found:
             raise InvariantError(found)
 
@@ -928,6 +965,7 @@ class LineageCache:
         with self.lock:
             for entry in list(self._entries.values()):
                 self._emit(Event(EventKind.EVICT, entry.id, entry.length, entry.nbytes, Reason.RESET))
+                self.misses.went(entry, Reason.RESET)
             self._entries.clear()
             self.stats["resets"] += 1
 

@@ -21,6 +21,8 @@ PRISTINE: dict[str, tuple[str, str]] = {
         "mlx_vlm/server/anthropic.py", "4a504691d054be87cf76ac4d77707c9cf96630bc006e5634be8bca48524a5f61"),
     "mlx_vlm.server.generation": (
         "mlx_vlm/server/generation.py", "248187bb4e405e9c89acad5d6d5e4adc4f9138e267f67f747ac32418d3c917e4"),
+    "mlx_vlm.server.runtime": (
+        "mlx_vlm/server/runtime.py", "de80f06d985f98270d7f5d16d2c4e41f1f8ecd69c15c9a819ec8e891ff1f83d2"),
     "mlx_vlm.server.request_normalization": (
         "mlx_vlm/server/request_normalization.py", "68df01a0bf7b53587ea63f2d9ccb0b4cb6d02003526d6a8a9f4469cc1d867bc0"),
     "mlx_vlm.utils": (

@@ -47,7 +47,7 @@ class EntryPane(Pane):
 
     def compose(self) -> ComposeResult:
         yield from self.compose_top()
-        yield KeyedTable(entry_columns(lambda: self.now), lambda e: e["id"], sort="last_used", reverse=True,
+        yield KeyedTable(entry_columns(lambda: self.now), lambda e: e.id, sort="last_used", reverse=True,
                          title=self.table_title, classes="entries")
         timeline = CheckpointTimeline(classes="timeline")
         timeline.border_title = "Checkpoints along the token axis"

@@ -21,12 +21,12 @@ class LineagesPane(EntryPane):
 
 
 def anchor_summary(state: DashboardState) -> Text:
-    budgets, stats = state.budgets, state.stats
+    b, stats = state.budgets, state.stats
     text = Text()
     for name, value in (
-        ("pinned", f"{budgets.get('anchor_count', 0)} of {budgets.get('anchor_count_limit', 0)}"),
-        ("RAM", f"{render.human_bytes(budgets.get('anchor_bytes', 0))} of "
-                f"{render.human_bytes(budgets.get('anchor_bytes_limit', 0))}"),
+        ("pinned", f"{b.anchor_count if b else 0} of {b.anchor_count_limit if b else 0}"),
+        ("RAM", f"{render.human_bytes(b.anchor_bytes if b else 0)} of "
+                f"{render.human_bytes(b.anchor_bytes_limit if b else 0)}"),
         ("anchor hits", f"{stats.get('hits_anchor', 0):,}"),
         ("captured", f"{stats.get('anchors_pinned', 0):,}"),
     ):

@@ -17,6 +17,7 @@ from textual.containers import Container, Horizontal
 from textual.widgets import DataTable, Static
 
 from apcctl.core import render
+from server_patch.admin.schema import Idle, Pool
 from tui import series
 from tui.columns import kind_text, request_columns
 from tui.messages import EntryRequested
@@ -40,16 +41,14 @@ GAUGES = (  # id, label, unit
 
 
 def update_gauges(pane: "LivePane", state: DashboardState) -> None:
-    budgets = state.budgets
-    pool = (state.status or {}).get("pool") or {}
-    values: dict[str, tuple[Any, Any, str]] = {
-        "ram": (budgets.get("ram_used"), budgets.get("ram_limit"), f"{budgets.get('entries', 0)} entries"),
-        "conversations": (budgets.get("conversation_bytes"), budgets.get("ram_limit"), ""),
-        "anchor-count": (budgets.get("anchor_count"), budgets.get("anchor_count_limit"), ""),
-        "anchor-bytes": (budgets.get("anchor_bytes"), budgets.get("anchor_bytes_limit"), ""),
-        "disk": (budgets.get("disk_used"), budgets.get("disk_limit"), f"{budgets.get('disk_files', 0)} files"),
-        "pool": (pool.get("active_bytes"), pool.get("peak_bytes"),
-                 f"peak, +{render.human_bytes(pool.get('cache_bytes') or 0)} cached"),
+    b, pool = state.budgets, state.pool or Pool()
+    values: dict[str, tuple[Any, Any, str]] = {  # no budgets before the cache runs: empty gauges
+        "ram": (b and b.ram_used, b and b.ram_limit, f"{b.entries if b else 0} entries"),
+        "conversations": (b and b.conversation_bytes, b and b.ram_limit, ""),
+        "anchor-count": (b and b.anchor_count, b and b.anchor_count_limit, ""),
+        "anchor-bytes": (b and b.anchor_bytes, b and b.anchor_bytes_limit, ""),
+        "disk": (b and b.disk_used, b and b.disk_limit, f"{b.disk_files if b else 0} files"),
+        "pool": (pool.active_bytes, pool.peak_bytes, f"peak, +{render.human_bytes(pool.cache_bytes or 0)} cached"),
     }
     for gauge_id, (used, limit, detail) in values.items():
         pane.query_one(f"#gauge-{gauge_id}", Gauge).set(used, limit, detail)
@@ -57,28 +56,27 @@ def update_gauges(pane: "LivePane", state: DashboardState) -> None:
 
 def counters(state: DashboardState, now: float) -> Table:
     """Cumulative counters since the server started, and the idle state a restart waits on."""
-    stats, idle = state.stats, (state.status or {}).get("idle") or {}
-    hits = state.hits
+    stats, idle, hits = state.stats, state.idle or Idle(), state.hits
     by_kind = Text()
-    for kind, count in sorted(hits["by_kind"].items(), key=lambda kv: -kv[1]):
+    for kind, count in sorted(hits.by_kind.items(), key=lambda kv: -kv[1]):
         by_kind.append_text(kind_text(kind))
         by_kind.append(f" {count:,}  ")
     grid = Table.grid(padding=(0, 1))
     grid.add_column(style="grey62", no_wrap=True)
     grid.add_column()
     rows = [
-        ("requests", f"{hits['requests']:,}  hit rate {render.percent(hits['hits'], hits['requests'])}"),
+        ("requests", f"{hits.requests:,}  hit rate {render.percent(hits.hits, hits.requests)}"),
         ("hits by kind", by_kind),
-        ("reused tokens", f"{hits['reused_tokens']:,}  "
-                          f"({render.percent(hits['reused_tokens'], hits['reused_tokens'] + hits['prefill_tokens'])})"),
-        ("prefilled", f"{hits['prefill_tokens']:,}"),
+        ("reused tokens", f"{hits.reused_tokens:,}  "
+                          f"({render.percent(hits.reused_tokens, hits.reused_tokens + hits.prefill_tokens)})"),
+        ("prefilled", f"{hits.prefill_tokens:,}"),
         ("evictions", f"{stats.get('evictions', 0):,} budget · {stats.get('operator_evictions', 0):,} operator"),
         ("stores", f"{stats.get('stores', 0):,} · absorbs {stats.get('absorbs', 0):,} · "
                    f"thinned {stats.get('thinned', 0):,}"),
         ("disk writes", f"{stats.get('disk_writes', 0):,} ({render.human_bytes(stats.get('disk_bytes_written', 0))})"
                         f" · failed {stats.get('disk_write_failures', 0):,}"),
-        ("in flight", f"{idle.get('in_flight', 0)} · queued {idle.get('queued', 0)} · idle "
-                      f"{render.human_duration(idle.get('since_last_finished_s'))}"),
+        ("in flight", f"{idle.in_flight} · queued {idle.queued} · idle "
+                      f"{render.human_duration(idle.since_last_finished_s)}"),
     ]
     for name, value in rows:
         grid.add_row(name, value)

@@ -57,31 +57,31 @@ def _fact(name: str, value: str, style: str = "bold") -> Text:
 
 def header_text(state: DashboardState, source_name: str, mode: Mode, width: int | None = None) -> Text:
     """Two lines; at ``width`` the least useful facts (versions, CPU, RSS, uptime) go first."""
-    server = (state.status or {}).get("server") or {}
-    idle = (state.status or {}).get("idle") or {}
+    status = state.status
+    server, idle = (status.server, status.idle) if status is not None else (None, None)
     dot = Text(" · ", style="grey50")
-    model = server.get("model")
+    model = server.model if server else None
     local = state.process is not None
     first: list[tuple[int, Text]] = [
         (0, Text.assemble(connection_text(state), "  ", (source_name, "bold"))),
         (1, _fact("model", PurePath(model).name if model else "-")),
-        (3, _fact("pid", str(server.get("pid", "-")))),
-        (2, _fact("up", render.human_duration(server.get("uptime_s")))),
+        (3, _fact("pid", str(server.pid if server else "-"))),
+        (2, _fact("up", render.human_duration(server.uptime_s if server else None))),
         (4, _fact("RSS", render.human_bytes(state.process.rss_bytes) if local else "remote")),
         (5, _fact("CPU", f"{state.process.cpu_percent:.0f}%" if local else "remote")),
     ]
     second: list[tuple[int, Text]] = [
-        (6, _fact("mlx-vlm", server.get("mlx_vlm_version", "-"), "")),
-        (7, _fact("patch", server.get("patch_version", "-"), "")),
-        (1, _fact("in flight", str(idle.get("in_flight", "-")), "")),
-        (2, _fact("queued", str(idle.get("queued", "-")), "")),
+        (6, _fact("mlx-vlm", (server.mlx_vlm_version if server else None) or "-", "")),
+        (7, _fact("patch", (server.patch_version if server else None) or "-", "")),
+        (1, _fact("in flight", str(idle.in_flight if idle else "-"), "")),
+        (2, _fact("queued", str(idle.queued if idle else "-"), "")),
         (3, _fact("refresh", f"{mode.refresh_s:g}s", "")),
         (4, _fact("restarts seen", str(state.restarts_seen), "")),
     ]
-    suspects = ((state.status or {}).get("canary") or {}).get("suspects") or []
+    suspects = status.canary.suspects if status is not None and status.canary else []
     badges = Text()
     for flag, on, style in ((f"SUSPECT: {', '.join(suspects)}", bool(suspects), "white on red"),
-                            ("DRAINING", idle.get("draining"), "black on yellow"),
+                            ("DRAINING", idle is not None and idle.draining, "black on yellow"),
                             ("PAUSED", mode.paused, "black on cyan"),
                             ("READ-ONLY", mode.read_only, "black on magenta")):
         if on:

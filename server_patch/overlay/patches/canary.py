@@ -1,4 +1,5 @@
-"""The canary's one hook: the generation loop, finding no active request, calls ``on_idle``.
+"""The canary's one hook: the generation loop, finding no active request, calls the door's
+``idle`` with the server's parts (whose canary runs on the open lineage runtime).
 
 That is the only point where a forward may run outside a request: the same thread as every
 request's forward, never concurrently with one (``server_patch/canary/runner.py``).
@@ -17,9 +18,9 @@ FILE_PATCHES = (
             old="                if not active or batch_gen is None:\n                    continue\n",
             new=(
                 "                if not active or batch_gen is None:\n"
-                "                    from server_patch.canary import on_idle as _apc_canary_idle\n"
+                "                    from server_patch.integration import hooks as _apc_door\n"
                 "\n"
-                "                    _apc_canary_idle(self)\n"
+                "                    _apc_door.idle(runtime.apc_parts, self)\n"
                 "                    continue\n"
             ),
         ),

@@ -1,14 +1,20 @@
 """Copy-free admission and commit: the pool clears become opt-in, and the batch generator
 tells the lineage coordinator when a request's KV buffer stops being written.
 
+Every edit calls the one door, ``server_patch.integration.hooks`` (``_apc_door``; the lineage
+topic's ``lineage.door_import`` imports it into ar.py), and hands it the coordinator:
+
 * generate/ar.py: the ``mx.clear_cache()`` after every prefill chunk (``prompt_step``) and
-  after every prompt batch joins decode (three places in ``_next``) call
-  ``server_patch.copyfree.hooks.clear``, which clears only with ``APC_POOL_CLEAR=1``;
-  ``BatchGenerator`` attaches itself to its coordinator, calls ``joining`` before a prompt
-  batch extends the decoding batch, ``GenerationBatch.filter`` calls ``leaving`` before
-  rows are dropped, ``GenerationBatch.next`` calls ``decoded`` with the ids each step fed
-  (reply reuse: 0.7.10 keeps no generated ids), and ``BatchGenerator.remove`` calls ``removing`` before a row is taken
-  out of the prompt batch mid-prefill (a cancelled request).
+  after every prompt batch joins decode (three places in ``_next``) call ``clear``, which
+  clears only with ``APC_POOL_CLEAR=1``. ``BatchGenerator`` introduces itself to its
+  coordinator (``self.apc``) once built, and tells it before a prompt batch joins the decoding
+  batch and before a row leaves the prompt batch mid-prefill (a cancelled request).
+* generate/ar.py, ``GenerationBatch``: a batch is built with the coordinator of the prompt
+  batch it came from (a constructor argument, ``apc_coordinator``, as ``PromptProcessingBatch``
+  has one; the empty starting batch has none), so ``filter`` can say which rows leave and
+  ``next`` which ids each step fed (reply reuse: 0.7.10 keeps no generated ids). A batch that
+  knows its coordinator from birth reads better upstream than one handed it by the generator
+  later, and needs no attribute set from outside the class.
 * server/openai.py: the clear after every non-streaming chat completion and response goes
   through the same opt-in (error paths keep their clears).
 """
@@ -20,9 +26,9 @@ from server_patch.overlay.pristine import patch_of
 
 
 _OPENAI_CLEAR = (
-    "                from server_patch.copyfree import hooks as _apc_copyfree\n"
+    "                from server_patch.integration import hooks as _apc_door\n"
     "\n"
-    "                _apc_copyfree.clear({site!r})\n"
+    "                _apc_door.clear({site!r})\n"
     "                gc.collect()\n"
 )
 
@@ -30,14 +36,47 @@ FILE_PATCHES = (
     patch_of(
         "mlx_vlm.generate.ar",
         Edit(
-            name="copyfree.hooks_import",
-            old="from ..models import cache\n",
-            new="from ..models import cache\nfrom server_patch.copyfree import hooks as _apc_copyfree\n",
+            name="copyfree.batch_coordinator_argument",
+            old=(
+                "        thinking_budget_criteria: Optional[List[Any]] = None,\n"
+                "    ):\n"
+                "        self.model = model\n"
+                "        self._language_model = getattr(model, \"language_model\", model)\n"
+            ),
+            new=(
+                "        thinking_budget_criteria: Optional[List[Any]] = None,\n"
+                "        apc_coordinator: Optional[Any] = None,\n"
+                "    ):\n"
+                "        self.model = model\n"
+                "        self._language_model = getattr(model, \"language_model\", model)\n"
+                "        # The APC coordinator of the generator this batch decodes for: ``filter``\n"
+                "        # and ``next`` tell it which rows leave and which ids each step fed.\n"
+                "        self.apc_coordinator = apc_coordinator\n"
+            ),
+        ),
+        Edit(
+            name="copyfree.empty_batch_coordinator",
+            old="        batch.thinking_budget_criteria = []\n",
+            new="        batch.thinking_budget_criteria = []\n        batch.apc_coordinator = None\n",
+        ),
+        Edit(
+            name="copyfree.batch_built_with_coordinator",
+            old=(
+                "                thinking_budget_criteria=list(self.thinking_budget_criteria),\n"
+                "            )\n"
+                "        gen_batch.compute_logprobs = compute_logprobs\n"
+            ),
+            new=(
+                "                thinking_budget_criteria=list(self.thinking_budget_criteria),\n"
+                "                apc_coordinator=self._apc_coordinator,\n"
+                "            )\n"
+                "        gen_batch.compute_logprobs = compute_logprobs\n"
+            ),
         ),
         Edit(
             name="copyfree.prefill_chunk_clear",
             old="        mx.clear_cache()\n        return n\n",
-            new="        _apc_copyfree.clear(\"prefill_chunk\")\n        return n\n",
+            new="        _apc_door.clear(\"prefill_chunk\")\n        return n\n",
         ),
         Edit(
             name="copyfree.prompt_batch_clear",
@@ -48,7 +87,7 @@ FILE_PATCHES = (
             ),
             new=(
                 "            self._prompt_batch = None\n"
-                "            _apc_copyfree.clear(\"prompt_batch\")\n"
+                "            _apc_door.clear(\"prompt_batch\")\n"
                 "            return prompt_responses, generation_responses\n"
             ),
         ),
@@ -57,7 +96,7 @@ FILE_PATCHES = (
             old="                    self._prompt_batch = None\n                    mx.clear_cache()\n",
             new=(
                 "                    self._prompt_batch = None\n"
-                "                    _apc_copyfree.clear(\"prompt_batch\")\n"
+                "                    _apc_door.clear(\"prompt_batch\")\n"
             ),
         ),
         Edit(
@@ -70,7 +109,7 @@ FILE_PATCHES = (
             ),
             new=(
                 "                self._prompt_batch = None\n"
-                "                _apc_copyfree.clear(\"prompt_batch\")\n"
+                "                _apc_door.clear(\"prompt_batch\")\n"
                 "\n"
                 "            return prompt_responses, generation_responses\n"
             ),
@@ -86,7 +125,7 @@ FILE_PATCHES = (
             new=(
                 "        if len(keep) < len(self.uids):\n"
                 "            self._eval_pending_state()\n"
-                "        _apc_copyfree.leaving(self, keep)\n"
+                "        _apc_door.rows_leaving(self.apc_coordinator, self, keep)\n"
                 "\n"
                 "        self.uids = [self.uids[idx] for idx in keep]\n"
             ),
@@ -96,7 +135,7 @@ FILE_PATCHES = (
             old="        tokens, lp_list, top_idx_list, top_lp_list = self._step()\n",
             new=(
                 "        tokens, lp_list, top_idx_list, top_lp_list = self._step()\n"
-                "        _apc_copyfree.decoded(self, tokens)\n"
+                "        _apc_door.rows_decoded(self.apc_coordinator, self, tokens)\n"
             ),
         ),
         Edit(
@@ -104,7 +143,7 @@ FILE_PATCHES = (
             old="    def _extend_generation_batch(self, gen_batch) -> None:\n",
             new=(
                 "    def _extend_generation_batch(self, gen_batch) -> None:\n"
-                "        _apc_copyfree.joining(self, gen_batch)\n"
+                "        _apc_door.batches_joining(self.apc, self._generation_batch, gen_batch)\n"
             ),
         ),
         Edit(
@@ -115,7 +154,7 @@ FILE_PATCHES = (
             ),
             new=(
                 "            if self._prompt_batch is not None and uid in self._prompt_batch.uids:\n"
-                "                _apc_copyfree.removing(self, uid)\n"
+                "                _apc_door.request_removed(self.apc, uid)\n"
                 "                self._prompt_batch.remove(uid)\n"
             ),
         ),
@@ -124,7 +163,7 @@ FILE_PATCHES = (
             old="        self.apc_mode = self.apc.legacy_mode if self.apc is not None else None\n",
             new=(
                 "        self.apc_mode = self.apc.legacy_mode if self.apc is not None else None\n"
-                "        _apc_copyfree.attach(self)\n"
+                "        _apc_door.generator_started(self.apc, self)\n"
             ),
         ),
     ),

@@ -1,12 +1,21 @@
-"""The lineage cache's hooks into mlx-vlm 0.7.10: each edit only calls into server_patch.
+"""The lineage cache's hooks into mlx-vlm 0.7.10: each edit calls the one door,
+``server_patch.integration.hooks`` (imported as ``_apc_door``), and hands it what it acts on.
 
-* generate/ar.py, generate/dispatch.py: the batched and single-sequence paths build our
-  coordinator; the batch passes each row's uid to checkpoint stores and binds timing records.
-* server/__init__.py: ``apply_chat_template`` also notes each request's system+tools prefix.
-* server/generation.py: prefill-completed and first-token times go to the timing records, and
-  so does a cancelled request once the generator let it go (a record even with no first token,
-  or one still queued, before its lookup: its prompt length is read before the generator drops it).
-* server/app.py: /admin is mounted; the lifespan flushes unwritten entries to disk at shutdown.
+* server/runtime.py: ``ServerRuntime`` gets the field ``apc_parts``, the patch's parts for this
+  server (``integration.parts.Parts``: the lineage runtimes, the boundary finder, the canary,
+  the traffic gate), built with it; every server-side edit below reads them from there.
+* generate/ar.py, generate/dispatch.py: the batched and single-sequence paths build their
+  coordinator through the door (the lineage cache's where it applies); a prompt batch binds
+  each row's uid to its lookup, and passes it to checkpoint stores.
+* server/__init__.py: ``apply_chat_template`` also notes each request's system+tools prefix in
+  the server's boundary finder.
+* server/generation.py: prefill-completed and first-token times go to the coordinator of the
+  generator that ran the row (``batch_gen.apc``, passed into the two logging helpers, which are
+  static and otherwise see no generator), and so does a cancelled request once the generator
+  let it go (a record even with no first token, or one still queued, before its lookup: its
+  prompt length is read before the generator drops it).
+* server/app.py: /admin is mounted with the server's parts; the lifespan flushes unwritten
+  entries to disk at shutdown.
 """
 
 from __future__ import annotations
@@ -14,29 +23,26 @@ from __future__ import annotations
 from server_patch.overlay.edits import Edit
 from server_patch.overlay.pristine import patch_of
 
+DOOR = "from server_patch.integration import hooks as _apc_door\n"
 
-_COORDINATOR_FACTORY = (
-    "\n\ndef _apc_lineage_coordinator(manager, model):\n"
-    "    from server_patch.integration.coordinator import LineageCoordinator\n"
-    "\n"
-    "    return LineageCoordinator(manager, model)\n"
-)
 
-# ar.py and dispatch.py both import apc the same way; the factory goes right after it.
-COORDINATOR_FACTORY = Edit(
-    name="lineage.coordinator_factory",
-    old="from .. import apc as _apc\n",
-    new="from .. import apc as _apc\n" + _COORDINATOR_FACTORY,
-)
+def _door_after(name: str, line: str) -> Edit:
+    """The door's import, right after ``line`` (one of the file's own imports)."""
+    return Edit(name=name, old=line, new=line + DOOR)
+
+
+# ar.py and dispatch.py both import apc the same way; the door's import goes right after it
+# (the copy-free edits in ar.py use it too).
+DOOR_IMPORT = _door_after("lineage.door_import", "from .. import apc as _apc\n")
 
 FILE_PATCHES = (
     patch_of(
         "mlx_vlm.generate.ar",
-        COORDINATOR_FACTORY,
+        DOOR_IMPORT,
         Edit(
             name="lineage.batch_coordinator",
             old="            _apc.APCCoordinator(apc_manager, model) if apc_manager is not None else None\n",
-            new="            _apc_lineage_coordinator(apc_manager, model) if apc_manager is not None else None\n",
+            new="            _apc_door.coordinator(apc_manager, model) if apc_manager is not None else None\n",
         ),
         Edit(
             name="lineage.store_uid",
@@ -61,18 +67,31 @@ FILE_PATCHES = (
             old="        self._apc_coordinator = apc_coordinator\n        self._apc_mode = apc_mode\n",
             new=(
                 "        self._apc_coordinator = apc_coordinator\n        self._apc_mode = apc_mode\n"
-                "        if apc_coordinator is not None and hasattr(apc_coordinator, \"bind_rows\"):\n"
-                "            apc_coordinator.bind_rows(self.uids, self._apc_meta)\n"
+                "        _apc_door.rows_bound(apc_coordinator, self.uids, self._apc_meta)\n"
             ),
         ),
     ),
     patch_of(
         "mlx_vlm.generate.dispatch",
-        COORDINATOR_FACTORY,
+        DOOR_IMPORT,
         Edit(
             name="lineage.single_coordinator",
             old="        apc_coordinator = _apc.APCCoordinator(apc_manager, model.language_model)\n",
-            new="        apc_coordinator = _apc_lineage_coordinator(apc_manager, model.language_model)\n",
+            new="        apc_coordinator = _apc_door.coordinator(apc_manager, model.language_model)\n",
+        ),
+    ),
+    patch_of(
+        "mlx_vlm.server.runtime",
+        _door_after("lineage.parts_import", "from .runtime_config import RuntimeConfig\n"),
+        Edit(
+            name="lineage.parts",
+            old="    config: RuntimeConfig = field(default_factory=RuntimeConfig.from_env)\n",
+            new=(
+                "    config: RuntimeConfig = field(default_factory=RuntimeConfig.from_env)\n"
+                "    # The lineage cache's parts for this server (server_patch.integration.parts):\n"
+                "    # its runtimes, boundary finder, canary and traffic gate, built with it.\n"
+                "    apc_parts: Any = field(default_factory=_apc_door.build_parts)\n"
+            ),
         ),
     ),
     patch_of(
@@ -82,28 +101,39 @@ FILE_PATCHES = (
             old="from ..prompt_utils import apply_chat_template, extract_text_from_content\n",
             new=(
                 "from ..prompt_utils import apply_chat_template, extract_text_from_content\n"
-                "from server_patch.integration.segments import wrap_apply_chat_template as _apc_wrap\n"
+                + DOOR
+                + "from .runtime import runtime as _apc_server_runtime\n"
                 "\n"
-                "apply_chat_template = _apc_wrap(apply_chat_template)\n"
+                "apply_chat_template = _apc_door.wrap_apply_chat_template(\n"
+                "    apply_chat_template, _apc_server_runtime.apc_parts\n"
+                ")\n"
             ),
         ),
     ),
     patch_of(
         "mlx_vlm.server.generation",
+        _door_after("lineage.server_door_import",
+                    "from ..utils import ThinkingBudgetCriteria, load, prepare_inputs, resolve_eos_token_ids\n"),
         Edit(
-            name="lineage.hooks_import",
-            old="from ..utils import ThinkingBudgetCriteria, load, prepare_inputs, resolve_eos_token_ids\n",
-            new=(
-                "from ..utils import ThinkingBudgetCriteria, load, prepare_inputs, resolve_eos_token_ids\n"
-                "from server_patch.integration import hooks as _apc_lineage_hooks\n"
-            ),
+            name="lineage.prefill_completed_coordinator",
+            old="    def _log_prefill_completed(uid, info: dict, prompt_response) -> None:\n",
+            new="    def _log_prefill_completed(uid, info: dict, prompt_response, apc_coordinator=None) -> None:\n",
         ),
         Edit(
             name="lineage.prefill_completed",
             old='        info["prefill_processed"] = prompt_tokens\n',
             new=(
                 '        info["prefill_processed"] = prompt_tokens\n'
-                "        _apc_lineage_hooks.prefill_completed(uid, info, prompt_time)\n"
+                "        _apc_door.prefill_completed(apc_coordinator, uid, info, prompt_time)\n"
+            ),
+        ),
+        Edit(
+            name="lineage.prefill_completed_call",
+            old="                self._log_prefill_completed(prompt_response.uid, info, prompt_response)\n",
+            new=(
+                "                self._log_prefill_completed(\n"
+                "                    prompt_response.uid, info, prompt_response, batch_gen.apc\n"
+                "                )\n"
             ),
         ),
         Edit(
@@ -115,20 +145,41 @@ FILE_PATCHES = (
                 "            info = active.pop(uid)\n"
             ),
             new=(
-                "            _apc_queued = _apc_lineage_hooks.queued_tokens(batch_gen, uid)\n"
+                "            _apc_queued = _apc_door.queued_tokens(batch_gen, uid)\n"
                 "            if not batch_gen.remove(uid):\n"
                 "                self._cancel(uid)\n"
                 "                continue\n"
                 "            info = active.pop(uid)\n"
-                "            _apc_lineage_hooks.cancelled(uid, info, queued_tokens=_apc_queued)\n"
+                "            _apc_door.cancelled(batch_gen.apc, uid, info, queued_tokens=_apc_queued)\n"
             ),
+        ),
+        Edit(
+            name="lineage.first_token_coordinator",
+            old="        token_count: int = 1,\n    ) -> float:\n",
+            new="        token_count: int = 1,\n        apc_coordinator=None,\n    ) -> float:\n",
         ),
         Edit(
             name="lineage.first_token",
             old="                max(0.0, now - queued_at),\n            )\n",
             new=(
                 "                max(0.0, now - queued_at),\n            )\n"
-                "            _apc_lineage_hooks.first_token(uid, request_id, max(0.0, now - queued_at))\n"
+                "            _apc_door.first_token(\n"
+                "                apc_coordinator, uid, request_id, max(0.0, now - queued_at)\n"
+                "            )\n"
+            ),
+        ),
+        Edit(
+            name="lineage.first_token_call",
+            old=(
+                "                finish_reason=r.finish_reason,\n"
+                "                token_count=token_count,\n"
+                "            )\n"
+            ),
+            new=(
+                "                finish_reason=r.finish_reason,\n"
+                "                token_count=token_count,\n"
+                "                apc_coordinator=batch_gen.apc,\n"
+                "            )\n"
             ),
         ),
     ),
@@ -139,9 +190,9 @@ FILE_PATCHES = (
             old="    lifespan=lifespan,\n)\n",
             new=(
                 "    lifespan=lifespan,\n)\n"
-                "from server_patch.admin.api import install as _apc_admin_install\n"
-                "\n"
-                "_apc_admin_install(app)\n"
+                + DOOR
+                + "\n"
+                "_apc_door.install_admin(app, runtime.apc_parts)\n"
             ),
         ),
         Edit(
@@ -149,9 +200,9 @@ FILE_PATCHES = (
             old="    try:\n        yield\n    finally:\n        if runtime.audio_queue is not None:\n",
             new=(
                 "    try:\n        yield\n    finally:\n"
-                "        from server_patch.integration import hooks as _apc_lineage_hooks\n"
+                "        from server_patch.integration import hooks as _apc_door\n"
                 "\n"
-                "        _apc_lineage_hooks.shutdown()\n"
+                "        _apc_door.shutdown(runtime.apc_parts)\n"
                 "        if runtime.audio_queue is not None:\n"
             ),
         ),

@@ -46,9 +46,9 @@ FILE_PATCHES = (
             old=('    apc_manager = cache.get("apc_manager")\n    if apc_manager is not None:\n'
                  "        # APC entries own model-specific KV state."),
             new=('    apc_manager = cache.get("apc_manager")\n'
-                 "    from server_patch.integration.runtime import retire as _apc_retire\n"
+                 "    from server_patch.integration import hooks as _apc_door\n"
                  "\n"
-                 "    _apc_retire(apc_manager)\n"
+                 "    _apc_door.model_unloading(runtime.apc_parts, apc_manager)\n"
                  "    if apc_manager is not None:\n"
                  "        # APC entries own model-specific KV state."),
         ),

@@ -1,0 +1,74 @@
+"""``apcctl bench stall``: how long a decoding stream stalls for another session's cache work.
+
+The bench itself is ``apcctl.bench.stall``; stock and patched run side by side. Not a test:
+nothing asserts a time.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import click
+
+QUICK = {"preset": "tiny", "context": 600, "tokens": 24, "commits": 3}
+FULL = {"preset": "bench", "context": 4096, "tokens": 120, "commits": 5}
+
+
+def register(main: click.Group, bench: click.Group) -> None:
+    del main
+    bench.add_command(stall)
+
+
+@click.command("stall")
+@click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="A model directory (default: the bench preset, or the tiny one with --quick, built "
+                   "once in a temp cache dir).")
+@click.option("--quick", is_flag=True, help="The tiny model and small sizes (a smoke run, a minute on a CPU).")
+@click.option("--context", type=click.IntRange(16), default=None,
+              help=f"Tokens of the other session's conversation [{FULL['context']}; quick {QUICK['context']}].")
+@click.option("--tokens", type=click.IntRange(2), default=None,
+              help=f"The victim stream's reply length [{FULL['tokens']}; quick {QUICK['tokens']}].")
+@click.option("--commits", type=click.IntRange(1), default=None,
+              help=f"Conversations committed in full-budget [{FULL['commits']}; quick {QUICK['commits']}].")
+@click.option("--modes", default="stock,patched,patched-unpaced", show_default=True,
+              help="Servers to run, in order: stock, patched, patched-unpaced (decode-aware prefill off).")
+@click.option("--scenarios", default="cold-prefill,ram-restore,disk-restore,full-budget", show_default=True,
+              help="Which events to run in the other session.")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep the server logs here (default: a temp dir).")
+@click.option("--startup-timeout", default=300.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+def stall(model_dir: Path | None, quick: bool, context: int | None, tokens: int | None, commits: int | None,
+          modes: str, scenarios: str, workdir: Path | None, startup_timeout: float, as_json: bool) -> None:
+    """A stream's inter-token gaps (p50/p99/max) alone and while another session restores,
+    prefills or commits under a full budget; stock and patched side by side."""
+    from apcctl.bench import stall as bench
+    from apcctl.bench.ttft import BenchError
+    from apcctl.tinymodel.build import build_model
+
+    sizes = QUICK if quick else FULL
+    chosen_modes = _names(modes, list(bench.MODES), "--modes")
+    chosen = _names(scenarios, list(bench.SCENARIOS), "--scenarios")
+    plan = bench.Plan(context=context or sizes["context"], tokens=tokens or sizes["tokens"],
+                      commits=commits or sizes["commits"])
+    preset = str(sizes["preset"])
+    model_dir = build_model(model_dir or Path(tempfile.gettempdir()) / f"apcctl-{preset}-model", preset=preset, seed=0)
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="apcctl-stall-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    echo = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
+    try:
+        result = bench.run(model_dir, chosen_modes, chosen, plan, workdir, startup_timeout, echo)
+    except BenchError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(json.dumps(result) if as_json else bench.render(result))
+
+
+def _names(raw: str, known: list[str], hint: str) -> list[str]:
+    chosen = [n.strip() for n in raw.split(",") if n.strip()]
+    unknown = sorted(set(chosen) - set(known))
+    if unknown or not chosen:
+        raise click.BadParameter(f"unknown {', '.join(unknown) or '(none)'}; known: {', '.join(known)}",
+                                 param_hint=hint)
+    return chosen

@@ -1,0 +1,291 @@
+"""One record per request, from its lookup to its last event: the row machine.
+
+A request's state used to live in five books keyed differently; here it is one ``RowLife``:
+its prompt between lookup and prefill end (``pending``), the loan of an entry's buffer
+(``loan``), its deferred commit (``deferral``), the reply it is being fed (``reply``), its timing
+record (``record``), and where it is (``state``). One bounded ``RowBook`` holds them, by
+``RequestKey`` from the lookup until ``bind_rows`` names the generator's uid, then by uid.
+
+Every mlx-vlm event is one transition (``RowState``, the diagram in docs/design.md):
+
+    ADMITTED --bind--> PREFILLING --store at the prefill end--> DECODING --leaving--> ENDED
+    (a resend has nothing to prefill: bound and at its prefill end at once; ``removed`` ends a
+    row wherever it is; the single-sequence path, with no uid, ends at its prefill end)
+
+A transition the table does not allow fails closed (``server_patch.failclosed``): the row
+keeps its state, and under ``APC_TEST_FAULTS=1`` the error is raised. To add a state (issue
+29's LOADING, a request waiting for its disk load), add it to ``RowState`` and ``_NEXT``.
+What happens to the buffers at each transition is ``integration.batch_rows``; the mechanics
+(lend, adopt, validate) are ``server_patch.copyfree``'s functions over these fields.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+from server_patch.failclosed import fail_closed
+from server_patch.integration.pending import Pending, prompt_key
+from server_patch.integration.timings import DECODE, PREFILL, RequestTiming, TimingBook
+
+log = logging.getLogger("server_patch.lineage")
+
+ROWS_MAX = 512  # rows kept; the oldest without a loan or a deferral are forgotten first
+
+
+class RowState(StrEnum):
+    """Where a request is, as far as its KV rows go."""
+
+    ADMITTED = "admitted"  # looked up (or planned cold without a lookup): named by its key
+    PREFILLING = "prefilling"  # bound to the generator's uid, its prompt being prefilled
+    DECODING = "decoding"  # past its prefill end: its entry committed or deferred
+    ENDED = "ended"  # left the batch or was removed: nothing of it writes a cache any more
+
+
+_NEXT: dict[RowState, frozenset[RowState]] = {
+    RowState.ADMITTED: frozenset({RowState.PREFILLING, RowState.DECODING, RowState.ENDED}),
+    RowState.PREFILLING: frozenset({RowState.DECODING, RowState.ENDED}),
+    RowState.DECODING: frozenset({RowState.ENDED}),
+    RowState.ENDED: frozenset(),
+}
+
+
+class RowStateError(RuntimeError):
+    """A row was asked to move where its state does not lead."""
+
+
+@dataclass(eq=False)
+class RowLife:
+    """One request's whole life in the cache. ``loan``: a ``copyfree.lease.Lease``;
+    ``deferral``: a ``copyfree.deferred.Deferred``; ``reply``: a ``copyfree.replies.Reply``."""
+
+    pending: Pending
+    record: Optional[RequestTiming] = None
+    uid: Any = None
+    state: RowState = RowState.ADMITTED
+    loan: Any = None
+    deferral: Any = None
+    reply: Any = None
+    timed: bool = False  # its record is finished (first token, or cancelled before it)
+    seq: int = 0  # the book's order (oldest first)
+    history: list[RowState] = field(default_factory=list)  # the states it left, in order
+
+    @property
+    def key(self) -> tuple[Optional[str], int, int]:
+        return self.pending.key
+
+    @property
+    def prefilling(self) -> bool:
+        """Its prompt is still being prefilled: its captures are taken, its prefill end to come."""
+        return self.state in (RowState.ADMITTED, RowState.PREFILLING)
+
+    @property
+    def over(self) -> bool:
+        """Nothing more can happen to it: ended, no loan or deferral left to settle, and its
+        record finished or never to be."""
+        return (self.state == RowState.ENDED and self.loan is None and self.deferral is None
+                and (self.timed or self.record is None or self.uid is None))
+
+    def move(self, to: RowState, event: str) -> bool:
+        """One transition (``event`` names it in the error); False, failing closed, if illegal."""
+        if to == self.state:
+            return True
+        if to not in _NEXT[self.state]:
+            try:
+                raise RowStateError(f"row {self.uid!r} {self.state} -> {to} on {event}")
+            except RowStateError as exc:
+                fail_closed(exc, "apc_lineage row transition", log=log)
+            return False
+        self.history.append(self.state)
+        self.state = to
+        return True
+
+
+class RowBook:
+    """The rows of one runtime, bounded, by key until bound and then by uid. Thread-safe: the
+    generation thread moves rows, the server's threads finish their records."""
+
+    def __init__(self, timings: TimingBook, limit: int = ROWS_MAX) -> None:
+        self.timings = timings
+        self._rows: OrderedDict[int, RowLife] = OrderedDict()
+        self._by_key: dict[tuple[Optional[str], int, int], RowLife] = {}
+        self._by_uid: dict[Any, RowLife] = {}
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._limit = limit
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    # ------------------------------------------------------------------ admission and binding
+
+    def admit(self, pending: Pending, record: Optional[RequestTiming] = None, loan: Any = None) -> RowLife:
+        """A looked-up prompt (or one planned cold without a lookup): a new ADMITTED row. One
+        not yet bound with the same key is admitted again instead (its plan and record are the
+        new lookup's; a loan it holds stays), as one request key names one pending prompt."""
+        with self._lock:
+            row = self._by_key.get(pending.key)
+            if row is not None and row.state == RowState.ADMITTED:
+                row.pending, row.record = pending, record
+                row.loan = row.loan if row.loan is not None else loan
+                return row
+            row = RowLife(pending, record, loan=loan, seq=next(self._seq))
+            self._rows[row.seq] = row
+            self._by_key[pending.key] = row
+            self._bound()
+            return row
+
+    def _bound(self) -> None:
+        """Forget the oldest rows past the limit, but none holding a loan or a deferral (those
+        end by their own events or a lookup's sweep)."""
+        excess = len(self._rows) - self._limit
+        for row in [r for r in self._rows.values() if r.loan is None and r.deferral is None][:max(0, excess)]:
+            self._drop(row)
+
+    def bind(self, key: Any, uid: Any) -> Optional[RowLife]:
+        """Row ``key`` is the generator's ``uid`` from now on (re-keyed once): PREFILLING."""
+        with self._lock:
+            row = self._by_key.get(key)
+            if row is None or row.state != RowState.ADMITTED:
+                return None
+            if not row.move(RowState.PREFILLING, "bind"):
+                return None
+            del self._by_key[key]
+            row.uid = uid
+            if row.record is not None:
+                row.record.uid = uid
+            self._by_uid[uid] = row
+            return row
+
+    # ------------------------------------------------------------------ finding rows
+
+    def by_key(self, key: Any) -> Optional[RowLife]:
+        with self._lock:
+            return self._by_key.get(key)
+
+    def by_uid(self, uid: Any) -> Optional[RowLife]:
+        with self._lock:
+            return self._by_uid.get(uid)
+
+    def rows(self) -> list[RowLife]:
+        """Every row, oldest first."""
+        with self._lock:
+            return list(self._rows.values())
+
+    def lent(self) -> list[RowLife]:
+        return [r for r in self.rows() if r.loan is not None]
+
+    def deferred(self) -> list[RowLife]:
+        return [r for r in self.rows() if r.deferral is not None]
+
+    def replying(self) -> list[RowLife]:
+        return [r for r in self.rows() if r.reply is not None]
+
+    def lent_to(self, key: Any) -> bool:
+        """Some row of request ``key`` holds a loan (the same prompt is running on it)."""
+        return any(r.key == key for r in self.lent())
+
+    def with_tokens(self, prompt: np.ndarray) -> list[RowLife]:
+        """Prefilling rows with exactly these tokens, whatever their namespace."""
+        key = prompt_key(prompt)
+        return [r for r in self.rows() if r.prefilling and r.key[1:] == key
+                and np.array_equal(r.pending.tokens, prompt)]
+
+    def matching(self, prefix: np.ndarray, namespace: str) -> list[RowLife]:
+        """Prefilling rows of ``namespace`` that start with ``prefix`` and want a state at its
+        length; a row without a namespace (it skipped lookup) takes this one."""
+        length = int(prefix.shape[0])
+        with self._lock:
+            found = [r for r in self._rows.values() if r.prefilling and r.pending.namespace in (namespace, None)
+                     and (length in r.pending.wanted or length == r.pending.final)
+                     and r.pending.tokens.shape[0] >= length and np.array_equal(r.pending.tokens[:length], prefix)]
+            for row in found:
+                if row.pending.namespace is None:
+                    if self._by_key.get(row.key) is row:
+                        del self._by_key[row.key]
+                    row.pending.namespace = namespace
+                    self._by_key.setdefault(row.key, row)
+            return found
+
+    # ------------------------------------------------------------------ endings
+
+    def end(self, row: RowLife, event: str) -> None:
+        """``event`` (leaving, removed, a prefill end with no uid) ended the row: ENDED, and
+        forgotten once its record is finished too."""
+        if row.move(RowState.ENDED, event):
+            self.tidy(row)
+
+    def tidy(self, row: RowLife) -> None:
+        """Forget ``row`` if nothing more can happen to it (a loan or deferral just settled)."""
+        if row.over:
+            self.forget(row)
+
+    def forget(self, row: RowLife) -> None:
+        with self._lock:
+            self._drop(row)
+
+    def _drop(self, row: RowLife) -> None:
+        self._rows.pop(row.seq, None)
+        if self._by_key.get(row.key) is row:
+            del self._by_key[row.key]
+        if row.uid is not None and self._by_uid.get(row.uid) is row:
+            del self._by_uid[row.uid]
+
+    def decoded(self, uids: Sequence[Any], tokens: Sequence[int]) -> None:
+        """One decode step: ``tokens[i]`` was fed to row ``uids[i]`` (its tracked reply grows).
+        A step of another shape than this hook was written for stops the tracking of its rows."""
+        tracked = [(row, i) for i, uid in enumerate(uids) if (row := self.by_uid(uid)) is not None
+                   and row.reply is not None]
+        for row, i in tracked:
+            if len(uids) != len(tokens):
+                row.reply = None
+            else:
+                row.reply.fed.append(int(tokens[i]))
+
+    def forget_replies(self, active: Iterable[Any]) -> None:
+        """Stop tracking replies of rows no batch holds any more (their leaving was never seen)."""
+        alive = set(active)
+        for row in self.replying():
+            if row.uid not in alive:
+                row.reply = None
+
+    # ------------------------------------------------------------------ the record's events
+
+    def _open_record(self, uid: Any) -> Optional[RowLife]:
+        row = self.by_uid(uid)
+        return row if row is not None and row.record is not None and not row.timed else None
+
+    def prefill_completed(self, uid: Any, request_id: Any, prefill_s: float) -> None:
+        """The server's prompt-time report: the record's restore line."""
+        if (row := self._open_record(uid)) is not None:
+            self.timings.log_restore(row.record, request_id, prefill_s)
+
+    def first_token(self, uid: Any, request_id: Any, ttft_s: float) -> None:
+        """The first token reached the client: the record is finished."""
+        if (row := self._open_record(uid)) is not None:
+            self._timed(row)
+            self.timings.finish(row.record, request_id, ttft_s)
+
+    def cancelled(self, uid: Any, request_id: Any) -> Optional[RequestTiming]:
+        """Request ``uid`` was cancelled (called once the generator let it go): a record with
+        no first token ends here, cancelled in prefill; one already finished is marked
+        cancelled in decode where it lies in the ring (``TimingBook.cancel``)."""
+        if (row := self._open_record(uid)) is not None:
+            self._timed(row)
+            return self.timings.cancel(row.record, request_id, PREFILL)
+        record = self.timings.finished_record(uid)
+        return self.timings.cancel(record, request_id, DECODE) if record is not None else None
+
+    def _timed(self, row: RowLife) -> None:
+        row.timed = True
+        self.tidy(row)
+
+
+__all__ = ["ROWS_MAX", "RowBook", "RowLife", "RowState", "RowStateError"]
