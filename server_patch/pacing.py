@@ -4,8 +4,8 @@ mlx-vlm 0.7.10 runs every row from one generation thread, one decode step then o
 chunk (``BatchGenerator._next``), and a chunk is ``prefill_step_size`` tokens (2,048): on a
 slow machine seconds during which every decoding stream waits (issue 29 measured 3-6 s per
 chunk on this CPU). While other rows decode, this sizes each chunk so it takes about
-``APC_DECODE_STALL_MS``, from the cost the server measured on its own previous chunks (so the
-budget holds on a Mac and on a CPU alike), as vLLM's and SGLang's chunked prefill
+``APC_DECODE_STALL_MS``, steered by the times the server measured of its own previous chunks
+(so the budget means the same on a Mac and on a CPU), as vLLM's and SGLang's chunked prefill
 interleave prefill with decode. With no row decoding, prefill keeps mlx-vlm's full chunk, so a
 lone request prefills as fast as before. The cost is throughput: more, smaller chunks
 (``apcctl bench stall`` reports it).
@@ -19,10 +19,9 @@ dispatches it asynchronously), only while pacing is on.
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from typing import Any
 
 from server_patch import settings
@@ -30,26 +29,30 @@ from server_patch import settings
 log = logging.getLogger("server_patch.pacing")
 
 MIN_CHUNK = 64  # tokens: the smallest chunk paced
-FIRST_CHUNK = 256  # tokens of the first chunk paced before two sizes were measured
-WINDOW = 6  # recent chunks the cost model is fitted to (the cost per token grows with the context)
-FLOOR_SPLIT = 4  # where the budget cannot be met, a full chunk is still split at least this many ways
+FIRST_CHUNK = 256  # tokens of the first paced chunk, before any was measured
+MAX_COST = 2.0  # a paced chunk may cost at most this many times an unpaced one per token
+SMOOTHING = 0.5  # weight of the newest unpaced chunk in the reference rate
 STALL_ENV = "APC_DECODE_STALL_MS"
 
 
 class PrefillPacer:
-    """A chunk's cost, fitted to the server's own recent chunks as ``fixed + per_token * n``,
-    and the chunk size it allows while others decode.
+    """The paced chunk size, steered by the server's own chunk times.
 
-    The fixed part is real and can be large (the decode step dispatched just before the chunk,
-    per-chunk work over the whole context): measured on the bench preset, 64 tokens cost about
-    as much as 256. So the size is the larger of what fits the budget and what keeps the fixed
-    part at most half a chunk's time (but a quarter of the full chunk at most): where the budget
-    cannot be met, pacing bounds its throughput cost instead of splitting into chunks that are
-    all overhead, and still cuts the longest wait."""
+    After each paced chunk the next size moves toward the budget (``size * budget / time``, at
+    most doubling), unless the chunk was mostly overhead: a chunk whose tokens per second fall
+    below ``1 / MAX_COST`` of unpaced chunks' doubles instead, and the size never again goes
+    that low (until the unpaced rate is measured anew). Per-token cost is not constant in
+    the chunk size: measured on the bench preset on a CPU, a 64-token chunk took 2 s and a
+    2,048-token one 5.7 s (the decode step dispatched before it, per-chunk work over the whole
+    context, a slower attention path for short chunks). So where the budget cannot be met,
+    pacing bounds its throughput cost and still cuts the longest wait, instead of splitting into
+    chunks that are all overhead."""
 
     def __init__(self, budget_ms: float) -> None:
         self.budget_ms = float(budget_ms)
-        self.samples: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (tokens, seconds)
+        self.size: int | None = None  # the next paced chunk's tokens (None: FIRST_CHUNK)
+        self.full_rate: float | None = None  # tokens per second of unpaced chunks, smoothed
+        self.floor = MIN_CHUNK  # the smallest size not found mostly overhead (since full_rate moved)
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
 
@@ -62,35 +65,30 @@ class PrefillPacer:
         if not self.enabled or decoding <= 0:
             return full
         with self._lock:
-            model = self.cost_model()
-            if model is None:  # one size measured so far: try another one to learn the slope
-                last = self.samples[-1][0] if self.samples else 0
-                size = FIRST_CHUNK if not last else last // 2 if last >= 2 * FIRST_CHUNK else 2 * last
+            size = FIRST_CHUNK if self.size is None else self.size
+        return max(1, min(full, size))
+
+    def observe(self, tokens: int, seconds: float, *, chosen: int, paced: bool) -> None:
+        """A chunk of ``tokens`` (``chosen`` was the size asked for; fewer: cut at a checkpoint
+        or the prompt's end) took ``seconds`` to the end of its compute."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        with self._lock:
+            if not paced:
+                if tokens >= FIRST_CHUNK:  # a short remainder says little about the rate
+                    self.full_rate = rate if self.full_rate is None else \
+                        SMOOTHING * rate + (1 - SMOOTHING) * self.full_rate
+                    self.floor = MIN_CHUNK  # a new reference: sizes are judged afresh
+                return
+            if tokens < chosen:
+                return  # cut short: not the size's own cost
+            if self.full_rate is not None and rate * MAX_COST < self.full_rate:
+                self.floor = max(self.floor, 2 * tokens)  # mostly overhead: never this small again
+                target = 2.0 * tokens
             else:
-                fixed, per_token = model
-                fits = (self.budget_ms / 1000 - fixed) / per_token
-                size = round(max(fits, min(fixed / per_token, full / FLOOR_SPLIT)))
-        return max(1, min(full, max(MIN_CHUNK, size)))
-
-    def cost_model(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token) over the recent chunks, robust to a stray slow one
-        (Theil-Sen: the median of the pairwise slopes, then the median intercept); None until
-        two sizes were measured. Never negative: a slope at or below zero reads as a pure rate."""
-        samples = list(self.samples)
-        slopes = [(tj - ti) / (nj - ni) for k, (ni, ti) in enumerate(samples) for nj, tj in samples[k + 1:]
-                  if nj != ni]
-        if not slopes:
-            return None
-        slope = statistics.median(slopes)
-        if slope <= 0:
-            return 0.0, statistics.median(t / n for n, t in samples)
-        return max(0.0, statistics.median(t - slope * n for n, t in samples)), slope
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        """One chunk of ``tokens`` took ``seconds`` (to the end of its compute)."""
-        if tokens > 0 and seconds > 0:
-            with self._lock:
-                self.samples.append((tokens, seconds))
+                target = tokens * min(2.0, self.budget_ms / 1000 / seconds)
+            self.size = max(self.floor, round(target))
 
 
 _PACER: PrefillPacer | None = None
@@ -131,10 +129,11 @@ def step(generator: Any, prompt_batch: Any) -> int:
     tokens = prompt_batch.prompt_step()
     mx.synchronize()
     seconds = time.perf_counter() - tic
-    paced.observe(tokens, seconds)
+    full = int(getattr(prompt_batch, "prefill_step_size", 0) or 0)
+    chosen = int(getattr(prompt_batch, "_apc_chunk", full) or full)
+    paced.observe(tokens, seconds, chosen=chosen, paced=decoding > 0)
     if tokens > 0:
-        full = int(getattr(prompt_batch, "prefill_step_size", 0) or 0)
-        split = decoding > 0 and getattr(prompt_batch, "_apc_chunk", full) < full
+        split = decoding > 0 and chosen < full
         paced.stats["chunks"] += 1
         paced.stats["paced_chunks"] += int(split)
         log.info("apc_pacing chunk tokens=%d decoding=%d paced=%d ms=%.1f", tokens, decoding,

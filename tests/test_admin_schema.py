@@ -76,6 +76,19 @@ def test_a_renamed_field_is_one_clear_error_at_the_client(monkeypatch: pytest.Mo
         client.status()
 
 
+def test_the_dashboard_says_a_changed_answer_as_a_poll_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tui.source import LiveSource, SourceError
+    from tui.state import DashboardState
+
+    client = AdminClient("http://127.0.0.1:9", "token")
+    monkeypatch.setattr(client, "_request", lambda *a, **k: {"server": {"process_id": 7}, "idle": {}})
+    state = DashboardState()
+    with pytest.raises(SourceError) as caught:
+        LiveSource(client).snapshot()
+    state.poll_failed(str(caught.value))
+    assert "/admin/status.server: missing field 'pid'" in state.connection.error
+
+
 def test_a_newer_servers_extra_fields_and_values_are_kept() -> None:
     raw = {"seq": 4, "started": 1.0, "prompt_tokens": 9, "restore_kind": "teleport", "future_field": [1, 2]}
     record = schema.RequestRecord.from_json(raw)

@@ -284,3 +284,17 @@ def test_a_thinned_checkpoint_is_the_reason(tiny_model_dir: Path, tmp_path: Path
         _, record = ask(running, branch)  # another reply to the first turn: its points are gone
     assert "thinning" in record["lost"], record
     assert sum(record["lost"].values()) == record["oracle"] - record["restored_tokens"]
+
+
+def test_after_a_restart_the_oracle_remembers_and_the_restart_is_the_reason(tiny_model_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    env = {"APC_LINEAGE_DISK": "0"}  # nothing survives the restart but the journal
+    messages = conversation(seed=141)
+    with PatchedServer(tiny_model_dir, env=env, log_dir=tmp_path) as before:
+        ask(before, messages)
+    with PatchedServer(tiny_model_dir, env=env, log_dir=tmp_path) as after:
+        ask(after, conversation(seed=142))  # the runtime starts, and reads the journal back
+        wait_for(lambda: "apc_lineage oracle warmed blocks=" in after.log_text(), "the warm-up", after)
+        _, again = ask(after, messages)
+    assert again["oracle"] == resend_oracle(again) > again["restored_tokens"]
+    assert again["lost"] == {"restart": again["oracle"] - again["restored_tokens"]}, again

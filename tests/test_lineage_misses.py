@@ -232,3 +232,25 @@ def test_the_journal_report_sums_the_request_lines() -> None:
     oracle = report(lines, since=0.0, until=10.0)["oracle"]
     assert oracle["requests"] == 3 and oracle["oracle_tokens"] == 576 and oracle["restored_tokens"] == 288
     assert oracle["ratio"] == 0.5 and oracle["lost_tokens"]["operator"] == 288
+
+
+def test_the_dashboards_live_counters_carry_the_oracle_line() -> None:
+    from rich.console import Console
+
+    from server_patch.admin.schema import ServerInfo, Status
+    from server_patch.lineage.misses import summarize
+    from tui.panes.live import counters
+    from tui.state import DashboardState
+
+    def shown(status: Status) -> str:
+        console = Console(width=200, record=True)
+        console.print(counters(DashboardState(status=status), 0.0))
+        return console.export_text()
+
+    server = ServerInfo(model="m", pid=1, create_time=0.0, uptime_s=1.0, started=0.0, mlx_vlm_version="0.7.10",
+                        patch_version="x", fingerprint=None)
+    totals = {"enabled": True, **summarize({"requests": 2, "oracle_tokens": 100, "restored_tokens": 90,
+                                            "lost:thinning": 10})}
+    (line,) = [line for line in shown(Status(server=server, oracle=totals)).splitlines() if line.startswith("oracle")]
+    assert line.split(None, 1)[1].strip() == "restores 0.90 of what an unbounded cache would; lost: 10 % thinning"
+    assert "oracle" not in shown(Status(server=server))  # a server before issue 26

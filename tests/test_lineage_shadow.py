@@ -137,3 +137,40 @@ def test_journal_block_lines_carry_only_what_is_new() -> None:
     assert [list(d) for d in decoded] == [list(turn1), list(turn2), list(other)]
     late = BlockDecoder()  # a report window that starts after the base line
     assert late.hashes(lines[1]) is None and late.skipped == 1
+
+
+def test_older_blocks_fill_free_room_only_and_go_first() -> None:
+    index = ShadowIndex(BYTES_PER_BLOCK * 10, block=16)
+    live, old = ids(16 * 4, 1), ids(16 * 8, 2)
+    seen(index, live)
+    assert index.add_older(index.hashes(old), "") is False  # 4 live + 8 old > 10: the room ran out
+    assert len(index) == 10 and oracle(index, live) == 16 * 3  # nothing live was pushed out
+    assert oracle(index, old) == 16 * 6  # a prefix of the old chain went in
+    seen(index, ids(16 * 3, 3))  # live traffic pushes the old blocks out first, extensions first
+    assert oracle(index, live) == 16 * 3 and oracle(index, old) == 16 * 3
+
+
+def test_the_shadow_is_warmed_from_earlier_runs_of_the_same_model(tmp_path) -> None:
+    import json
+
+    from server_patch.integration.block_lines import BlockEncoder
+    from server_patch.integration.shadow_warmup import warm
+    from server_patch.lineage.misses import Lost, MissBook
+
+    first, other_model, mine = ids(320, 1), ids(320, 2), ids(320, 3)
+    lines = []
+    for pid, fingerprint, tokens in ((1, "model-a", first), (2, "model-b", other_model), (3, "model-a", mine)):
+        encoder = BlockEncoder()
+        lines.append({"type": "start", "time": float(pid), "pid": pid, "fingerprint": fingerprint})
+        hashes = block_hashes(tokens)
+        lines.append({"type": "blocks", "time": pid + 0.5, "kind": "prompt", "namespace": "", "tokens": 320,
+                      "block": 16, **encoder.fields("", hashes)})
+    journal = tmp_path / "journal.jsonl"
+    journal.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    book = MissBook(1 << 20)
+    assert warm(book, [journal], "model-a", own_start=(3, 3.0)) == 20  # the first run only: not this one
+    match = book.match(book.hashes(first), "", 320)
+    assert match.oracle == 304 and book.match(book.hashes(other_model), "", 320).oracle == 0
+    # What the restart lost is explained: the first run's prompt end is a point that went with it.
+    miss = book.explain(match, 0, book.hashes(first), "", [], Lost.OTHER)
+    assert miss.lost == {Lost.RESTART: 304}

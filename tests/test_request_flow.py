@@ -58,7 +58,8 @@ SCRIPT = textwrap.dedent(r"""
         record = self.lineage.book.by_key(request_key(namespace_of(kw["extra_hash"]), prompt)).record
         served.append({"tokens": [int(t) for t in prompt], "namespace": namespace_of(kw["extra_hash"]),
                        "restored": record.restored_tokens if answer else 0,
-                       "kind": record.restore_kind if answer else "cold"})
+                       "kind": record.restore_kind if answer else "cold",
+                       "oracle": record.oracle, "lost": record.lost})
         return answer
 
     def seen_validated(layout, reply, batch, idx):
@@ -147,3 +148,21 @@ def test_the_simulator_restores_where_the_server_does(server_run):
     assert first["reply"] and on_server[1] == (len(first["tokens"]) + len(first["reply"]), "entry")
     assert second["tokens"][:on_server[1][0]] == first["tokens"] + first["reply"]
     assert {kind for _, kind in on_server} >= {"cold", "entry", "divergence", "final"}, on_server
+
+
+@pytest.mark.server
+def test_the_live_oracle_is_the_seen_oracle_of_what_the_server_processed(server_run):
+    """Issue 26: each request's oracle on the server is the seen oracle (every earlier prompt,
+    and every earlier prompt + the reply it was fed) rounded down to the shadow block, and what
+    it restored less is explained to the token."""
+    from apcctl.sim.policies.seen import SeenOraclePolicy
+
+    block = server_run["config"]["shadow_block_tokens"]
+    seen = SeenOraclePolicy()
+    for i, req in enumerate(server_run["served"]):
+        reply = None if req["reply"] is None else np.asarray(req["reply"], dtype=np.int32)
+        bound = seen.serve(Request("trace", float(i), np.asarray(req["tokens"], dtype=np.int32),
+                                   namespace=req["namespace"], index=i, reply=reply)).reused
+        assert req["oracle"] == bound // block * block, (i, req["oracle"], bound)
+        assert sum(req["lost"].values()) == max(0, req["oracle"] - req["restored"]), (i, req)
+    assert sum(r["oracle"] > 0 for r in server_run["served"]) >= 4  # most requests share a prefix

@@ -25,9 +25,10 @@ from fake_model import prefill, random_tokens
 from server_patch.boundaries import SegmentFinder
 from server_patch.copyfree import merge as copyfree_merge
 from server_patch.integration.coordinator import LineageCoordinator
+from server_patch.integration.pending import Pending
 from server_patch.integration.rowlife import RowBook, RowState, RowStateError
 from server_patch.integration.timings import CANCELLED, PREFILL, TimingBook
-from server_patch.lineage import LineageCache, LineageConfig
+from server_patch.lineage import COLD, LineageCache, LineageConfig, RestorePlan
 from lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
 from test_lineage_policy import QueuedDisk
 
@@ -295,12 +296,14 @@ def test_two_lookups_of_one_request_key_before_binding_are_one_row(server):
     assert first.seq == 2  # the second lookup's record: one request key names one pending prompt
 
 
+def cold(tokens: np.ndarray) -> Pending:
+    """A prompt planned cold, as a lookup that found nothing admits it."""
+    return Pending(tokens, "0", RestorePlan(0, COLD, prompt_len=len(tokens)))
+
+
 def test_an_illegal_transition_fails_closed_and_raises_under_test_faults(monkeypatch):
     book = RowBook(TimingBook())
-    from server_patch.integration.pending import Pending
-    from server_patch.lineage import COLD, RestorePlan
-
-    row = book.admit(Pending(random_tokens(20), "0", RestorePlan(0, COLD, prompt_len=20)))
+    row = book.admit(cold(random_tokens(20)))
     book.end(row, "removed")
     monkeypatch.setenv("APC_TEST_FAULTS", "0")
     assert not row.move(DECODING, "store") and row.state == ENDED
@@ -310,12 +313,8 @@ def test_an_illegal_transition_fails_closed_and_raises_under_test_faults(monkeyp
 
 
 def test_the_book_is_bounded_but_keeps_rows_with_a_loan_or_a_deferral():
-    from server_patch.integration.pending import Pending
-    from server_patch.lineage import COLD, RestorePlan
-
     book = RowBook(TimingBook(), limit=3)
-    rows = [book.admit(Pending(random_tokens(20, seed=i), "0", RestorePlan(0, COLD, prompt_len=20)))
-            for i in range(3)]
+    rows = [book.admit(cold(random_tokens(20, seed=i))) for i in range(3)]
     rows[0].loan, rows[1].deferral = object(), object()
-    book.admit(Pending(random_tokens(20, seed=9), "0", RestorePlan(0, COLD, prompt_len=20)))
+    book.admit(cold(random_tokens(20, seed=9)))
     assert book.rows()[:2] == rows[:2] and rows[2] not in book.rows() and len(book) == 3

@@ -1,6 +1,7 @@
 """The types of every ``/admin`` answer: built by the server (``admin.views``), parsed by the client.
 
-One frozen dataclass per answer (and per nested object), so a renamed or missing field is an
+One frozen dataclass per answer (and per nested object; keyword-only, so the fields keep the
+server's key order whether or not they have defaults), so a renamed or missing field is an
 error where the answer is parsed (``SchemaError`` naming the answer and the field), never a
 ``KeyError`` deep in the CLI or the dashboard. ``to_json()`` gives exactly the JSON the server
 sends (same keys, same order); ``from_json()`` takes a newer server's answer too: unknown
@@ -193,7 +194,7 @@ def _load(hint: Any, value: Any, where: str) -> Any:
 # ---------------------------------------------------------------------- entries and anchors
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class CheckpointInfo(Answer):
     """A restore point inside an entry (``bytes``, ``created``, ``last_hit``: None on disk only)."""
 
@@ -205,7 +206,7 @@ class CheckpointInfo(Answer):
     hits: int = 0
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class EntryInfo(Answer):
     """One lineage entry or anchor, held in RAM (and maybe on disk), or only on disk."""
 
@@ -238,13 +239,14 @@ class EntryInfo(Answer):
         return self.tier == Residence.DISK
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Budgets(Answer):
     """Used and limit per budget (``LineageCache.budgets()``, or the configured ones before the cache)."""
 
     ram_used: int
     ram_limit: int
     conversation_bytes: int
+    disk_queue_bytes: int = 0  # (newer than the others)
     anchor_bytes: int
     anchor_bytes_limit: int
     anchor_count: int
@@ -253,15 +255,9 @@ class Budgets(Answer):
     disk_limit: int
     entries: int
     disk_files: int
-    disk_queue_bytes: int = 0
-
-    def to_json(self) -> dict[str, Any]:  # the server's key order: the queue after the conversations
-        out = super().to_json()
-        order = ("ram_used", "ram_limit", "conversation_bytes", "disk_queue_bytes")
-        return {**{k: out[k] for k in order}, **{k: v for k, v in out.items() if k not in order}}
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Entries(Answer):
     """``GET /admin/entries``; ``started`` False before the first request (configured budgets)."""
 
@@ -272,14 +268,14 @@ class Entries(Answer):
     started: bool
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Anchors(Answer):
     NAME = "/admin/anchors"
 
     anchors: list[EntryInfo]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Evicted(Answer):
     NAME = "DELETE /admin/entries/{id}"
 
@@ -287,7 +283,7 @@ class Evicted(Answer):
     freed_bytes: int
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class NewAnchor(Answer):
     NAME = "POST /admin/anchors"
 
@@ -298,7 +294,7 @@ class NewAnchor(Answer):
 # ---------------------------------------------------------------------- requests and events
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class RequestRecord(Answer):
     """One request's timing record (``integration.timings.RequestTiming.as_dict()``, field for field)."""
 
@@ -328,14 +324,14 @@ class RequestRecord(Answer):
     lost_why: str = ""  # why a disk file it would have restored from was rejected
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Requests(Answer):
     NAME = "/admin/requests"
 
     requests: list[RequestRecord]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class CacheEvent(Answer):
     """A cache event of ``/admin/events`` (``event: cache``)."""
 
@@ -354,12 +350,12 @@ class CacheEvent(Answer):
 # ---------------------------------------------------------------------- status
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class ServerInfo(Answer):
     """Which process answers: a restart changes ``pid`` and ``started``."""
 
-    pid: int
     model: str | None = None
+    pid: int
     create_time: float | None = None
     uptime_s: float | None = None
     started: float | None = None
@@ -367,12 +363,8 @@ class ServerInfo(Answer):
     patch_version: str | None = None
     fingerprint: str | None = None
 
-    def to_json(self) -> dict[str, Any]:  # the server's key order: model first
-        out = super().to_json()
-        return {"model": out.pop("model"), "pid": out.pop("pid"), **out}
 
-
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Traffic(Answer):
     """``POST /admin/drain`` and ``/undrain``: requests in flight and the drain."""
 
@@ -385,14 +377,14 @@ class Traffic(Answer):
     rejected_while_draining: int = 0
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Idle(Traffic):
     """``idle`` of the status: the traffic, and requests queued in mlx-vlm's generator."""
 
     queued: int = 0
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Pool(Answer):
     """MLX's allocator (``mx.get_active_memory`` and friends)."""
 
@@ -401,7 +393,7 @@ class Pool(Answer):
     peak_bytes: int | None = None
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class AdminInfo(Answer):
     """The admin endpoint's own state: open event streams and its limits (``guard.AdminLimits``)."""
 
@@ -410,7 +402,7 @@ class AdminInfo(Answer):
     max_body_bytes: int | None = _omit()
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class CanaryBrief(Answer):
     """Restore kinds the canary found suspect, and what requests do about them."""
 
@@ -418,7 +410,7 @@ class CanaryBrief(Answer):
     on_fail: str = "log"
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Hits(Answer):
     """The server's hit summary (``lineage.summary.hit_summary``): zeros before the cache starts."""
 
@@ -432,7 +424,7 @@ class Hits(Answer):
     token_hit_rate: float | None = None
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class LineageInfo(Answer):
     """The running cache: budgets, counters, state layout, disk tier and configuration."""
 
@@ -445,7 +437,7 @@ class LineageInfo(Answer):
     config: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class DiskVolume(Answer):
     """The disk tier's volume; only ``enabled`` when the tier is off."""
 
@@ -457,7 +449,7 @@ class DiskVolume(Answer):
     files: int | None = _omit()
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Sizing(Answer):
     """Budgets, physical memory, the disk volume, and what this machine cannot honour."""
 
@@ -467,7 +459,7 @@ class Sizing(Answer):
     warnings: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Status(Answer):
     """``GET /admin/status``; ``lineage`` None before the first request creates the cache."""
 
@@ -498,7 +490,7 @@ class Status(Answer):
 # ---------------------------------------------------------------------- verbs
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class FlushReport(Answer):
     """``POST /admin/flush`` (``admin.flush``): what reached the disk, and why not all of it."""
 
@@ -514,7 +506,7 @@ class FlushReport(Answer):
     disk_enabled: bool
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class CanaryState(Answer):
     """``GET /admin/verify``: counters, the last result, suspect kinds and the schedule."""
 
@@ -534,7 +526,7 @@ class CanaryState(Answer):
     recent: list[dict[str, Any]] = field(default_factory=list)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class VerifyReport(Answer):
     """``POST /admin/verify``: the points checked and their results."""
 
@@ -552,7 +544,7 @@ class VerifyReport(Answer):
     on_fail: str = "log"
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Cleared(Answer):
     NAME = "POST /admin/verify/clear"
 
@@ -560,14 +552,14 @@ class Cleared(Answer):
     suspects: list[str]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class ModelRuntimes(Answer):
     open_runtimes: int
     threads: list[str]
     runtime_started: float | None = None
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class ModelInfo(Answer):
     """``GET /admin/model``: the served model (by group), the loaded one, open lineage runtimes."""
 

@@ -208,6 +208,10 @@ class BatchRows:
             committed = self._store(row.pending, kv, head)
         self._decoding(row, head, uid, "prefill end")
         self.commits.note_commit(row, start)
+        if uid is None:  # the single-sequence path: no later event will come
+            self.book.end(row, "prefill end")
+        else:
+            self.book.tidy(row)
         return committed
 
     def resent(self, row: RowLife, uid: Any) -> None:
@@ -216,12 +220,9 @@ class BatchRows:
         self._decoding(row, row.pending.plan.state, uid, "resend")
 
     def _decoding(self, row: RowLife, head: Any, uid: Any, event: str) -> None:
-        """Past the prefill end: its reply tracked from ``head``; a row with no uid (the
-        single-sequence path: no later event will come) ends here."""
+        """Past the prefill end: its reply tracked from ``head``."""
         row.move(RowState.DECODING, event)
         self.track_reply(row, head, uid)
-        if uid is None:
-            self.book.end(row, event)
 
     def _store(self, pending: Pending, kv: Any, head: Any) -> bool:
         """The one store of a prompt-end entry."""

@@ -34,6 +34,7 @@ from typing import IO, Any, Mapping
 
 from server_patch import clock, settings
 from server_patch.disk.paths import is_shared
+from server_patch.integration import shadow_warmup
 from server_patch.integration.block_lines import BlockEncoder
 from server_patch.private_files import open_private, private_dir
 from server_patch.paths import state_dir
@@ -151,10 +152,12 @@ class JournalRecorder:
         self.snapshot_s = snapshot_s
         self._last_snapshot = float("-inf")
         self._blocks = BlockEncoder()
+        self.start_line: tuple[int, float] | None = None
 
     def started(self) -> None:
         config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.runtime.config).items()}
-        self.journal.append({"type": "start", "time": clock.wall(), "pid": os.getpid(),
+        self.start_line = (os.getpid(), clock.wall())  # this run's start line (the warm-up stops there)
+        self.journal.append({"type": "start", "time": self.start_line[1], "pid": self.start_line[0],
                              "fingerprint": self.runtime.fingerprint, "lineage_config": config})
         self.snapshot(force=True)
 
@@ -219,4 +222,7 @@ def attach(runtime: Any) -> JournalRecorder | None:
     runtime.cache.misses.listeners.append(recorder.on_blocks)
     recorder.started()
     log.info("apc_lineage journal %s", journal.path)
+    # The live oracle's shadow, from earlier runs of this model (``shadow_warmup``).
+    shadow_warmup.start(runtime.cache.misses, journal_files(journal.directory), runtime.fingerprint,
+                        recorder.start_line)
     return recorder

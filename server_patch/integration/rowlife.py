@@ -1,9 +1,9 @@
 """One record per request, from its lookup to its last event: the row machine.
 
-A request's state used to live in five books keyed differently; here it is one ``RowLife``:
-its prompt between lookup and prefill end (``pending``), the loan of an entry's buffer
-(``loan``), its deferred commit (``deferral``), the reply it is being fed (``reply``), its timing
-record (``record``), and where it is (``state``). One bounded ``RowBook`` holds them, by
+Everything the cache knows about one request is one ``RowLife``: its prompt between lookup
+and prefill end (``pending``), the loan of an entry's buffer (``loan``), its deferred commit
+(``deferral``), the reply it is being fed (``reply``), its timing record (``record``), and where
+it is (``state``). One bounded ``RowBook`` holds them, by
 ``RequestKey`` from the lookup until ``bind_rows`` names the generator's uid, then by uid.
 
 Every mlx-vlm event is one transition (``RowState``, the diagram in docs/design.md):
@@ -223,7 +223,11 @@ class RowBook:
             self.tidy(row)
 
     def tidy(self, row: RowLife) -> None:
-        """Forget ``row`` if nothing more can happen to it (a loan or deferral just settled)."""
+        """After a commit, a loan's end or the row's end: once no commit of it is left to come
+        (past its prefill end, no deferral, no reply) its captures are let go (the entry holds
+        what it kept); once nothing more can happen to it, the row is forgotten."""
+        if not row.prefilling and row.deferral is None and row.reply is None:
+            row.pending.taken = {}
         if row.over:
             self.forget(row)
 

@@ -45,6 +45,7 @@ class Lost(StrEnum):
     CANARY = "canary"  # a canary-suspect kind refused
     LOAN = "loan"  # the entry was lent to a running request
     REPLY = "reply not re-rendered"  # the prompt diverged inside the reply its entry kept
+    RESTART = "restart"  # processed before the server restarted, and not on disk
     OTHER = "other"
 
 
@@ -91,16 +92,23 @@ class GoneLog:
         return len(self._points)
 
     def note(self, namespace: str, tokens: np.ndarray, lengths: Iterable[int], reason: Lost) -> None:
-        if not self.max_points:
-            return
-        hashes = block_hashes(tokens, self.block)
+        if self.max_points:
+            self.note_hashes(namespace, block_hashes(tokens, self.block), lengths, reason)
+
+    def note_hashes(self, namespace: str, hashes: np.ndarray, lengths: Iterable[int], reason: Lost, *,
+                    older: bool = False) -> None:
+        """``note`` from the hashes; ``older``: before everything noted (the journal, read at
+        start), so it is the first to go and never replaces a reason noted since."""
         with self._lock:
             for length in sorted(set(int(n) for n in lengths)):
                 blocks = min(length // self.block, len(hashes))
-                if blocks:
-                    key = (namespace, int(hashes[blocks - 1]))
-                    self._points[key] = reason
-                    self._points.move_to_end(key)
+                if not blocks:
+                    continue
+                key = (namespace, int(hashes[blocks - 1]))
+                if older and key in self._points:
+                    continue
+                self._points[key] = reason
+                self._points.move_to_end(key, last=not older)
             while len(self._points) > self.max_points:
                 self._points.popitem(last=False)
 

@@ -93,7 +93,7 @@ class LineageCache:
         self._records = RecordMap()
         self._superseded_by: dict[str, str] = {}
         self._queued = WriteQueue()  # what the disk writer holds: counted in the RAM budget
-        self._loans: dict[int, Loan] = {}  # receipts out (``lend``), ended by ``end``
+        self._loans: set[Loan] = set()  # receipts out (``lend``), ended by ``end``
         self.stats: Counter[str] = Counter()
         self.closed = False  # close(): its model is unloaded, nothing more is stored or written
         self.misses = MissBook.from_config(self.config, clock)  # the live oracle (``misses``)
@@ -461,7 +461,8 @@ class LineageCache:
         checkpoint at or below each): where it restored (a reply end included: an edit of the
         message after it restores there), the start of its last message (``plan_captures``
         captures it; when the request restored past it, a second edit of that message needs
-        the point below it) and its periodic point (the one stock 0.7.10 keeps inside it)."""
+        the point below it) and its periodic points (the one stock 0.7.10 keeps inside it, and
+        the one below a divergence point inside its last message, ``plan_captures``)."""
         periodic = {n for n, (kind, _) in captures.items() if kind == PERIODIC}
         return frozenset(periodic | {n for n in keep if n > 0})
 
@@ -489,7 +490,7 @@ class LineageCache:
                 return None
             entry.loans += 1
             loan = Loan(entry, entry.length)
-            self._loans[id(loan)] = loan
+            self._loans.add(loan)
             return loan
 
     def end(self, loan: Loan) -> None:
@@ -499,7 +500,7 @@ class LineageCache:
                 return
             loan.ended = True
             loan.entry.loans -= 1
-            self._loans.pop(id(loan), None)
+            self._loans.discard(loan)
 
     def rewind(self, entry: Entry) -> bool:
         """Move ``entry``'s head back from past its reply to its prompt end: what the entry
@@ -955,7 +956,7 @@ class LineageCache:
         One pass, no mlx work: the tests run it after every verb."""
         with self.lock:
             found = violations(self._entries, self._records, self._queued, self._superseded_by)
-            found += loan_violations(self._entries, self._loans.values())
+            found += loan_violations(self._entries, self._loans)
         if found:
             raise InvariantError(found)
 

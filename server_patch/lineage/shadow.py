@@ -148,6 +148,29 @@ class ShadowIndex:
                 self._blocks.move_to_end(value)
             self._evict()
 
+    def add_older(self, hashes: np.ndarray, namespace: str) -> bool:
+        """``namespace`` processed this prefix before everything held (the journal, read at
+        start): its new blocks go in as the oldest, prefix last, and never push anything out.
+        False once the budget is full (the rest is not taken)."""
+        if not self.enabled:
+            return False
+        name = sys.intern(namespace)
+        with self._lock:
+            for value in hashes.tolist():  # each to the very front: the prefix ends up newest
+                tags = self._blocks.get(value)
+                if tags is not None and _has(tags, name):
+                    continue
+                cost = BYTES_PER_BLOCK if tags is None else BYTES_PER_EXTRA_TAG
+                if self._nbytes() + cost > self.budget_bytes:
+                    return False
+                if tags is None:
+                    self._blocks[value] = name
+                    self._blocks.move_to_end(value, last=False)
+                else:  # held already (newer): only the namespace is added, where it is
+                    self._blocks[value] = frozenset({*_names(tags), name})
+                    self._extra_tags += 1
+            return True
+
     def _evict(self) -> None:
         while self._blocks and self._nbytes() > self.budget_bytes:
             _, tags = self._blocks.popitem(last=False)

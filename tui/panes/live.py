@@ -78,6 +78,11 @@ def counters(state: DashboardState, now: float) -> Table:
         ("in flight", f"{idle.in_flight} · queued {idle.queued} · idle "
                       f"{render.human_duration(idle.since_last_finished_s)}"),
     ]
+    oracle = state.status.oracle if state.status is not None else None
+    if oracle is not None:  # the live oracle (``lineage.misses``); a server before issue 26 has none
+        from server_patch.lineage.misses import describe
+
+        rows.append(("oracle", describe(oracle)))
     for name, value in rows:
         grid.add_row(name, value)
     return grid
