@@ -40,9 +40,9 @@ class PrefillPacer:
 
     After each paced chunk the next size moves toward the budget (``size * budget / time``, at
     most doubling), unless the chunk was mostly overhead: a chunk whose tokens per second fall
-    below ``1 / MAX_COST`` of unpaced chunks' doubles instead, and the size never again goes
-    that low (until the unpaced rate is measured anew). Per-token cost is not constant in
-    the chunk size: measured on the bench preset on a CPU, a 64-token chunk took 2 s and a
+    below ``1 / MAX_COST`` of large chunks' (``FIRST_CHUNK`` or more) doubles instead, and the
+    size never again goes that low (until an unpaced chunk measures that rate anew). Per-token cost is not constant in
+    the chunk size: measured on the bench preset on a loaded CPU, a 64-token chunk took 2 s and a
     2,048-token one 5.7 s (the decode step dispatched before it, per-chunk work over the whole
     context, a slower attention path for short chunks). So where the budget cannot be met,
     pacing bounds its throughput cost and still cuts the longest wait, instead of splitting into
@@ -51,7 +51,7 @@ class PrefillPacer:
     def __init__(self, budget_ms: float) -> None:
         self.budget_ms = float(budget_ms)
         self.size: int | None = None  # the next paced chunk's tokens (None: FIRST_CHUNK)
-        self.full_rate: float | None = None  # tokens per second of unpaced chunks, smoothed
+        self.full_rate: float | None = None  # tokens per second of chunks of FIRST_CHUNK or more
         self.floor = MIN_CHUNK  # the smallest size not found mostly overhead (since full_rate moved)
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -75,20 +75,18 @@ class PrefillPacer:
             return
         rate = tokens / seconds
         with self._lock:
-            if not paced:
-                if tokens >= FIRST_CHUNK:  # a short remainder says little about the rate
-                    self.full_rate = rate if self.full_rate is None else \
-                        SMOOTHING * rate + (1 - SMOOTHING) * self.full_rate
-                    self.floor = MIN_CHUNK  # a new reference: sizes are judged afresh
-                return
-            if tokens < chosen:
-                return  # cut short: not the size's own cost
-            if self.full_rate is not None and rate * MAX_COST < self.full_rate:
-                self.floor = max(self.floor, 2 * tokens)  # mostly overhead: never this small again
-                target = 2.0 * tokens
-            else:
-                target = tokens * min(2.0, self.budget_ms / 1000 / seconds)
-            self.size = max(self.floor, round(target))
+            if paced and tokens >= chosen:  # not cut short (a checkpoint, the prompt's end)
+                if self.full_rate is not None and rate * MAX_COST < self.full_rate:
+                    self.floor = max(self.floor, 2 * tokens)  # mostly overhead: never this small again
+                    target = 2.0 * tokens
+                else:
+                    target = tokens * min(2.0, self.budget_ms / 1000 / seconds)
+                self.size = max(self.floor, round(target))
+            if tokens >= FIRST_CHUNK:  # the reference rate: a short chunk says little about it
+                self.full_rate = rate if self.full_rate is None else \
+                    SMOOTHING * rate + (1 - SMOOTHING) * self.full_rate
+                if not paced:
+                    self.floor = MIN_CHUNK  # measured anew: sizes are judged afresh
 
 
 _PACER: PrefillPacer | None = None

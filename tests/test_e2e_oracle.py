@@ -11,6 +11,7 @@ is counted, never matched.
 
 from __future__ import annotations
 
+import http.client
 import json
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_harness import ADMIN_TOKEN, PatchedServer, text, wait_for
+from server_harness import ADMIN_TOKEN, HOST, PatchedServer, text, wait_for
 
 pytestmark = pytest.mark.server
 PARAMS = {"max_tokens": 32}
@@ -119,6 +120,39 @@ def test_another_tenant_is_counted_never_matched(server: PatchedServer) -> None:
     _, other = ask(server, messages, tenant="someone-else")
     assert other["oracle"] == 0 and other["lost"] == {}
     assert server.admin("GET", "/status")[1]["oracle"]["elsewhere_requests"] == before + 1
+
+
+def test_an_entry_lent_to_a_running_request_is_never_a_loan_in_the_way(server: PatchedServer) -> None:
+    """A second request that needs the entry lent to a request still decoding: the lookup ends
+    the loan and the rows go back to the entry (``loan … ended: shared``), so it restores all
+    the oracle had and loses nothing. (``loan`` stays a reason for a restore a loan still
+    blocks; this flow never leaves one.)"""
+    first = conversation(seed=151)
+    answer, _ = ask(server, first)
+    second = first + [answer["choices"][0]["message"], {"role": "user", "content": text(30, seed=152)}]
+    answer, _ = ask(server, second)  # copied once into a buffer with room: the next turn is lent it
+    history = second + [answer["choices"][0]["message"]]
+    payload = {"model": str(server.model_dir), "messages": history + [{"role": "user", "content": text(20, seed=153)}],
+               "temperature": 0.0, "stream": True, "max_tokens": 2000}
+    conn = http.client.HTTPConnection(HOST, server.port, timeout=120)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(payload),
+                     headers={"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        assert stream.status == 200
+        for _ in range(4):  # decoding: its row writes the lent buffer now
+            stream.readline()
+        _, branch = ask(server, history + [{"role": "user", "content": text(20, seed=154)}])
+        stream.read()
+    finally:
+        conn.close()
+    status, body = server.admin("GET", "/requests")
+    assert status == 200, body
+    borrower = next(r for r in body["requests"] if r["seq"] == branch["seq"] - 1)
+    assert borrower["kv_admission"] == "lent", borrower
+    assert f"loan of entry {borrower['entry_id']} ended: shared" in server.log_text()
+    assert branch["entry_id"] == borrower["entry_id"] and branch["restored_tokens"] >= branch["oracle"] > 0, branch
+    assert branch["lost"] == {}, branch
 
 
 def test_a_reply_sent_back_otherwise_is_the_reply_reason(server: PatchedServer) -> None:

@@ -39,7 +39,7 @@ def test_while_rows_decode_the_chunk_moves_toward_the_budget() -> None:
     assert _paced(pacer, 64, 0.05) == 128  # well inside it: at most twice as large
     assert _paced(pacer, 128, 0.2) == 160
     assert pacer.chunk(100, decoding=1) == 100  # never above what mlx-vlm would take
-    assert _paced(pacer, 160, 100.0) == pacing.MIN_CHUNK  # never below the floor
+    assert _paced(pacer, 160, 1.0) == pacing.MIN_CHUNK  # never below the floor
 
 
 def test_a_chunk_that_is_mostly_overhead_grows_instead() -> None:
@@ -51,6 +51,13 @@ def test_a_chunk_that_is_mostly_overhead_grows_instead() -> None:
     assert _paced(pacer, 512, 2.5) == 512
     pacer.observe(2048, 2.0, chosen=2048, paced=False)  # the machine got faster: judged afresh
     assert _paced(pacer, 512, 0.5) == 256  # 1,024 tokens/s, twice the budget: half the size
+
+
+def test_the_first_paced_chunk_is_the_reference_when_nothing_large_ran_alone() -> None:
+    pacer = pacing.PrefillPacer(budget_ms=250)
+    assert _paced(pacer, 256, 0.5) == 128  # 512 tokens/s: the reference, and twice the budget
+    assert _paced(pacer, 128, 2.0) == 256  # 64 tokens/s: mostly overhead, grows back
+    assert _paced(pacer, 256, 1.0) == 256  # over the budget, but 128 was overhead: held
 
 
 def test_a_chunk_cut_short_or_unpaced_does_not_steer_the_size() -> None:

@@ -9,10 +9,12 @@ tiny model, taken with ``tui.recorded.record``. Update after a deliberate change
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from server_patch.admin.schema import RequestRecord
 from tui.app import DashboardApp, make_app
 from tui.recorded import RecordedSource
 from tui.fleet import StaticFleetSource
@@ -50,6 +52,57 @@ def after(*keys: str):
 def test_live_tab(snap_compare) -> None:
     """Header, budgets, sparklines, the request table, counters and cache events."""
     assert snap_compare(recorded_app(), terminal_size=SIZE, run_before=after())
+
+
+# Requests as a server with the live oracle (issue 26) records them, after the recording's (which
+# predates it: its rows show ``-``). (prompt, kind, restored, oracle, lost, lost_why)
+ORACLE_REQUESTS = ((346, "entry", 345, 336, {}, ""), (358, "final", 292, 352, {"thinning": 60}, ""),
+                   (254, "cold", 0, 240, {"ram budget": 240}, ""),
+                   (300, "anchor", 198, 288, {"operator": 64, "no restore point": 26}, ""),
+                   (310, "anchor", 198, 304, {"disk rejected": 106}, "hash"))
+
+
+def oracle_requests(recording: dict) -> list[dict]:
+    """``ORACLE_REQUESTS`` as request events following the recording's last request."""
+    last = [data for name, data in recording["events"] if name == "request"][-1]
+    records = []
+    for n, (prompt, kind, restored, oracle, lost, why) in enumerate(ORACLE_REQUESTS, start=1):
+        record = {**last, "seq": last["seq"] + n, "started": last["started"] + n / 2, "prompt_tokens": prompt,
+                  "restore_kind": kind, "restored_tokens": restored, "entry_id": "" if kind == "cold" else last["entry_id"],
+                  "oracle": oracle, "lost": lost, "lost_why": why}
+        assert RequestRecord.from_json(record).oracle == oracle  # the typed record's shape
+        assert sum(lost.values()) == max(0, oracle - restored)
+        records.append(record)
+    return records
+
+
+def oracle_totals(records: list[dict]) -> dict:
+    """``/admin/status``'s ``oracle`` over ``records`` (``lineage.misses.summarize``)."""
+    from server_patch.lineage.misses import summarize
+
+    counts: Counter[str] = Counter()
+    for r in records:
+        counts.update({"requests": 1, "oracle_tokens": r["oracle"], "restored_tokens": min(r["restored_tokens"], r["oracle"]),
+                       **{f"lost:{reason}": n for reason, n in r["lost"].items()}})
+    return {"enabled": True, **summarize(counts)}
+
+
+def test_live_tab_with_the_oracle_columns(snap_compare) -> None:
+    """Each request's oracle and its top lost reason ("ram 240", "evicted 64+" for two reasons),
+    the recording's older rows showing ``-``; the counters' oracle line."""
+    source = RecordedSource.load(RECORDING)
+    pushed = oracle_requests(source.recording)
+    source.recording["status"]["oracle"] = oracle_totals(pushed)  # the counters' oracle line
+    app = make_app(source)
+
+    async def run_before(pilot) -> None:
+        await settle(pilot)
+        for record in pushed:
+            source.push("request", record)
+        await wait_for(pilot, lambda: pilot.app.state.requests[-1].data["seq"] == pushed[-1]["seq"])
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
 def test_lineages_tab_with_a_checkpoint_timeline(snap_compare) -> None:

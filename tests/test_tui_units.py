@@ -15,6 +15,7 @@ from apcctl.cli import main
 from apcctl.core.client import AdminClient
 from apcctl.core.process import ProcessInfo
 from tui import impact, series
+from tui.columns import LOST_SHORT, lost_cell, lost_total, oracle_cell, oracle_line
 from tui.app import run_dashboard
 from tui.source import Snapshot
 from tui.state import DashboardState, hit_ratio, percentile
@@ -74,6 +75,31 @@ def test_request_metrics() -> None:
     assert percentile([5, 1, 3, 2, 4], 50) == 3
     assert percentile([5, 1, 3, 2, 4], 95) == 5
     assert percentile([], 50) is None
+
+
+
+def test_the_lost_column_names_the_top_reason_and_tolerates_an_older_server() -> None:
+    from server_patch.lineage.misses import Lost
+
+    assert set(LOST_SHORT) == {str(reason) for reason in Lost}  # every reason has its short name
+    older = request(1, 50)  # a server before issue 26: no oracle, no lost
+    assert (oracle_cell(older), str(lost_cell(older)), lost_total(older)) == ("-", "-", None)
+    whole = {**request(2, 99), "oracle": 96, "lost": {}}
+    assert (oracle_cell(whole), str(lost_cell(whole)), lost_total(whole)) == ("96", "", 0)
+    two = {**request(3, 16), "oracle": 1296, "lost": {"no restore point": 80, "ram budget": 1200}}
+    assert (oracle_cell(two), str(lost_cell(two)), lost_total(two)) == ("1,296", "ram 1,200+", 1280)
+    newer = {**request(4, 0), "oracle": 32, "lost": {"a reason not yet known": 32}}
+    assert str(lost_cell(newer)) == "a reason not yet known 32"
+
+
+def test_the_counters_oracle_line_is_one_line_largest_loss_first() -> None:
+    totals = {"enabled": True, "requests": 9, "oracle_tokens": 1000, "restored_tokens": 670,
+              "lost_tokens": {"thinning": 5, "ram budget": 160, "disk rejected": 70, "loan": 0}}
+    line = oracle_line(totals)
+    assert line.plain == "0.67 of unbounded · lost ram 16%, disk bad 7%, thinned <1%"
+    assert line.no_wrap and line.overflow == "ellipsis"  # clipped to its box, never a second line
+    assert oracle_line({"enabled": False}).plain.startswith("off")
+    assert oracle_line({"enabled": True, "requests": 3, "oracle_tokens": 0}).plain == "no repeated prefix yet (3 requests)"
 
 
 BUDGETS = {"ram_used": 1000, "ram_limit": 10_000, "conversation_bytes": 800, "anchor_bytes": 200,

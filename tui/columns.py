@@ -39,8 +39,70 @@ def short_id(entry_id: str | None) -> str:
     return entry_id or "-"
 
 
+# The LOST column's short names of ``lineage.misses.Lost`` (kept as strings: the dashboard loads
+# no numpy; tests/test_tui_units.py keeps them equal; docs/dashboard.md lists them).
+LOST_SHORT = {"ram budget": "ram", "anchor cap": "anchors", "disk cap": "disk cap", "operator": "evicted",
+              "thinning": "thinned", "no restore point": "no point", "disk rejected": "disk bad",
+              "disk not used": "no disk", "canary": "canary", "loan": "loan", "reply not re-rendered": "reply",
+              "restart": "restart", "other": "other"}
+
+
+def largest_first(lost: Mapping[str, int] | None) -> list[tuple[int, str]]:
+    """(tokens, reason) of the reasons that lost any, the most tokens first."""
+    return sorted(((int(n), str(reason)) for reason, n in (lost or {}).items() if n),
+                  key=lambda item: (-item[0], item[1]))
+
+
+def oracle_cell(record: Mapping[str, Any]) -> str:
+    """What an unbounded cache would have restored; ``-`` from a server before issue 26."""
+    return tokens(record.get("oracle"))
+
+
+def lost_total(record: Mapping[str, Any]) -> int | None:
+    """The tokens it restored less than the oracle (the LOST column sorts by it)."""
+    if "oracle" not in record:
+        return None
+    return sum(int(n) for n in (record.get("lost") or {}).values())
+
+
+def lost_cell(record: Mapping[str, Any]) -> str | Text:
+    """The top reason and its tokens, ``+`` when there were more reasons ("ram 48+"); blank
+    when nothing was lost, ``-`` from a server before issue 26."""
+    if "oracle" not in record:
+        return "-"
+    lost = largest_first(record.get("lost"))
+    if not lost:
+        return ""
+    n, reason = lost[0]
+    more = "+" if len(lost) > 1 else ""
+    return Text(f"{LOST_SHORT.get(reason, reason)} {n:,}{more}", style="yellow")
+
+
+def oracle_line(totals: Mapping[str, Any]) -> Text:
+    """The counters' oracle row in one line, in the LOST column's names: "0.67 of unbounded ·
+    lost ram 16%, disk bad 7%, …" (restored / oracle; ``apcctl status`` says it in words)."""
+    oracle = int(totals.get("oracle_tokens") or 0)
+    if totals.get("enabled") is False:
+        line = "off (APC_LINEAGE_SHADOW_BUDGET_BYTES=0)"
+    elif not oracle:
+        line = f"no repeated prefix yet ({int(totals.get('requests') or 0):,} requests)"
+    else:
+        line = f"{int(totals.get('restored_tokens') or 0) / oracle:.2f} of unbounded"
+        lost = largest_first(totals.get("lost_tokens"))
+        if lost:
+            line += " · lost " + ", ".join(f"{LOST_SHORT.get(reason, reason)} {_share(n, oracle)}" for n, reason in lost)
+    return Text(line, no_wrap=True, overflow="ellipsis")
+
+
+def _share(part: int, whole: int) -> str:
+    share = 100 * part / whole
+    return f"{share:.0f}%" if share >= 1 else "<1%"
+
+
 def request_columns() -> list[Column[Keyed]]:
-    """Time to first token split where an operator can act on it: lookup, admission, prefill, commit."""
+    """What it restored, what an unbounded cache would have (the live oracle) and why the rest
+    was lost, then time to first token split where an operator can act on it: lookup,
+    admission, prefill, commit."""
 
     def field(name: str) -> Callable[[Keyed], Any]:
         return lambda r: r.data.get(name)
@@ -61,6 +123,8 @@ def request_columns() -> list[Column[Keyed]]:
                numeric=True),
         Column("restore_kind", "KIND", lambda r: kind_text(r.data.get("restore_kind", "?"), render.restore_label(r.data)),
                field("restore_kind")),
+        Column("oracle", "ORACLE", lambda r: oracle_cell(r.data), field("oracle"), numeric=True),
+        Column("lost", "LOST", lambda r: lost_cell(r.data), lambda r: lost_total(r.data)),
         ms("lookup_ms"), ms("admission_ms"), ms("prefill_ms"), ms("commit_ms"), ms("ttft_ms"),
     ]
 

@@ -19,7 +19,7 @@ from textual.widgets import DataTable, Static
 from apcctl.core import render
 from server_patch.admin.schema import Idle, Pool
 from tui import series
-from tui.columns import kind_text, request_columns
+from tui.columns import kind_text, oracle_line, request_columns
 from tui.messages import EntryRequested
 from tui.panes.base import Pane
 from tui.state import DashboardState, Keyed, hit_ratio, percentile
@@ -68,8 +68,8 @@ def counters(state: DashboardState, now: float) -> Table:
         ("requests", f"{hits.requests:,}  hit rate {render.percent(hits.hits, hits.requests)}"),
         ("hits by kind", by_kind),
         ("reused tokens", f"{hits.reused_tokens:,}  "
-                          f"({render.percent(hits.reused_tokens, hits.reused_tokens + hits.prefill_tokens)})"),
-        ("prefilled", f"{hits.prefill_tokens:,}"),
+                          f"({render.percent(hits.reused_tokens, hits.reused_tokens + hits.prefill_tokens)})"
+                          f" · prefilled {hits.prefill_tokens:,}"),
         ("evictions", f"{stats.get('evictions', 0):,} budget · {stats.get('operator_evictions', 0):,} operator"),
         ("stores", f"{stats.get('stores', 0):,} · absorbs {stats.get('absorbs', 0):,} · "
                    f"thinned {stats.get('thinned', 0):,}"),
@@ -80,9 +80,7 @@ def counters(state: DashboardState, now: float) -> Table:
     ]
     oracle = state.status.oracle if state.status is not None else None
     if oracle is not None:  # the live oracle (``lineage.misses``); a server before issue 26 has none
-        from server_patch.lineage.misses import describe
-
-        rows.append(("oracle", describe(oracle)))
+        rows.append(("oracle", oracle_line(oracle)))
     for name, value in rows:
         grid.add_row(name, value)
     return grid
