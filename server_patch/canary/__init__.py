@@ -11,19 +11,5 @@
   (``integration.parts``) build; the generation loop's idle hook reaches it through the door.
 
 This package module imports none of its modules (so ``runner`` and the package never import
-each other); ``refuses`` is kept for callers that hold no parts yet.
+each other); a request's refusal is ``LineageRuntime.refuses``, over the runtime's canary.
 """
-
-from __future__ import annotations
-
-
-def refuses(kind: str) -> bool:
-    """Whether a request must prefill ``kind`` cold, by the server's canary; never raises.
-    Prefer ``LineageRuntime.refuses``, which holds its canary (this finds the server's parts)."""
-    try:
-        from server_patch.integration.parts import of_server
-
-        parts = of_server()
-        return parts is not None and parts.canary.refuses(kind)
-    except Exception:  # never fails an admission
-        return False

@@ -36,7 +36,6 @@ from typing import Any, Callable, Optional, Sequence
 
 from mlx_vlm.apc_coordinator import APCCoordinator
 
-from server_patch import canary
 from server_patch.failclosed import fail_closed
 from server_patch.copyfree import pool
 from server_patch.copyfree.settings import CopyFreeSettings
@@ -110,11 +109,11 @@ class LineageCoordinator(APCCoordinator):
         reclaimed: set[str] = set()  # entries whose loans this lookup ended: never lent again now
         admission = Admission.admit(lineage.runtime.cache, prompt, namespace, disk=lineage.runtime.disk,
                                     settle=lambda plan: rows.settle(prompt, namespace, plan, reclaimed),
-                                    disk_refused=lambda: canary.refuses(DISK))
+                                    disk_refused=lambda: lineage.runtime.refuses(DISK))
         plan = admission.plan
         if not lineage.book.lent_to(key) and plan.entry is not None and plan.entry.id not in reclaimed:
             plan = admission.rewind(rows.may_rewind)
-        if plan.hit and canary.refuses(plan.kind):  # a failed canary check (ON_FAIL=cold): cold
+        if plan.hit and lineage.runtime.refuses(plan.kind):  # a failed canary check (ON_FAIL=cold): cold
             plan = admission.refuse(Lost.CANARY)
         warm, lease = None, None
         if plan.hit and plan.length >= safe_lookup_min and suffix_is_text_only(plan.length):

@@ -13,8 +13,8 @@ the server and sits next to mlx-vlm's own per-process state (``apc_manager``,
   ``integration.hooks``.
 
 Nothing here is a module-level instance. ``of_server()`` reads the field where a call site has
-no server in scope: mlx-vlm's generate modules (the coordinator factory), and, until they hold
-the runtime's, ``canary.refuses`` and ``segments.boundaries`` called without a finder.
+no server in scope: mlx-vlm's generate modules (the coordinator factory); the coordinator then
+holds the runtime, which holds the canary and the finder it was handed.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from server_patch.integration import segments as SEGMENTS
 from server_patch.integration.pending import Pending, namespace_of
 from server_patch.integration.rowlife import RowBook, RowLife
 from server_patch.integration.runtime import LineageRuntime
@@ -52,7 +51,7 @@ class Prefills:
         return sorted({final}.union(*(p.wanted for p in pendings)))
 
     def _plan_captures(self, pending: Pending) -> None:
-        info = SEGMENTS.boundaries(pending.tokens)  # anchor + chat-template segment boundaries
+        info = self.runtime.boundaries(pending.tokens)  # anchor + chat-template segment boundaries
         pending.anchor_label = info.anchor_label
         flow = self.flow(pending)
         captures = flow.captures(anchor_len=info.anchor_len, segments=info.segments)

@@ -101,9 +101,14 @@ class LineageRuntime:
         return self.canary is not None and self.canary.refuses(kind)
 
     def boundaries(self, prompt_token_ids: Any) -> SegmentInfo:
-        """Anchor and segment boundaries of one prompt, from the server's boundary finder."""
+        """Anchor and segment boundaries of one prompt, from the server's boundary finder (the
+        parts hand it over); a runtime no server built (a library caller) has one of its own,
+        which has noted no request."""
+        from server_patch.boundaries import SegmentFinder, SegmentSettings
         from server_patch.integration.segments import boundaries
 
+        if self.finder is None:
+            self.finder = SegmentFinder(SegmentSettings.from_env())
         return boundaries(prompt_token_ids, self.finder)
 
     @property

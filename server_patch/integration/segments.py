@@ -18,7 +18,7 @@ import functools
 import logging
 from typing import Any, Callable, Mapping
 
-from server_patch.boundaries import SegmentFinder, SegmentInfo, SegmentSettings
+from server_patch.boundaries import SegmentFinder, SegmentInfo
 
 log = logging.getLogger("server_patch.lineage")
 
@@ -50,20 +50,11 @@ def note_request(found: SegmentFinder, apply: Callable[..., Any], processor: Any
         log.debug("segment note failed: %s", exc)
 
 
-def boundaries(prompt_token_ids: Any, finder: SegmentFinder | None = None) -> SegmentInfo:
-    """The coordinator's entry point: anchor and segment boundaries of one prompt, by ``finder``
-    (the runtime's, ``LineageRuntime.boundaries``); without one, the server's, or where no server
-    was built (a library caller) a finder of its own, which has noted no request."""
-    found = finder or _server_finder()
+def boundaries(prompt_token_ids: Any, finder: SegmentFinder) -> SegmentInfo:
+    """The coordinator's entry point (``LineageRuntime.boundaries``): anchor and segment
+    boundaries of one prompt, by the runtime's ``finder``; never raises."""
     try:
-        return found.boundaries(prompt_token_ids)
+        return finder.boundaries(prompt_token_ids)
     except Exception as exc:  # never break prefill over a hint
         log.warning("apc_lineage segment boundaries failed: %s", exc)
-        return found.anchor_only(prompt_token_ids, [])
-
-
-def _server_finder() -> SegmentFinder:
-    from server_patch.integration.parts import of_server
-
-    parts = of_server()
-    return parts.finder if parts is not None else SegmentFinder(SegmentSettings.from_env())
+        return finder.anchor_only(prompt_token_ids, [])
