@@ -128,6 +128,9 @@ _SCALARS: tuple[Setting, ...] = (
        "(what a report draws bytes per tier from).", "journal", "server_patch.integration.journal"),
     _s("APC_LINEAGE_DISK", T.BOOL, True, "The disk tier: entries evicted from RAM are written to disk and "
        "restored from it, across restarts too; 0 keeps RAM only.", "disk", "server_patch.disk.paths"),
+    _s("APC_DISK_LOAD_WAIT_MS", T.FLOAT, 30000.0, "How long a request whose restore point is on disk waits "
+       "in the queue for its file to load off the generation thread (the batch decodes meanwhile); past "
+       "that it is admitted cold and the file kept.", "disk", "server_patch.integration.loading"),
     _s("APC_LINEAGE_DISK_PATH", T.PATH, None, "The disk tier's directory, locked by one server at a time.",
        "disk", "server_patch.disk.paths",
        default_text="the per-user cache dir (platformdirs)/lineage",
@@ -216,6 +219,8 @@ _SCALARS: tuple[Setting, ...] = (
        "test faults", "server_patch.disk.faults"),
     _s("APC_TEST_FAULT_DISK_ENOSPC", T.BOOL, False, "Every disk write fails with ENOSPC.", "test faults",
        "server_patch.disk.faults"),
+    _s("APC_TEST_FAULT_DISK_LOAD_HOLD_FILE", T.PATH, None, "A queued request's disk load waits while this "
+       "file exists (it writes `PATH.held` first).", "test faults", "server_patch.disk.faults"),
     _s("APC_TEST_FAULT_CORRUPT_STATE", T.LIST, (), "Checkpoint kinds whose recurrent state is corrupted "
        "(`all`: every kind).", "test faults", "server_patch.canary.faults"),
     _s("APC_TEST_FAULT_CANARY_PAUSE_FILE", T.PATH, None, "A check pauses while this file exists.",

@@ -4,13 +4,14 @@ bundled trace (issue 26).
 The bundled trace (``apcctl/sim/traces/agents.jsonl``, 156 requests, 1.5M tokens) is far too
 large to prefill on a 2-core CPU in a test, so this replays a deterministic prefix of it: the
 first ``REQUESTS`` requests, in time order, of its ``aider`` agent (3.7k to 6.4k tokens each,
-about 15k to prefill: about 35 s with the server's start on this shared 2-core machine). That slice is representative of what the oracle has to
-get right: aider's moving reminder makes every turn diverge *inside* the previous prompt (the
-oracle is a mid-prompt common prefix, not a whole earlier prompt), and the slice ends in a second
-session that shares only the system prompt with the first. Whole-prompt resends and reply reuse
-are covered by tests/test_e2e_oracle.py; on this slice the trace's seen oracle equals its plain
-oracle (aider's replies are not re-rendered verbatim), so the tiny model's own replies, which
-differ from the trace's, change nothing.
+about 15k to prefill: about 35 s with the server's start on this shared 2-core machine). That
+slice is representative of what the oracle has to get right: aider's moving reminder makes
+every turn diverge *inside* the previous prompt (the oracle is a mid-prompt common prefix, not
+a whole earlier prompt), and the slice ends with the first two requests of a second session,
+which shares only the system prompt with the first. Whole-prompt resends and reply reuse are
+covered by tests/test_e2e_oracle.py; on this slice the trace's seen oracle equals its plain
+oracle (aider's replies are not re-rendered verbatim: asserted), so the tiny model's own
+replies, which differ from the trace's, change nothing.
 
 Each trace token is sent as one tiny-model word (one token each), the prompt as one user message,
 so the server's prompt is the chat template's 3 opening tokens, the trace's tokens one for one,
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from apcctl.sim.policies.oracle import OraclePolicy
 from apcctl.sim.policies.seen import SeenOraclePolicy
 from apcctl.sim.trace import Request, bundled_trace_path, read_trace
 from apcctl.tinymodel.corpus import WORDS
@@ -56,10 +58,12 @@ def served(req: Request) -> Request:
 
 def test_the_live_oracle_is_the_seen_oracle_on_the_bundled_trace(tiny_model_dir: Path, tmp_path: Path) -> None:
     trace = read_trace(bundled_trace_path()).in_time_order()
-    policy = SeenOraclePolicy()  # the seen oracle of the whole bundled trace, replies kept
-    trace_seen = {req.index: policy.serve(req).reused for req in trace}
+    seen, plain = SeenOraclePolicy(), OraclePolicy()  # over the whole bundled trace; seen keeps replies
+    trace_seen = {req.index: seen.serve(req).reused for req in trace}
+    trace_plain = {req.index: plain.serve(req).reused for req in trace}
     picked = [req for req in trace if req.agent == AGENT][:REQUESTS]
-    assert len(picked) == REQUESTS
+    assert len(picked) == REQUESTS and [req.kind for req in picked].count("new_session") == 2
+    assert all(trace_seen[req.index] == trace_plain[req.index] for req in picked)  # no reply re-rendered
 
     records = []
     with PatchedServer(tiny_model_dir, log_dir=tmp_path) as server:

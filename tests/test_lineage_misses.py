@@ -252,5 +252,13 @@ def test_the_dashboards_live_counters_carry_the_oracle_line() -> None:
     totals = {"enabled": True, **summarize({"requests": 2, "oracle_tokens": 100, "restored_tokens": 90,
                                             "lost:thinning": 10})}
     (line,) = [line for line in shown(Status(server=server, oracle=totals)).splitlines() if line.startswith("oracle")]
-    assert line.split(None, 1)[1].strip() == "restores 0.90 of what an unbounded cache would; lost: 10 % thinning"
+    assert line.split(None, 1)[1].strip() == "0.90 of unbounded · lost thinned 10%"  # the LOST column's names
     assert "oracle" not in shown(Status(server=server))  # a server before issue 26
+
+
+def test_an_entry_dropped_because_its_loan_lost_its_rows_counts_as_a_loan_in_the_way():
+    from server_patch.lineage.misses import lost_reason
+    from server_patch.lineage.model import Reason
+
+    assert lost_reason(Reason.LENT_ROWS_LOST) == Lost.LOAN
+    assert lost_reason("something new") == Lost.OTHER

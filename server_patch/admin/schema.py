@@ -309,6 +309,8 @@ class RequestRecord(Answer):
     kv_admission: KVAdmission | str = ""
     lookup_ms: float = 0.0
     admission_ms: float = 0.0
+    loading_ms: float = 0.0  # queued while its disk restore point loaded (``integration.loading``)
+    loading_steps: int = 0  # the decode steps the batch took meanwhile
     prefill_ms: float = 0.0
     commit_ms: float = 0.0
     ttft_ms: float = 0.0

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from server_patch.copyfree import append as appending
 from server_patch.copyfree import replies
 from server_patch.copyfree.replies import Reply
 from server_patch.copyfree.settings import CopyFreeSettings
@@ -48,6 +49,7 @@ class Deferred:
     uid: Any
     since: float
     shared: bool = False
+    stored: Optional[appending.Base] = None  # the entry its prompt-end commit stored (``resolve``)
 
 
 def resolve(layout: Any, settings: CopyFreeSettings, deferred: Deferred, caches: list[Any], idx: int, *,
@@ -61,7 +63,8 @@ def resolve(layout: Any, settings: CopyFreeSettings, deferred: Deferred, caches:
     adopt = adopt and settings.adoptable(final, capacity)
     try:
         kv = rows.kv_rows(layout, caches, idx, final, copy=not adopt)
-        store(deferred.pending, kv, deferred.head)
+        if store(deferred.pending, kv, deferred.head):
+            deferred.stored = appending.Base(kv, final)
     except Exception as exc:  # the row is gone (removed mid-prefill): no entry, never garbage
         log.warning("apc_lineage deferred commit of %d tokens dropped (%s): %s", final, reason, exc)
         return None
@@ -81,11 +84,13 @@ def surfaces(deferred: Deferred, prompt: np.ndarray, namespace: str, restorable:
 
 def commit_reply(layout: Any, settings: CopyFreeSettings, reply: Reply, batch: Any, idx: int, *,
                  alone: bool, deferred: Optional[Deferred], store: Callable[..., Any],
-                 settle: Callable[[], None]) -> bool:
-    """Move the row's entry past its reply: adopt a lone row's buffer (views), copy a shared
-    batch's row once. ``store(pending, fed, kv=, head=, prompt_head=, captures=)`` commits it
-    (the flow's ``commit_reply``); ``settle`` runs after a commit. False (nothing stored) if
-    the row does not check out."""
+                 settle: Callable[[], None], cache: Any = None) -> bool:
+    """Move the row's entry past its reply: adopt a lone row's buffer (views); for a row of a
+    shared batch append only the rows its entry lacks into that entry's buffer
+    (``copyfree.append``, with ``cache`` the lineage cache), else copy the row once.
+    ``store(pending, fed, kv=, head=, prompt_head=, captures=)`` commits it (the flow's
+    ``commit_reply``); ``settle`` runs after a commit. False (nothing stored) if the row does
+    not check out."""
     start = time.perf_counter()
     fed = replies.validated(layout, reply, batch, idx)
     if fed is None:
@@ -98,25 +103,35 @@ def commit_reply(layout: Any, settings: CopyFreeSettings, reply: Reply, batch: A
     captures = dict(pending.taken) if deferred is not None else {}  # else the stored entry has them
     if deferred is not None and pending.wanted.get(pending.final) == ANCHOR:
         captures[pending.final] = (ANCHOR, reply.prompt_head)
+    appended = None
     try:
-        kv = rows.kv_rows(layout, caches, idx, length, copy=not adopt)
+        if not adopt and cache is not None:  # only the rows its entry lacks, into that entry's buffer
+            base = reply.base if reply.base is not None else appending.restored_base(pending)
+            appended = appending.append_reply(layout, cache, base, caches, idx, length)
+            appending.count(cache, "reply_appends" if appended is not None else "reply_row_copies")
+        kv = appended.kv if appended is not None else rows.kv_rows(layout, caches, idx, length, copy=not adopt)
         head = rows.capture(layout, caches, idx, length)
         store(pending, fed, kv=kv, head=head, prompt_head=reply.prompt_head, captures=captures)
     except Exception as exc:  # fail closed: the prompt-end entry (or its deferral) stands
         fail_closed(exc, f"apc_lineage reply commit of {length} tokens", log=log)
         return False
+    finally:
+        if appended is not None:
+            appended.finish(cache)
     settle()
+    mode = "adopt" if adopt else "append" if appended is not None else "copy"
+    copied = f" appended_rows={appended.rows}" if appended is not None else ""
     elapsed = (time.perf_counter() - start) * 1000
     if reply.record is not None:
         reply.record.commit_ms += elapsed
         reply.record.reply_tokens = len(fed)
     if deferred is not None:  # the deferred entry's commit, past its reply
         log.info("apc_copyfree commit uid=%s mode=%s reason=end tokens=%d kv_bytes=%d buffer_rows=%d "
-                 "deferred_s=%.2f ms=%.1f reply=%d", deferred.uid, "adopt" if adopt else "copy", length,
-                 kv.nbytes, capacity, time.monotonic() - deferred.since, elapsed, len(fed))
+                 "deferred_s=%.2f ms=%.1f reply=%d%s", deferred.uid, mode, length,
+                 kv.nbytes, capacity, time.monotonic() - deferred.since, elapsed, len(fed), copied)
     else:  # its entry was stored at the prompt end already (a join, a lookup surfaced it)
-        log.info("apc_lineage reply kept uid=%s mode=%s tokens=%d kv_bytes=%d ms=%.1f reply=%d",
-                 batch.uids[idx], "adopt" if adopt else "copy", length, kv.nbytes, elapsed, len(fed))
+        log.info("apc_lineage reply kept uid=%s mode=%s tokens=%d kv_bytes=%d ms=%.1f reply=%d%s",
+                 batch.uids[idx], mode, length, kv.nbytes, elapsed, len(fed), copied)
     return True
 
 

@@ -32,7 +32,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from server_patch.lineage.model import Loan
+from server_patch.lineage.model import Loan, Reason
 from server_patch.state.layout import CacheLayout, MlxKV
 
 log = logging.getLogger("server_patch.copyfree")
@@ -116,7 +116,7 @@ def end(layout: CacheLayout, cache: Any, lease: Lease, caches: Optional[Sequence
     kept = give_back(layout, lease, caches, still_stored=cache.holds)
     cache.end(lease.loan)
     if not kept:
-        cache.drop(lease.entry.id, "lent rows lost")
+        cache.drop(lease.entry.id, Reason.LENT_ROWS_LOST)
     events.info("apc_copyfree loan of entry %s ended: %s%s", lease.entry.id, reason,
                 "" if kept else " (entry dropped)")
     return kept

@@ -31,6 +31,7 @@ class Reply:
     prompt_head: Any  # the snapshot at the prompt end: kept as the entry's protected checkpoint
     record: Any = None  # its timing record, if any (``reply_tokens`` is filled in at the end)
     fed: list[int] = field(default_factory=list)
+    base: Any = None  # its prompt-end entry, once stored (``copyfree.append.Base``): the reply appends there
 
     @property
     def fed_length(self) -> int:

@@ -4,7 +4,10 @@ The fault-injection suite (tests/test_fault_disk.py) drives a real server with t
 
 * ``APC_TEST_FAULT_DISK_STALL_S=N``: every write sleeps N seconds after its temp file is
   written and before the rename, so a test can ``kill -9`` the server mid-write;
-* ``APC_TEST_FAULT_DISK_ENOSPC=1``: every write fails there with ``ENOSPC`` (a full disk).
+* ``APC_TEST_FAULT_DISK_ENOSPC=1``: every write fails there with ``ENOSPC`` (a full disk);
+* ``APC_TEST_FAULT_DISK_LOAD_HOLD_FILE=PATH``: while PATH exists, a queued request's disk load
+  (``integration.loading``, on the loader thread) waits before it reads, having written
+  ``PATH.held`` (so a test knows the request is LOADING and releases it by removing PATH).
 
 Nothing else in the package reads these variables.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import time
+from pathlib import Path
 
 from server_patch import settings
 
@@ -26,3 +30,19 @@ def during_write() -> None:
         time.sleep(stall)
     if settings.value("APC_TEST_FAULT_DISK_ENOSPC"):
         raise OSError(errno.ENOSPC, "No space left on device (APC_TEST_FAULT_DISK_ENOSPC)")
+
+
+HOLD_MAX_S = 300.0  # a hold never outlives a test run
+
+
+def before_load() -> None:
+    """Called on the loader thread before a queued request's disk file is read."""
+    if not settings.value("APC_TEST_FAULTS"):
+        return
+    path = settings.value("APC_TEST_FAULT_DISK_LOAD_HOLD_FILE")
+    if not path or not Path(path).exists():
+        return
+    Path(f"{path}.held").write_text("held\n")
+    deadline = time.monotonic() + HOLD_MAX_S
+    while Path(path).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from typing import Any
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
@@ -34,27 +34,46 @@ class BackgroundLoads:
                                                            initializer=_own_stream)
         self._pending: dict[tuple[int, str], concurrent.futures.Future] = {}
         self._lock = threading.Lock()
+        self._kept: set[tuple[int, str]] = set()
 
-    def poll(self, store: Any, record: Any) -> tuple[bool, Any]:
+    def poll(self, store: Any, record: Any, *, load: Optional[Callable[[Any], Any]] = None,
+             wait_s: float = 0.0, kept: bool = False) -> tuple[bool, Any]:
         """(False, None) while ``record``'s file loads (the first call starts it); then, once,
         (True, ``load_checked``'s (entry or None, reason)). Finished loads nobody asked for again (a check
-        cancelled meanwhile) are dropped here, so they hold no arrays."""
+        cancelled meanwhile) are dropped here, so they hold no arrays. ``load``: what runs on
+        the loader thread instead of ``store.load_checked`` (the same answer; a fault hook
+        around it); ``wait_s``: how long to wait for it (a caller with nothing else to do);
+        ``kept``: its owner polls again until it takes the answer or ``forget``s it (a queued
+        request's load, ``integration.loading``), so others' polls never drop it as stale."""
         key = (id(store), record.id)
         with self._lock:
-            for stale in [k for k, f in self._pending.items() if k != key and f.done()]:
+            if kept:
+                self._kept.add(key)
+            for stale in [k for k, f in self._pending.items() if k != key and f.done() and k not in self._kept]:
                 del self._pending[stale]
             future = self._pending.get(key)
             if future is None:
-                self._pending[key] = self._pool.submit(store.load_checked, record)
-                return False, None
-            if not future.done():
+                future = self._pending[key] = self._pool.submit(load or store.load_checked, record)
+                if wait_s <= 0:
+                    return False, None
+        if wait_s > 0:
+            concurrent.futures.wait([future], timeout=wait_s)
+        with self._lock:
+            if not future.done() or self._pending.get(key) is not future:
                 return False, None
             del self._pending[key]
+            self._kept.discard(key)
         try:
             return True, future.result()
         except Exception as exc:  # ``load`` rejects what it cannot read; anything else fails closed too
             log.warning("lineage disk: background load of %s failed: %s", record.id, exc)
             return True, (None, f"load failed: {exc}")
+
+    def forget(self, store: Any, record: Any) -> None:
+        """Nobody will ask for ``record``'s load again (its request left the queue): dropped
+        once it finishes, as a stale one."""
+        with self._lock:
+            self._kept.discard((id(store), record.id))
 
     def pending(self) -> int:
         with self._lock:

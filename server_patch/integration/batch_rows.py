@@ -251,6 +251,8 @@ class BatchRows:
             row.deferral = None
             elapsed = deferral.resolve(self.runtime.layout, self.settings, deferred, caches, idx,
                                        adopt=adopt, reason=reason, store=self._store)
+            if row.reply is not None and deferred.stored is not None:  # its reply appends there
+                row.reply.base = deferred.stored
             if elapsed is not None and row.record is not None and not row.timed:
                 row.record.commit_ms += elapsed
         self.book.tidy(row)
@@ -277,7 +279,7 @@ class BatchRows:
         """Move the row's entry past its reply (``copyfree.deferred.commit_reply``)."""
         return deferral.commit_reply(self.runtime.layout, self.settings, reply, batch, idx, alone=alone,
                                      deferred=deferred, settle=self._settle_loans,
-                                     store=self.commits.store_reply)
+                                     store=self.commits.store_reply, cache=self.runtime.cache)
 
     # ------------------------------------------------------------------ loans
 

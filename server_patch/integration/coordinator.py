@@ -41,6 +41,7 @@ from server_patch.copyfree import pool
 from server_patch.copyfree.settings import CopyFreeSettings
 from server_patch.integration.batch_rows import BatchRows
 from server_patch.integration.generator import GeneratorView
+from server_patch.integration.loading import DiskLoads
 from server_patch.integration.pending import Pending, RequestKey, namespace_of, request_key
 from server_patch.integration.prefill import Prefills
 from server_patch.integration.rowlife import RowBook
@@ -60,6 +61,7 @@ class _Lineage:
     book: RowBook  # one record per request (``integration.rowlife``)
     prefills: Prefills
     rows: BatchRows
+    loads: DiskLoads  # queued prompts whose disk restore points load meanwhile
 
 
 class LineageCoordinator(APCCoordinator):
@@ -80,7 +82,7 @@ class LineageCoordinator(APCCoordinator):
             book = RowBook(runtime.timings)
             prefills = Prefills(runtime, book)
             rows = BatchRows(runtime, self.copyfree, self.generator, prefills, book)
-            self.lineage = _Lineage(runtime, book, prefills, rows)
+            self.lineage = _Lineage(runtime, book, prefills, rows, DiskLoads(runtime, book))
 
     @property
     def runtime(self) -> LineageRuntime | None:
@@ -92,6 +94,20 @@ class LineageCoordinator(APCCoordinator):
         self.generator.attach(generator)
 
     # ------------------------------------------------------------------ admission
+
+    def admissible(self, queue: list, extra_hash_of: Callable[[dict], int], limit: int, *,
+                   decoding: int = 0) -> int:
+        """How many of mlx-vlm's queued sequences, from the first, to admit now (``queue`` is
+        reordered in place: a prompt whose disk restore point still loads goes behind the
+        others, its row LOADING, ``integration.loading``). ``extra_hash_of``: the generator's
+        hash of a sequence's prompt kwargs; ``decoding``: the rows decoding meanwhile."""
+        if (lineage := self.lineage) is None:
+            return min(limit, len(queue))
+
+        def prompt_of(sequence: tuple) -> tuple[Any, str]:  # (uid, ids, max_tokens, prompt_kwargs, ...)
+            return as_tokens(sequence[1]), namespace_of(extra_hash_of(sequence[3] or {}))
+
+        return lineage.loads.admissible(queue, prompt_of, limit, idle=decoding == 0)
 
     def lookup(self, token_ids: Sequence[int], *, extra_hash: int, safe_lookup_min: int,
                suffix_is_text_only: Callable[[int], bool],
@@ -107,7 +123,8 @@ class LineageCoordinator(APCCoordinator):
         rows = lineage.rows
         rows.sweep()
         reclaimed: set[str] = set()  # entries whose loans this lookup ended: never lent again now
-        admission = Admission.admit(lineage.runtime.cache, prompt, namespace, disk=lineage.runtime.disk,
+        disk = lineage.loads.for_request(key, record) if lineage.runtime.disk is not None else None
+        admission = Admission.admit(lineage.runtime.cache, prompt, namespace, disk=disk,
                                     settle=lambda plan: rows.settle(prompt, namespace, plan, reclaimed),
                                     disk_refused=lambda: lineage.runtime.refuses(DISK))
         plan = admission.plan

@@ -12,6 +12,7 @@ None of these raises into mlx-vlm: a failure is logged (and re-raised under
 
 * built with the server: ``build_parts`` (the ``ServerRuntime`` field), ``install_admin``,
   ``wrap_apply_chat_template``; ``coordinator`` (the factory in generate/ar.py, dispatch.py);
+* the batch generator's queue: ``admissible`` (a prompt whose disk restore point loads waits);
 * the batch generator's rows: ``generator_started``, ``rows_bound``, ``rows_decoded``,
   ``rows_leaving``, ``batches_joining``, ``request_removed``; the buffer pool: ``clear``;
 * the server's request events: ``prefill_completed``, ``first_token``, ``queued_tokens``,
@@ -93,6 +94,19 @@ def clear(site: str) -> None:
         pool.clear(site)
     except Exception as exc:
         fail_closed(exc, f"apc_copyfree pool clear at {site}", log=copyfree_log)
+
+
+def admissible(coordinator: Any, queue: list, extra_hash_of: Callable[[dict], int], limit: int,
+               decoding: int = 0) -> int:
+    """How many of the generator's queued sequences, from the first, it admits now (at most
+    ``limit``); ``queue`` may be reordered in place (``LineageCoordinator.admissible``). Stock's
+    coordinator, or a failure: all of them, as stock."""
+    if (lineage := _lineage(coordinator)) is not None:
+        try:
+            return lineage.admissible(queue, extra_hash_of, limit, decoding=decoding)
+        except Exception as exc:
+            fail_closed(exc, "apc_lineage admissible", log=log)
+    return min(limit, len(queue))
 
 
 def generator_started(coordinator: Any, generator: Any) -> None:

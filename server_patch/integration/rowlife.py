@@ -8,13 +8,17 @@ it is (``state``). One bounded ``RowBook`` holds them, by
 
 Every mlx-vlm event is one transition (``RowState``, the diagram in docs/design.md):
 
+    LOADING --loaded, failed or past the bound--> ADMITTED
     ADMITTED --bind--> PREFILLING --store at the prefill end--> DECODING --leaving--> ENDED
     (a resend has nothing to prefill: bound and at its prefill end at once; ``removed`` ends a
-    row wherever it is; the single-sequence path, with no uid, ends at its prefill end)
+    row wherever it is; the single-sequence path, with no uid, ends at its prefill end; a
+    request whose restore point is on disk waits in LOADING, still in mlx-vlm's queue, while
+    its file loads on the loader thread, ``integration.loading``; one that leaves the queue
+    meanwhile, cancelled, ends there)
 
 A transition the table does not allow fails closed (``server_patch.failclosed``): the row
-keeps its state, and under ``APC_TEST_FAULTS=1`` the error is raised. To add a state (issue
-29's LOADING, a request waiting for its disk load), add it to ``RowState`` and ``_NEXT``.
+keeps its state, and under ``APC_TEST_FAULTS=1`` the error is raised. To add a state, add it
+to ``RowState`` and ``_NEXT``.
 What happens to the buffers at each transition is ``integration.batch_rows``; the mechanics
 (lend, adopt, validate) are ``server_patch.copyfree``'s functions over these fields.
 """
@@ -43,6 +47,7 @@ ROWS_MAX = 512  # rows kept; the oldest without a loan or a deferral are forgott
 class RowState(StrEnum):
     """Where a request is, as far as its KV rows go."""
 
+    LOADING = "loading"  # queued, its restore point's disk file loading off the generation thread
     ADMITTED = "admitted"  # looked up (or planned cold without a lookup): named by its key
     PREFILLING = "prefilling"  # bound to the generator's uid, its prompt being prefilled
     DECODING = "decoding"  # past its prefill end: its entry committed or deferred
@@ -50,6 +55,7 @@ class RowState(StrEnum):
 
 
 _NEXT: dict[RowState, frozenset[RowState]] = {
+    RowState.LOADING: frozenset({RowState.ADMITTED, RowState.ENDED}),
     RowState.ADMITTED: frozenset({RowState.PREFILLING, RowState.DECODING, RowState.ENDED}),
     RowState.PREFILLING: frozenset({RowState.DECODING, RowState.ENDED}),
     RowState.DECODING: frozenset({RowState.ENDED}),
@@ -76,6 +82,7 @@ class RowLife:
     timed: bool = False  # its record is finished (first token, or cancelled before it)
     seq: int = 0  # the book's order (oldest first)
     history: list[RowState] = field(default_factory=list)  # the states it left, in order
+    load: Any = None  # while LOADING and until its lookup: its ``integration.loading.Load``
 
     @property
     def key(self) -> tuple[Optional[str], int, int]:
@@ -120,18 +127,32 @@ class RowBook:
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
         self._limit = limit
+        self.decode_steps = 0  # decode steps seen (``decoded``): how long a LOADING row waited
 
     def __len__(self) -> int:
         return len(self._rows)
 
     # ------------------------------------------------------------------ admission and binding
 
+    def loading(self, pending: Pending, load: Any) -> RowLife:
+        """A queued prompt whose restore point's file is loading (``load``): a LOADING row,
+        named by its key until its lookup admits it."""
+        with self._lock:
+            row = RowLife(pending, state=RowState.LOADING, load=load, seq=next(self._seq))
+            self._rows[row.seq] = row
+            self._by_key[pending.key] = row
+            self._bound()
+            return row
+
     def admit(self, pending: Pending, record: Optional[RequestTiming] = None, loan: Any = None) -> RowLife:
         """A looked-up prompt (or one planned cold without a lookup): a new ADMITTED row. One
         not yet bound with the same key is admitted again instead (its plan and record are the
-        new lookup's; a loan it holds stays), as one request key names one pending prompt."""
+        new lookup's; a loan it holds stays), as one request key names one pending prompt; a
+        LOADING one is admitted (its load finished, failed or ran past the bound)."""
         with self._lock:
             row = self._by_key.get(pending.key)
+            if row is not None and row.state == RowState.LOADING and row.move(RowState.ADMITTED, "admit"):
+                row.load = None  # what it loaded is promoted (or dropped) by now
             if row is not None and row.state == RowState.ADMITTED:
                 row.pending, row.record = pending, record
                 row.loan = row.loan if row.loan is not None else loan
@@ -245,6 +266,7 @@ class RowBook:
     def decoded(self, uids: Sequence[Any], tokens: Sequence[int]) -> None:
         """One decode step: ``tokens[i]`` was fed to row ``uids[i]`` (its tracked reply grows).
         A step of another shape than this hook was written for stops the tracking of its rows."""
+        self.decode_steps += 1
         tracked = [(row, i) for i, uid in enumerate(uids) if (row := self.by_uid(uid)) is not None
                    and row.reply is not None]
         for row, i in tracked:

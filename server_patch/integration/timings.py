@@ -66,6 +66,11 @@ class RequestTiming:
     kv_admission: str = ""
     lookup_ms: float = 0.0
     admission_ms: float = 0.0
+    # Waiting for another's work: queued in LOADING while its restore point's disk file loaded
+    # off the generation thread (``integration.loading``), and the decode steps the batch took
+    # meanwhile (0, 0: it did not wait).
+    loading_ms: float = 0.0
+    loading_steps: int = 0
     prefill_ms: float = 0.0
     commit_ms: float = 0.0
     ttft_ms: float = 0.0

@@ -43,6 +43,10 @@ class DiskLoader(Protocol):
 
 Settle = Callable[[RestorePlan], bool]  # make the plan real; True: something changed, plan again
 
+# What a loader answers (with no entry) for a file it did not load in time: the request is
+# admitted cold and the file kept (``integration.loading``: a load past ``APC_DISK_LOAD_WAIT_MS``).
+NOT_LOADED = "disk load slower than APC_DISK_LOAD_WAIT_MS"
+
 
 def cold(plan: RestorePlan) -> RestorePlan:
     """The cold plan for the same prompt (what a miss or a failed restore admits)."""
@@ -98,6 +102,10 @@ class Admission:
             elif plan.tier == DISK:
                 loaded.add(plan.record.id)
                 entry, why = disk.load_checked(plan.record)
+                if entry is None and why == NOT_LOADED:  # its load ran past the bound: cold, file kept
+                    self.steps.append((plan.length, Lost.DISK_UNUSED))
+                    self.detail = why
+                    break
                 if entry is None:
                     self.steps.append((plan.length, Lost.DISK_REJECTED))
                     self.detail = why or "failed validation"
@@ -216,4 +224,4 @@ def _inside_reply(plan: RestorePlan) -> bool:
         and plan.shared > plan.length
 
 
-__all__ = ["PLANS_MAX", "Admission", "DiskLoader", "Settle", "cold"]
+__all__ = ["NOT_LOADED", "PLANS_MAX", "Admission", "DiskLoader", "Settle", "cold"]

@@ -41,7 +41,7 @@ class Lost(StrEnum):
     THINNED = "thinning"  # its checkpoint was thinned (max_checkpoints)
     NO_POINT = "no restore point"  # the tokens are held, but no state at the divergence
     DISK_REJECTED = "disk rejected"  # its file failed validation (the request says why)
-    DISK_UNUSED = "disk not used"  # no disk tier asked, no room to promote, or its write not landed
+    DISK_UNUSED = "disk not used"  # no disk tier asked, no room to promote, its write not landed, or its load too slow
     CANARY = "canary"  # a canary-suspect kind refused
     LOAN = "loan"  # the entry was lent to a running request
     REPLY = "reply not re-rendered"  # the prompt diverged inside the reply its entry kept
@@ -54,6 +54,7 @@ _FROM_POLICY: dict[str, Lost] = {
     Reason.RAM_BUDGET: Lost.RAM_BUDGET, f"{Reason.RAM_BUDGET}, {Reason.UNWRITTEN}": Lost.RAM_BUDGET,
     Reason.ANCHOR_CAP: Lost.ANCHOR_CAP, Reason.DISK_CAP: Lost.DISK_CAP, Reason.OPERATOR: Lost.OPERATOR,
     Reason.RESET: Lost.OPERATOR, Reason.FAILED_VALIDATION: Lost.DISK_REJECTED,
+    Reason.LENT_ROWS_LOST: Lost.LOAN,
 }
 
 

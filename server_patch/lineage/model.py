@@ -73,6 +73,7 @@ class Reason(StrEnum):
     RESET = "reset"  # /v1/cache/reset
     FAILED_VALIDATION = "failed validation"
     PROMPT_END = "prompt end"  # a rewind's target
+    LENT_ROWS_LOST = "lent rows lost"  # a loan that could not hand its rows back
     UNWRITTEN = "unwritten"  # suffix of an eviction reason: the disk lacks the state
 
 

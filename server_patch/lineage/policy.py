@@ -157,16 +157,20 @@ class LineageCache:
 
     # ------------------------------------------------------------------ lookup
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray, namespace: str = "") -> RestorePlan:
+    def lookup(self, tokens: Sequence[int] | np.ndarray, namespace: str = "", *,
+               counted: bool = True) -> RestorePlan:
         """The longest restore point for ``tokens`` leaving at least one token to compute.
 
-        RAM wins; the disk index is consulted only for something strictly longer.
+        RAM wins; the disk index is consulted only for something strictly longer. ``counted``
+        False: a look ahead that is no lookup (a queued prompt asking whether its disk file
+        must load first, ``integration.loading``), so the stats do not count it.
         """
         prompt = as_tokens(tokens)
         n = int(prompt.shape[0])
         limit = n - 1
         with self.lock:
-            self.stats["lookups"] += 1
+            if counted:
+                self.stats["lookups"] += 1
             best: _Candidate | None = None
             shared = durable = 0
             for entry in self._entries.values():

@@ -149,6 +149,51 @@ def extract(layout: CacheLayout, caches: Sequence[Any], idx: int | None, length:
     return kv_rows(layout, caches, idx, length, copy=True), capture(layout, caches, idx, length)
 
 
+def append_rows(layout: CacheLayout, caches: Sequence[Any], idx: int, lent: list[list[dict]], start: int,
+                length: int) -> tuple[list[list[dict]], int, int]:
+    """Row ``idx`` of a shared batch's caches, as buffers an entry of ``start`` tokens lent
+    (``MlxKV.lend``: per layer, per child, ``keys``/``values``): rows ``[start, length)`` written
+    into their spare rows, in place while nothing else holds them. The pooled windows (small:
+    one per ``ratio`` tokens, held exactly sized) are copied whole from the row. Returns the
+    handle's layers (the KV children are ``lent``'s arrays, updated), the KV bytes written and
+    the pooled bytes copied.
+    Raises if a buffer lacks room or the row does not hold ``length`` rows."""
+    layers, written, pooled = [], 0, 0
+    for layer, cache, taken_layer in zip(layout.layers, caches, lent):
+        children = list(cache.caches) if layer.composite else [cache]
+        out_layer: list[dict] = []
+        for codec, child, taken in zip(layer.codecs, children, taken_layer):
+            if codec is DERIVED or not _kv_child(codec.name):
+                out_layer.append({})
+            elif codec.name == "kv":
+                out_layer.append(_append_kv(child, idx, taken, start, length))
+                written += sum(int(v.nbytes) // int(v.shape[2]) * (length - start) for v in out_layer[-1].values())
+            elif codec.name == "pooling":
+                row = _kv_row(child, idx, length, copy=True)
+                out_layer.append({"ratio": int(child.ratio), **({} if row.pooled is None else {"pooled": row.pooled})})
+                pooled += 0 if row.pooled is None else int(row.pooled.nbytes)
+            else:  # a packed (quantized) layer: its merge copies, there is no buffer to append to
+                raise ValueError(f"cannot append to a {codec.name} layer")
+        layers.append(out_layer)
+    return layers, written, pooled
+
+
+def _append_kv(cache: Any, idx: int, taken: dict, start: int, length: int) -> dict:
+    """One KV child: rows ``[start, length)`` of row ``idx`` into the lent buffers ``taken``."""
+    if type(cache) is not BatchKVCache or cache.keys is None or set(taken) != {"keys", "values"}:
+        raise ValueError("only a batch cache's float rows append into a lent buffer")
+    pad = int(cache.left_padding[idx].item())
+    if int(cache._idx) - pad < length:
+        raise ValueError(f"row {idx} holds {int(cache._idx) - pad} KV rows, the entry needs {length}")
+    keys, values = taken["keys"], taken["values"]
+    if min(int(keys.shape[2]), int(values.shape[2])) < length:
+        raise ValueError(f"the entry's buffer holds {int(keys.shape[2])} rows, the reply needs {length}")
+    source = (slice(idx, idx + 1), slice(None), slice(pad + start, pad + length))
+    keys[..., start:length, :] = cache.keys[source]  # rebinds: in place while ``keys`` is the only holder
+    values[..., start:length, :] = cache.values[source]
+    return {"keys": keys, "values": values}
+
+
 def leaf_caches(caches: Sequence[Any]) -> Iterator[Any]:
     """Every per-layer cache, with the children of ``CacheList`` layers in place of the list."""
     for cache in caches:
@@ -199,5 +244,5 @@ def batch_size(caches: Sequence[Any]) -> int:
     return 1
 
 
-__all__ = ["batch_size", "buffer_rows", "capture", "extract", "fed_lengths", "kv_rows", "leaf_caches", "ref",
+__all__ = ["append_rows", "batch_size", "buffer_rows", "capture", "extract", "fed_lengths", "kv_rows", "leaf_caches", "ref",
            "row_caches"]

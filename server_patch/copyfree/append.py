@@ -1,0 +1,139 @@
+"""A shared row's reply commit, bounded: only the rows its entry lacks, into the entry's spare rows.
+
+A row that shares a decoding batch cannot hand its buffer over when it ends (the batch's
+buffer holds the other rows too), so its entry past the reply used to be a copy of the whole
+row: prompt + reply, 265-368 ms at 16.4k tokens on the bench preset (issue 29). But rows
+``[0, B)`` of that row are, bit for bit, an entry's already (its ``Base``): the prompt-end
+entry its own commit stored (the buffer adopted at its join, or a lookup's copy), or, for a
+row deferred in a shared prompt batch, the entry it restored at the head of (the merge copied
+those rows). Where that entry's buffer has room (an adopted buffer keeps its spare rows, the
+lone merge allocates ``APC_COPYFREE_LEND_HEADROOM``), the rows ``[B, L)`` are written into it
+in place: at most the reply (``max_tokens`` rows) plus, for a deferred row, its prompt suffix.
+The new entry absorbs the old one and owns the buffer, spare rows left, so the next turn is
+still lent it.
+
+The buffer is taken under the cache's loan receipt (``LineageCache.lend``: refused while the
+entry is lent, queued for writing or gone), so the disk writer never reads a half-swapped
+handle and nothing evicts the entry meanwhile. After the store the receipt ends; if the old
+entry is still held (the store kept an identical entry instead, or refused), the buffer goes
+back to it, rows ``[0, B)`` untouched. Anything else (no base, no room, a quantized layer, a
+buffer whose rows moved) is the whole-row copy, counted (``reply_copy``) so an operator sees it.
+Runs on the generation thread, the only one that writes caches.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+
+from server_patch.copyfree import ledger
+from server_patch.state import rows
+from server_patch.state.layout import CacheLayout, MlxKV
+from server_patch.state.registry import ref
+
+log = logging.getLogger("server_patch.lineage")
+
+
+@dataclass(frozen=True)
+class Base:
+    """An entry whose KV rows are row's rows ``[0, length)``, bit for bit, by its handle."""
+
+    kv: Any  # the entry's KV handle (``MlxKV``) when the row's rows were taken from or into it
+    length: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What ``LineageCache.lend`` reads of a restore plan: the entry whose rows it lends."""
+
+    entry: Any
+
+
+@dataclass
+class Appended:
+    """The new entry's KV (the base entry's buffer, rows appended) and the receipt it holds."""
+
+    kv: MlxKV
+    entry: Any
+    loan: Any
+    written: int  # KV bytes written into the buffer
+    rows: int  # rows appended
+
+    def finish(self, cache: Any) -> None:
+        """After the store: the receipt ends; the buffer goes back to the old entry if the new
+        one did not absorb it (rows ``[0, B)`` are as they were)."""
+        try:
+            if cache.holds(self.entry) and self.entry.kv.lent:
+                self.entry.kv.give_back(_lent_part(self.kv.layers))
+        finally:
+            cache.end(self.loan)
+
+
+def base_entry(cache: Any, base: Optional[Base]) -> Any:
+    """The entry ``base`` names, if the cache still holds it at that length (the handle is
+    replaced by a rewind, so an identical handle means rows ``[0, length)`` are unchanged)."""
+    if base is None or not isinstance(base.kv, MlxKV):
+        return None
+    for entry in cache.entries():
+        if entry.kv is base.kv and entry.length == base.length == base.kv.length and not entry.is_anchor:
+            return entry
+    return None
+
+
+def restored_base(pending: Any) -> Optional[Base]:
+    """A row that restored at an entry's head holds that entry's rows: its ``Base``."""
+    plan = getattr(pending, "plan", None)
+    entry = getattr(plan, "entry", None)
+    if entry is None or plan.checkpoint is not None or entry.is_anchor or plan.length != entry.length:
+        return None
+    return Base(entry.kv, plan.length)
+
+
+def append_reply(layout: CacheLayout, cache: Any, base: Optional[Base], caches: Sequence[Any], idx: int,
+                 length: int) -> Optional[Appended]:
+    """Row ``idx``'s ``length`` KV rows as ``base``'s entry's own buffer with the rows it lacks
+    written in, under a loan receipt ``Appended.finish`` ends; None where it cannot be
+    (the caller copies the whole row)."""
+    entry = base_entry(cache, base)
+    if entry is None or layout.packed or entry.kv.capacity("keys") < length or entry.kv.capacity("values") < length:
+        return None
+    loan = cache.lend(_Plan(entry))
+    if loan is None:  # lent, or queued for writing: its rows are being read
+        return None
+    start = entry.length
+    try:
+        taken = entry.kv.lend()
+    except Exception:
+        cache.end(loan)
+        raise
+    try:
+        layers, written, pooled = rows.append_rows(layout, list(caches), idx, taken, start, length)
+        kv = MlxKV(layers, length)
+        mx.eval(kv.arrays())
+    except Exception as exc:
+        entry.kv.give_back(taken)
+        cache.end(loan)
+        log.info("apc_lineage reply rows not appended to entry %s (%s): the row is copied", entry.id, exc)
+        return None
+    if ledger.enabled():
+        ledger.add("reply_append", written, kind="kv")
+        ledger.add("reply_append", pooled, kind="pooled")
+    return Appended(kv, entry, loan, written, length - start)
+
+
+def _lent_part(layers: list[list[dict]]) -> list[list[dict]]:
+    """The ``keys``/``values`` arrays of a handle's layers: what ``MlxKV.give_back`` takes back."""
+    return [[{k: ref(v) for k, v in child.items() if k in ("keys", "values")} for child in layer]
+            for layer in layers]
+
+
+def count(cache: Any, key: str) -> None:
+    """One more ``key`` in the cache's stats (``/admin/stats``): how reply commits copied."""
+    with cache.lock:
+        cache.stats[key] += 1
+
+
+__all__ = ["Appended", "Base", "append_reply", "base_entry", "count", "restored_base"]
