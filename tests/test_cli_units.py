@@ -482,3 +482,16 @@ def test_process_readings_of_a_live_and_a_gone_process() -> None:
     first = sampler.sample(os.getpid())
     assert first is not None and first.rss_bytes > 0
     assert sampler.sample(gone.pid) is None and sampler.sample(os.getpid()) is not None  # starts over
+
+
+def test_apcctl_requests_shows_the_oracle_and_the_top_lost_reason() -> None:
+    from apcctl.commands.requests import COLUMNS, format_request
+
+    record = {"seq": 4, "started": 0.0, "restore_kind": "periodic", "prompt_tokens": 5000, "restored_tokens": 2048,
+              "oracle": 4096, "lost": {"thinning": 1536, "ram budget": 512}, "lookup_ms": 1.0, "admission_ms": 2.0,
+              "prefill_ms": 3.0, "commit_ms": 0.0, "ttft_ms": 9.0, "entry_id": "abc"}
+    line = format_request(record).split()
+    assert {"ORACLE", "LOST"} <= set(COLUMNS)
+    assert line[4:8] == ["2,048", "4,096", "thinned", "1,536+"]  # REUSED, ORACLE, LOST (the most tokens first)
+    whole = format_request(dict(record, restored_tokens=4096, lost={})).split()
+    assert whole[4:6] == ["4,096", "4,096"] and whole[6] == "1.0"  # nothing lost: a blank LOST cell

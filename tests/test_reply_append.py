@@ -105,3 +105,65 @@ def test_without_room_in_its_entrys_buffer_the_row_is_copied_and_counted(server,
     copies = ledger.snapshot()
     assert "reply_append.kv" not in copies and copies["extract.kv"] >= (PROMPT + REPLY) * per_token_kv_bytes(new.kv)
     assert server.cache.stats["reply_row_copies"] == 1 and new.kv.capacity() < rows
+
+
+def test_warm_rows_sharing_a_prompt_batch_append_their_suffix_and_reply_to_the_entries_they_restored(server,
+                                                                                                   counted):
+    """Two conversations' next turns are admitted together: each row restored at its entry's
+    head (the merge copied those rows), so at its end only its prompt suffix and reply are
+    written into that entry's buffer."""
+    s = server
+    firsts = [random_tokens(PROMPT, seed=41 + i) for i in range(2)]
+    for uid, prompt in ((1, firsts[0]), (2, firsts[1])):
+        serve_one(s, uid, prompt, random_tokens(REPLY, seed=uid))
+    entries = {e.length: e for e in s.cache.entries()}
+    assert len(s.cache.entries()) == 2
+    turns = [np.concatenate([f, random_tokens(REPLY, seed=uid), random_tokens(10, seed=50 + uid)])
+             for uid, f in zip((1, 2), firsts)]
+    olds = {id(e) for e in s.cache.entries()}
+    hits = [s.coordinator.lookup(t, extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
+                                 prefix_has_media=lambda n: False) for t in turns]
+    assert all(h is not None and h["prefix_len"] == PROMPT + REPLY for h in hits), hits
+    shared, _ = s.coordinator.merge_rows(hits, [h["prefix_len"] for h in hits])
+    s.coordinator.bind_rows([3, 4], [{"full_input_ids": [int(x) for x in t], "extra_hash": 0} for t in turns])
+    done = PROMPT + REPLY
+    n = len(turns[0])
+    mx.eval(s.model(mx.array(np.stack([t[done:n - 1] for t in turns])), cache=shared).logits)
+    for i, t in enumerate(turns):
+        s.coordinator.store_checkpoint(t[:n - 1], shared, extra_hash=0, batch_idx=i, uid=3 + i)
+    rows = [s.book.by_uid(3), s.book.by_uid(4)]
+    assert all(r.deferral is not None and r.deferral.shared for r in rows)
+    batch = Batch(uids=[3, 4], prompt_cache=shared, _num_tokens=[0, 0])
+    s.generator._prompt_batch, s.generator._generation_batch = None, batch
+    last = [int(t[n - 1]) for t in turns]
+    replies = [random_tokens(REPLY, seed=60 + i) for i in range(2)]
+    mx.eval(s.model(mx.array([[x] for x in last]), cache=shared).logits)  # the last prompt token
+    for step in range(REPLY):
+        ids = [int(r[step]) for r in replies]
+        mx.eval(s.model(mx.array([[x] for x in ids]), cache=shared).logits)
+        batch._num_tokens[0] += 1
+        batch._num_tokens[1] += 1
+        s.coordinator.rows_decoded(batch, ids)
+    s.disk.land()
+    per_token = per_token_kv_bytes(next(iter(entries.values())).kv)
+    ledger.reset()
+    s.coordinator.rows_leaving(batch, [])
+    copies = ledger.snapshot()
+    appended = 2 * (n + REPLY - done)  # each row: its prompt suffix and its reply
+    assert copies["reply_append.kv"] == appended * per_token, copies
+    assert "extract.kv" not in copies, copies
+    news = s.cache.entries()
+    assert len(news) == 2 and not olds & {id(e) for e in news}  # each old entry absorbed
+    for turn, reply in zip(turns, replies):
+        (new,) = [e for e in news if np.array_equal(e.tokens, np.concatenate([turn, reply]))]
+        follow = random_tokens(3, seed=70)
+        warm = prefill(s.model, s.coordinator.lineage.runtime.layout.build(new.kv, new.head, new.length), follow)
+        cold = prefill(s.model, s.model.make_cache(), np.concatenate([turn, reply, follow]))
+        assert mx.allclose(warm, cold, atol=1e-4).item()
+
+
+def serve_one(s, uid, prompt, reply):
+    from test_row_machine import serve_turn
+
+    serve_turn(s, uid, prompt, reply)
+    s.disk.land()

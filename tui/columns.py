@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from rich.text import Text
 
 from apcctl.core import render
+from apcctl.core.render import LOST_SHORT, largest_first
 from tui.state import Keyed, reuse_fraction
 from tui.widgets.keyed_table import Column
 
@@ -39,20 +40,6 @@ def short_id(entry_id: str | None) -> str:
     return entry_id or "-"
 
 
-# The LOST column's short names of ``lineage.misses.Lost`` (kept as strings: the dashboard loads
-# no numpy; tests/test_tui_units.py keeps them equal; docs/dashboard.md lists them).
-LOST_SHORT = {"ram budget": "ram", "anchor cap": "anchors", "disk cap": "disk cap", "operator": "evicted",
-              "thinning": "thinned", "no restore point": "no point", "disk rejected": "disk bad",
-              "disk not used": "no disk", "canary": "canary", "loan": "loan", "reply not re-rendered": "reply",
-              "restart": "restart", "other": "other"}
-
-
-def largest_first(lost: Mapping[str, int] | None) -> list[tuple[int, str]]:
-    """(tokens, reason) of the reasons that lost any, the most tokens first."""
-    return sorted(((int(n), str(reason)) for reason, n in (lost or {}).items() if n),
-                  key=lambda item: (-item[0], item[1]))
-
-
 def oracle_cell(record: Mapping[str, Any]) -> str:
     """What an unbounded cache would have restored; ``-`` from a server before issue 26."""
     return tokens(record.get("oracle"))
@@ -68,14 +55,8 @@ def lost_total(record: Mapping[str, Any]) -> int | None:
 def lost_cell(record: Mapping[str, Any]) -> str | Text:
     """The top reason and its tokens, ``+`` when there were more reasons ("ram 48+"); blank
     when nothing was lost, ``-`` from a server before issue 26."""
-    if "oracle" not in record:
-        return "-"
-    lost = largest_first(record.get("lost"))
-    if not lost:
-        return ""
-    n, reason = lost[0]
-    more = "+" if len(lost) > 1 else ""
-    return Text(f"{LOST_SHORT.get(reason, reason)} {n:,}{more}", style="yellow")
+    label = render.lost_label(record)
+    return Text(label, style="yellow") if label not in ("", "-") else label
 
 
 def oracle_line(totals: Mapping[str, Any]) -> Text:

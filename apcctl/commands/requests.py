@@ -1,4 +1,5 @@
-"""``apcctl requests``: per-request timings (restore kind, reused tokens, lookup to first token)."""
+"""``apcctl requests``: per-request timings (restore kind, reused tokens, what an unbounded cache
+would have restored and why the rest was lost, lookup to first token)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from apcctl.core.client import AdminClient, AdminError
 if TYPE_CHECKING:
     from server_patch.admin.schema import RequestRecord
 
-COLUMNS = ("SEQ", "TIME", "KIND", "PROMPT", "REUSED", "LOOKUP", "ADMIT", "PREFILL", "COMMIT", "TTFT ms", "ENTRY")
-NUMERIC = ("SEQ", "PROMPT", "REUSED", "LOOKUP", "ADMIT", "PREFILL", "COMMIT", "TTFT ms")
-LINE = "{:>6} {:8} {:12} {:>7} {:>7} {:>8} {:>8} {:>9} {:>8} {:>9} {}"
+COLUMNS = ("SEQ", "TIME", "KIND", "PROMPT", "REUSED", "ORACLE", "LOST", "LOOKUP", "ADMIT", "PREFILL", "COMMIT",
+           "TTFT ms", "ENTRY")
+NUMERIC = ("SEQ", "PROMPT", "REUSED", "ORACLE", "LOOKUP", "ADMIT", "PREFILL", "COMMIT", "TTFT ms")
+LINE = "{:>6} {:8} {:12} {:>7} {:>7} {:>7} {:14} {:>8} {:>8} {:>9} {:>8} {:>9} {}"
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -30,7 +32,8 @@ def row(record: RequestRecord | Mapping[str, Any]) -> tuple[object, ...]:
 
     r = RequestRecord.of(record)
     return (r.seq, render.clock(r.started), render.restore_label(r), f"{r.prompt_tokens:,}",
-            f"{r.restored_tokens:,}", render.ms(r.lookup_ms), render.ms(r.admission_ms),
+            f"{r.restored_tokens:,}", f"{r.oracle:,}", render.lost_label(r),
+            render.ms(r.lookup_ms), render.ms(r.admission_ms),
             render.ms(r.prefill_ms), render.ms(r.commit_ms), render.ms(r.ttft_ms), r.entry_id or "-")
 
 

@@ -7,7 +7,7 @@ import os
 import re
 import sys
 import time
-from typing import Any, Iterable, Sequence, TextIO
+from typing import Any, Iterable, Mapping, Sequence, TextIO
 
 import click
 from rich.cells import cell_len
@@ -92,6 +92,33 @@ def restore_label(record: dict[str, Any]) -> str:
 
     kind = str(record.get("restore_kind", "?"))
     return kind + ("/lent" if record.get("kv_admission") == KVAdmission.LENT else "")
+
+
+# The short names of ``lineage.misses.Lost`` in the LOST columns of ``apcctl requests`` and the
+# dashboard (kept as strings: neither loads numpy; tests/test_tui_units.py keeps them equal;
+# docs/dashboard.md lists them).
+LOST_SHORT = {"ram budget": "ram", "anchor cap": "anchors", "disk cap": "disk cap", "operator": "evicted",
+              "thinning": "thinned", "no restore point": "no point", "disk rejected": "disk bad",
+              "disk not used": "no disk", "canary": "canary", "loan": "loan", "reply not re-rendered": "reply",
+              "restart": "restart", "other": "other"}
+
+
+def largest_first(lost: Mapping[str, int] | None) -> list[tuple[int, str]]:
+    """(tokens, reason) of the reasons that lost any, the most tokens first."""
+    return sorted(((int(n), str(reason)) for reason, n in (lost or {}).items() if n),
+                  key=lambda item: (-item[0], item[1]))
+
+
+def lost_label(record: Any) -> str:
+    """A request's LOST cell: its top reason and tokens, ``+`` when there were more reasons
+    ("ram 48+"); blank when nothing was lost, ``-`` from a server before issue 26."""
+    if record.get("oracle") is None:
+        return "-"
+    lost = largest_first(record.get("lost"))
+    if not lost:
+        return ""
+    n, reason = lost[0]
+    return f"{LOST_SHORT.get(reason, reason)} {n:,}" + ("+" if len(lost) > 1 else "")
 
 
 def console() -> Console:
