@@ -423,7 +423,9 @@ def test_a_row_joining_a_decoding_batch_is_adopted_not_copied(runs):
     for op in ("cow", "clone", "reserve"):
         assert joined["copies"].get(f"{op}.kv", 0) == 0, joined["copies"]
     # Reply reuse: the joined row leaves a two-row batch, so its entry moves past its reply by
-    # one copy of its row (prompt + at most 6 generated tokens); nothing else is extracted.
+    # writing its reply's rows into the buffer its join adopted, or (that entry queued for
+    # writing meanwhile) by one copy of its row (prompt + at most 6 generated tokens); nothing
+    # else is extracted. tests/test_reply_append.py pins the bytes of the first case.
     fed_rows = joined["prompt"] + 6
     assert joined["copies"].get("extract.kv", 0) <= runs["copyfree"]["kv_per_token"] * fed_rows
     assert joined["long_next"]["kind"] == "entry"

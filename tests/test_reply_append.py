@@ -18,6 +18,7 @@ from fake_model import prefill, random_tokens
 from server_patch.copyfree import ledger
 from server_patch.copyfree import merge as copyfree_merge
 from server_patch.copyfree.counter import _address
+from server_patch.integration.rowlife import RowState
 from test_row_machine import Batch, admit, prefill_and_store, server  # noqa: F401 (the fixture)
 
 PROMPT, REPLY = 40, 6
@@ -121,8 +122,11 @@ def test_warm_rows_sharing_a_prompt_batch_append_their_suffix_and_reply_to_the_e
     turns = [np.concatenate([f, random_tokens(REPLY, seed=uid), random_tokens(10, seed=50 + uid)])
              for uid, f in zip((1, 2), firsts)]
     olds = {id(e) for e in s.cache.entries()}
-    hits = [s.coordinator.lookup(t, extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
-                                 prefix_has_media=lambda n: False) for t in turns]
+    hits = []
+    for t in turns:
+        hits.append(s.coordinator.lookup(t, extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
+                                         prefix_has_media=lambda n: False))
+        assert s.coordinator.checkpoint_lengths(t, set())[-1] == len(t) - 1
     assert all(h is not None and h["prefix_len"] == PROMPT + REPLY for h in hits), hits
     shared, _ = s.coordinator.merge_rows(hits, [h["prefix_len"] for h in hits])
     s.coordinator.bind_rows([3, 4], [{"full_input_ids": [int(x) for x in t], "extra_hash": 0} for t in turns])
@@ -132,6 +136,7 @@ def test_warm_rows_sharing_a_prompt_batch_append_their_suffix_and_reply_to_the_e
     for i, t in enumerate(turns):
         s.coordinator.store_checkpoint(t[:n - 1], shared, extra_hash=0, batch_idx=i, uid=3 + i)
     rows = [s.book.by_uid(3), s.book.by_uid(4)]
+    assert [r.state for r in rows] == [RowState.DECODING] * 2, [(r.state, r.history) for r in rows]
     assert all(r.deferral is not None and r.deferral.shared for r in rows)
     batch = Batch(uids=[3, 4], prompt_cache=shared, _num_tokens=[0, 0])
     s.generator._prompt_batch, s.generator._generation_batch = None, batch

@@ -127,6 +127,8 @@ class LineageCoordinator(APCCoordinator):
         admission = Admission.admit(lineage.runtime.cache, prompt, namespace, disk=disk,
                                     settle=lambda plan: rows.settle(prompt, namespace, plan, reclaimed),
                                     disk_refused=lambda: lineage.runtime.refuses(DISK))
+        if disk is not None:
+            disk.tell(admission)
         plan = admission.plan
         if not lineage.book.lent_to(key) and plan.entry is not None and plan.entry.id not in reclaimed:
             plan = admission.rewind(rows.may_rewind)

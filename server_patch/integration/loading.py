@@ -18,7 +18,7 @@ one on the generation thread, as before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -30,6 +30,7 @@ from server_patch.integration.pending import Pending, RequestKey, request_key
 from server_patch.integration.rowlife import RowBook, RowState
 from server_patch.lineage import DISK
 from server_patch.lineage.flow import NOT_LOADED
+from server_patch.lineage.misses import Lost
 
 IDLE_WAIT_S = 0.005  # with nothing decoding, a poll waits this long for the file (no busy loop)
 
@@ -38,15 +39,14 @@ IDLE_WAIT_S = 0.005  # with nothing decoding, a poll waits this long for the fil
 class Load:
     """One queued request's disk load."""
 
-    record: Any  # the ``DiskRecord`` its look-ahead found
+    record: Any  # the ``DiskRecord`` its look-ahead found (the next one after a rejected file)
+    length: int  # the restore point's length in it
     started: float  # ``clock.steady()`` when it started
     steps_at_start: int  # the book's decode steps then
     answer: Optional[tuple[Any, str]] = None  # ``load_checked``'s, once finished
     late: bool = False  # still loading past the bound: admitted cold
-
-    @property
-    def done(self) -> bool:
-        return self.answer is not None or self.late
+    done: bool = False  # loaded, late, or no file left to load
+    rejected: list[tuple[int, str]] = field(default_factory=list)  # (length, why) of files it rejected
 
 
 def _load_checked(store: Any) -> Callable[[Any], Any]:
@@ -91,22 +91,41 @@ class DiskLoads:
         if row is not None and row.state != RowState.LOADING:
             return True  # the same prompt admitted this step already: its own plan stands
         if row is None:
-            plan = self.runtime.cache.lookup(prompt, namespace, counted=False)
-            if plan.tier != DISK or self.runtime.refuses(DISK):
+            plan = self._disk_plan(prompt, namespace)
+            if plan is None:
                 return True
             row = self.book.loading(Pending(prompt, namespace, plan),
-                                    Load(plan.record, clock.steady(), self.book.decode_steps))
+                                    Load(plan.record, plan.length, clock.steady(), self.book.decode_steps))
         load = row.load
         if load.done:
             return True
         finished, answer = self.loads.poll(disk, load.record, load=_load_checked(disk), kept=True,
                                            wait_s=IDLE_WAIT_S if idle else 0.0)
-        if finished:
-            load.answer = answer
+        if finished and answer[0] is None:
+            self._rejected(load, answer[1], prompt, namespace)
+        elif finished:
+            load.answer, load.done = answer, True
         elif (clock.steady() - load.started) * 1000 >= settings.value("APC_DISK_LOAD_WAIT_MS"):
-            load.late = True
+            load.late = load.done = True
             self.loads.forget(disk, load.record)
         return load.done
+
+    def _disk_plan(self, prompt: np.ndarray, namespace: str) -> Any:
+        """The look-ahead: its plan if it restores from a disk file (and the tier is not
+        refused), else None."""
+        plan = self.runtime.cache.lookup(prompt, namespace, counted=False)
+        return plan if plan.tier == DISK and not self.runtime.refuses(DISK) else None
+
+    def _rejected(self, load: Load, why: str, prompt: np.ndarray, namespace: str) -> None:
+        """Its file failed validation: forgotten (as a lookup's own load would), and the next
+        disk file the prompt would restore from starts loading, if any."""
+        self.runtime.cache.promote(load.record, None, reason=why)
+        load.rejected.append((load.length, why or "failed validation"))
+        plan = self._disk_plan(prompt, namespace)
+        if plan is None:
+            load.done = True
+        else:
+            load.record, load.length = plan.record, plan.length
 
     def _forget_gone(self, queued: set[RequestKey]) -> None:
         """LOADING rows no longer queued (cancelled while loading): ended, their loads dropped."""
@@ -125,7 +144,7 @@ class DiskLoads:
         if load is not None and record is not None:
             record.loading_ms = (clock.steady() - load.started) * 1000
             record.loading_steps = self.book.decode_steps - load.steps_at_start
-        return RequestDisk(self.runtime.disk, load)
+        return RequestDisk(self.runtime.disk, load, list(load.rejected) if load is not None else [])
 
 
 @dataclass
@@ -134,6 +153,12 @@ class RequestDisk:
 
     store: Any
     load: Optional[Load]
+    rejected: list[tuple[int, str]]  # files rejected while it waited: what its admission met
+
+    def tell(self, admission: Any) -> None:
+        """The files rejected while it waited are what its admission met (``Admission.met``)."""
+        for length, why in self.rejected:
+            admission.met(length, Lost.DISK_REJECTED, why)
 
     def load_checked(self, record: Any) -> tuple[Any, str]:
         load, self.load = self.load, None  # taken once: its arrays go to the cache or nowhere

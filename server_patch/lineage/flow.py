@@ -151,6 +151,12 @@ class Admission:
             self.plan = again
         return self._plan
 
+    def met(self, length: int, reason: str, detail: str = "") -> None:
+        """What the request met before its lookup (a disk file rejected while it waited in
+        the queue): counted as if this admission had met it."""
+        self.steps.append((length, reason))
+        self.detail = self.detail or detail
+
     def refuse(self, reason: str = Lost.OTHER) -> RestorePlan:
         """Admit cold instead (a failed canary, a restore that could not be built); what the
         plan would have restored is lost for ``reason`` (a ``Lost``)."""
