@@ -10,9 +10,11 @@ interleave prefill with decode. With no row decoding, prefill keeps mlx-vlm's fu
 lone request prefills as fast as before. The cost is throughput: more, smaller chunks
 (``apcctl bench stall`` reports it).
 
-The overlay (``overlay/patches/pacing.py``) routes the three ``prompt_step()`` calls of
-``BatchGenerator._next`` through ``step`` and the chunk size of ``prompt_step`` through
-``chunk``. A chunk's time is measured to the end of its compute (``mx.synchronize``: mlx-vlm
+The overlay (``overlay/patches/pacing.py``) gives ``PromptProcessingBatch.prompt_step`` a
+``max_tokens`` argument and routes the three ``prompt_step()`` calls of ``BatchGenerator._next``
+through the door (``integration.hooks.prefill_step``), which hands them to ``step`` with the
+runtime's pacer (``LineageRuntime.pacer``: one per served model, none for a stock coordinator,
+whose prefill keeps mlx-vlm's chunks) and the number of rows decoding. A chunk's time is measured to the end of its compute (``mx.synchronize``: mlx-vlm
 dispatches it asynchronously), only while pacing is on.
 """
 
@@ -30,8 +32,8 @@ log = logging.getLogger("server_patch.pacing")
 
 MIN_CHUNK = 64  # tokens: the smallest chunk paced
 FIRST_CHUNK = 256  # tokens of the first paced chunk, before any was measured
-MAX_COST = 2.0  # a paced chunk may cost at most this many times an unpaced one per token
-SMOOTHING = 0.5  # weight of the newest unpaced chunk in the reference rate
+MAX_COST = 2.0  # a paced chunk may cost at most this many times a large one per token
+SMOOTHING = 0.5  # weight of the newest large chunk in the reference rate
 STALL_ENV = "APC_DECODE_STALL_MS"
 
 
@@ -41,8 +43,8 @@ class PrefillPacer:
     After each paced chunk the next size moves toward the budget (``size * budget / time``, at
     most doubling), unless the chunk was mostly overhead: a chunk whose tokens per second fall
     below ``1 / MAX_COST`` of large chunks' (``FIRST_CHUNK`` or more) doubles instead, and the
-    size never again goes that low (until an unpaced chunk measures that rate anew). Per-token cost is not constant in
-    the chunk size: measured on the bench preset on a loaded CPU, a 64-token chunk took 2 s and a
+    size never again goes that low (until an unpaced chunk measures that rate anew). Per-token
+    cost is not constant in the chunk size: measured on the bench preset on a loaded CPU, a 64-token chunk took 2 s and a
     2,048-token one 5.7 s (the decode step dispatched before it, per-chunk work over the whole
     context, a slower attention path for short chunks). So where the budget cannot be met,
     pacing bounds its throughput cost and still cuts the longest wait, instead of splitting into
@@ -89,54 +91,33 @@ class PrefillPacer:
                     self.floor = MIN_CHUNK  # measured anew: sizes are judged afresh
 
 
-_PACER: PrefillPacer | None = None
-_PACER_LOCK = threading.Lock()
+def from_env() -> PrefillPacer:
+    """A runtime's pacer, from ``APC_DECODE_STALL_MS``."""
+    return PrefillPacer(settings.value(STALL_ENV))
 
 
-def pacer() -> PrefillPacer:
-    """The process's pacer, made on first use from ``APC_DECODE_STALL_MS``."""
-    global _PACER
-    with _PACER_LOCK:
-        if _PACER is None:
-            _PACER = PrefillPacer(settings.value(STALL_ENV))
-        return _PACER
-
-
-def chunk(prompt_batch: Any, full: int) -> int:
-    """``PromptProcessingBatch.prompt_step``'s chunk size (the overlay's hook). A batch whose
-    model cannot prefill in chunks (``prefill_step_size`` None) keeps its one whole step."""
-    decoding = int(getattr(prompt_batch, "_apc_decoding", 0) or 0)
-    if getattr(prompt_batch, "prefill_step_size", None) is None:
-        return full
-    size = pacer().chunk(full, decoding)
-    prompt_batch._apc_chunk = size
-    return size
-
-
-def step(generator: Any, prompt_batch: Any) -> int:
-    """One ``prompt_step`` of ``prompt_batch`` in ``BatchGenerator._next`` (the overlay's hook):
-    tells it how many rows decode meanwhile, and measures the chunk's cost."""
-    paced = pacer()
-    decoding = len(generator._generation_batch)
-    prompt_batch._apc_decoding = decoding
-    if not paced.enabled:
+def step(pacer: PrefillPacer, prompt_batch: Any, decoding: int) -> int:
+    """One ``prompt_step`` of ``prompt_batch`` (``BatchGenerator._next``, through the door), at
+    most the paced chunk while ``decoding`` rows wait for it, and the chunk's cost measured. A
+    batch whose model cannot prefill in chunks (``prefill_step_size`` None) keeps its one step."""
+    full = int(getattr(prompt_batch, "prefill_step_size", 0) or 0)
+    if not pacer.enabled or not full:
         return prompt_batch.prompt_step()
     import mlx.core as mx
 
+    chosen = pacer.chunk(full, decoding)
     tic = time.perf_counter()
-    tokens = prompt_batch.prompt_step()
+    tokens = prompt_batch.prompt_step(chosen)
     mx.synchronize()
     seconds = time.perf_counter() - tic
-    full = int(getattr(prompt_batch, "prefill_step_size", 0) or 0)
-    chosen = int(getattr(prompt_batch, "_apc_chunk", full) or full)
-    paced.observe(tokens, seconds, chosen=chosen, paced=decoding > 0)
+    pacer.observe(tokens, seconds, chosen=chosen, paced=decoding > 0)
     if tokens > 0:
         split = decoding > 0 and chosen < full
-        paced.stats["chunks"] += 1
-        paced.stats["paced_chunks"] += int(split)
+        pacer.stats["chunks"] += 1
+        pacer.stats["paced_chunks"] += int(split)
         log.info("apc_pacing chunk tokens=%d decoding=%d paced=%d ms=%.1f", tokens, decoding,
                  int(split), seconds * 1000)
     return tokens
 
 
-__all__ = ["MIN_CHUNK", "PrefillPacer", "chunk", "pacer", "step"]
+__all__ = ["FIRST_CHUNK", "MIN_CHUNK", "PrefillPacer", "from_env", "step"]

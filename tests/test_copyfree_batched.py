@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-KV_OPS = ("clone", "reserve", "merge", "regrow", "cow", "extract")
+KV_OPS = ("clone", "reserve", "merge", "regrow", "cow", "extract", "reply_append")
 
 SCRIPT = textwrap.dedent(r"""
     import json, logging, sys, threading, time
@@ -396,20 +396,25 @@ def test_greedy_output_warm_equals_cold(runs):
     assert [t["prompt"] for t in runs["copyfree"]["alone"]] == [t["prompt"] for t in runs["cold"]["alone"]]
 
 
-def test_rows_sharing_a_batch_copy_twice_at_most(runs):
+def test_rows_sharing_a_batch_copy_once_and_append_only_their_new_rows(runs):
     pair = runs["copyfree"]["pair"]
     per_token = runs["copyfree"]["kv_per_token"]
     assert [r["kind"] for r in pair["records"]] == ["entry", "entry"], pair["records"]
-    # Two rows share the prompt batch: each is committed by one copy of its row when it ends,
-    # past its reply (reply reuse; at most 6 generated tokens here). The merge copies the
-    # restored rows (fewer than the prompt).
+    # Two rows share the prompt batch: each restored at its entry's head (an adopted buffer
+    # with room), so when it ends, past its reply (reply reuse; at most 6 generated tokens
+    # here), only its prompt suffix and reply are written into that entry's buffer; no row is
+    # copied out. The merge copies the restored rows (fewer than the prompt).
     commits = pair["commits"]
-    assert sorted((c["mode"], c["reason"]) for c in commits) == [("copy", "end")] * 2, commits
+    assert sorted((c["mode"], c["reason"]) for c in commits) == [("append", "end")] * 2, commits
     assert sorted(int(c["tokens"]) - int(c["reply"]) for c in commits) == sorted(pair["prompts"])
+    restored = sorted(r["restored"] for r in pair["records"])
+    assert sorted(int(c["tokens"]) - int(c["appended_rows"]) for c in commits) == restored, commits
     one_copy = per_token * sum(n + 6 for n in pair["prompts"])
     copied = kv_copied(pair["copies"])
-    assert copied <= 2.1 * one_copy, (copied / one_copy, pair["copies"])
-    assert pair["copies"].get("extract.kv", 0) > 0
+    assert copied <= 1.1 * one_copy, (copied / one_copy, pair["copies"])
+    appended = sum(int(c["appended_rows"]) for c in commits)
+    assert 0 < pair["copies"].get("reply_append.kv", 0) <= per_token * appended, pair["copies"]
+    assert pair["copies"].get("extract.kv", 0) == 0, pair["copies"]
     # And both entries serve their next turns, at least at the prompt end.
     for record, n in zip(pair["next"], pair["prompts"]):
         assert record["kind"] == "entry" and record["restored"] >= n - 1, (record, n)

@@ -129,7 +129,7 @@ def test_a_rejected_file_and_a_load_past_the_bound_fall_back_to_cold(tiny_model_
         second.start()
         files = _files(disk)
         late, line = _send(second, turn2)
-        assert Path(f"{hold}.held").exists()  # it was loading, and still is
+        _wait_held(hold, second)  # its load started, and is held still
         assert line["kind"] == "cold", line
         (record,) = [r for r in _records(second) if r["prompt_tokens"] == late["usage"]["prompt_tokens"]]
         assert record["loading_ms"] > 0, record  # it waited in LOADING, then went cold

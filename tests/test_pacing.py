@@ -72,23 +72,44 @@ def test_a_budget_of_zero_is_mlx_vlms_fixed_chunk() -> None:
     assert not pacer.enabled and pacer.chunk(2048, decoding=3) == 2048
 
 
-def test_the_hooks_tell_the_batch_who_decodes_and_skip_batches_that_cannot_chunk(monkeypatch) -> None:
-    monkeypatch.setattr(pacing, "_PACER", pacing.PrefillPacer(budget_ms=0.01))
+class Batch:
+    """A prompt batch as the door sees one: its chunk, and the ``max_tokens`` each step asked."""
 
-    class Batch:
-        prefill_step_size = 2048
+    def __init__(self, prefill_step_size: int | None = 2048) -> None:
+        self.prefill_step_size = prefill_step_size
+        self.asked: list[int | None] = []
 
-        def prompt_step(self) -> int:
-            return pacing.chunk(self, self.prefill_step_size)
+    def prompt_step(self, max_tokens: int | None = None) -> int:
+        self.asked.append(max_tokens)
+        return min(max_tokens or 2048, 2048)
 
+
+def test_a_step_asks_for_the_paced_chunk_only_while_rows_decode() -> None:
+    pacer, batch = pacing.PrefillPacer(budget_ms=0.01), Batch()
+    assert pacing.step(pacer, batch, decoding=2) == pacing.FIRST_CHUNK
+    assert pacing.step(pacer, batch, decoding=2) == pacing.MIN_CHUNK  # 0.01 ms: no chunk fits
+    assert pacer.stats["paced_chunks"] == 2
+    assert pacing.step(pacer, batch, decoding=0) == 2048  # alone: mlx-vlm's full chunk
+    unchunked = Batch(prefill_step_size=None)
+    assert pacing.step(pacer, unchunked, decoding=2) == 2048 and unchunked.asked == [None]  # cannot chunk
+    assert pacing.step(pacing.PrefillPacer(budget_ms=0), batch, decoding=2) == 2048  # pacing off
+    assert batch.asked == [pacing.FIRST_CHUNK, pacing.MIN_CHUNK, 2048, None]
+
+
+def test_the_door_paces_a_lineage_coordinators_prefill_and_leaves_stocks_alone(monkeypatch) -> None:
+    from mlx_vlm.apc_coordinator import APCCoordinator
+
+    from server_patch.integration import hooks
+    from server_patch.integration.coordinator import LineageCoordinator
+
+    lineage = object.__new__(LineageCoordinator)  # only its runtime's pacer is read
+    monkeypatch.setattr(LineageCoordinator, "runtime", SimpleNamespace(pacer=pacing.PrefillPacer(budget_ms=0.01)))
+    decoding = SimpleNamespace(apc=lineage, _generation_batch=[object()])
     batch = Batch()
-    generator = SimpleNamespace(_generation_batch=[object(), object()])
-    assert pacing.step(generator, batch) == pacing.FIRST_CHUNK and batch._apc_decoding == 2
-    assert pacing.step(generator, batch) == pacing.MIN_CHUNK  # 0.01 ms: no chunk fits
-    assert pacing.pacer().stats["paced_chunks"] == 2
-    assert pacing.step(SimpleNamespace(_generation_batch=[]), batch) == 2048  # alone: full
-    unchunked = SimpleNamespace(prefill_step_size=None, _apc_decoding=2)
-    assert pacing.chunk(unchunked, 700) == 700  # mlx-vlm turned chunking off for this model
+    assert hooks.prefill_step(decoding, batch) == pacing.FIRST_CHUNK and batch.asked == [pacing.FIRST_CHUNK]
+    stock = SimpleNamespace(apc=object.__new__(APCCoordinator), _generation_batch=[object()])
+    assert hooks.prefill_step(stock, batch) == 2048 and batch.asked[-1] is None  # mlx-vlm's own step
+    assert hooks.prefill_step(SimpleNamespace(apc=None, _generation_batch=[]), batch) == 2048
 
 
 # ----------------------------------------------------------------------------- real server

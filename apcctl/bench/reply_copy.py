@@ -103,6 +103,7 @@ def run(context: int, reply: int, slice_rows: int, repeat: int) -> dict[str, Any
     length = context + reply
     shared = shared_batch(probe, length, merge.capacity(length))
     row_copy = timed(lambda: rows.kv_rows(layout, shared, 1, length, copy=True).arrays(), repeat)
+    copied = _kv_bytes(rows.kv_rows(layout, shared, 1, length, copy=True).layers)
 
     def append() -> list[mx.array]:
         entry = rows.kv_rows(layout, shared, 0, context, copy=True)  # the entry: its own buffer
@@ -113,16 +114,17 @@ def run(context: int, reply: int, slice_rows: int, repeat: int) -> dict[str, Any
         del entry
         taken = padded.lend()
         start = time.perf_counter()
-        layers, _, _ = rows.append_rows(layout, shared, 1, taken, context, length)
+        layers, written, _ = rows.append_rows(layout, shared, 1, taken, context, length)
         mx.eval([v for layer in layers for child in layer for v in child.values() if isinstance(v, mx.array)])
         append_ms.append((time.perf_counter() - start) * 1000)
+        appended.append(written)
         return []
 
     append_ms: list[float] = []
+    appended: list[int] = []
     for _ in range(repeat):
         append()
-    per_token = sum(int(v.nbytes) // int(v.shape[2]) for v in rows.kv_rows(layout, shared, 1, 1, copy=True).arrays()
-                    if v.ndim == 4)
+    per_token = _kv_bytes(rows.kv_rows(layout, shared, 1, 1, copy=True).layers)
     kv_rows = [c for c in rows.row_caches(layout, shared, 1, kv=True, length=context, copy=True)]
     singles = [child for cache in kv_rows for child in (cache.caches if hasattr(cache, "caches") else [cache])
                if type(child) is KVCache and child.keys is not None]
@@ -138,12 +140,18 @@ def run(context: int, reply: int, slice_rows: int, repeat: int) -> dict[str, Any
             sliced.extend(timed(lambda: [merge.merge_kv([p], hi - lo).keys for p in part], 1))
     return {
         "context": context, "reply": reply, "kv_bytes_per_token": per_token,
-        "row_copy_ms": _stats(row_copy), "row_copy_bytes": per_token * length,
-        "append_ms": _stats(append_ms), "append_bytes": per_token * reply,
-        "merge_ms": _stats(whole), "merge_bytes": per_token * context,
+        "row_copy_ms": _stats(row_copy), "row_copy_bytes": copied,
+        "append_ms": _stats(append_ms), "append_bytes": appended[0],
+        "merge_ms": _stats(whole), "merge_bytes": sum(int(x.keys.nbytes) + int(x.values.nbytes) for x in singles),
         "merge_slice_rows": slice_rows, "merge_slice_ms": _stats(sliced),
         "merge_slices": -(-context // slice_rows),
     }
+
+
+def _kv_bytes(layers: list[list[dict]]) -> int:
+    """Bytes of the float KV rows (``keys``/``values``) of a handle's layers."""
+    return sum(int(v.nbytes) for layer in layers for child in layer for k, v in child.items()
+               if k in ("keys", "values"))
 
 
 def _stats(values: list[float]) -> dict[str, float]:

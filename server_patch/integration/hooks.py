@@ -13,6 +13,7 @@ None of these raises into mlx-vlm: a failure is logged (and re-raised under
 * built with the server: ``build_parts`` (the ``ServerRuntime`` field), ``install_admin``,
   ``wrap_apply_chat_template``; ``coordinator`` (the factory in generate/ar.py, dispatch.py);
 * the batch generator's queue: ``admissible`` (a prompt whose disk restore point loads waits);
+* the batch generator's prefill: ``prefill_step`` (decode-aware chunks, ``server_patch.pacing``);
 * the batch generator's rows: ``generator_started``, ``rows_bound``, ``rows_decoded``,
   ``rows_leaving``, ``batches_joining``, ``request_removed``; the buffer pool: ``clear``;
 * the server's request events: ``prefill_completed``, ``first_token``, ``queued_tokens``,
@@ -112,6 +113,26 @@ def admissible(coordinator: Any, queue: list, extra_hash_of: Callable[[dict], in
 def generator_started(coordinator: Any, generator: Any) -> None:
     """A ``BatchGenerator`` built its coordinator: the coordinator learns who else decodes."""
     _tell(coordinator, "apc_copyfree attach", lambda lineage: lineage.attach_generator(generator))
+
+
+def prefill_step(generator: Any, prompt_batch: Any) -> int:
+    """One ``prompt_step`` of the generator's prompt batch, sized so the rows decoding meanwhile
+    wait at most ``APC_DECODE_STALL_MS`` (``server_patch.pacing``, with the lineage runtime's
+    pacer); a stock coordinator's prefill keeps mlx-vlm's full chunk. The step itself is
+    mlx-vlm's and raises as it would: only sizing it may fail closed (a full chunk)."""
+    pacer = None
+    try:
+        if (lineage := _lineage(generator.apc)) is not None and lineage.runtime is not None:
+            pacer = lineage.runtime.pacer
+        decoding = len(generator._generation_batch) if pacer is not None else 0
+    except Exception as exc:
+        fail_closed(exc, "apc_pacing prefill step", log=log)
+        pacer = None
+    if pacer is None:
+        return prompt_batch.prompt_step()
+    from server_patch import pacing
+
+    return pacing.step(pacer, prompt_batch, decoding)
 
 
 def rows_bound(coordinator: Any, uids: Sequence[Any], metas: Sequence[dict]) -> None:

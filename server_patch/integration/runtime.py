@@ -13,7 +13,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from server_patch import clock
+from server_patch import clock, pacing
 from server_patch.disk.paths import default_disk_root, disk_enabled
 from server_patch.disk.store import DiskStore
 from server_patch.integration import journal
@@ -50,6 +50,7 @@ class LineageRuntime:
         self._event_lock = threading.Lock()
         self.event_listeners: list[Callable[[int, float, Event], None]] = []
         self.timings = TimingBook()
+        self.pacer = pacing.from_env()  # decode-aware prefill chunks (``integration.hooks.prefill_step``)
         # The server's parts this runtime serves under, set when they adopt it (``parts.Runtimes``).
         self.finder: SegmentFinder | None = None
         self.canary: Canary | None = None
