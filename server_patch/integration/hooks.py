@@ -17,7 +17,8 @@ None of these raises into mlx-vlm: a failure is logged (and re-raised under
 * the batch generator's rows: ``generator_started``, ``rows_bound``, ``rows_decoded``,
   ``rows_leaving``, ``batches_joining``, ``request_removed``; the buffer pool: ``clear``;
 * the server's request events: ``prefill_completed``, ``first_token``, ``queued_tokens``,
-  ``cancelled``; the idle loop: ``idle``; the model's end: ``model_unloading``, ``shutdown``.
+  ``cancelled``; the idle loop: ``idle``; a cache reset: ``cache_cleared``; the model's end:
+  ``model_unloading``, ``shutdown``.
 """
 
 from __future__ import annotations
@@ -113,6 +114,18 @@ def admissible(coordinator: Any, queue: list, extra_hash_of: Callable[[dict], in
 def generator_started(coordinator: Any, generator: Any) -> None:
     """A ``BatchGenerator`` built its coordinator: the coordinator learns who else decodes."""
     _tell(coordinator, "apc_copyfree attach", lambda lineage: lineage.attach_generator(generator))
+
+
+def cache_cleared(manager: Any) -> None:
+    """mlx-vlm's ``APCManager.clear`` (``POST /v1/cache/reset``: stock's RAM entries go, its
+    disk files stay) cleared its own cache: the lineage cache's RAM entries go with them, or
+    an operator's reset would leave every lineage restorable."""
+    if (runtime := manager.lineage_runtime) is None:
+        return
+    try:
+        runtime.cache.clear()
+    except Exception as exc:
+        fail_closed(exc, "apc_lineage cache reset", log=log)
 
 
 def prefill_step(generator: Any, prompt_batch: Any) -> int:

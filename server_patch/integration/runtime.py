@@ -157,33 +157,19 @@ def _weights_of(model_dir: Path | str | None) -> tuple[str | None, str]:
 
 def runtime_for(manager: Any, language_model: Any, model_dir: Path | str | None = None) -> LineageRuntime:
     """The runtime of ``manager`` (one per APC manager, i.e. per loaded model), built on first
-    use; ``model_dir``: where its weights were loaded from (mlx-vlm's ``model.model_path``).
-    The server's parts adopt it (``integration.parts.Runtimes``) once its coordinator exists."""
+    use and kept in the manager's own ``lineage_runtime`` field (the overlay's ``apc.py`` edit
+    adds it; ``POST /v1/cache/reset``'s ``manager.clear()`` clears it through the door);
+    ``model_dir``: where its weights were loaded from (mlx-vlm's ``model.model_path``). The
+    server's parts adopt it (``integration.parts.Runtimes``) once its coordinator exists."""
     with _BUILDING:
-        runtime = getattr(manager, "_apc_lineage_runtime", None)
-        if runtime is None:
-            runtime = LineageRuntime(language_model, model_dir=model_dir)
-            manager._apc_lineage_runtime = runtime
-            _clear_with(manager, runtime)
-        return runtime
+        if manager.lineage_runtime is None:
+            manager.lineage_runtime = LineageRuntime(language_model, model_dir=model_dir)
+        return manager.lineage_runtime
 
 
 def runtime_of(manager: Any) -> LineageRuntime | None:
     """The runtime ``runtime_for`` built for ``manager``, if any (None for stock APC)."""
-    return getattr(manager, "_apc_lineage_runtime", None) if manager is not None else None
+    return manager.lineage_runtime if manager is not None else None
 
 
 _BUILDING = threading.Lock()  # one runtime per manager even if two generators start at once
-
-
-def _clear_with(manager: Any, runtime: LineageRuntime) -> None:
-    """mlx-vlm's ``POST /v1/cache/reset`` calls ``manager.clear()`` (stock: its RAM entries
-    go, its disk files stay): the lineage cache's RAM entries go with them, or an operator's
-    reset would leave every lineage restorable."""
-    stock_clear = manager.clear
-
-    def clear() -> None:
-        stock_clear()
-        runtime.cache.clear()
-
-    manager.clear = clear

@@ -9,6 +9,8 @@ from server_patch.overlay.edits import Edit, FilePatch
 
 # module -> (path inside site-packages, sha256 of the pristine 0.7.10 file)
 PRISTINE: dict[str, tuple[str, str]] = {
+    "mlx_vlm.apc": (
+        "mlx_vlm/apc.py", "cf9aa91ce3915558dfdcd2faf1afe8764d8a29f1caa31d2bd4f3e2b4d81d859b"),
     "mlx_vlm.generate.ar": (
         "mlx_vlm/generate/ar.py", "315787385813c879db31e7856b69b92123f8c7e7be06070d24587d3834f86b80"),
     "mlx_vlm.generate.dispatch": (

@@ -35,7 +35,28 @@ def _door_after(name: str, line: str) -> Edit:
 # (the copy-free edits in ar.py use it too).
 DOOR_IMPORT = _door_after("lineage.door_import", "from .. import apc as _apc\n")
 
+# apc.py's APCManager holds its model's lineage runtime in a field of its own, and its clear()
+# (POST /v1/cache/reset: stock's RAM entries go) clears the lineage cache through the door.
+MANAGER_PATCH = patch_of(
+    "mlx_vlm.apc",
+    Edit(
+        name="lineage.manager_runtime",
+        old="        self.stats = APCStats()\n        self.lock = threading.RLock()\n        self.disk = disk\n",
+        new=("        self.stats = APCStats()\n        self.lock = threading.RLock()\n        self.disk = disk\n"
+             "        # The lineage cache serving this manager's model (server_patch.integration.runtime).\n"
+             "        self.lineage_runtime = None\n"),
+    ),
+    Edit(
+        name="lineage.manager_clear",
+        old="            self._exact_cache.clear()\n            self.stats = APCStats()\n\n    def close(self) -> None:\n",
+        new=("            self._exact_cache.clear()\n            self.stats = APCStats()\n"
+             "        from server_patch.integration import hooks as _apc_door\n\n"
+             "        _apc_door.cache_cleared(self)\n\n    def close(self) -> None:\n"),
+    ),
+)
+
 FILE_PATCHES = (
+    MANAGER_PATCH,
     patch_of(
         "mlx_vlm.generate.ar",
         DOOR_IMPORT,
