@@ -433,6 +433,10 @@ def test_a_row_joining_a_decoding_batch_is_adopted_not_copied(runs):
     # else is extracted. tests/test_reply_append.py pins the bytes of the first case.
     fed_rows = joined["prompt"] + 6
     assert joined["copies"].get("extract.kv", 0) <= runs["copyfree"]["kv_per_token"] * fed_rows
+    # No disk tier here, so nothing queues the entry: its reply's rows are appended (at most the
+    # last prompt token and 6 generated ones), and no row is copied out.
+    assert joined["copies"].get("extract.kv", 0) == 0, joined["copies"]
+    assert 0 < joined["copies"].get("reply_append.kv", 0) <= runs["copyfree"]["kv_per_token"] * 7, joined["copies"]
     assert joined["long_next"]["kind"] == "entry"
     assert joined["long_next"]["restored"] >= joined["long_prompt"] - 1
 

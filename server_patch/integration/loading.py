@@ -3,12 +3,13 @@
 mlx-vlm serves every row from one generation thread: a disk file read at lookup (read, digest,
 build, evaluate: 1.6-1.8 s for a 545 MB file) freezes every decoding stream (issue 29). So a
 queued prompt is first looked ahead (``LineageCache.lookup(counted=False)``): if its best
-restore point is a disk file, the read starts at once on the loader thread
-(``disk.loader.LOADS``: the prefetch) and the prompt stays in mlx-vlm's queue, its row LOADING
-(``integration.rowlife``), while the batch goes on decoding; the prompts behind it may be
-admitted meanwhile. At a later step its load has finished and its lookup restores from the
-entry it read (promoted into RAM, as a lookup's own load was), or the file was rejected and it
-is cold; one still loading after ``APC_DISK_LOAD_WAIT_MS`` is admitted cold and its file kept.
+restore point is a disk file, the read starts at once on the requests' loader thread
+(``REQUEST_LOADS``, a ``disk.loader.BackgroundLoads``: the prefetch) and the prompt stays in
+mlx-vlm's queue, its row LOADING (``integration.rowlife``), while the batch goes on decoding;
+the prompts behind it may be admitted meanwhile. At a later step its load has finished and its
+lookup restores from the entry it read (promoted into RAM, as a lookup's own load was), or the
+file was rejected (forgotten, and the next disk point it would restore from loads the same
+way); one still loading after ``APC_DISK_LOAD_WAIT_MS`` is admitted cold and its file kept.
 Its record says how long it waited and how many decode steps the batch took meanwhile.
 
 The lookup's disk tier is then ``RequestDisk``: the answer of the load this request waited for;
@@ -25,7 +26,7 @@ import numpy as np
 
 from server_patch import clock, settings
 from server_patch.disk import faults
-from server_patch.disk.loader import LOADS, BackgroundLoads
+from server_patch.disk.loader import BackgroundLoads
 from server_patch.integration.pending import Pending, RequestKey, request_key
 from server_patch.integration.rowlife import RowBook, RowState
 from server_patch.lineage import DISK
@@ -33,6 +34,10 @@ from server_patch.lineage.flow import NOT_LOADED
 from server_patch.lineage.misses import Lost
 
 IDLE_WAIT_S = 0.005  # with nothing decoding, a poll waits this long for the file (no busy loop)
+
+# The requests' loader thread: not the canary's (``disk.loader.LOADS``), so a request's load
+# never waits behind a check's, nor shares (and loses) one of the same file.
+REQUEST_LOADS = BackgroundLoads()
 
 
 @dataclass
@@ -60,7 +65,7 @@ def _load_checked(store: Any) -> Callable[[Any], Any]:
 class DiskLoads:
     """The queued prompts of one runtime whose restore points are loading."""
 
-    def __init__(self, runtime: Any, book: RowBook, loads: BackgroundLoads = LOADS) -> None:
+    def __init__(self, runtime: Any, book: RowBook, loads: BackgroundLoads = REQUEST_LOADS) -> None:
         self.runtime = runtime
         self.book = book
         self.loads = loads
@@ -170,4 +175,4 @@ class RequestDisk:
         return self.store.load_checked(record)
 
 
-__all__ = ["IDLE_WAIT_S", "DiskLoads", "Load", "RequestDisk"]
+__all__ = ["IDLE_WAIT_S", "REQUEST_LOADS", "DiskLoads", "Load", "RequestDisk"]
