@@ -1,6 +1,6 @@
 """What a shared row's reply commit and a warm turn's merge copy cost on the generation thread.
 
-``python -m apcctl.bench.reply_copy --context 16384 --reply 300``: on the ``bench`` preset's
+``apcctl bench copies --context 16384 --reply 300`` (or ``python -m apcctl.bench.reply_copy``): on the ``bench`` preset's
 cache shapes (its KV weighs per token what the real model's does, ``apcctl.tinymodel.presets``)
 it times, in-process, the three copies issue 29 names, each to the end of its compute
 (``mx.eval``):

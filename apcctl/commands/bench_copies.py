@@ -1,0 +1,47 @@
+"""``apcctl bench copies``: what a shared row's reply commit and a warm turn's merge copy cost.
+
+The bench itself is ``apcctl.bench.reply_copy`` (in-process, on the bench preset's cache
+shapes): the whole-row copy a shared row's end used to make, the reply-rows-only append it makes
+now, and the merge copy in one piece and in slices, side by side in one run. Not a test:
+nothing asserts a time.
+"""
+
+from __future__ import annotations
+
+import click
+
+from apcctl.core import render
+
+
+def register(main: click.Group, bench: click.Group) -> None:
+    del main
+    bench.add_command(copies)
+
+
+@click.command("copies")
+@click.option("--context", type=click.IntRange(16), default=16384, show_default=True,
+              help="Tokens of the row's conversation before its reply.")
+@click.option("--reply", type=click.IntRange(1), default=300, show_default=True, help="Tokens of the reply.")
+@click.option("--slice", "slice_rows", type=click.IntRange(1), default=2048, show_default=True,
+              help="Rows per slice of the sliced merge (what one decode step would wait for).")
+@click.option("--repeat", type=click.IntRange(1), default=5, show_default=True, help="Timed runs of each copy.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+def copies(context: int, reply: int, slice_rows: int, repeat: int, as_json: bool) -> None:
+    """The bytes and milliseconds of each copy on the generation thread: the whole row, only
+    the reply's rows, the merge in one piece and per slice."""
+    from apcctl.bench import reply_copy
+
+    with click.progressbar(length=1, label="timing the copies", file=click.get_text_stream("stderr")) as bar:
+        out = reply_copy.run(context, reply, slice_rows, repeat)
+        bar.update(1)
+    if as_json:
+        render.emit_json(out)
+        return
+    rows = [(name, render.human_bytes(out[f"{key}_bytes"]), *(f"{out[f'{key}_ms'][s]:.1f}" for s in ("min", "median", "max")))
+            for name, key in (("whole row (before)", "row_copy"), ("reply rows only (now)", "append"),
+                              ("merge, one piece", "merge"))]
+    render.console().print(render.table(("COPY", "BYTES", "MIN ms", "MEDIAN ms", "MAX ms"), rows,
+                                        title=f"{context:,}-token context, {reply:,}-token reply"))
+    if "merge_slice_ms" in out:
+        click.echo(f"merge in {out['merge_slices']} slices of {slice_rows:,} rows: "
+                   f"{out['merge_slice_ms']['median']:.1f} ms median each")
