@@ -8,7 +8,7 @@ the wall clock once, when this module is imported; a step after that does not mo
 
 Test fault (inert unless ``APC_TEST_FAULTS=1``): ``APC_TEST_FAULT_CLOCK_STEP_FILE`` names a
 file holding seconds added to ``wall()``, read on every call, so a test steps the real server's
-wall clock while it runs (tests/test_fault_clock.py). Nothing in ``server_patch`` but this
+wall clock while it runs (tests/fault/test_fault_clock.py). Nothing in ``server_patch`` but this
 module reads ``time.time`` (a test keeps it so).
 """
 

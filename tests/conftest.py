@@ -43,7 +43,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def model():
     """The in-process kilobyte-sized glm5_next language model of ``fake_model``."""
-    from fake_model import tiny_language_model
+    from tests.fake_model import tiny_language_model
 
     return tiny_language_model(seed=0)
 

@@ -315,3 +315,22 @@ def test_the_canary_package_and_its_runner_do_not_import_each_other():
     assert not [t for t in package if _within(t, "server_patch.canary")], package
     assert ("server_patch.canary.service", "server_patch.canary.runner", True) in \
         {(i.source, i.target, i.eager) for i in all_imports()}
+
+
+# Test files that check the whole house (the import graph, the settings registry, the overlay's
+# edits against pristine mlx-vlm, the tiny model every other test builds) stay at the top.
+HOUSE_WIDE = {"test_layout.py", "test_settings.py", "test_overlay.py", "test_tiny_model.py"}
+# Rooms that are not one package: the CLI, the dashboard, the simulator, injected faults, and
+# whole-server conversations.
+CROSS_CUTTING = {"cli", "tui", "sim", "fault", "e2e"}
+
+
+def test_the_tests_are_laid_out_by_room():
+    """``tests/`` mirrors the packages (as vLLM's tests do): every other test file lives in a
+    room named after the ``server_patch`` package it tests, or in a cross-cutting room."""
+    tests = REPO / "tests"
+    assert {p.name for p in tests.glob("test_*.py")} == HOUSE_WIDE
+    packages = {p.parent.name for p in (REPO / "server_patch").glob("*/__init__.py")}
+    rooms = {p.parent.relative_to(tests).as_posix() for p in tests.rglob("test_*.py") if p.parent != tests}
+    assert rooms and rooms <= packages | CROSS_CUTTING, rooms - packages - CROSS_CUTTING
+    assert all((tests / room / "__init__.py").exists() for room in rooms)  # imported as tests.<room>.<file>

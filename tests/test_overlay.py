@@ -14,7 +14,7 @@ import psutil
 import pytest
 from click.testing import CliRunner
 
-from server_harness import PatchedServer
+from tests.server_harness import PatchedServer
 from server_patch import PATCH_VERSION
 from server_patch.launch import lineage_enabled, server_argv, take_copy_counter
 from server_patch.launch import main as launch_main

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from apcctl.cli import main
 from apcctl.config import SIZE
-from conftest import isolate_cli
+from tests.conftest import isolate_cli
 from server_patch import settings
 from server_patch.envconfig import parse_size
 

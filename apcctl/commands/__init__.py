@@ -2,7 +2,7 @@
 
 A module is imported only when one of its commands runs (or ``--help`` lists them): ``COMMANDS``
 and ``BENCH_COMMANDS`` say which module defines which command, so ``apcctl --version`` and
-``apcctl status --help`` load neither numpy, mlx nor the server (``tests/test_cli_startup.py``).
+``apcctl status --help`` load neither numpy, mlx nor the server (``tests/cli/test_cli_startup.py``).
 A module in ``MODULES`` missing from both maps still works, registered eagerly.
 """
 

@@ -95,7 +95,7 @@ def restore_label(record: dict[str, Any]) -> str:
 
 
 # The short names of ``lineage.misses.Lost`` in the LOST columns of ``apcctl requests`` and the
-# dashboard (kept as strings: neither loads numpy; tests/test_tui_units.py keeps them equal;
+# dashboard (kept as strings: neither loads numpy; tests/tui/test_tui_units.py keeps them equal;
 # docs/dashboard.md lists them).
 LOST_SHORT = {"ram budget": "ram", "anchor cap": "anchors", "disk cap": "disk cap", "operator": "evicted",
               "thinning": "thinned", "no restore point": "no point", "disk rejected": "disk bad",

@@ -1,6 +1,6 @@
 """Holdout-style traffic: the conversations of this project's own end-to-end tests, as a trace.
 
-``tests/test_e2e_conversation.py`` checks one server with independent conversations that share
+``tests/e2e/test_e2e_conversation.py`` checks one server with independent conversations that share
 no system prompt: a long multi-turn chat, a chat whose last message is edited and then
 regenerated, and two requests that share a long opening and differ only at the end (twins).
 The agent trace (``apcctl.commands.demo_traffic.AgentTraffic``) is the opposite: sessions of a

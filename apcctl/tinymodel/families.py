@@ -286,7 +286,7 @@ DEEPSEEK_V4_REASON = (
     "(_overlap_compress_kv) restarts its previous window at every forward call, so its own "
     "chunked cold prefill depends on where a prompt is split (tiny model: up to 0.42 of the logit "
     "scale, apcctl bench splits); a restore equals a cold prefill split at the restore point and "
-    "the canary allows the measured split dependence (tests/test_split_dependence.py); its cache "
+    "the canary allows the measured split dependence (tests/state/test_split_dependence.py); its cache "
     "classes restore exactly (ratio-0/128 layers)")
 MUSE_SPARK_REASON = ("its attention, norms and expert routing are Metal-only kernels "
                      "(mlx_vlm.kernels has no CPU path), so the CPU conformance test cannot run it")

@@ -20,7 +20,7 @@ from typing import Any
 
 from apcctl.tinymodel.template import CHATML_TEMPLATE
 
-#: Families the real-server tests serve (tests/test_e2e_qwen35.py, tests/test_e2e_families.py).
+#: Families the real-server tests serve (tests/e2e/test_e2e_qwen35.py, tests/e2e/test_e2e_families.py).
 SERVED_END_TO_END = ("qwen3_5", "gpt_oss", "nemotron_h")
 
 CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",

@@ -1,6 +1,6 @@
 """Test-only fault hooks for the disk writer, inert unless ``APC_TEST_FAULTS=1``.
 
-The fault-injection suite (tests/test_fault_disk.py) drives a real server with them:
+The fault-injection suite (tests/fault/test_fault_disk.py) drives a real server with them:
 
 * ``APC_TEST_FAULT_DISK_STALL_S=N``: every write sleeps N seconds after its temp file is
   written and before the rename, so a test can ``kill -9`` the server mid-write;

@@ -31,7 +31,7 @@ from server_patch.lineage.model import as_tokens
 
 BLOCK_TOKENS = 16
 # What one held block costs in CPython (an ordered dict slot, its link node, the int key),
-# measured with tracemalloc (tests/test_lineage_shadow.py); a second namespace on the same
+# measured with tracemalloc (tests/lineage/test_lineage_shadow.py); a second namespace on the same
 # block adds a small frozenset.
 BYTES_PER_BLOCK = 128
 BYTES_PER_EXTRA_TAG = 216

@@ -1,0 +1,167 @@
+"""End to end: real agent clients' patterns, never fewer tokens than stock and answers as cold.
+
+The same requests go to a patched server and to a stock one (``APC_LINEAGE=0``, its cache on),
+with a 256-token periodic stride on both (``APC_LINEAGE_PERIODIC_STRIDE``,
+``APC_CHECKPOINT_INTERVAL_TOKENS``) so that stock's periodic checkpoints exist on the tiny model
+too, and each answer is compared with a cold prefill of the same prompt (a fresh tenant). The
+patterns (``apcctl.sim.patterns`` has them for the simulator):
+
+* ``abort``: four turns, a long user turn whose streamed reply the client aborts and drops,
+  then a new user message straight after the long one (user after user): stock restores its
+  periodic snapshot inside the long turn, which the lineage used to thin away;
+* ``aider``: aider's moving reminder, a long system reminder after the newest user message
+  only, so every prompt diverges right after the previous user text;
+* ``edit``: a few turns, then the last user message rewritten twice;
+* ``partial``: streamed turns aborted after a few chunks, the partial reply kept in the history.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from tests.server_harness import PatchedServer, assert_same_output, cached_tokens, reply_text, text
+
+STRIDE = {"APC_LINEAGE_PERIODIC_STRIDE": "256", "APC_CHECKPOINT_INTERVAL_TOKENS": "256",
+          "TOP_LOGPROBS_K": "5"}
+PARAMS = {"max_tokens": 4, "logprobs": True, "top_logprobs": 5}
+REMINDER = "\n\nSYSTEM REMINDER: " + text(300, 901)  # longer than the 256-token segment gap, as aider's
+
+
+@dataclass
+class Sent:
+    pattern: str
+    step: int
+    lineage: dict[str, Any]
+    stock: dict[str, Any]
+    cold: dict[str, Any]
+
+
+class Client:
+    """Sends each request to both servers and its cold reference; keeps what came back."""
+
+    def __init__(self, lineage: PatchedServer, stock: PatchedServer, pattern: str) -> None:
+        self.lineage, self.stock, self.pattern = lineage, stock, pattern
+        self.sent: list[Sent] = []
+
+    def chat(self, messages: list[dict]) -> dict[str, Any]:
+        tenant = f"agent-{self.pattern}"
+        answer = self.lineage.chat(messages, tenant=tenant, **PARAMS)
+        reference = self.stock.chat(messages, tenant=tenant, **PARAMS)
+        cold = self.lineage.chat(messages, tenant=f"cold-{self.pattern}-{len(self.sent)}", **PARAMS)
+        self.sent.append(Sent(self.pattern, len(self.sent), answer, reference, cold))
+        return answer
+
+    def abort(self, messages: list[dict], chunks: int = 2) -> str:
+        """A streamed turn the client gives up on after ``chunks`` chunks, on both servers;
+        returns the text the lineage server streamed until then."""
+        tenant = f"agent-{self.pattern}"
+        streamed = [server.stream_and_drop(messages, chunks=chunks, tenant=tenant, max_tokens=64)
+                    for server in (self.lineage, self.stock)][0]
+        return "".join((json.loads(line)["choices"][0].get("delta") or {}).get("content") or ""
+                       for line in streamed)
+
+
+def system() -> dict:
+    return {"role": "system", "content": text(100, 900)}
+
+
+def abort_after_a_long_turn(client: Client) -> None:
+    messages = [system(), {"role": "user", "content": text(20, 910)}]
+    for turn in range(4):
+        answer = client.chat(messages)
+        messages = messages + [{"role": "assistant", "content": reply_text(answer)},
+                               {"role": "user", "content": text(20, 911 + turn)}]
+    long_turn = messages[:-1] + [{"role": "user", "content": text(600, 920)}]
+    client.abort(long_turn)  # the partial reply is dropped: the next message follows the long one
+    client.chat(long_turn + [{"role": "user", "content": text(15, 921)}])
+
+
+def aborts_with_the_partial_reply_kept(client: Client) -> None:
+    messages = [system(), {"role": "user", "content": text(40, 960)}]
+    for turn in range(3):
+        partial = client.abort(messages, chunks=4) or "."
+        messages = messages + [{"role": "assistant", "content": partial},
+                               {"role": "user", "content": text(30, 961 + turn)}]
+        client.chat(messages)
+
+
+def aider_turns(client: Client) -> None:
+    history = [system()]
+    for turn in range(6):
+        question = text(10 + 7 * turn, 930 + turn)
+        answer = client.chat(history + [{"role": "user", "content": question + REMINDER}])
+        history = history + [{"role": "user", "content": question},
+                             {"role": "assistant", "content": reply_text(answer)}]
+
+
+def edits_of_the_last_message(client: Client) -> None:
+    messages = [system(), {"role": "user", "content": text(30, 940)}]
+    for turn in range(3):
+        answer = client.chat(messages)
+        messages = messages + [{"role": "assistant", "content": reply_text(answer)},
+                               {"role": "user", "content": text(200, 941 + turn)}]
+    client.chat(messages)
+    last = messages[-1]["content"].split()
+    for k, keep in enumerate((150, 20)):
+        messages = messages[:-1] + [{"role": "user", "content": " ".join(last[:keep] + text(30, 950 + k).split())}]
+        client.chat(messages)
+
+
+PATTERNS: dict[str, Callable[[Client], None]] = {
+    "abort": abort_after_a_long_turn, "aider": aider_turns, "edit": edits_of_the_last_message,
+    "partial": aborts_with_the_partial_reply_kept}
+
+
+@pytest.fixture(scope="module")
+def sent(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Sent]:
+    log_dir = tmp_path_factory.mktemp("e2e-agent-patterns")
+    lineage = PatchedServer(tiny_model_dir, env=STRIDE, log_dir=log_dir)
+    stock = PatchedServer(tiny_model_dir, env={**STRIDE, "APC_LINEAGE": "0"}, log_dir=log_dir)
+    out: list[Sent] = []
+    try:
+        lineage.start()
+        stock.start()
+        for name, pattern in PATTERNS.items():
+            client = Client(lineage, stock, name)
+            pattern(client)
+            out += client.sent
+    finally:
+        lineage.stop()
+        stock.stop()
+    return out
+
+
+@pytest.mark.server
+def test_no_request_restores_fewer_tokens_than_stock(sent: list[Sent]) -> None:
+    below = [(s.pattern, s.step, cached_tokens(s.lineage), cached_tokens(s.stock)) for s in sent
+             if cached_tokens(s.lineage) < cached_tokens(s.stock)]
+    assert below == []
+
+
+@pytest.mark.server
+def test_user_after_user_restores_at_least_the_long_turns_periodic_point(sent: list[Sent]) -> None:
+    last = [s for s in sent if s.pattern == "abort"][-1]
+    assert cached_tokens(last.stock) >= 512  # stock's interval snapshot inside the long turn
+    assert cached_tokens(last.lineage) >= cached_tokens(last.stock)
+
+
+@pytest.mark.server
+def test_aider_turns_restore_past_the_previous_reply(sent: list[Sent]) -> None:
+    """Each turn restores at the start of the previous user message or later, never before
+    the reply preceding it: the whole previous turn but its user text is reused."""
+    turns = [s for s in sent if s.pattern == "aider"]
+    for before, turn in zip(turns, turns[1:]):
+        assert cached_tokens(turn.lineage) > cached_tokens(before.lineage)
+        assert cached_tokens(turn.lineage) >= cached_tokens(turn.stock)
+
+
+@pytest.mark.server
+def test_every_answer_equals_a_cold_servers(sent: list[Sent]) -> None:
+    for s in sent:
+        assert cached_tokens(s.cold) == 0
+        assert_same_output(s.lineage, s.cold)

@@ -1,0 +1,320 @@
+"""The row machine, fast: the real coordinator driven through mlx-vlm's event order with fake batches.
+
+mlx-vlm 0.7.10 calls, per prompt batch: ``lookup`` for each row, ``checkpoint_lengths``,
+``merge_rows`` (warm rows only), ``bind_rows``, ``store_checkpoint`` at each length as the
+prefill passes it; then per decode step ``rows_decoded``; and ``rows_leaving`` /
+``batches_joining`` / ``request_removed`` as rows go; the server reports ``prefill_completed``,
+``first_token`` and ``cancelled``. Here the coordinator is the real one over a real
+``LineageCache`` and the kilobyte model's real caches; only the batches are namespaces holding
+those caches (``uids``, ``prompt_cache``, ``_num_tokens``), and the runtime is a light one (no
+disk store, journal or ticker). Every test runs in milliseconds beside the real-server ones
+(test_copyfree_batched.py, test_e2e_reply_reuse.py) that cover the same lives end to end.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from mlx_vlm.apc_coordinator import PrefillMemoryPlan
+
+from tests.fake_model import prefill, random_tokens
+from server_patch.boundaries import SegmentFinder
+from server_patch.copyfree import merge as copyfree_merge
+from server_patch.integration.coordinator import LineageCoordinator
+from server_patch.integration.pending import Pending
+from server_patch.integration.rowlife import RowBook, RowState, RowStateError
+from server_patch.integration.timings import CANCELLED, PREFILL, TimingBook
+from server_patch.lineage import COLD, LineageCache, LineageConfig, RestorePlan
+from tests.lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
+from tests.lineage.test_lineage_policy import QueuedDisk
+
+pytestmark = pytest.mark.usefixtures("checked_lineage")  # check() after every cache verb
+
+ADMITTED, PREFILLING, DECODING, ENDED = (RowState.ADMITTED, RowState.PREFILLING, RowState.DECODING,
+                                         RowState.ENDED)
+
+
+class Manager:
+    """What the coordinator reads of mlx-vlm's APC manager."""
+
+    exact_cache_guard_tokens = 1
+
+    def __init__(self) -> None:
+        self.memory_plan = PrefillMemoryPlan()
+        self.lock = threading.Lock()
+        self.stats = SimpleNamespace(restored_tokens=0)
+
+    def prepare_prefill(self, reserve: int) -> None:
+        pass
+
+    def release(self, blocks: Any) -> None:
+        pass
+
+
+class Batch(SimpleNamespace):
+    """A generator batch as the hooks read it: row uids, per-layer caches, tokens emitted."""
+
+    def __len__(self) -> int:
+        return len(self.uids)
+
+
+class Generator:
+    """The batch generator the coordinator holds weakly: its prompt and decoding batches."""
+
+    draft_model = None
+
+    def __init__(self) -> None:
+        self._prompt_batch: Batch | None = None
+        self._generation_batch: Batch | None = None
+
+
+@pytest.fixture
+def server(model, layout, monkeypatch):
+    """A coordinator over a light runtime, and its generator. No decode reserve, so a lone
+    row's adopted 256-row buffer has room for the next short turn (which is then lent it)."""
+    monkeypatch.setenv("APC_COPYFREE_DECODE_RESERVE", "0")
+    config = LineageConfig(disk_write_delay_s=0)
+    disk = QueuedDisk()
+    finder = SegmentFinder()  # a finder of its own: it has noted no rendered request
+    runtime = SimpleNamespace(config=config, layout=layout, cache=LineageCache(config, disk=disk),
+                              timings=TimingBook(), disk=None, refuses=lambda kind: False,
+                              finder=finder, boundaries=finder.boundaries)
+    coordinator = LineageCoordinator(Manager(), model, runtime=runtime)
+    generator = Generator()
+    coordinator.attach_generator(generator)
+    assert coordinator.lineage is not None
+    return SimpleNamespace(coordinator=coordinator, generator=generator, cache=runtime.cache, disk=disk,
+                           book=coordinator.lineage.book, model=model)
+
+
+def meta(tokens: np.ndarray) -> dict:
+    return {"full_input_ids": [int(t) for t in tokens], "extra_hash": 0}
+
+
+def admit(s, uid: Any, tokens: np.ndarray) -> tuple[Any, list]:
+    """lookup, checkpoint_lengths, merge (a warm row), bind: the row's caches and its lengths."""
+    coordinator = s.coordinator
+    hit = coordinator.lookup(tokens, extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
+                             prefix_has_media=lambda n: False)
+    lengths = coordinator.checkpoint_lengths(tokens, set())
+    if hit is None:
+        caches = s.model.make_cache()
+    else:
+        caches, _ = coordinator.merge_rows([hit], [hit["prefix_len"]])
+    coordinator.bind_rows([uid], [meta(tokens)])
+    s.generator._prompt_batch = Batch(uids=[uid], prompt_cache=caches, _num_tokens=[0])
+    return caches, lengths
+
+
+def prefill_and_store(s, uid: Any, tokens: np.ndarray, caches: list, lengths: list[int], start: int = 0) -> None:
+    """The chunked prefill stops at each length and stores there, then runs to the prompt end."""
+    done = start
+    for n in lengths:
+        prefill(s.model, caches, tokens[done:n])
+        done = n
+        s.coordinator.store_checkpoint(tokens[:n], caches, extra_hash=0, batch_idx=0, uid=uid)
+    prefill(s.model, caches, tokens[done:])
+
+
+def decode(s, batch: Batch, reply: np.ndarray) -> None:
+    """Each step feeds one id to the row's cache and reports it (``GenerationBatch.next``)."""
+    for token in reply:
+        prefill(s.model, batch.prompt_cache, np.array([token], dtype=np.int32))
+        batch._num_tokens[0] += 1
+        s.coordinator.rows_decoded(batch, [int(token)])
+
+
+def to_decoding(s, uid: Any) -> Batch:
+    """The finished prompt batch joins the (empty) decoding batch."""
+    batch = s.generator._prompt_batch
+    s.coordinator.batches_joining(Batch(uids=[], prompt_cache=[], _num_tokens=[]), batch)
+    s.generator._prompt_batch, s.generator._generation_batch = None, batch
+    return batch
+
+
+def serve_turn(s, uid: Any, tokens: np.ndarray, reply: np.ndarray) -> Any:
+    """One lone request's whole life, in mlx-vlm's order; returns its row."""
+    caches, lengths = admit(s, uid, tokens)
+    row = s.book.by_uid(uid)
+    hit = row.record.restored_tokens
+    prefill_and_store(s, uid, tokens, caches, [n for n in lengths if n > hit], start=hit)
+    s.coordinator.prefill_completed(uid, f"req-{uid}", 0.01)
+    batch = to_decoding(s, uid)
+    decode(s, batch, reply[:1])
+    s.coordinator.first_token(uid, f"req-{uid}", 0.02)
+    decode(s, batch, reply[1:])
+    s.coordinator.rows_leaving(batch, [])
+    s.generator._generation_batch = None
+    return row
+
+
+def test_a_lone_cold_request_lives_admitted_prefilling_decoding_ended_and_keeps_its_reply(server):
+    prompt, reply = random_tokens(40, seed=1), random_tokens(6, seed=2)
+    caches, lengths = admit(server, 1, prompt)
+    row = server.book.by_uid(1)
+    assert row.state == PREFILLING and row.history == [ADMITTED] and row.record.uid == 1
+    assert lengths[-1] == len(prompt) - 1  # the prefill end, n - 1
+    prefill_and_store(server, 1, prompt, caches, lengths)
+    assert row.state == DECODING and row.deferral is not None and row.reply is not None
+    assert server.cache.entries() == []  # deferred: its buffer is adopted once nothing writes it
+    batch = to_decoding(server, 1)
+    decode(server, batch, reply)
+    assert row.reply.fed == [int(t) for t in reply]
+    server.coordinator.first_token(1, "req-1", 0.02)
+    assert row.timed and server.book.by_uid(1) is row  # still decoding: its row lives on
+    server.coordinator.rows_leaving(batch, [])
+    (entry,) = server.cache.entries()
+    assert entry.length == len(prompt) + len(reply) and entry.prompt_end == len(prompt) - 1
+    assert row.state == ENDED and row.history == [ADMITTED, PREFILLING, DECODING]
+    assert row.record.reply_tokens == len(reply) and row.record.commit_ms > 0
+    assert len(server.book) == 0  # ended and timed: forgotten
+    assert [r.seq for r in server.book.timings.all()] == [row.record.seq]
+
+
+def test_the_next_turn_is_lent_the_entry_and_a_removal_mid_prefill_gives_the_rows_back(server):
+    prompt, reply = random_tokens(40, seed=3), random_tokens(5, seed=4)
+    serve_turn(server, 1, prompt, reply)
+    (entry,) = server.cache.entries()
+    server.disk.land()  # nothing is being written
+    turn = np.concatenate([prompt, reply, random_tokens(12, seed=5)])
+    admit(server, 2, turn)
+    row = server.book.by_uid(2)
+    assert row.record.kv_admission == "lent" and row.loan is not None and row.loan.merged
+    assert entry.lent and entry.loans == 1
+    server.coordinator.request_removed(2)
+    assert row.state == ENDED and row.loan is None and not entry.lent
+    assert server.cache.holds(entry)  # its rows came back whole
+    server.coordinator.cancelled(2, "req-2", None)
+    assert (row.record.outcome, row.record.phase) == (CANCELLED, PREFILL) and len(server.book) == 0
+
+
+def test_an_entry_queued_for_writing_is_copied_not_lent(server):
+    """The race the receipt closes: the idle tick queues the entry's write, then a lookup would
+    lend its rows while the writer reads them. The cache refuses the loan; the turn copies."""
+    prompt, reply = random_tokens(40, seed=6), random_tokens(5, seed=7)
+    serve_turn(server, 1, prompt, reply)
+    (entry,) = server.cache.entries()
+    assert server.cache.tick(now=1e12) == 1 and server.disk.queue  # queued, the writer holds it
+    turn = np.concatenate([prompt, reply, random_tokens(12, seed=8)])
+    admit(server, 2, turn)
+    row = server.book.by_uid(2)
+    assert row.record.kv_admission == "copied" and row.loan is None and not entry.lent
+    server.disk.land()
+    assert entry.on_disk
+
+
+def test_a_resend_is_at_its_prefill_end_when_bound_and_no_store_commits_it(server):
+    prompt, reply = random_tokens(40, seed=9), random_tokens(4, seed=10)
+    serve_turn(server, 1, prompt, reply)
+    server.cache.rewind(server.cache.entries()[0])  # the head back at the prompt end
+    admit(server, 2, prompt)  # the same prompt again (a regenerate)
+    row = server.book.by_uid(2)
+    assert row.record.restored_tokens == len(prompt) - 1
+    assert row.state == DECODING and row.history == [ADMITTED, PREFILLING] and row.reply is not None
+    assert server.book.with_tokens(prompt) == []  # not prefilling: no store finds it
+
+
+def test_a_lone_deferred_row_is_adopted_when_it_joins_a_shared_batch(server):
+    prompt = random_tokens(40, seed=11)
+    caches, lengths = admit(server, 1, prompt)
+    prefill_and_store(server, 1, prompt, caches, lengths)
+    row = server.book.by_uid(1)
+    lone = server.generator._prompt_batch
+    existing = Batch(uids=[7], prompt_cache=server.model.make_cache(), _num_tokens=[3])
+    server.coordinator.batches_joining(existing, lone)
+    (entry,) = server.cache.entries()  # committed at its prompt end now (its buffer adopted)
+    assert entry.length == len(prompt) - 1 and row.deferral is None
+    assert row.state == DECODING and row.reply is not None  # it decodes on, its reply still tracked
+
+
+def test_rows_sharing_a_batch_are_deferred_with_reply_reuse_and_copied_out_as_each_leaves(server):
+    prompts = [random_tokens(40, seed=15), random_tokens(40, seed=16)]
+    coordinator = server.coordinator
+    for prompt in prompts:
+        assert coordinator.lookup(prompt, extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
+                                  prefix_has_media=lambda n: False) is None
+        assert coordinator.checkpoint_lengths(prompt, set())[-1] == len(prompt) - 1
+    coordinator.bind_rows([1, 2], [meta(p) for p in prompts])
+    rows = [server.book.by_uid(1), server.book.by_uid(2)]
+    singles = []
+    for prompt in prompts:  # each row's state at its prefill end, then one two-row batch of them
+        caches = server.model.make_cache()
+        prefill(server.model, caches, prompt[:-1])
+        singles.append(caches)
+    shared = copyfree_merge.merge_rows(singles, [39, 39], [1, 1], reserve=0)
+    batch = Batch(uids=[1, 2], prompt_cache=shared, _num_tokens=[0, 0])
+    server.generator._generation_batch = batch
+    for i, prompt in enumerate(prompts):
+        coordinator.store_checkpoint(prompt[:-1], shared, extra_hash=0, batch_idx=i, uid=i + 1)
+    assert [r.state for r in rows] == [DECODING, DECODING] and server.cache.entries() == []
+    assert all(r.deferral is not None and r.deferral.shared and r.reply is not None for r in rows)
+    coordinator.rows_leaving(batch, [1])  # the first row ends; its cache lacks the last prompt token
+    (entry,) = server.cache.entries()  # so no reply is kept: its prompt end is copied out
+    assert np.array_equal(entry.tokens, prompts[0][:-1]) and rows[0].state == ENDED
+    assert rows[1].state == DECODING and rows[1].deferral is not None
+    coordinator.rows_leaving(batch, [])  # then the second (the first one's row is over already)
+    assert rows[1].state == ENDED and rows[1].deferral is None
+    for prompt, single in zip(prompts, singles):  # each entry holds its own row's state
+        (stored,) = [e for e in server.cache.entries() if np.array_equal(e.tokens, prompt[:-1])]
+        own = rows_of(server, single)
+        assert own and all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(stored.kv.prefix(39).arrays(), own))
+
+
+def rows_of(s, caches: list) -> list:
+    """The 39 KV rows of a single-row cache, copied."""
+    from server_patch.state import rows
+
+    return rows.kv_rows(s.coordinator.lineage.runtime.layout, caches, None, 39, copy=True).prefix(39).arrays()
+
+
+def test_another_requests_lookup_commits_a_deferred_entry_it_would_restore_from(server):
+    prompt = random_tokens(40, seed=13)
+    caches, lengths = admit(server, 1, prompt)
+    prefill_and_store(server, 1, prompt, caches, lengths)
+    first = server.book.by_uid(1)
+    to_decoding(server, 1)
+    assert first.deferral is not None and server.cache.entries() == []
+    follow_up = np.concatenate([prompt, random_tokens(10, seed=14)])
+    server.coordinator.lookup(follow_up, extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
+                              prefix_has_media=lambda n: False)
+    (entry,) = server.cache.entries()  # surfaced: committed by a copy, then restored from
+    assert first.deferral is None and first.state == DECODING and entry.length == len(prompt) - 1
+    assert server.book.by_key(server.book.rows()[-1].key).record.restored_tokens == len(prompt) - 1
+
+
+def test_two_lookups_of_one_request_key_before_binding_are_one_row(server):
+    prompt = random_tokens(40, seed=12)
+    for _ in range(2):
+        server.coordinator.lookup(prompt, extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
+                                  prefix_has_media=lambda n: False)
+    assert len(server.book) == 1
+    first = server.book.rows()[0].record
+    assert first.seq == 2  # the second lookup's record: one request key names one pending prompt
+
+
+def cold(tokens: np.ndarray) -> Pending:
+    """A prompt planned cold, as a lookup that found nothing admits it."""
+    return Pending(tokens, "0", RestorePlan(0, COLD, prompt_len=len(tokens)))
+
+
+def test_an_illegal_transition_fails_closed_and_raises_under_test_faults(monkeypatch):
+    book = RowBook(TimingBook())
+    row = book.admit(cold(random_tokens(20)))
+    book.end(row, "removed")
+    monkeypatch.setenv("APC_TEST_FAULTS", "0")
+    assert not row.move(DECODING, "store") and row.state == ENDED
+    monkeypatch.setenv("APC_TEST_FAULTS", "1")
+    with pytest.raises(RowStateError, match="ended -> decoding on store"):
+        row.move(DECODING, "store")
+
+
+def test_the_book_is_bounded_but_keeps_rows_with_a_loan_or_a_deferral():
+    book = RowBook(TimingBook(), limit=3)
+    rows = [book.admit(cold(random_tokens(20, seed=i))) for i in range(3)]
+    rows[0].loan, rows[1].deferral = object(), object()
+    book.admit(cold(random_tokens(20, seed=9)))
+    assert book.rows()[:2] == rows[:2] and rows[2] not in book.rows() and len(book) == 3
