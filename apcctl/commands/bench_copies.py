@@ -8,6 +8,8 @@ nothing asserts a time.
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from apcctl.core import render
@@ -31,7 +33,7 @@ def copies(context: int, reply: int, slice_rows: int, repeat: int, as_json: bool
     the reply's rows, the merge in one piece and per slice."""
     from apcctl.bench import reply_copy
 
-    with click.progressbar(length=1, label="timing the copies", file=click.get_text_stream("stderr")) as bar:
+    with click.progressbar(length=1, label="timing the copies", file=sys.stderr) as bar:
         out = reply_copy.run(context, reply, slice_rows, repeat)
         bar.update(1)
     if as_json:

@@ -24,6 +24,8 @@ from mlx_vlm.apc_coordinator import PrefillMemoryPlan
 from tests.fake_model import prefill, random_tokens
 from server_patch.boundaries import SegmentFinder
 from server_patch.copyfree import merge as copyfree_merge
+from server_patch.copyfree import pool
+from server_patch.copyfree.settings import CopyFreeSettings
 from server_patch.integration.coordinator import LineageCoordinator
 from server_patch.integration.pending import Pending
 from server_patch.integration.rowlife import RowBook, RowState, RowStateError
@@ -77,6 +79,9 @@ def server(model, layout, monkeypatch):
     """A coordinator over a light runtime, and its generator. No decode reserve, so a lone
     row's adopted 256-row buffer has room for the next short turn (which is then lent it)."""
     monkeypatch.setenv("APC_COPYFREE_DECODE_RESERVE", "0")
+    # The copy-free settings are the process's, applied once (``pool.configure``): whatever test
+    # ran first in this process chose them, so these are this test's own, given back after it.
+    monkeypatch.setattr(pool, "_settings", CopyFreeSettings.from_env())
     config = LineageConfig(disk_write_delay_s=0)
     disk = QueuedDisk()
     finder = SegmentFinder()  # a finder of its own: it has noted no rendered request
