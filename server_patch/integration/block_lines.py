@@ -16,13 +16,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from server_patch.lineage.lookup import common_prefix_len
+
 RECENT = 32  # lines a new line may name as its base
-
-
-def _common(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if differ.size else n
 
 
 def _pack(hashes: np.ndarray) -> str:
@@ -46,7 +42,7 @@ class BlockEncoder:
         base, keep = 0, 0
         for bseq, other_ns, other in self._recent:
             if other_ns == namespace:
-                shared = _common(hashes, other)
+                shared = common_prefix_len(hashes, other)
                 if shared > keep:
                     base, keep = bseq, shared
         line = {"bseq": self._next, "hashes": _pack(hashes[keep:])}
