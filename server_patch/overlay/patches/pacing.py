@@ -5,7 +5,8 @@ is sized to ``APC_DECODE_STALL_MS``.
   many prompt columns this step (a model that cannot chunk keeps its one whole step); called
   without it, mlx-vlm's full chunk as before;
 * generate/ar.py ``BatchGenerator._next``: its three ``prompt_step()`` calls go through the one
-  door (``integration.hooks.prefill_step``), which sizes the step while rows decode and
+  door (``integration.hooks.prefill_step``; the lineage topic's ``lineage.door_import`` imports
+  it into ar.py), which sizes the step while rows decode and
   measures its cost (``server_patch.pacing``). Nothing is set on mlx-vlm's objects.
 """
 
@@ -14,16 +15,9 @@ from __future__ import annotations
 from server_patch.overlay.edits import Edit
 from server_patch.overlay.pristine import patch_of
 
-_HOOK = "from server_patch.integration import hooks as _apc_door\n"
-
 FILE_PATCHES = (
     patch_of(
         "mlx_vlm.generate.ar",
-        Edit(
-            name="pacing.import",
-            old="from ..kv_quant import from_legacy as kv_quant_from_legacy\n",
-            new="from ..kv_quant import from_legacy as kv_quant_from_legacy\n" + _HOOK,
-        ),
         Edit(
             name="pacing.max_tokens",
             old=("    def prompt_step(self) -> int:\n"
