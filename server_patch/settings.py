@@ -131,6 +131,12 @@ _SCALARS: tuple[Setting, ...] = (
     _s("APC_DISK_LOAD_WAIT_MS", T.FLOAT, 30000.0, "How long a request whose restore point is on disk waits "
        "in the queue for its file to load off the generation thread (the batch decodes meanwhile); past "
        "that it is admitted cold and the file kept.", "disk", "server_patch.integration.loading"),
+    _s("APC_STAGE_MIN_TOKENS", T.INT, 2048, "A queued request whose RAM restore would take the batch "
+       "merge's copy (a checkpoint below the entry's head, an anchor, an entry it cannot be lent) and "
+       "restores at least this many tokens, while other rows decode, waits in the queue while that copy "
+       "is made on a thread of its own (the batch decodes meanwhile); the merge then adopts it. Past "
+       "`APC_DISK_LOAD_WAIT_MS` or on a failure it is merged as before. 0: every such copy is made by the "
+       "merge, on the generation thread, as before.", "copy-free", "server_patch.integration.staging"),
     _s("APC_LINEAGE_DISK_PATH", T.PATH, None, "The disk tier's directory, locked by one server at a time.",
        "disk", "server_patch.disk.paths",
        default_text="the per-user cache dir (platformdirs)/lineage",
@@ -220,6 +226,8 @@ _SCALARS: tuple[Setting, ...] = (
     _s("APC_TEST_FAULT_DISK_ENOSPC", T.BOOL, False, "Every disk write fails with ENOSPC.", "test faults",
        "server_patch.disk.faults"),
     _s("APC_TEST_FAULT_DISK_LOAD_HOLD_FILE", T.PATH, None, "A queued request's disk load waits while this "
+       "file exists (it writes `PATH.held` first).", "test faults", "server_patch.disk.faults"),
+    _s("APC_TEST_FAULT_STAGE_HOLD_FILE", T.PATH, None, "A queued request's staged copy waits while this "
        "file exists (it writes `PATH.held` first).", "test faults", "server_patch.disk.faults"),
     _s("APC_TEST_FAULT_CORRUPT_STATE", T.LIST, (), "Checkpoint kinds whose recurrent state is corrupted "
        "(`all`: every kind).", "test faults", "server_patch.canary.faults"),
@@ -319,7 +327,8 @@ _GROUPS: tuple[_Group, ...] = (
         "lend_headroom": "Extra rows a lone request's merge allocates, so its next turns fit in place.",
         "decode_reserve": "Rows of decode headroom the merge allocates past the prompt end.",
         "adopt_dead_fraction": "Adopt only while the rows past the entry are at most this fraction of it...",
-        "adopt_dead_min": "... or at most this many rows; a longer reply is compacted by one copy.",
+        "adopt_dead_min": "... or at most this many rows; a longer reply is compacted by one copy. The same "
+                          "bound caps the room a prompt-end copy leaves for its reply.",
         "pool_clear": "Clear MLX's buffer pool after every prefill chunk, as stock does.",
         "pool_limit_gb": "The most freed memory (GB) MLX keeps for reuse (mx.set_cache_limit).",
         "pool_idle_s": "Release the pool after this many seconds without prefill work (0: never).",

@@ -80,10 +80,17 @@ def _share(part: int, whole: int) -> str:
     return f"{share:.0f}%" if share >= 1 else "<1%"
 
 
+def wait_cell(record: Mapping[str, Any]) -> str | Text:
+    """The time it waited for other requests' work and what most of it was ("2,914 prefill+");
+    blank when nothing held it up, ``-`` from a server before issue 29's waits."""
+    label = render.wait_label(record)
+    return Text(label, style="yellow") if label not in ("", "-") else label
+
+
 def request_columns() -> list[Column[Keyed]]:
     """What it restored, what an unbounded cache would have (the live oracle) and why the rest
     was lost, then time to first token split where an operator can act on it: lookup,
-    admission, prefill, commit."""
+    admission, prefill, commit; then how long other requests' work held it up (WAIT)."""
 
     def field(name: str) -> Callable[[Keyed], Any]:
         return lambda r: r.data.get(name)
@@ -107,6 +114,7 @@ def request_columns() -> list[Column[Keyed]]:
         Column("oracle", "ORACLE", lambda r: oracle_cell(r.data), field("oracle"), numeric=True),
         Column("lost", "LOST", lambda r: lost_cell(r.data), lambda r: lost_total(r.data)),
         ms("lookup_ms"), ms("admission_ms"), ms("prefill_ms"), ms("commit_ms"), ms("ttft_ms"),
+        Column("waited_ms", "WAIT ms", lambda r: wait_cell(r.data), field("waited_ms")),
     ]
 
 

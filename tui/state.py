@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 HISTORY = 600  # cache events kept
 REQUEST_HISTORY = 5000  # requests kept: the table shows the newest, the graphs an hour of them
 LOG_LINES = 2000  # what the Log tab can still draw
+REQUEST_ENDED = "request_ended"  # the event stream's final record of a request whose row ended later
 
 
 @dataclass(frozen=True)
@@ -124,12 +125,15 @@ class DashboardState:
         self.connection.stream, self.connection.stream_error = state, error
 
     def apply_event(self, name: str, data: dict[str, Any]) -> str | None:
-        """Take one streamed event; returns ``"request"``/``"cache"`` when something new was added."""
+        """Take one streamed event; returns ``"request"``/``"cache"`` when something new was added
+        (or, for ``request_ended``, a request's record changed)."""
         if name == "hello":
             self.identify(ServerIdentity(data.get("pid"), None if data.get("started") is None
                                          else round(float(data["started"]), 3)))
             self.stream_state("live")
             return None
+        if name == REQUEST_ENDED:
+            return "request" if self.request_ended(data) else None
         if name not in self._seen:
             return None
         seq = int(data.get("seq", 0))
@@ -141,6 +145,17 @@ class DashboardState:
         target.append(Keyed(f"{pid}:{seq}", data))
         self._log(name, data)
         return name
+
+    def request_ended(self, data: dict[str, Any]) -> bool:
+        """A request's row ended after its record came (its waits final, ``integration.waits``):
+        the record kept is brought up to date in place. False when it is not kept (or unchanged)."""
+        key = f"{self.server.pid if self.server else None}:{data.get('seq')}"
+        for keyed in reversed(self.requests):
+            if keyed.key == key:
+                changed = any(keyed.data.get(k) != v for k, v in data.items())
+                keyed.data.update(data)
+                return changed
+        return False
 
     def identify(self, server: ServerIdentity) -> None:
         """A different process than before: its sequence numbers start again."""

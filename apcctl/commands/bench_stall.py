@@ -12,8 +12,9 @@ from pathlib import Path
 
 import click
 
-QUICK = {"preset": "tiny", "context": 600, "tokens": 24, "commits": 3}
-FULL = {"preset": "bench", "context": 4096, "tokens": 120, "commits": 5}
+QUICK = {"preset": "tiny", "context": 600, "tokens": 24, "commits": 3, "repeat": 1}
+FULL = {"preset": "bench", "context": 4096, "tokens": 120, "commits": 5, "repeat": 3}
+SCENARIOS = "cold-prefill,ram-restore,disk-restore,shared-row-end,full-budget,canary-load"
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -32,18 +33,23 @@ def register(main: click.Group, bench: click.Group) -> None:
               help=f"The victim stream's reply length [{FULL['tokens']}; quick {QUICK['tokens']}].")
 @click.option("--commits", type=click.IntRange(1), default=None,
               help=f"Conversations committed in full-budget [{FULL['commits']}; quick {QUICK['commits']}].")
+@click.option("--repeat", type=click.IntRange(1), default=None,
+              help=f"canary-load: TTFT samples alone and with the canary loading [{FULL['repeat']}; "
+                   f"quick {QUICK['repeat']}].")
 @click.option("--modes", default="stock,patched,patched-unpaced", show_default=True,
               help="Servers to run, in order: stock, patched, patched-unpaced (decode-aware prefill off).")
-@click.option("--scenarios", default="cold-prefill,ram-restore,disk-restore,full-budget", show_default=True,
+@click.option("--scenarios", default=SCENARIOS, show_default=True,
               help="Which events to run in the other session.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep the server logs here (default: a temp dir).")
 @click.option("--startup-timeout", default=300.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def stall(model_dir: Path | None, quick: bool, context: int | None, tokens: int | None, commits: int | None,
-          modes: str, scenarios: str, workdir: Path | None, startup_timeout: float, as_json: bool) -> None:
+          repeat: int | None, modes: str, scenarios: str, workdir: Path | None, startup_timeout: float,
+          as_json: bool) -> None:
     """A stream's inter-token gaps (p50/p99/max) alone and while another session restores,
-    prefills or commits under a full budget; stock and patched side by side."""
+    prefills, ends a shared row or commits under a full budget, and a request's TTFT while the
+    canary loads a disk point; stock and patched side by side."""
     from apcctl.bench import stall as bench
     from apcctl.bench.ttft import BenchError
     from apcctl.tinymodel.build import build_model
@@ -52,7 +58,7 @@ def stall(model_dir: Path | None, quick: bool, context: int | None, tokens: int 
     chosen_modes = _names(modes, list(bench.MODES), "--modes")
     chosen = _names(scenarios, list(bench.SCENARIOS), "--scenarios")
     plan = bench.Plan(context=context or sizes["context"], tokens=tokens or sizes["tokens"],
-                      commits=commits or sizes["commits"])
+                      commits=commits or sizes["commits"], repeat=repeat or int(sizes["repeat"]))
     preset = str(sizes["preset"])
     model_dir = build_model(model_dir or Path(tempfile.gettempdir()) / f"apcctl-{preset}-model", preset=preset, seed=0)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="apcctl-stall-"))

@@ -1,5 +1,6 @@
 """``apcctl requests``: per-request timings (restore kind, reused tokens, what an unbounded cache
-would have restored and why the rest was lost, lookup to first token)."""
+would have restored and why the rest was lost, lookup to first token, and the time it waited for
+other requests' work)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ if TYPE_CHECKING:
     from server_patch.admin.schema import RequestRecord
 
 COLUMNS = ("SEQ", "TIME", "KIND", "PROMPT", "REUSED", "ORACLE", "LOST", "LOOKUP", "ADMIT", "PREFILL", "COMMIT",
-           "TTFT ms", "ENTRY")
+           "TTFT ms", "WAIT ms", "ENTRY")
 NUMERIC = ("SEQ", "PROMPT", "REUSED", "ORACLE", "LOOKUP", "ADMIT", "PREFILL", "COMMIT", "TTFT ms")
-LINE = "{:>6} {:8} {:12} {:>7} {:>7} {:>7} {:14} {:>8} {:>8} {:>9} {:>8} {:>9} {}"
+LINE = "{:>6} {:8} {:12} {:>7} {:>7} {:>7} {:14} {:>8} {:>8} {:>9} {:>8} {:>9} {:16} {}"
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -34,7 +35,8 @@ def row(record: RequestRecord | Mapping[str, Any]) -> tuple[object, ...]:
     return (r.seq, render.clock(r.started), render.restore_label(r), f"{r.prompt_tokens:,}",
             f"{r.restored_tokens:,}", f"{r.oracle:,}", render.lost_label(r),
             render.ms(r.lookup_ms), render.ms(r.admission_ms),
-            render.ms(r.prefill_ms), render.ms(r.commit_ms), render.ms(r.ttft_ms), r.entry_id or "-")
+            render.ms(r.prefill_ms), render.ms(r.commit_ms), render.ms(r.ttft_ms), render.wait_label(r),
+            r.entry_id or "-")
 
 
 def format_request(r: RequestRecord | Mapping[str, Any]) -> str:
@@ -102,7 +104,11 @@ def _take(records: Iterator[RequestRecord], count: int | None, emit: Callable[[R
 @json_option
 def requests(targets: list[Target], since: int, limit: int, follow: bool, sse: bool, interval: float,
              count: int | None, as_json: bool) -> None:
-    """Request timings: restore kind, reused tokens, lookup/admission/prefill/commit and TTFT (ms).
+    """Request timings: restore kind, reused tokens, lookup/admission/prefill/commit and TTFT (ms),
+    and WAIT: the time it waited for other requests' work, and what most of it was.
+
+    WAIT accrues until the request's row ends ("ended": true in --json); --follow prints each record
+    at its first token, so its WAIT is what it had waited by then.
 
     With --json and --follow, one JSON object per line.
 

@@ -121,6 +121,21 @@ def lost_label(record: Any) -> str:
     return f"{LOST_SHORT.get(reason, reason)} {n:,}" + ("+" if len(lost) > 1 else "")
 
 
+def wait_label(record: Any) -> str:
+    """A request's WAIT cell: the time it waited for other requests' work on the generation
+    thread (``integration.waits``, ms) and what most of it was, ``+`` when other work added to it
+    ("2,914 prefill+"); blank when it waited for nothing, ``-`` from a server before issue 29's
+    waits. A row still running may wait more (``ended`` false)."""
+    total = record.get("waited_ms")
+    if total is None:
+        return "-"
+    waited = [(float(ms), str(kind)) for kind, ms in (record.get("waited") or {}).items() if ms]
+    if not waited or float(total) <= 0:
+        return ""
+    top = max(waited, key=lambda item: (item[0], item[1]))[1]
+    return f"{float(total):,.0f} {top}" + ("+" if len(waited) > 1 else "")
+
+
 def console() -> Console:
     """A console on click's stdout; wide in pipes, so tables are never cut to fit 80 columns, and
     without the padding that would fill every piped line to the table's width."""

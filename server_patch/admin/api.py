@@ -256,7 +256,7 @@ def requests_(parts: PartsDep, since: int = Query(0, ge=0),
 @router.get("/events", summary="Server-sent events: requests and cache events")
 async def events(request: Request, parts: PartsDep, since: int = Query(0, ge=0)) -> StreamingResponse:
     async def stream():
-        cache_seq, request_seq = since, 0
+        cache_seq, request_seq, ended_seq = since, 0, 0
         yield ": apc admin event stream\n\n"
         while not parts.traffic.shutting_down.is_set() and not await request.is_disconnected():
             current = parts.runtimes.current
@@ -268,6 +268,8 @@ async def events(request: Request, parts: PartsDep, since: int = Query(0, ge=0))
                 for record in current.timings.since(request_seq):
                     request_seq = max(request_seq, record["seq"])
                     yield f"event: request\ndata: {json.dumps(record)}\n\n"
+                for ended_seq, record in current.timings.ended_since(ended_seq):  # its waits final
+                    yield f"event: request_ended\ndata: {json.dumps(record)}\n\n"
             yield ": keepalive\n\n"
             await asyncio.sleep(0.25)
 

@@ -18,6 +18,7 @@ from prometheus_client.exposition import generate_latest
 
 from server_patch.canary.metrics import families as canary_families
 from server_patch.disk.integrity import FINGERPRINT, FORMAT_REASON, HASH, HEADER, IO, TRUNCATED
+from server_patch.integration.waits import WORK_KINDS
 from server_patch.lineage.model import COLD, DISK, LOG_KINDS, RAM, KVAdmission
 from server_patch.lineage.summary import hits_by_kind, kv_by_mode
 
@@ -56,6 +57,13 @@ class RequestMetrics:
         for kind in REQUEST_KINDS:
             for metric in self.all():
                 metric.labels(kind)
+        # Per request, once its row ended: how long it waited for other requests' work on the
+        # generation thread, by what that work was (``integration.waits.Work``; 0 observed too).
+        self.waited = Histogram("apc_request_waited_seconds", "Time a request waited for other requests' "
+                                "work on the generation thread (prefill chunks, restores, commits, disk "
+                                "loads), by work", ["work"], registry=None, buckets=SECONDS_BUCKETS)
+        for work in WORK_KINDS:
+            self.waited.labels(work)
 
     def all(self) -> list[Any]:
         return [*self.seconds.values(), self.reused, self.prefilled]
@@ -69,8 +77,13 @@ class RequestMetrics:
         self.reused.labels(kind).inc(restored)
         self.prefilled.labels(kind).inc(max(0, int(record.prompt_tokens) - restored))
 
+    def observe_waits(self, record: Any) -> None:
+        """One request whose row ended: what it waited for, by work."""
+        for work in WORK_KINDS:
+            self.waited.labels(work).observe(max(0.0, float(record.waited.get(work, 0.0))) / 1000)
+
     def collect(self) -> Iterable[Any]:
-        for metric in self.all():
+        for metric in (*self.all(), self.waited):
             yield from metric.collect()
 
 
@@ -99,7 +112,8 @@ class LineageCollector(Collector):
         yield hits
         admissions = CounterMetricFamily("apc_lineage_kv_admissions",
                                          "Warm requests by how their KV reached the batch: lent (the "
-                                         "entry's own buffer, no copy) or copied (one merge copy)",
+                                         "entry's own buffer, no copy), copied (one merge copy) or staged "
+                                         "(one copy, made off the generation thread while it queued)",
                                          labels=["mode"])
         by_mode = kv_by_mode(stats)
         for mode in KVAdmission:
@@ -112,6 +126,8 @@ class LineageCollector(Collector):
             ("apc_lineage_evicted_unwritten", "evicted_unwritten", "Entries that left RAM unwritten: "
              "no room in the disk writer's queue, and a commit never waits for the writer"),
             ("apc_lineage_disk_evictions", "disk_evictions", "Files evicted by the disk cap"),
+            ("apc_lineage_prefetched", "prefetched", "Disk loads and staged copies of queued requests started "
+             "while the batch admitted nothing (full, or a prefill running)"),
             ("apc_lineage_disk_bytes_written", "disk_bytes_written", "Bytes written to the disk tier"),
             ("apc_lineage_absorbs", "absorbs", "Entries absorbed by their extension"),
         ):

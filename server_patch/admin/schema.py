@@ -324,6 +324,12 @@ class RequestRecord(Answer):
     oracle: int = 0  # the live oracle (``lineage.misses``): what an unbounded cache would have restored
     lost: dict[str, int] = field(default_factory=dict)  # and what this one restored less, by reason
     lost_why: str = ""  # why a disk file it would have restored from was rejected
+    # Waiting for other requests' work on the generation thread (``integration.waits``), accruing
+    # until the row ends (``ended``: final); ``waited`` by work ({"prefill": ms, ...}).
+    waited_ms: float = 0.0
+    waited: dict[str, float] = field(default_factory=dict)
+    delayed_steps: int = 0  # its decode steps that work pushed back
+    ended: bool = False
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -521,6 +527,7 @@ class CanaryState(Answer):
     time: float | None = None
     queued: int = 0
     running: bool = False
+    loading: int = 0  # disk files the canary's loader thread is reading now
     interval_s: float | None = None
     idle_s: float | None = None
     chunk: int | None = None

@@ -17,7 +17,17 @@ entry is lent, queued for writing or gone), so the disk writer never reads a hal
 handle and nothing evicts the entry meanwhile. After the store the receipt ends; if the old
 entry is still held (the store kept an identical entry instead, or refused), the buffer goes
 back to it, rows ``[0, B)`` untouched. Anything else (no base, no room, a quantized layer, a
-buffer whose rows moved) is the whole-row copy, counted (``reply_copy``) so an operator sees it.
+buffer whose rows moved) is the whole-row copy, counted (``reply_row_copies``) so an operator sees it.
+
+A row with no such entry gets one with room before it ends (``copy_with_room``): a cold row
+of a shared prompt batch is copied out at its prefill end, and a deferred row a lookup
+surfaces at that moment, each into buffers of ``reply_capacity`` rows: the prompt, the
+request's ``max_tokens`` and the next turn's decode reserve and lend headroom, bounded by the
+spare rows an adopted buffer may carry (``APC_COPYFREE_ADOPT_DEAD_MIN`` / ``_FRACTION``) and
+rounded to the merge's size buckets. The RAM budget counts an entry by its buffers' bytes
+(``MlxKV.held_nbytes``), so that room is counted from the prompt-end commit on, and it is not
+trimmed when the reply ends shorter: trimming is the whole-row copy this avoids, and the rows
+left are the room the next turn is lent.
 Runs on the generation thread, the only one that writes caches.
 """
 
@@ -30,6 +40,8 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 
 from server_patch.copyfree import ledger
+from server_patch.copyfree import merge as copyfree_merge
+from server_patch.copyfree.settings import CopyFreeSettings
 from server_patch.state import rows
 from server_patch.state.layout import CacheLayout, MlxKV
 from server_patch.state.registry import ref
@@ -92,6 +104,43 @@ def restored_base(pending: Any) -> Optional[Base]:
     return Base(entry.kv, plan.length)
 
 
+def reply_capacity(settings: CopyFreeSettings, length: int, prompt_len: int, max_tokens: Optional[int]) -> int:
+    """Rows a prompt-end copy of ``length`` rows (of a ``prompt_len``-token prompt) allocates so
+    that its reply is appended in place when the row ends: the prompt's last rows, ``max_tokens``
+    (unknown: the decode reserve) and, with lending on, the next turn's decode reserve and lend
+    headroom; at most ``settings.spare_allowed`` rows past ``length``."""
+    reply = settings.decode_reserve if max_tokens is None else max(0, int(max_tokens))
+    later = settings.decode_reserve + settings.lend_headroom if settings.lending else 0
+    needed = length + min(prompt_len - length + reply + later, settings.spare_allowed(length))
+    bucket = copyfree_merge.capacity(needed)  # equal sizes turn after turn: MLX's pool reuses them
+    return bucket if settings.adoptable(length, bucket) else needed
+
+
+def copy_with_room(layout: CacheLayout, caches: Sequence[Any], idx: Optional[int], length: int,
+                   capacity: int) -> MlxKV:
+    """Row ``idx``'s first ``length`` KV rows copied out (one allocation per buffer) into
+    buffers of ``capacity`` rows, the rows past ``length`` spare: the entry a reply appends to
+    (``append_reply``). Quantized layers, and no room asked for, copy exactly."""
+    if layout.packed or capacity <= length:
+        return rows.kv_rows(layout, caches, idx, length, copy=True)
+    views = rows.kv_rows(layout, caches, idx, length, copy=False)
+    layers = [[{key: _roomy(value, length, capacity) if key in ("keys", "values") else
+                mx.array(value) if isinstance(value, mx.array) else value
+                for key, value in child.items()} for child in layer] for layer in views.layers]
+    kv = MlxKV(layers, length)
+    mx.eval(kv.arrays())
+    if ledger.enabled():
+        ledger.add("extract", kv.nbytes, kind="kv")
+    return kv
+
+
+def _roomy(keys: mx.array, length: int, capacity: int) -> mx.array:
+    """``keys``' first ``length`` rows (axis 2) in a new buffer of ``capacity`` rows."""
+    spare = [(0, 0)] * keys.ndim
+    spare[2] = (0, capacity - length)
+    return mx.pad(keys[..., :length, :], spare)
+
+
 def append_reply(layout: CacheLayout, cache: Any, base: Optional[Base], caches: Sequence[Any], idx: int,
                  length: int) -> Optional[Appended]:
     """Row ``idx``'s ``length`` KV rows as ``base``'s entry's own buffer with the rows it lacks
@@ -136,4 +185,5 @@ def count(cache: Any, key: str) -> None:
         cache.stats[key] += 1
 
 
-__all__ = ["Appended", "Base", "append_reply", "base_entry", "count", "restored_base"]
+__all__ = ["Appended", "Base", "append_reply", "base_entry", "copy_with_room", "count", "reply_capacity",
+           "restored_base"]

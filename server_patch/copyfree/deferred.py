@@ -53,8 +53,9 @@ class Deferred:
 
 
 def resolve(layout: Any, settings: CopyFreeSettings, deferred: Deferred, caches: list[Any], idx: int, *,
-            adopt: bool, reason: str, store: Callable[[Any, Any, Any], bool]) -> Optional[float]:
-    """Commit a deferred entry: adopt the row's buffer (views) or copy the row, then
+            adopt: bool, reason: str, store: Callable[[Any, Any, Any], bool], room: int = 0) -> Optional[float]:
+    """Commit a deferred entry: adopt the row's buffer (views) or copy the row (into buffers of
+    ``room`` rows where its reply will be appended, ``append.copy_with_room``), then
     ``store(pending, kv, head)`` it at its prompt end. Returns the milliseconds it took, or
     None if the row was gone (removed mid-prefill: no entry, never garbage)."""
     start = time.perf_counter()
@@ -62,7 +63,8 @@ def resolve(layout: Any, settings: CopyFreeSettings, deferred: Deferred, caches:
     capacity = rows.buffer_rows(caches)
     adopt = adopt and settings.adoptable(final, capacity)
     try:
-        kv = rows.kv_rows(layout, caches, idx, final, copy=not adopt)
+        kv = rows.kv_rows(layout, caches, idx, final, copy=False) if adopt else \
+            appending.copy_with_room(layout, caches, idx, final, room)
         if store(deferred.pending, kv, deferred.head):
             deferred.stored = appending.Base(kv, final)
     except Exception as exc:  # the row is gone (removed mid-prefill): no entry, never garbage

@@ -9,6 +9,10 @@ bucket so that MLX's pool can hand the same buffer back a turn later). Snapshot 
 
 Only float ``KVCache`` rows (what the lineage restore builds, and fresh cold rows) take this
 path; anything else falls back to the stock merge.
+
+``stage_rows`` is the same copy made ahead, off the generation thread, while the request still
+waits in the queue (``integration.staging``): its buffers have the capacity this merge would
+give the lone row, so the merge then adopts them as a lent buffer is adopted and copies nothing.
 """
 
 from __future__ import annotations
@@ -62,6 +66,41 @@ def merge_rows(row_caches: Sequence[Sequence[Any]], prefix_lens: Sequence[int],
         _release_kv(row_caches[0])  # the batch caches are now the buffers' only holders
     mx.eval([cache.state for cache in out])  # nested lists and tuples; non-array leaves skipped
     return out
+
+
+def stage_rows(layers: Sequence[Sequence[dict]], kv_children: Sequence[Sequence[bool]], length: int,
+               cap: int) -> tuple[list[list[dict]], list[list[dict]]]:
+    """Rows ``[:length]`` of each float KV child of ``layers`` (an entry's ``MlxKV.layers``;
+    ``kv_children`` marks those children) copied into fresh buffers of ``cap`` rows, evaluated:
+    the merge's copy of a lone restored row, made ahead. Returns ``CacheLayout.build_lent``'s
+    two halves: the new ``keys``/``values`` per child, and every child's other arrays (by
+    reference: small, and the stock merges copy them). Counted as ``stage`` in the ledger.
+    Any thread may call it: it reads evaluated arrays and writes only its own."""
+    taken: list[list[dict]] = []
+    kept: list[list[dict]] = []
+    nbytes = 0
+    for layer, flags in zip(layers, kv_children, strict=True):
+        taken_layer, kept_layer = [], []
+        for child, is_kv in zip(layer, flags, strict=True):
+            keys, values = child.get("keys"), child.get("values")
+            if is_kv and isinstance(keys, mx.array) and isinstance(values, mx.array):
+                if int(keys.shape[2]) < length or int(values.shape[2]) < length:
+                    raise ValueError(f"KV rows hold {int(keys.shape[2])} tokens, staging wants {length}")
+                spare = max(cap, length) - length
+                taken_layer.append({"keys": _padded(keys[..., :length, :], spare),
+                                    "values": _padded(values[..., :length, :], spare)})
+                kept_layer.append({k: v for k, v in child.items() if k not in ("keys", "values")})
+                rows = int(keys.shape[2]) or 1
+                nbytes += (int(keys.nbytes) + int(values.nbytes)) // rows * length
+            else:
+                taken_layer.append({})
+                kept_layer.append(dict(child))
+        taken.append(taken_layer)
+        kept.append(kept_layer)
+    mx.eval([v for layer in taken for child in layer for v in child.values()])
+    if ledger.enabled():
+        ledger.add("stage", nbytes, kind="kv")
+    return taken, kept
 
 
 def _release_kv(caches: Sequence[Any]) -> None:

@@ -68,8 +68,12 @@ class CopyFreeSettings:
     def lending(self) -> bool:
         return self.enabled and self.adopt and self.lend
 
+    def spare_allowed(self, length: int) -> int:
+        """The most rows past an entry of ``length`` rows its buffer may carry: an adopted
+        buffer's reply and spare room, or the reply room a prompt-end copy reserves."""
+        return max(self.adopt_dead_min, int(self.adopt_dead_fraction * length))
+
     def adoptable(self, length: int, capacity: int) -> bool:
         """Whether a buffer of ``capacity`` rows may back an entry of ``length`` rows."""
-        dead = max(0, capacity - length)
-        return dead <= max(self.adopt_dead_min, int(self.adopt_dead_fraction * length))
+        return max(0, capacity - length) <= self.spare_allowed(length)
 

@@ -7,7 +7,9 @@ The fault-injection suite (tests/fault/test_fault_disk.py) drives a real server 
 * ``APC_TEST_FAULT_DISK_ENOSPC=1``: every write fails there with ``ENOSPC`` (a full disk);
 * ``APC_TEST_FAULT_DISK_LOAD_HOLD_FILE=PATH``: while PATH exists, a queued request's disk load
   (``integration.loading``, on the loader thread) waits before it reads, having written
-  ``PATH.held`` (so a test knows the request is LOADING and releases it by removing PATH).
+  ``PATH.held`` (so a test knows the request is LOADING and releases it by removing PATH);
+* ``APC_TEST_FAULT_STAGE_HOLD_FILE=PATH``: the same for a queued request's staged copy
+  (``integration.staging``, on the stager thread): the request is STAGING meanwhile.
 
 Nothing else in the package reads these variables.
 """
@@ -37,9 +39,19 @@ HOLD_MAX_S = 300.0  # a hold never outlives a test run
 
 def before_load() -> None:
     """Called on the loader thread before a queued request's disk file is read."""
+    _hold("APC_TEST_FAULT_DISK_LOAD_HOLD_FILE")
+
+
+def before_stage() -> None:
+    """Called on the stager thread before a queued request's rows are copied."""
+    _hold("APC_TEST_FAULT_STAGE_HOLD_FILE")
+
+
+def _hold(variable: str) -> None:
+    """While the file ``variable`` names exists (having written ``PATH.held``), wait."""
     if not settings.value("APC_TEST_FAULTS"):
         return
-    path = settings.value("APC_TEST_FAULT_DISK_LOAD_HOLD_FILE")
+    path = settings.value(variable)
     if not path or not Path(path).exists():
         return
     Path(f"{path}.held").write_text("held\n")

@@ -7,6 +7,8 @@ arriving request. ``BackgroundLoads`` runs ``DiskStore.load_checked`` on one thr
 one per load) and answers ``poll`` without blocking: not ready yet, or what ``load_checked``
 answers (the validated entry, or None and why the file was rejected). The loaded arrays are evaluated on
 the loader's stream before the entry is handed over, so the generation thread may use them.
+Any other job with the same shape (a callable answering ``(result or None, reason)``) may run
+on one of its own: the staged copies of queued RAM restores do (``integration.staging``).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ def _own_stream() -> None:
 class BackgroundLoads:
     """Loads by (store, record id) on one loader thread; ``poll`` never waits for a file."""
 
-    def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME,
+    def __init__(self, thread_name: str = THREAD_NAME) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name,
                                                            initializer=_own_stream)
         self._pending: dict[tuple[int, str], concurrent.futures.Future] = {}
         self._lock = threading.Lock()

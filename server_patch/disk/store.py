@@ -9,7 +9,8 @@ trusted until its digests match: a file that fails any check is removed, counted
 
 Writes are stalled neither by a full disk nor by a failing one: ``space.WriteGuard`` keeps a
 free-space floor and backs off after a failure, and ``write`` then fails at once (the policy
-keeps the entry dirty and counts it).
+keeps the entry dirty and counts it). ``write`` runs on the generation thread and does no I/O:
+the writer thread reads the free space, before and after each file.
 """
 
 from __future__ import annotations
@@ -167,12 +168,14 @@ class DiskStore:
     def write(self, entry: Entry, done: Callable[[Entry, DiskRecord | None], None]) -> None:
         """Queue a write; the references taken now are what gets written.
 
-        Raises ``space.DiskUnavailable`` at once while writes back off after a failure or the
-        volume is below the free-space floor: the caller keeps the entry and tries later.
+        Raises ``space.DiskUnavailable`` at once while writes back off after a failure or after
+        the writer found the volume below the free-space floor: the caller keeps the entry and
+        tries later. Runs on the generation thread (a commit's eviction): no I/O here, the free
+        space is read by the writer (``space.WriteGuard.admit_queued``).
         """
         if self._closed:
             raise DiskUnavailable(f"the disk store {self.root} is closed (its model was unloaded)")
-        self.guard.admit()
+        self.guard.admit_queued()
         # The handles' arrays were evaluated where they were made (CacheLayout.split): an
         # unevaluated array could only be computed on its creator's thread, and this may be
         # called from the idle ticker or an admin request.
@@ -236,6 +239,7 @@ class DiskStore:
             self.guard.failed(exc)
             raise
         self.guard.succeeded()
+        self.guard.after_write()  # the file took space: a volume now below the floor pauses writes
         return record
 
     def _meta(self, entry: Entry, kv: MlxKV, head: MlxSnapshot, checkpoints: list[Checkpoint],

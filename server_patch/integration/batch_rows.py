@@ -8,8 +8,10 @@ request) with the mechanics of ``server_patch.copyfree``, and the generator's ro
   (``may_lend``), or the entry is rewound to the protected prompt end it restores at so it
   can be (``may_rewind``); anything it would restore from is made real first (``settle``);
 * at the prefill end a lone row is *deferred* (its buffer adopted when nothing writes it any
-  more), a row sharing its batch is copied out once, or with reply reuse deferred to its end
-  (``prefill_end``), and the row is tracked to move its entry past its reply;
+  more), a row sharing its batch is copied out once (with reply reuse into buffers with room
+  for its reply, or deferred to its end where it restored at an entry's head: its reply is
+  appended to that entry's buffer) (``prefill_end``), and the row is tracked to move its entry
+  past its reply;
 * when rows leave the decoding batch, are concatenated into a shared one, or are removed
   mid-prefill (``leaving``, ``joining``, ``removed``), deferred entries are committed, replies
   kept, and loans end.
@@ -29,17 +31,19 @@ from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
+from server_patch.copyfree import append as appending
 from server_patch.copyfree import deferred as deferral
 from server_patch.copyfree import lease as lending
 from server_patch.copyfree import merge as copyfree_merge
 from server_patch.copyfree.deferred import Deferred
 from server_patch.copyfree.replies import Reply
 from server_patch.copyfree.settings import CopyFreeSettings
+from server_patch.integration import waits
 from server_patch.integration.generator import GeneratorView
 from server_patch.integration.pending import Pending, RequestKey
 from server_patch.integration.rowlife import RowBook, RowLife, RowState
 from server_patch.integration.runtime import LineageRuntime
-from server_patch.lineage import RestorePlan
+from server_patch.lineage import DISK, KVAdmission, RestorePlan, flow
 from server_patch.state import rows
 
 log = logging.getLogger("server_patch.lineage")
@@ -156,17 +160,43 @@ class BatchRows:
         merged by mlx-vlm's packed merge, which copies, so there is no buffer to lend."""
         return self.settings.lending and not self.runtime.layout.packed
 
+    def stageable(self, plan: RestorePlan, min_tokens: int) -> bool:
+        """A queued prompt's look-ahead ``plan`` is a RAM restore of at least ``min_tokens``
+        (0: none) that the merge would copy, as a lone row, on the generation thread: neither
+        lent its entry's buffer nor rewound so it could be. Its copy may be staged ahead
+        (``integration.staging``)."""
+        entry = plan.entry
+        if min_tokens <= 0 or not plan.hit or entry is None or plan.tier == DISK or plan.length < min_tokens:
+            return False
+        if not self.settings.enabled or self.runtime.layout.packed or not self.generator.plain():
+            return False
+        return not self.may_lend(plan) and not (flow.at_protected_prompt_end(plan) and self.may_rewind(plan))
+
+    def staged_capacity(self, prompt_len: int) -> int:
+        """The rows the merge gives a lone restored row of a ``prompt_len``-token prompt."""
+        headroom = self.settings.lend_headroom if self.settings.lending else 0
+        return copyfree_merge.capacity(prompt_len + self.settings.decode_reserve + headroom)
+
     def restore(self, key: RequestKey, plan: RestorePlan, reclaimed: set[str]) -> tuple[list[Any], Any]:
-        """The restored row caches (truncated views, or the entry's own lent buffers) and the
-        loan (a ``Lease``, None for views). Raises if they cannot be built (a lent entry cannot)."""
+        """The restored row caches (truncated views, the buffers staged while it queued, or the
+        entry's own lent buffers) and the loan (a ``Lease``, None otherwise). Raises if they
+        cannot be built (a lent entry cannot)."""
         entry = plan.entry
         assert entry is not None
+        row = self.book.by_key(key)
+        if row is not None and row.stage is not None:
+            stage, row.stage = row.stage, None  # taken once: used here or dropped
+            staged = stage.take(self.runtime.layout, self.runtime.cache, plan)
+            if staged is not None:
+                row.staged = True  # the merge adopts it
+                return staged, None
         if not self.book.lent_to(key) and entry.id not in reclaimed and self.may_lend(plan):
             lease = lending.lend_entry(self.runtime.layout, self.runtime.cache, plan)
             if lease is not None:
                 return lease.holder, lease
         return self.runtime.layout.build(entry.kv, plan.state, plan.length), None
 
+    @waits.unit(waits.Work.RESTORE, waits.keyed_rows)
     def merge(self, keys: Sequence[Optional[RequestKey]], row_caches: Sequence[Sequence[Any]],
               prefix_lens: Sequence[int], suffixes: Sequence[int]) -> Optional[list[Any]]:
         """One copy per restored row into buffers with room for the suffix and the decode
@@ -174,12 +204,16 @@ class BatchRows:
         found = [self.book.by_key(key) if key is not None else None for key in keys]
         lent = [row if row is not None and row.loan is not None else None for row in found]
         lone = lent[0] if len(keys) == 1 else None
+        staged = len(keys) == 1 and found[0] is not None and found[0].staged  # adopted, as a loan is
+        for row in found:
+            if row is not None:
+                row.staged = False
         for row in lent:
             if row is not None and row is not lone:  # rows sharing a batch: the merge copies
                 self._end_loan(row, reason="batch")
         headroom = self.settings.lend_headroom if len(keys) == 1 and self.settings.lending else 0
         caches = copyfree_merge.merge_rows(row_caches, prefix_lens, suffixes, self.settings.decode_reserve,
-                                           headroom=headroom, lend=lone is not None)
+                                           headroom=headroom, lend=lone is not None or staged)
         if lone is not None:
             if caches is None:
                 self._end_loan(lone, reason="fallback")
@@ -187,26 +221,47 @@ class BatchRows:
                 lone.loan.holder, lone.loan.merged = list(caches), True
         return caches
 
+    def admission_of(self, key: RequestKey, lease: Any) -> KVAdmission:
+        """How a restored row's KV reaches the batch: its entry's buffer, a staged copy, or the
+        merge's copy."""
+        if lease is not None:
+            return KVAdmission.LENT
+        row = self.book.by_key(key)
+        return KVAdmission.STAGED if row is not None and row.staged else KVAdmission.COPIED
+
     # ------------------------------------------------------------------ prefill end
 
+    @waits.unit(waits.Work.COMMIT, waits.one_row)
     def prefill_end(self, row: RowLife, prompt_cache: Sequence[Any], batch_idx: Optional[int],
                     uid: Any) -> bool:
         """Commit the row's entry at its prompt end: deferred (a lone row; with reply reuse a
-        shared one too, copied out once when it ends) or copied out now."""
+        shared one that restored at an entry's head, whose buffer its reply is appended to when
+        it ends) or copied out now (with reply reuse into buffers with room for the reply, so
+        that when the row ends only its reply rows are written, ``copyfree.append``)."""
         start = time.perf_counter()
         pending, layout = row.pending, self.runtime.layout
         if uid is not None and row.uid is None:  # stored before its batch was bound: bound now
             self.book.bind(row.key, uid)
         lone = self._deferrable(prompt_cache, uid)
-        if lone or (self.settings.enabled and self.reply_reuse(pending, uid)):
+        reuse = self.settings.enabled and self.reply_reuse(pending, uid)
+        base = None
+        if lone or (reuse and self._base_has_room(pending, uid)):
             head = rows.capture(layout, prompt_cache, batch_idx, pending.final)
             row.deferral = Deferred(pending, head, list(prompt_cache) if lone else [], uid,
                                     time.monotonic(), shared=not lone)
             committed = True
         else:
-            kv, head = rows.extract(layout, prompt_cache, batch_idx, pending.final)
+            room = self._reply_capacity(pending, uid) if reuse else 0
+            kv = appending.copy_with_room(layout, prompt_cache, batch_idx, pending.final, room)
+            head = rows.capture(layout, prompt_cache, batch_idx, pending.final)
             committed = self._store(row.pending, kv, head)
+            base = appending.Base(kv, pending.final) if committed and reuse else None
+            if base is not None:
+                log.info("apc_copyfree commit uid=%s mode=copy reason=prefill-end tokens=%d kv_bytes=%d "
+                         "buffer_rows=%d", uid, pending.final, kv.nbytes, kv.capacity())
         self._decoding(row, head, uid, "prefill end")
+        if row.reply is not None and base is not None:  # its reply is appended there
+            row.reply.base = base
         self.commits.note_commit(row, start)
         if uid is None:  # the single-sequence path: no later event will come
             self.book.end(row, "prefill end")
@@ -238,6 +293,7 @@ class BatchRows:
 
     # ------------------------------------------------------------------ the commit
 
+    @waits.unit(waits.Work.COMMIT, waits.one_row)
     def commit(self, row: RowLife, caches: list[Any], idx: int, *, adopt: bool, reason: str,
                batch: Any = None) -> None:
         """The one home of a row's commit once nothing but its own request writes its rows:
@@ -249,8 +305,9 @@ class BatchRows:
             row.deferral = None
         elif deferred is not None:
             row.deferral = None
+            room = self._reply_capacity(row.pending, row.uid) if row.reply is not None else 0
             elapsed = deferral.resolve(self.runtime.layout, self.settings, deferred, caches, idx,
-                                       adopt=adopt, reason=reason, store=self._store)
+                                       adopt=adopt, reason=reason, store=self._store, room=room)
             if row.reply is not None and deferred.stored is not None:  # its reply appends there
                 row.reply.base = deferred.stored
             if elapsed is not None and row.record is not None and not row.timed:
@@ -273,6 +330,20 @@ class BatchRows:
         """Record the ids row ``uid`` is fed from now on (``head``: its prompt-end state)."""
         if self.reply_reuse(row.pending, uid):
             row.reply = Reply(row.pending, head, row.record)
+
+    def _base_has_room(self, pending: Pending, uid: Any) -> bool:
+        """A row that restored at an entry's head whose buffer has room for its whole reply
+        (an entry loaded from disk, or copied exactly, has none): it may defer to its end."""
+        base = appending.restored_base(pending)
+        limit = self.generator.max_tokens_of(uid)
+        reply = min(self.settings.decode_reserve if limit is None else limit,
+                    self.settings.spare_allowed(pending.final))
+        return base is not None and lending.has_room(base.kv, int(pending.tokens.shape[0]) + reply)
+
+    def _reply_capacity(self, pending: Pending, uid: Any) -> int:
+        """Rows a prompt-end copy of a tracked row allocates so its reply appends in place."""
+        return appending.reply_capacity(self.settings, pending.final, int(pending.tokens.shape[0]),
+                                        self.generator.max_tokens_of(uid))
 
     def _keep_reply(self, reply: Reply, batch: Any, idx: int, *, alone: bool,
                     deferred: Optional[Deferred]) -> bool:

@@ -39,6 +39,7 @@ from mlx_vlm.apc_coordinator import APCCoordinator
 from server_patch.failclosed import fail_closed
 from server_patch.copyfree import pool
 from server_patch.copyfree.settings import CopyFreeSettings
+from server_patch.integration import waits
 from server_patch.integration.batch_rows import BatchRows
 from server_patch.integration.generator import GeneratorView
 from server_patch.integration.loading import DiskLoads
@@ -46,7 +47,7 @@ from server_patch.integration.pending import Pending, RequestKey, namespace_of, 
 from server_patch.integration.prefill import Prefills
 from server_patch.integration.rowlife import RowBook
 from server_patch.integration.runtime import LineageRuntime, runtime_for
-from server_patch.lineage import DISK, KVAdmission, as_tokens
+from server_patch.lineage import DISK, as_tokens
 from server_patch.lineage.flow import Admission
 from server_patch.lineage.misses import Lost
 
@@ -82,7 +83,7 @@ class LineageCoordinator(APCCoordinator):
             book = RowBook(runtime.timings)
             prefills = Prefills(runtime, book)
             rows = BatchRows(runtime, self.copyfree, self.generator, prefills, book)
-            self.lineage = _Lineage(runtime, book, prefills, rows, DiskLoads(runtime, book))
+            self.lineage = _Lineage(runtime, book, prefills, rows, DiskLoads(runtime, book, rows=rows))
 
     @property
     def runtime(self) -> LineageRuntime | None:
@@ -104,11 +105,17 @@ class LineageCoordinator(APCCoordinator):
         if (lineage := self.lineage) is None:
             return min(limit, len(queue))
 
-        def prompt_of(sequence: tuple) -> tuple[Any, str]:  # (uid, ids, max_tokens, prompt_kwargs, ...)
-            return as_tokens(sequence[1]), namespace_of(extra_hash_of(sequence[3] or {}))
+        return lineage.loads.admissible(queue, _prompt_of(extra_hash_of), limit, idle=decoding == 0)
 
-        return lineage.loads.admissible(queue, prompt_of, limit, idle=decoding == 0)
+    def prefetch(self, queue: list, extra_hash_of: Callable[[dict], int], limit: int, *, busy: bool,
+                 blocked: bool) -> None:
+        """Every step, admitting or not: the first queued prompts' disk loads and staged copies
+        start (``DiskLoads.prefetch``); ``busy``: rows decode or a prompt batch prefills;
+        ``blocked``: mlx-vlm admits nothing this step (the batch is full, or a prefill runs)."""
+        if (lineage := self.lineage) is not None:
+            lineage.loads.prefetch(queue, _prompt_of(extra_hash_of), limit, busy=busy, blocked=blocked)
 
+    @waits.unit(waits.Work.RESTORE, waits.lookup)
     def lookup(self, token_ids: Sequence[int], *, extra_hash: int, safe_lookup_min: int,
                suffix_is_text_only: Callable[[int], bool],
                prefix_has_media: Callable[[int], bool]) -> Optional[dict]:
@@ -123,7 +130,7 @@ class LineageCoordinator(APCCoordinator):
         rows = lineage.rows
         rows.sweep()
         reclaimed: set[str] = set()  # entries whose loans this lookup ended: never lent again now
-        disk = lineage.loads.for_request(key, record) if lineage.runtime.disk is not None else None
+        disk = lineage.loads.for_request(key, record)  # None without a disk tier
         admission = Admission.admit(lineage.runtime.cache, prompt, namespace, disk=disk,
                                     settle=lambda plan: rows.settle(prompt, namespace, plan, reclaimed),
                                     disk_refused=lambda: lineage.runtime.refuses(DISK))
@@ -149,7 +156,7 @@ class LineageCoordinator(APCCoordinator):
             miss = admission.miss
             record.oracle, record.lost, record.lost_why = miss.oracle, miss.lost, miss.detail
             return None
-        kv_admission = KVAdmission.LENT if lease is not None else KVAdmission.COPIED
+        kv_admission = rows.admission_of(key, lease)
         admission.restored(kv_admission)
         miss = admission.miss
         record.oracle, record.lost, record.lost_why = miss.oracle, miss.lost, miss.detail
@@ -278,6 +285,15 @@ class LineageCoordinator(APCCoordinator):
             lineage.runtime.cache.note_cancelled_queued()
         else:
             lineage.book.cancelled(uid, request_id)
+
+
+def _prompt_of(extra_hash_of: Callable[[dict], int]) -> Callable[[tuple], tuple[Any, str]]:
+    """A queued sequence's tokens and namespace (``extra_hash_of``: the generator's hash of its
+    prompt kwargs)."""
+    def prompt_of(sequence: tuple) -> tuple[Any, str]:  # (uid, ids, max_tokens, prompt_kwargs, ...)
+        return as_tokens(sequence[1]), namespace_of(extra_hash_of(sequence[3] or {}))
+
+    return prompt_of
 
 
 def _key_of(meta: dict) -> RequestKey:

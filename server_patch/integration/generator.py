@@ -30,12 +30,24 @@ class GeneratorView:
     def row_of(self, uid: Any) -> Optional[tuple[list[Any], int]]:
         """Where row ``uid`` is now: (its batch's caches, its index) in the decoding batch or
         the prompt batch; None if neither holds it."""
+        found = self._find(uid)
+        return None if found is None else (list(found[0].prompt_cache), found[1])
+
+    def max_tokens_of(self, uid: Any) -> Optional[int]:
+        """The ``max_tokens`` row ``uid`` was admitted with (mlx-vlm's prompt and generation
+        batches keep one per row); None if no batch holds it or it has none."""
+        found = self._find(uid)
+        limits = getattr(found[0], "max_tokens", None) if found is not None else None
+        return int(limits[found[1]]) if isinstance(limits, list) and found[1] < len(limits) else None
+
+    def _find(self, uid: Any) -> Optional[tuple[Any, int]]:
+        """(the batch, the row's index) of row ``uid``: decoding first, then prefilling."""
         generator = self.generator
         for name in _BATCHES:
             batch = getattr(generator, name, None)
             uids = list(getattr(batch, "uids", None) or ())
             if uid in uids:
-                return list(batch.prompt_cache), uids.index(uid)
+                return batch, uids.index(uid)
         return None
 
     def plain(self) -> bool:

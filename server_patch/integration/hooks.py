@@ -12,7 +12,8 @@ None of these raises into mlx-vlm: a failure is logged (and re-raised under
 
 * built with the server: ``build_parts`` (the ``ServerRuntime`` field), ``install_admin``,
   ``wrap_apply_chat_template``; ``coordinator`` (the factory in generate/ar.py, dispatch.py);
-* the batch generator's queue: ``admissible`` (a prompt whose disk restore point loads waits);
+* the batch generator's queue: ``admissible`` (a prompt whose disk restore point loads, or
+  whose merge copy stages, waits), ``prefetch`` (every step: their loads and copies start);
 * the batch generator's prefill: ``prefill_step`` (decode-aware chunks, ``server_patch.pacing``);
 * the batch generator's rows: ``generator_started``, ``rows_bound``, ``rows_decoded``,
   ``rows_leaving``, ``batches_joining``, ``request_removed``; the buffer pool: ``clear``;
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from server_patch.copyfree import pool
 from server_patch.failclosed import fail_closed
+from server_patch.integration import waits
 
 if TYPE_CHECKING:
     from server_patch.integration.coordinator import LineageCoordinator
@@ -111,6 +113,22 @@ def admissible(coordinator: Any, queue: list, extra_hash_of: Callable[[dict], in
     return min(limit, len(queue))
 
 
+def prefetch(generator: Any) -> None:
+    """Every step of the generator, admitting or not: the disk loads and staged copies of its
+    first queued prompts start (``LineageCoordinator.prefetch``), while the batch is full or a
+    prefill runs. A stock coordinator, or a failure: nothing."""
+    if (lineage := _lineage(getattr(generator, "apc", None))) is None:
+        return
+    try:
+        decoding, prefilling = len(generator._generation_batch), generator._prompt_batch is not None
+        full = generator.completion_batch_size - decoding < generator.prefill_batch_size
+        lineage.prefetch(generator._unprocessed_sequences, generator._apc_extra_hash,
+                         generator.prefill_batch_size, busy=decoding > 0 or prefilling,
+                         blocked=prefilling or full)
+    except Exception as exc:
+        fail_closed(exc, "apc_lineage prefetch", log=log)
+
+
 def generator_started(coordinator: Any, generator: Any) -> None:
     """A ``BatchGenerator`` built its coordinator: the coordinator learns who else decodes."""
     _tell(coordinator, "apc_copyfree attach", lambda lineage: lineage.attach_generator(generator))
@@ -128,6 +146,15 @@ def cache_cleared(manager: Any) -> None:
         fail_closed(exc, "apc_lineage cache reset", log=log)
 
 
+def _prefilling(generator: Any, prompt_batch: Any) -> tuple[Any, waits.Owners]:
+    """Whose prefill chunk it is (the prompt batch's rows), and the waits of the rows it holds
+    up (``integration.waits``; None for a stock coordinator's)."""
+    lineage = _lineage(generator.apc)
+    book = lineage.lineage.book if lineage is not None and lineage.lineage is not None else None
+    return (book.waits if book is not None else None), waits.Owners(uids=tuple(prompt_batch.uids))
+
+
+@waits.unit(waits.Work.PREFILL, _prefilling)
 def prefill_step(generator: Any, prompt_batch: Any) -> int:
     """One ``prompt_step`` of the generator's prompt batch, sized so the rows decoding meanwhile
     wait at most ``APC_DECODE_STALL_MS`` (``server_patch.pacing``, with the lineage runtime's

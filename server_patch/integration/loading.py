@@ -12,9 +12,25 @@ file was rejected (forgotten, and the next disk point it would restore from load
 way); one still loading after ``APC_DISK_LOAD_WAIT_MS`` is admitted cold and its file kept.
 Its record says how long it waited and how many decode steps the batch took meanwhile.
 
-The lookup's disk tier is then ``RequestDisk``: the answer of the load this request waited for;
-a plan that turned to another file after all (rare: its sweep committed something) loads that
-one on the generation thread, as before.
+The same queue holds prompts whose RAM restore would take the merge copy: they wait in
+STAGING while the copy is made on the stager thread (``integration.staging``), and a prompt
+with a staged buffer is admitted alone in its prompt batch, so no merge copies it again.
+
+Prefetch: mlx-vlm reaches ``admissible`` only when it would admit (room in the batch, no
+multi-chunk prefill running), so every step it also calls ``prefetch``: the first queued
+prompts are looked ahead once each (memoised by uid) and their loads and staged copies start
+while the batch is full or a prefill runs; those waiting are polled. O(queued) dictionary work
+per step, one look-ahead per queued prompt.
+
+The lookup's disk tier is then ``RequestDisk``: the answer of the load this request waited for.
+A plan that turns to another file only at the lookup itself (rare: its sweep committed
+something, or a write landed between the look-ahead and the lookup) is never loaded on the
+generation thread: the file this request did load is promoted, and the lookup plans again from
+RAM alone (``flow.NOT_AHEAD``, counted as ``disk_unused``). Deferring the admission again would
+lose no tokens, but mlx-vlm has already taken the prompt out of its queue at the lookup; the
+RAM plan loses only the tokens between the file's point and the best point in RAM, and blocks
+no stream. The single-sequence path (no batch generator attached) has no queue and no other
+stream on its thread: its lookup loads there, as before.
 """
 
 from __future__ import annotations
@@ -27,13 +43,18 @@ import numpy as np
 from server_patch import clock, settings
 from server_patch.disk import faults
 from server_patch.disk.loader import BackgroundLoads
+from server_patch.integration import waits
+from server_patch.integration import staging
 from server_patch.integration.pending import Pending, RequestKey, request_key
-from server_patch.integration.rowlife import RowBook, RowState
+from server_patch.integration.rowlife import WAITING, RowBook, RowLife, RowState
+from server_patch.integration.staging import Stagings
 from server_patch.lineage import DISK
-from server_patch.lineage.flow import NOT_LOADED
+from server_patch.lineage.flow import NOT_AHEAD, NOT_LOADED
 from server_patch.lineage.misses import Lost
 
 IDLE_WAIT_S = 0.005  # with nothing decoding, a poll waits this long for the file (no busy loop)
+PREFETCH_MAX = 2  # queued prompts a step looks ahead of admission: each load holds a whole entry
+PREFETCHED = "prefetched"  # the stats key: loads and staged copies started while nothing was admitted
 
 # The requests' loader thread: not the canary's (``disk.loader.LOADS``), so a request's load
 # never waits behind a check's, nor shares (and loses) one of the same file.
@@ -63,44 +84,102 @@ def _load_checked(store: Any) -> Callable[[Any], Any]:
 
 
 class DiskLoads:
-    """The queued prompts of one runtime whose restore points are loading."""
+    """The queued prompts of one runtime whose restore points are loading, or staging (where
+    ``rows``, the runtime's ``BatchRows``, is given: it says which plans the merge would copy)."""
 
-    def __init__(self, runtime: Any, book: RowBook, loads: BackgroundLoads = REQUEST_LOADS) -> None:
+    def __init__(self, runtime: Any, book: RowBook, loads: BackgroundLoads = REQUEST_LOADS, *,
+                 rows: Any = None, stagings: Optional[Stagings] = None) -> None:
         self.runtime = runtime
         self.book = book
         self.loads = loads
+        self.rows = rows
+        self.stagings = stagings if stagings is not None or rows is None else Stagings(runtime)
+        self._ahead: dict[Any, tuple[RequestKey, np.ndarray, str]] = {}  # queued uid -> looked ahead
 
     def admissible(self, queue: list, prompt_of: Callable[[Any], tuple[np.ndarray, str]], limit: int, *,
                    idle: bool = False) -> int:
         """How many of ``queue``'s first prompts may be admitted now (at most ``limit``):
         ``queue`` is reordered in place, those still loading behind the others, each group in
-        its order. ``prompt_of``: a queued item's tokens and namespace; ``idle``: nothing
-        decodes, so a poll may wait a little for its file."""
-        ready, waiting, queued = [], [], set()
+        its order; a prompt with a staged buffer is admitted alone (first, or at the next step).
+        ``prompt_of``: a queued item's tokens and namespace; ``idle``: nothing decodes, so a
+        poll may wait a little for its file and no copy is staged (nobody would wait for it)."""
+        ready, waiting, queued, keys = [], [], set(), []
         for item in queue:
             prompt, namespace = prompt_of(item)
-            queued.add(request_key(namespace, prompt))
+            key = request_key(namespace, prompt)
+            queued.add(key)
             if len(ready) >= limit:
                 waiting.append(item)
+            elif self.ready(prompt, namespace, idle=idle and not ready, busy=not idle):
+                ready.append(item)
+                keys.append(key)
             else:
-                (ready if self.ready(prompt, namespace, idle=idle and not ready) else waiting).append(item)
+                waiting.append(item)
         self._forget_gone(queued)
         queue[:] = ready + waiting
-        return len(ready)
+        return self._alone(keys)
 
-    def ready(self, prompt: np.ndarray, namespace: str, *, idle: bool = False) -> bool:
-        """False while this prompt's disk restore point loads (the first call starts it)."""
-        if prompt.shape[0] < 2 or (disk := self.runtime.disk) is None:
+    def _alone(self, keys: list[RequestKey]) -> int:
+        """How many of the ready prompts (``keys``, in order) to admit: up to the first with a
+        staged buffer, which is admitted alone (a shared prompt batch would merge-copy it)."""
+        for i, key in enumerate(keys):
+            row = self.book.by_key(key)
+            if row is not None and row.state == RowState.STAGING and row.stage is not None \
+                    and row.stage.staged is not None:
+                return max(i, 1)
+        return len(keys)
+
+    def prefetch(self, queue: list, prompt_of: Callable[[Any], tuple[np.ndarray, str]], limit: int, *,
+                 busy: bool = True, blocked: bool = True) -> None:
+        """Every step, admitting or not: the first ``limit`` (at most ``PREFETCH_MAX``) queued
+        prompts are looked ahead once each, so their loads and staged copies start while the
+        batch is full or a prefill runs; those waiting are polled. ``busy``: rows decode or a
+        prompt batch prefills (with neither, nothing is staged: the merge would stall nobody);
+        ``blocked``: nothing is admitted this step, so what starts here is counted
+        (``prefetched``: started ahead of the admission it would otherwise have waited for)."""
+        uids = {item[0] for item in queue}
+        for uid in [uid for uid in self._ahead if uid not in uids]:
+            self._left(self._ahead.pop(uid)[0])
+        for item in queue[:min(limit, PREFETCH_MAX)]:
+            if item[0] not in self._ahead:
+                prompt, namespace = prompt_of(item)
+                key = request_key(namespace, prompt)
+                self._ahead[item[0]] = (key, prompt, namespace)
+                started = self.book.by_key(key) is None
+                self.ready(prompt, namespace, busy=busy)
+                if blocked and started and (row := self.book.by_key(key)) is not None and row.state in WAITING:
+                    cache = self.runtime.cache
+                    with cache.lock:
+                        cache.stats[PREFETCHED] += 1
+        for key, prompt, namespace in list(self._ahead.values()):
+            row = self.book.by_key(key)
+            if row is not None and row.state in WAITING:
+                self.ready(prompt, namespace, busy=busy)
+
+    def _left(self, key: RequestKey) -> None:
+        """A looked-ahead prompt left the queue (admitted, or cancelled): a row still waiting
+        under its key, that no queued prompt shares, ends there."""
+        row = self.book.by_key(key)
+        if row is not None and row.state in WAITING and all(k != key for k, _, _ in self._ahead.values()):
+            self._end_waiting(row)
+
+    def ready(self, prompt: np.ndarray, namespace: str, *, idle: bool = False, busy: bool = True) -> bool:
+        """False while this prompt's disk restore point loads or its copy stages (the first call
+        starts it). ``busy``: other rows decode (a copy may be staged: see ``admissible``)."""
+        if prompt.shape[0] < 2:
             return True
         row = self.book.by_key(request_key(namespace, prompt))
-        if row is not None and row.state != RowState.LOADING:
+        if row is not None and row.state not in WAITING:
             return True  # the same prompt admitted this step already: its own plan stands
         if row is None:
-            plan = self._disk_plan(prompt, namespace)
-            if plan is None:
+            if self.runtime.disk is None and (self.stagings is None or not busy):
+                return True  # nothing it could wait for: no look-ahead
+            row = self._look_ahead(prompt, namespace, busy)
+            if row is None:
                 return True
-            row = self.book.loading(Pending(prompt, namespace, plan),
-                                    Load(plan.record, plan.length, clock.steady(), self.book.decode_steps))
+        if row.state == RowState.STAGING:
+            return self.stagings.poll(row.stage, IDLE_WAIT_S if idle else 0.0)
+        disk = self.runtime.disk
         load = row.load
         if load.done:
             return True
@@ -115,9 +194,22 @@ class DiskLoads:
             self.loads.forget(disk, load.record)
         return load.done
 
+    def _look_ahead(self, prompt: np.ndarray, namespace: str, busy: bool) -> Optional[RowLife]:
+        """The look-ahead (no lookup): a LOADING row if the prompt restores from a disk file, a
+        STAGING row if its RAM restore would take the merge copy while others decode, else None."""
+        plan = self.runtime.cache.lookup(prompt, namespace, counted=False)
+        pending = Pending(prompt, namespace, plan)
+        if plan.tier == DISK:
+            if self.runtime.disk is None or self.runtime.refuses(DISK):
+                return None
+            return self.book.loading(pending, Load(plan.record, plan.length, clock.steady(), self.book.decode_steps))
+        if not busy or self.stagings is None or not self.rows.stageable(plan, staging.min_tokens()):
+            return None
+        stage = self.stagings.start(plan, self.rows.staged_capacity(plan.prompt_len), self.book.decode_steps)
+        return self.book.staging(pending, stage) if stage is not None else None
+
     def _disk_plan(self, prompt: np.ndarray, namespace: str) -> Any:
-        """The look-ahead: its plan if it restores from a disk file (and the tier is not
-        refused), else None."""
+        """Its plan if it restores from a disk file (and the tier is not refused), else None."""
         plan = self.runtime.cache.lookup(prompt, namespace, counted=False)
         return plan if plan.tier == DISK and not self.runtime.refuses(DISK) else None
 
@@ -133,37 +225,57 @@ class DiskLoads:
             load.record, load.length = plan.record, plan.length
 
     def _forget_gone(self, queued: set[RequestKey]) -> None:
-        """LOADING rows no longer queued (cancelled while loading): ended, their loads dropped."""
+        """Waiting rows no longer queued (cancelled meanwhile): ended, their work dropped."""
         for row in self.book.rows():
-            if row.state == RowState.LOADING and row.key not in queued:
-                if self.runtime.disk is not None and row.load is not None:
-                    self.loads.forget(self.runtime.disk, row.load.record)
-                row.load = None
-                self.book.end(row, "left the queue")
+            if row.state in WAITING and row.key not in queued:
+                self._end_waiting(row)
 
-    def for_request(self, key: RequestKey, record: Any) -> "RequestDisk":
-        """The disk tier of request ``key``'s lookup (``record``: its timing record, which gets
-        the wait); the row's load is handed over, so the row holds no arrays."""
+    def _end_waiting(self, row: RowLife) -> None:
+        if self.runtime.disk is not None and row.load is not None:
+            self.loads.forget(self.runtime.disk, row.load.record)
+        if row.stage is not None:
+            self.stagings.drop(row.stage)
+        row.load = row.stage = None
+        self.book.end(row, "left the queue")
+
+    def for_request(self, key: RequestKey, record: Any) -> Optional["RequestDisk"]:
+        """The disk tier of request ``key``'s lookup (None without one; ``record``: its timing
+        record, which gets the wait in the queue); the row's load is handed over, so the row
+        holds no arrays. A staged copy not finished by now is dropped (its receipt ends)."""
         row = self.book.by_key(key)
-        load = row.load if row is not None and row.state == RowState.LOADING else None
-        if load is not None and record is not None:
-            record.loading_ms = (clock.steady() - load.started) * 1000
-            record.loading_steps = self.book.decode_steps - load.steps_at_start
-        return RequestDisk(self.runtime.disk, load, list(load.rejected) if load is not None else [])
+        waited = row if row is not None and row.state in WAITING else None
+        work = (waited.load or waited.stage) if waited is not None else None
+        if work is not None and record is not None:
+            record.loading_ms = (clock.steady() - work.started) * 1000
+            record.loading_steps = self.book.decode_steps - work.steps_at_start
+        if waited is not None and waited.stage is not None and not waited.stage.done:
+            self.stagings.drop(waited.stage)
+        if self.runtime.disk is None:
+            return None
+        load = waited.load if waited is not None else None
+        inline = self.rows is not None and self.rows.generator.generator is None
+        return RequestDisk(self.runtime.disk, load, list(load.rejected) if load is not None else [],
+                           cache=self.runtime.cache, inline=inline)
 
 
 @dataclass
 class RequestDisk:
-    """One lookup's disk tier (``lineage.flow.DiskLoader``): the load it waited for, else the store."""
+    """One lookup's disk tier (``lineage.flow.DiskLoader``): the load it waited for. Another
+    file is never loaded here (``NOT_AHEAD``), but on the single-sequence path (``inline``)."""
 
     store: Any
     load: Optional[Load]
     rejected: list[tuple[int, str]]  # files rejected while it waited: what its admission met
+    cache: Any = None  # where a load it waited for, of another file than planned, is promoted
+    inline: bool = False  # no batch on this thread: a file may load here, as before
+    promoted: list[str] = field(default_factory=list)  # ids of entries promoted here
 
     def tell(self, admission: Any) -> None:
-        """The files rejected while it waited are what its admission met (``Admission.met``)."""
+        """The files rejected while it waited are what its admission met (``Admission.met``);
+        an entry it loaded and promoted here is one the admission loaded."""
         for length, why in self.rejected:
             admission.met(length, Lost.DISK_REJECTED, why)
+        admission.promoted.update(self.promoted)
 
     def load_checked(self, record: Any) -> tuple[Any, str]:
         load, self.load = self.load, None  # taken once: its arrays go to the cache or nowhere
@@ -172,7 +284,13 @@ class RequestDisk:
                 return None, NOT_LOADED
             if load.answer is not None:
                 return load.answer
-        return self.store.load_checked(record)
+        if self.inline:  # the single-sequence path: no other stream on this thread
+            return waits.run(waits.Work.LOAD, self.store.load_checked, record)
+        entry = load.answer[0] if load is not None and load.answer is not None else None
+        if entry is not None and self.cache is not None and \
+                self.cache.promote(load.record, entry, reason=load.answer[1]) is not None:
+            self.promoted.append(load.record.id)  # loaded for this request: a RAM point now
+        return None, NOT_AHEAD
 
 
-__all__ = ["IDLE_WAIT_S", "REQUEST_LOADS", "DiskLoads", "Load", "RequestDisk"]
+__all__ = ["IDLE_WAIT_S", "PREFETCHED", "PREFETCH_MAX", "REQUEST_LOADS", "DiskLoads", "Load", "RequestDisk"]

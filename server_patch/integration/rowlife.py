@@ -9,12 +9,14 @@ it is (``state``). One bounded ``RowBook`` holds them, by
 Every mlx-vlm event is one transition (``RowState``, the diagram in docs/design.md):
 
     LOADING --loaded, failed or past the bound--> ADMITTED
+    STAGING --staged, failed or past the bound--> ADMITTED
     ADMITTED --bind--> PREFILLING --store at the prefill end--> DECODING --leaving--> ENDED
     (a resend has nothing to prefill: bound and at its prefill end at once; ``removed`` ends a
     row wherever it is; the single-sequence path, with no uid, ends at its prefill end; a
     request whose restore point is on disk waits in LOADING, still in mlx-vlm's queue, while
-    its file loads on the loader thread, ``integration.loading``; one that leaves the queue
-    meanwhile, cancelled, ends there)
+    its file loads on the loader thread, ``integration.loading``; one whose RAM restore would
+    take the merge copy waits in STAGING while its rows are copied on the stager thread,
+    ``integration.staging``; one that leaves the queue meanwhile, cancelled, ends there)
 
 A transition the table does not allow fails closed (``server_patch.failclosed``): the row
 keeps its state, and under ``APC_TEST_FAULTS=1`` the error is raised. To add a state, add it
@@ -38,6 +40,7 @@ import numpy as np
 from server_patch.failclosed import fail_closed
 from server_patch.integration.pending import Pending, prompt_key
 from server_patch.integration.timings import DECODE, PREFILL, RequestTiming, TimingBook
+from server_patch.integration.waits import Waits
 
 log = logging.getLogger("server_patch.lineage")
 
@@ -48,14 +51,18 @@ class RowState(StrEnum):
     """Where a request is, as far as its KV rows go."""
 
     LOADING = "loading"  # queued, its restore point's disk file loading off the generation thread
+    STAGING = "staging"  # queued, its RAM restore's rows copied off the generation thread
     ADMITTED = "admitted"  # looked up (or planned cold without a lookup): named by its key
     PREFILLING = "prefilling"  # bound to the generator's uid, its prompt being prefilled
     DECODING = "decoding"  # past its prefill end: its entry committed or deferred
     ENDED = "ended"  # left the batch or was removed: nothing of it writes a cache any more
 
 
+WAITING = frozenset({RowState.LOADING, RowState.STAGING})  # queued, waiting for off-thread work
+
 _NEXT: dict[RowState, frozenset[RowState]] = {
     RowState.LOADING: frozenset({RowState.ADMITTED, RowState.ENDED}),
+    RowState.STAGING: frozenset({RowState.ADMITTED, RowState.ENDED}),
     RowState.ADMITTED: frozenset({RowState.PREFILLING, RowState.DECODING, RowState.ENDED}),
     RowState.PREFILLING: frozenset({RowState.DECODING, RowState.ENDED}),
     RowState.DECODING: frozenset({RowState.ENDED}),
@@ -83,6 +90,8 @@ class RowLife:
     seq: int = 0  # the book's order (oldest first)
     history: list[RowState] = field(default_factory=list)  # the states it left, in order
     load: Any = None  # while LOADING and until its lookup: its ``integration.loading.Load``
+    stage: Any = None  # while STAGING and until its lookup: its ``integration.staging.Stage``
+    staged: bool = False  # its restored caches hold a staged buffer: the merge adopts it, no copy
 
     @property
     def key(self) -> tuple[Optional[str], int, int]:
@@ -128,6 +137,7 @@ class RowBook:
         self._seq = itertools.count(1)
         self._limit = limit
         self.decode_steps = 0  # decode steps seen (``decoded``): how long a LOADING row waited
+        self.waits = Waits(self)  # what each row waited for others' work (``integration.waits``)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -137,8 +147,16 @@ class RowBook:
     def loading(self, pending: Pending, load: Any) -> RowLife:
         """A queued prompt whose restore point's file is loading (``load``): a LOADING row,
         named by its key until its lookup admits it."""
+        return self.waiting(pending, RowState.LOADING, load=load)
+
+    def staging(self, pending: Pending, stage: Any) -> RowLife:
+        """A queued prompt whose RAM restore's rows are being copied (``stage``): a STAGING row."""
+        return self.waiting(pending, RowState.STAGING, stage=stage)
+
+    def waiting(self, pending: Pending, state: RowState, **work: Any) -> RowLife:
+        """A queued prompt that waits (``WAITING``) for work done off the generation thread."""
         with self._lock:
-            row = RowLife(pending, state=RowState.LOADING, load=load, seq=next(self._seq))
+            row = RowLife(pending, state=state, seq=next(self._seq), **work)
             self._rows[row.seq] = row
             self._by_key[pending.key] = row
             self._bound()
@@ -151,8 +169,8 @@ class RowBook:
         LOADING one is admitted (its load finished, failed or ran past the bound)."""
         with self._lock:
             row = self._by_key.get(pending.key)
-            if row is not None and row.state == RowState.LOADING and row.move(RowState.ADMITTED, "admit"):
-                row.load = None  # what it loaded is promoted (or dropped) by now
+            if row is not None and row.state in WAITING and row.move(RowState.ADMITTED, "admit"):
+                row.load = row.stage = None  # what it loaded is promoted, what it staged taken (or dropped)
             if row is not None and row.state == RowState.ADMITTED:
                 row.pending, row.record = pending, record
                 row.loan = row.loan if row.loan is not None else loan
@@ -241,6 +259,7 @@ class RowBook:
         """``event`` (leaving, removed, a prefill end with no uid) ended the row: ENDED, and
         forgotten once its record is finished too."""
         if row.move(RowState.ENDED, event):
+            self.waits.ended(row)
             self.tidy(row)
 
     def tidy(self, row: RowLife) -> None:
@@ -314,4 +333,4 @@ class RowBook:
         self.tidy(row)
 
 
-__all__ = ["ROWS_MAX", "RowBook", "RowLife", "RowState", "RowStateError"]
+__all__ = ["ROWS_MAX", "WAITING", "RowBook", "RowLife", "RowState", "RowStateError"]

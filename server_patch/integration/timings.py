@@ -2,7 +2,8 @@
 
 A record is opened at lookup and lives in its request's row (``integration.rowlife``) while
 it is filled in at commit, prefill completion and first token; then it is logged and observed
-into the book's Prometheus histograms (``metrics``, read by /admin/metrics).
+into the book's Prometheus histograms (``metrics``, read by /admin/metrics). Its waits for other
+requests' work (``integration.waits``) go on accruing until its row ends (``TimingBook.ended``).
 """
 
 from __future__ import annotations
@@ -93,11 +94,26 @@ class RequestTiming:
     oracle: int = 0
     lost: dict[str, int] = field(default_factory=dict)
     lost_why: str = ""  # why a disk file it would have restored from was rejected
+    # Waiting for other requests' work on the generation thread (``integration.waits``): in all,
+    # by ``waits.Work`` ({kind: ms}), and its decode steps that work pushed back. They accrue
+    # past the first token until the row ends (``ended``: final from then on).
+    waited_ms: float = 0.0
+    waited: dict[str, float] = field(default_factory=dict)
+    delayed_steps: int = 0
+    ended: bool = False
+    # The book's own marks, not in the JSON: in the ring (``TimingBook._finish``), and the
+    # decode step ``waits`` last counted as delayed.
+    finished: bool = False
+    delay_mark: int = -1
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out.pop("uid", None)
+        for private in PRIVATE:
+            out.pop(private, None)
         return out
+
+
+PRIVATE = ("uid", "finished", "delay_mark")  # fields of a record its JSON leaves out
 
 
 def _fmt(**fields: Any) -> str:
@@ -115,6 +131,10 @@ class TimingBook:
         self.listeners: list[Callable[[RequestTiming], None]] = []  # each finished record, once
         # Records already given to ``listeners`` whose outcome came later (cancelled in decode).
         self.outcome_listeners: list[Callable[[RequestTiming], None]] = []
+        # Records already in the ring whose row ended later (their waits final), numbered in
+        # the order they ended, for the event stream's ``request_ended`` (``ended_since``).
+        self.ended_ring: deque[tuple[int, RequestTiming]] = deque(maxlen=ring_size)
+        self._ended_seq = 0
         self.metrics = RequestMetrics()
 
     def open(self, prompt_tokens: int) -> RequestTiming:
@@ -175,7 +195,8 @@ class TimingBook:
         its record): its record is made now, with the next sequence number, and ends here."""
         with self._lock:
             record = RequestTiming(next(self._seq), clock.wall(), int(prompt_tokens), request_id=str(request_id),
-                                   outcome=CANCELLED, phase=QUEUED, stored=Stored.NOTHING, copies={})
+                                   outcome=CANCELLED, phase=QUEUED, stored=Stored.NOTHING, copies={},
+                                   ended=True)
         log.info("apc_lineage cancelled %s", _fmt(
             request=record.request_id, phase=QUEUED, prompt=record.prompt_tokens, stored=record.stored))
         self._finish(record)
@@ -185,7 +206,43 @@ class TimingBook:
         """A record is complete: into the ring, then to the listeners."""
         with self._lock:
             self.ring.append(record)
+            record.finished = True
+            settled = record.ended
         self._notify(record)
+        if settled:
+            self._settled(record)
+
+    def ended(self, record: RequestTiming) -> None:
+        """``record``'s row ended (``integration.waits``): its waits are final. One already in
+        the ring is told to the event stream again (``ended_since``); one not yet finished (a
+        one-token reply's row may leave before the server reports its first token) carries
+        them when it is."""
+        with self._lock:
+            if record.ended:
+                return
+            record.ended = True
+            settled = record.finished
+            if settled:
+                self._ended_seq += 1
+                self.ended_ring.append((self._ended_seq, record))
+        if settled:
+            self._settled(record)
+
+    def _settled(self, record: RequestTiming) -> None:
+        """Finished and ended: its waits go to the histograms (and one log line if it waited)."""
+        if record.waited_ms > 0:
+            log.info("apc_lineage waited %s", _fmt(
+                request=record.request_id, waited_ms=record.waited_ms, delayed_steps=record.delayed_steps,
+                **{kind: ms for kind, ms in sorted(record.waited.items())}))
+        try:
+            self.metrics.observe_waits(record)
+        except Exception as exc:  # a metric must never fail a request
+            log.debug("apc_lineage wait metrics failed: %s", exc)
+
+    def ended_since(self, seq: int = 0) -> list[tuple[int, dict[str, Any]]]:
+        """(number, record) of records whose row ended after number ``seq`` (the event stream)."""
+        with self._lock:
+            return [(n, r.as_dict()) for n, r in self.ended_ring if n > seq]
 
     def _notify(self, record: RequestTiming, listeners: list[Callable[[RequestTiming], None]] | None = None) -> None:
         for listener in list(self.listeners if listeners is None else listeners):

@@ -46,6 +46,10 @@ Settle = Callable[[RestorePlan], bool]  # make the plan real; True: something ch
 # What a loader answers (with no entry) for a file it did not load in time: the request is
 # admitted cold and the file kept (``integration.loading``: a load past ``APC_DISK_LOAD_WAIT_MS``).
 NOT_LOADED = "disk load slower than APC_DISK_LOAD_WAIT_MS"
+# What a loader answers for a file it did not load ahead (the plan turned to it only at the
+# lookup itself): the lookup plans again from RAM alone, so nothing loads on the generation
+# thread (``integration.loading.RequestDisk``); the file is kept.
+NOT_AHEAD = "disk file not loaded ahead of the lookup"
 
 
 def cold(plan: RestorePlan) -> RestorePlan:
@@ -90,6 +94,7 @@ class Admission:
     def _settled(self, disk: DiskLoader | None, settle: Settle | None,
                  disk_refused: Callable[[], bool]) -> RestorePlan:
         loaded: set[str] = set()
+        ram_only = False  # a loader answered NOT_AHEAD: the disk tier is not planned again
         plan = self.lookup()
         for _ in range(PLANS_MAX):
             if settle is not None and settle(plan):
@@ -106,6 +111,11 @@ class Admission:
                     self.steps.append((plan.length, Lost.DISK_UNUSED))
                     self.detail = why
                     break
+                if entry is None and why == NOT_AHEAD:  # not loaded ahead: the best RAM point, file kept
+                    self.steps.append((plan.length, Lost.DISK_UNUSED))
+                    self.detail, ram_only = why, True
+                    plan = self.cache.lookup(self.prompt, self.namespace, ram_only=True)
+                    continue
                 if entry is None:
                     self.steps.append((plan.length, Lost.DISK_REJECTED))
                     self.detail = why or "failed validation"
@@ -113,7 +123,7 @@ class Admission:
                     self.promoted.add(plan.record.id)
             else:
                 return plan
-            plan = self.lookup()
+            plan = self.cache.lookup(self.prompt, self.namespace, ram_only=ram_only)
         else:
             log.warning("apc_lineage lookup did not settle after %d plans: cold prefill", PLANS_MAX)
             self.steps.append((plan.length, Lost.OTHER))
@@ -142,7 +152,7 @@ class Admission:
         one is that very head."""
         plan = self._plan
         entry = plan.entry
-        if plan.checkpoint is None or entry is None or not entry.prompt_end or plan.length != entry.prompt_end:
+        if not at_protected_prompt_end(plan):
             return plan
         if not allowed(plan) or not self.cache.rewind(entry):
             return plan
@@ -221,6 +231,14 @@ class Admission:
                                        last_start=self.last_start)
 
 
+def at_protected_prompt_end(plan: RestorePlan) -> bool:
+    """Whether ``plan`` restores at its entry's protected prompt end, below a reply's state:
+    where ``Admission.rewind`` may move the entry's head back to."""
+    entry = plan.entry
+    return plan.checkpoint is not None and entry is not None and bool(entry.prompt_end) \
+        and plan.length == entry.prompt_end
+
+
 def _inside_reply(plan: RestorePlan) -> bool:
     """The plan restores at an entry's protected prompt end and the prompt shares more of the
     entry than that: it diverged inside the reply the entry kept (the client or its template
@@ -230,4 +248,5 @@ def _inside_reply(plan: RestorePlan) -> bool:
         and plan.shared > plan.length
 
 
-__all__ = ["NOT_LOADED", "PLANS_MAX", "Admission", "DiskLoader", "Settle", "cold"]
+__all__ = ["NOT_AHEAD", "NOT_LOADED", "PLANS_MAX", "Admission", "DiskLoader", "Settle", "at_protected_prompt_end",
+           "cold"]

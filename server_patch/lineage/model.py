@@ -41,6 +41,7 @@ class KVAdmission(StrEnum):
 
     LENT = "lent"  # the entry's own buffer, no copy
     COPIED = "copied"  # one merge copy
+    STAGED = "staged"  # one copy, made off the generation thread while it queued (``integration.staging``)
 
 
 class EventKind(StrEnum):

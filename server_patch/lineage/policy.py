@@ -158,12 +158,13 @@ class LineageCache:
     # ------------------------------------------------------------------ lookup
 
     def lookup(self, tokens: Sequence[int] | np.ndarray, namespace: str = "", *,
-               counted: bool = True) -> RestorePlan:
+               counted: bool = True, ram_only: bool = False) -> RestorePlan:
         """The longest restore point for ``tokens`` leaving at least one token to compute.
 
         RAM wins; the disk index is consulted only for something strictly longer. ``counted``
         False: a look ahead that is no lookup (a queued prompt asking whether its disk file
-        must load first, ``integration.loading``), so the stats do not count it.
+        must load first, ``integration.loading``), so the stats do not count it. ``ram_only``:
+        the disk index is not consulted (a file that was not loaded ahead, ``flow.NOT_AHEAD``).
         """
         prompt = as_tokens(tokens)
         n = int(prompt.shape[0])
@@ -183,7 +184,7 @@ class LineageCache:
                     best = cand
                 durable = max(durable, self._durable_in_entry(entry, lcp, limit))
             ram_best = best.length if best is not None else 0
-            for record in self._records.values():
+            for record in () if ram_only else self._records.values():
                 # A superseded file still restores correctly until its absorber is written (it
                 # may hold a turn boundary the absorber has thinned), so it stays visible.
                 if record.namespace != namespace or record.id in self._entries:

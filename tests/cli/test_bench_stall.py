@@ -1,11 +1,13 @@
 """``apcctl bench stall --quick`` on the tiny model: every scenario, stock and patched, and what
 each row says (the gaps of the same stream alone and with the event, the event's duration, the
-restores and evictions the event really caused). Real servers; never a time threshold.
+restores and evictions the event really caused, the page cache drop, the shared row's reply
+commit, the canary's file load). Real servers; never a time threshold.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -26,10 +28,14 @@ def result(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+GAP_SCENARIOS = [s for s in stall.SCENARIOS if s != "canary-load"]
+
+
 def test_every_scenario_runs_on_both_servers_with_the_gaps_of_the_same_stream(result: dict) -> None:
     rows = {(r["scenario"], r["mode"]): r for r in result["rows"]}
-    assert set(rows) == {(s, m) for s in stall.SCENARIOS for m in stall.MODES}
-    for row in rows.values():
+    assert set(rows) == {(s, m) for m in stall.MODES for s in stall.of_mode(m, list(stall.SCENARIOS))}
+    assert {s for s, m in rows if m == "patched-unpaced"} == set(stall.PACED_SCENARIOS)
+    for row in (r for r in rows.values() if r["scenario"] in GAP_SCENARIOS):
         for gaps in (row["alone"], row["with_event"]):
             assert gaps["tokens"] >= 2
             assert gaps["p50"] <= gaps["p99"] <= gaps["max"]
@@ -51,7 +57,65 @@ def test_the_events_did_what_their_names_say(result: dict) -> None:
     assert result["budget_bytes"] > 0
 
 
+def test_the_disk_restore_read_files_dropped_from_the_page_cache(result: dict) -> None:
+    for mode in stall.MODES:
+        dropped = next(r for r in result["rows"] if r["scenario"] == "disk-restore" and r["mode"] == mode)["page_cache"]
+        assert dropped["files"] > 0 and dropped["bytes"] > 0  # the drop saw the tier's files
+        if hasattr(os, "posix_fadvise"):  # Linux: per-file DONTNEED, and mincore says what it did
+            assert dropped["method"] == "fadvise", dropped
+            assert dropped["resident_after"] is not None and dropped["resident_after"] <= dropped["resident_before"]
+        assert dropped["label"] == "cold" if dropped["dropped"] else dropped["label"].startswith("warm")
+
+
+def test_the_shared_row_ended_while_the_victim_decoded_and_its_reply_commit_was_counted(result: dict) -> None:
+    for mode in ("stock", "patched"):
+        row = next(r for r in result["rows"] if r["scenario"] == "shared-row-end" and r["mode"] == mode)
+        assert row["event_cached_tokens"] > 0  # a restored next turn, in the victim's batch
+        assert row["shared_reply_tokens"] == stall.Plan(**result["plan"]).shared_reply
+        assert row["alone"]["tokens"] == row["with_event"]["tokens"] > result["plan"]["tokens"]  # a longer victim
+        assert row["ended_while_victim_decoded"], row
+        assert row["row_end_gap_ms"] is not None and row["row_end_gap_ms"] > 0
+        if mode != "stock":  # the server counted the reply commit: an append or a whole-row copy
+            assert sum(row["reply_commit"].values()) == 1, row["reply_commit"]
+        else:
+            assert row["reply_commit"] == {}
+
+
+def test_a_request_arrived_while_the_canary_checked_a_file_it_loaded(result: dict) -> None:
+    repeat = result["plan"]["repeat"]
+    for mode in ("stock", "patched"):
+        row = next(r for r in result["rows"] if r["scenario"] == "canary-load" and r["mode"] == mode)
+        assert len(row["ttft_alone_ms"]) == repeat and all(ms > 0 for ms in row["ttft_alone_ms"])
+        if mode == "stock":  # no canary: the plain TTFT only
+            assert row["canary"] is None and row["ttft_with_ms"] == [] and row["ttft_with_median"] is None
+            continue
+        assert len(row["ttft_with_ms"]) == repeat and all(ms > 0 for ms in row["ttft_with_ms"])
+        canary = row["canary"]
+        assert canary["complete"] == repeat and canary["fail"] == 0, canary
+        assert canary["disk_points_loaded"] >= repeat, canary  # every round loaded the file from disk
+        assert row["record"]["length"] >= result["plan"]["context"] // 2
+        assert row["page_cache"]["files"] > 0
+
+
 def test_the_table_has_a_row_per_scenario_and_mode(result: dict) -> None:
     table = stall.render(result).splitlines()
-    assert len(table) == 2 + len(result["rows"]) + 1
+    canary_rows = sum(1 for r in result["rows"] if r["scenario"] == "canary-load")
+    assert len(table) == 2 + len(result["rows"]) - canary_rows + 2 + canary_rows + 1
     assert all(any(line.startswith(s) for line in table) for s in stall.SCENARIOS)
+    assert any("reply appended 1" in line or "row copied 1" in line for line in table)
+    assert any("stock has no canary" in line for line in table)
+
+
+def test_a_page_cache_drop_says_how_much_of_the_files_stayed_resident(tmp_path: Path) -> None:
+    from apcctl.bench import pagecache
+
+    (tmp_path / "tier").mkdir()
+    path = tmp_path / "tier" / "entry.safetensors"
+    path.write_bytes(os.urandom(1 << 20))
+    dropped = pagecache.drop(tmp_path / "tier")
+    assert (dropped.files, dropped.bytes) == (1, 1 << 20)
+    if dropped.resident_before is not None:  # mincore: the fraction after is what the OS says now
+        assert dropped.resident_after == pagecache.resident([path])
+    assert dropped.dropped == (dropped.label == "cold")
+    nothing = pagecache.drop(tmp_path / "missing")
+    assert (nothing.files, nothing.dropped, nothing.label) == (0, False, "warm (no files)")

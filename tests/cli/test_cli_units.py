@@ -495,3 +495,13 @@ def test_apcctl_requests_shows_the_oracle_and_the_top_lost_reason() -> None:
     assert line[4:8] == ["2,048", "4,096", "thinned", "1,536+"]  # REUSED, ORACLE, LOST (the most tokens first)
     whole = format_request(dict(record, restored_tokens=4096, lost={})).split()
     assert whole[4:6] == ["4,096", "4,096"] and whole[6] == "1.0"  # nothing lost: a blank LOST cell
+
+
+def test_apcctl_requests_shows_what_a_request_waited_for() -> None:
+    from apcctl.commands.requests import COLUMNS, format_request, row
+
+    record = {"seq": 4, "started": 0.0, "prompt_tokens": 50, "ttft_ms": 9.0, "entry_id": "abc",
+              "waited_ms": 2914.4, "waited": {"restore": 1.0, "prefill": 2908.0, "commit": 5.4}, "ended": True}
+    assert row(record)[COLUMNS.index("WAIT ms")] == "2,914 prefill+"
+    assert format_request(record).split()[-3:] == ["2,914", "prefill+", "abc"]
+    assert row(dict(record, waited_ms=0.0, waited={}))[COLUMNS.index("WAIT ms")] == ""

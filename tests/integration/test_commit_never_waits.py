@@ -5,19 +5,33 @@ decoding stream. Under a full budget with a writer that never lands, commits and
 return without waiting or sleeping, the budget holds, the least recently used entry without
 room in the writer's queue leaves RAM unwritten (counted), and what the cache did on that
 path is metadata only: the disk tier was asked to queue writes, never to read, write or
-delete a file, and the state handles were asked for their sizes only.
+delete a file, and the state handles were asked for their sizes only. With the real disk store
+the same holds: its ``write`` reads no free space (``statvfs``) and opens no file on the
+committing thread. And a shared row's reply commit into the room its prompt-end copy left
+writes only its reply rows (the copy ledger), never the whole row, waiting for nothing.
 """
 
 from __future__ import annotations
 
+import builtins
+import io
+import os
 import threading
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
 
+from server_patch.copyfree import ledger
+from server_patch.disk import store as disk_store
 from server_patch.lineage import DiskRecord, Entry, LineageCache, LineageConfig, SizedKV, SizedSnapshot
+from server_patch.state.layout import CacheLayout
+from tests.copyfree.test_reply_append import per_token_kv_bytes
+from tests.copyfree.test_reply_room import MAX_TOKENS, PROMPT, REPLY, cold_pair, decode_both
+from tests.fake_model import random_tokens
+from tests.integration.test_row_machine import server  # noqa: F401 (the fixture)
 from tests.lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
 from tests.lineage.test_lineage_policy import ENTRY_BYTES, KV_PER_TOKEN, SNAP, Clock
 
@@ -77,23 +91,51 @@ def _commit(cache: LineageCache, seed: int) -> Entry | None:
     return cache.commit(prompt, kv=MetadataKV(KV_PER_TOKEN, end), head=SizedSnapshot(SNAP))
 
 
-@pytest.fixture
-def no_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every way a thread could wait for another raises (a test of this file's own thread)."""
-    me = threading.get_ident()
+class CommitPath:
+    """While ``armed``, every way this test's thread could wait for another thread or touch a
+    file raises, and is recorded (``touched``: a caller that swallows the error still fails)."""
 
-    def refuse(name: str, real: Any) -> Any:
+    def __init__(self) -> None:
+        self.me = threading.get_ident()
+        self.armed = True
+        self.touched: list[str] = []
+
+    def refuse(self, name: str, real: Any) -> Any:
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() == me:
+            if self.armed and threading.get_ident() == self.me:
+                self.touched.append(name)
                 raise AssertionError(f"{name} on the commit path")
             return real(*args, **kwargs)
         return guarded
 
-    monkeypatch.setattr(threading.Condition, "wait", refuse("Condition.wait", threading.Condition.wait))
-    monkeypatch.setattr(threading.Condition, "wait_for",
-                        refuse("Condition.wait_for", threading.Condition.wait_for))
-    monkeypatch.setattr(threading.Event, "wait", refuse("Event.wait", threading.Event.wait))
-    monkeypatch.setattr(time, "sleep", refuse("time.sleep", time.sleep))
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """Armed for the block only (the test's own setup may wait and read files)."""
+        self.armed = True
+        try:
+            yield
+        finally:
+            self.armed = False
+
+
+@pytest.fixture
+def commit_path(monkeypatch: pytest.MonkeyPatch) -> CommitPath:
+    """Waits, sleeps, free-space reads and file I/O on this test's thread raise (armed at once)."""
+    guard = CommitPath()
+    for owner, name, label in ((threading.Condition, "wait", "Condition.wait"),
+                               (threading.Condition, "wait_for", "Condition.wait_for"),
+                               (threading.Event, "wait", "Event.wait"), (time, "sleep", "time.sleep"),
+                               (os, "statvfs", "os.statvfs"), (os, "open", "os.open"), (os, "fsync", "os.fsync"),
+                               (os, "replace", "os.replace"), (builtins, "open", "open"), (io, "open", "io.open")):
+        monkeypatch.setattr(owner, name, guard.refuse(label, getattr(owner, name)))
+    yield guard
+    guard.armed = False
+    assert guard.touched == [], guard.touched
+
+
+@pytest.fixture
+def no_waiting(commit_path: CommitPath) -> None:
+    """Every way a thread could wait for another raises (a test of this file's own thread)."""
 
 
 def _cache(disk: StalledWriter) -> LineageCache:
@@ -143,3 +185,57 @@ def test_a_promotion_with_a_stalled_writer_never_waits_and_keeps_the_budget(no_w
                    namespace="", created=0.0, last_used=0.0)
     assert cache.promote(record, loaded) is loaded
     assert cache.ram_used <= cache.config.ram_budget_bytes and cache.holds(loaded)
+
+
+class StalledThread:
+    """The disk writer thread, stalled: turns are queued and never run."""
+
+    def __init__(self) -> None:
+        self.turns: list[Any] = []
+
+    def submit(self, store: Any) -> None:
+        self.turns.append(store)
+
+
+def test_the_real_disk_stores_write_reads_no_free_space_and_opens_no_file_on_the_commit_path(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, commit_path: CommitPath) -> None:
+    commit_path.armed = False
+    writer = StalledThread()
+    monkeypatch.setattr(disk_store, "WRITER", writer)
+
+    store = disk_store.DiskStore(tmp_path, fingerprint="fp", layout=CacheLayout([]))
+    cache = LineageCache(LineageConfig(ram_budget_bytes=int(2.5 * ENTRY_BYTES), periodic_stride=0,
+                                       guard_min_suffix=10_000), disk=store, clock=Clock())
+    with commit_path.watching():
+        held = [_commit(cache, 40 + i) for i in range(2)]
+        assert cache.flush() == 2  # queued for the (stalled) writer, on this thread: no statvfs, no file
+        newest = _commit(cache, 42)  # the budget is full of entries the writer holds
+    assert store.pending == 2 and len(writer.turns) == 2 and cache.stats["disk_write_failures"] == 0
+    assert newest is None and all(cache.holds(e) for e in held) and cache.stats["evicted_unwritten"] == 1
+    assert cache.ram_used <= cache.config.ram_budget_bytes and list(tmp_path.glob("*.safetensors")) == []
+
+
+def test_a_shared_rows_reply_commit_into_its_room_writes_only_the_reply_rows_and_waits_for_nothing(
+        server, commit_path: CommitPath, monkeypatch: pytest.MonkeyPatch) -> None:
+
+    commit_path.armed = False
+    monkeypatch.setattr(ledger.LEDGER, "_on", True)
+    ledger.reset()
+    s = server
+    prompts = [random_tokens(PROMPT, seed=121), random_tokens(PROMPT, seed=122)]
+    batch = cold_pair(s, prompts)
+    decode_both(s, batch, [random_tokens(REPLY, seed=123), random_tokens(REPLY, seed=124)])
+    s.disk.land()
+    (first,) = [e for e in s.cache.entries() if np.array_equal(e.tokens, prompts[0][:-1])]
+    per_token = per_token_kv_bytes(first.kv)
+    assert first.kv.capacity() > PROMPT + MAX_TOKENS[0]
+    ledger.reset()
+    with commit_path.watching():
+        s.coordinator.rows_leaving(batch, [1])  # row 1 ends while row 2 decodes on
+    copies = ledger.snapshot()
+    ledger.reset()
+    assert set(copies) <= {"reply_append.kv", "reply_append.pooled"}, copies  # no whole-row copy
+    assert copies["reply_append.kv"] == (PROMPT + REPLY - (PROMPT - 1)) * per_token, copies
+    # The pooled windows (one per 16 tokens, small) are copied whole from the row.
+    assert copies.get("reply_append.pooled", 0) < (PROMPT + REPLY) * per_token // 8, copies
+    assert s.cache.stats["reply_appends"] == 1 and s.cache.stats["reply_row_copies"] == 0

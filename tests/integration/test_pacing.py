@@ -126,20 +126,21 @@ def _chunks(server: PatchedServer) -> list[dict[str, str]]:
 class Stream(threading.Thread):
     """A long greedy stream of another session; ``decoding`` is set at its third token."""
 
-    def __init__(self, server: PatchedServer, max_tokens: int) -> None:
+    def __init__(self, server: PatchedServer, max_tokens: int, seed: int = 2900) -> None:
         super().__init__(daemon=True)
-        self.server, self.max_tokens = server, max_tokens
+        self.server, self.max_tokens, self.seed = server, max_tokens, seed
         self.decoding = threading.Event()
         self.tokens = 0
 
     def run(self) -> None:
         payload = {"model": str(self.server.model_dir), "temperature": 0.0, "stream": True,
                    "max_tokens": self.max_tokens,
-                   "messages": [{"role": "user", "content": text(40, 2900)}]}
+                   "messages": [{"role": "user", "content": text(40, self.seed)}]}
         conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=300)
+        tenant = "stream" if self.seed == 2900 else f"stream-{self.seed}"
         try:
             conn.request("POST", "/v1/chat/completions", body=json.dumps(payload),
-                         headers={"Content-Type": "application/json", "X-APC-Tenant": "stream"})
+                         headers={"Content-Type": "application/json", "X-APC-Tenant": tenant})
             for raw in conn.getresponse():
                 if raw.startswith(b"data:") and b"[DONE]" not in raw:
                     self.tokens += 1

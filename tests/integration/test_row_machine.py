@@ -78,7 +78,14 @@ class Generator:
 def server(model, layout, monkeypatch):
     """A coordinator over a light runtime, and its generator. No decode reserve, so a lone
     row's adopted 256-row buffer has room for the next short turn (which is then lent it)."""
+    return light_server(model, layout, monkeypatch)
+
+
+def light_server(model, layout, monkeypatch, **env: str) -> SimpleNamespace:
+    """``server``'s coordinator, with ``env`` set before the copy-free settings are read."""
     monkeypatch.setenv("APC_COPYFREE_DECODE_RESERVE", "0")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     # The copy-free settings are the process's, applied once (``pool.configure``): whatever test
     # ran first in this process chose them, so these are this test's own, given back after it.
     monkeypatch.setattr(pool, "_settings", CopyFreeSettings.from_env())
@@ -236,7 +243,10 @@ def test_a_lone_deferred_row_is_adopted_when_it_joins_a_shared_batch(server):
     assert row.state == DECODING and row.reply is not None  # it decodes on, its reply still tracked
 
 
-def test_rows_sharing_a_batch_are_deferred_with_reply_reuse_and_copied_out_as_each_leaves(server):
+def test_cold_rows_sharing_a_batch_are_copied_out_with_room_for_their_replies_at_their_prefill_end(server):
+    """With reply reuse a cold row of a shared batch has no entry its reply could be appended
+    to, so its prompt end is copied out at once into buffers with room for the reply (issue 29:
+    when it ends only the reply rows are written); each entry holds its own row's state."""
     prompts = [random_tokens(40, seed=15), random_tokens(40, seed=16)]
     coordinator = server.coordinator
     for prompt in prompts:
@@ -255,14 +265,14 @@ def test_rows_sharing_a_batch_are_deferred_with_reply_reuse_and_copied_out_as_ea
     server.generator._generation_batch = batch
     for i, prompt in enumerate(prompts):
         coordinator.store_checkpoint(prompt[:-1], shared, extra_hash=0, batch_idx=i, uid=i + 1)
-    assert [r.state for r in rows] == [DECODING, DECODING] and server.cache.entries() == []
-    assert all(r.deferral is not None and r.deferral.shared and r.reply is not None for r in rows)
+    assert [r.state for r in rows] == [DECODING, DECODING] and len(server.cache.entries()) == 2
+    assert all(r.deferral is None and r.reply is not None and r.reply.base is not None for r in rows)
+    assert all(e.kv.capacity() > 40 for e in server.cache.entries())  # room for the reply
     coordinator.rows_leaving(batch, [1])  # the first row ends; its cache lacks the last prompt token
-    (entry,) = server.cache.entries()  # so no reply is kept: its prompt end is copied out
-    assert np.array_equal(entry.tokens, prompts[0][:-1]) and rows[0].state == ENDED
-    assert rows[1].state == DECODING and rows[1].deferral is not None
+    assert len(server.cache.entries()) == 2  # so no reply is kept: its entry stays at the prompt end
+    assert rows[0].state == ENDED and rows[1].state == DECODING
     coordinator.rows_leaving(batch, [])  # then the second (the first one's row is over already)
-    assert rows[1].state == ENDED and rows[1].deferral is None
+    assert rows[1].state == ENDED and len(server.cache.entries()) == 2
     for prompt, single in zip(prompts, singles):  # each entry holds its own row's state
         (stored,) = [e for e in server.cache.entries() if np.array_equal(e.tokens, prompt[:-1])]
         own = rows_of(server, single)

@@ -35,7 +35,7 @@ def test_the_enums_keep_the_strings_logs_stats_and_files_always_had():
                                                 "periodic", "segment", "cold"]
     assert (COLD, ENTRY, ANCHOR, RAM, DISK) == ("cold", "entry", "anchor", "ram", "disk")
     assert COLD is RestoreKind.COLD and DISK is Tier.DISK and LOG_KINDS[-1] == "disk"
-    assert [str(m) for m in KVAdmission] == ["lent", "copied"]
+    assert [str(m) for m in KVAdmission] == ["lent", "copied", "staged"]
     assert json.dumps({"kind": ANCHOR, "tier": RAM, "why": Reason.RAM_BUDGET}) == \
         '{"kind": "anchor", "tier": "ram", "why": "ram budget"}'
     assert f"{DISK}:{RestoreKind.FINAL}" == "disk:final" and "%s" % EventKind.DISK_WRITE == "disk_write"
@@ -63,7 +63,7 @@ def test_one_place_names_and_decodes_the_hits_and_kv_keys():
              "reused_tokens": 10, "prefill_tokens": 30}
     assert hits_by_kind(stats) == {"cold": 3, "entry": 2, "disk": 1}
     assert hits_by_kind(stats, known=LOG_KINDS)["segment"] == 0
-    assert kv_by_mode(stats) == {"lent": 2, "copied": 0}
+    assert kv_by_mode(stats) == {"lent": 2, "copied": 0, "staged": 0}
     summary = hit_summary(stats)
     assert (summary["requests"], summary["hits"], summary["token_hit_rate"]) == (6, 3, 0.25)
 

@@ -105,6 +105,37 @@ def test_live_tab_with_the_oracle_columns(snap_compare) -> None:
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
+# Requests as a server with issue 29's waits records them: (ms waited by work, ended). The last
+# one's row is still running when it is pushed; its ``request_ended`` follows with the final waits.
+WAIT_REQUESTS = (({}, True), ({"prefill": 2908.0, "commit": 5.4, "restore": 1.0}, True),
+                 ({"commit": 2.2}, True), ({"prefill": 640.0}, False))
+FINAL_WAITS = {"prefill": 4210.0, "commit": 12.5}
+
+
+def test_live_tab_with_the_wait_column(snap_compare) -> None:
+    """Each request's WAIT (what other requests' work held it up, and what most of it was:
+    "2,914 prefill+"), blank for one nothing held up, ``-`` for the recording's older rows; the
+    still-running row brought up to date by its ``request_ended`` event."""
+    source = RecordedSource.load(RECORDING)
+    last = [data for name, data in source.recording["events"] if name == "request"][-1]
+    pushed = [{**last, "seq": last["seq"] + n, "started": last["started"] + n / 2,
+               "waited_ms": sum(waited.values()), "waited": waited, "delayed_steps": len(waited), "ended": ended}
+              for n, (waited, ended) in enumerate(WAIT_REQUESTS, start=1)]
+    final = {**pushed[-1], "waited_ms": sum(FINAL_WAITS.values()), "waited": FINAL_WAITS, "ended": True}
+    assert RequestRecord.from_json(final).waited == FINAL_WAITS  # the typed record's shape
+    app = make_app(source)
+
+    async def run_before(pilot) -> None:
+        await settle(pilot)
+        for record in pushed:
+            source.push("request", record)
+        source.push("request_ended", final)
+        await wait_for(pilot, lambda: pilot.app.state.requests[-1].data.get("ended") is True)
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
 def test_lineages_tab_with_a_checkpoint_timeline(snap_compare) -> None:
     """The entry table sorted by last use, and the selected entry's checkpoints on its token axis."""
     assert snap_compare(recorded_app(), terminal_size=SIZE, run_before=after("2", "down"))

@@ -15,7 +15,7 @@ from apcctl.cli import main
 from apcctl.core.client import AdminClient
 from apcctl.core.process import ProcessInfo
 from tui import impact, series
-from tui.columns import LOST_SHORT, lost_cell, lost_total, oracle_cell, oracle_line
+from tui.columns import LOST_SHORT, lost_cell, lost_total, oracle_cell, oracle_line, wait_cell
 from tui.app import run_dashboard
 from tui.source import Snapshot
 from tui.state import DashboardState, hit_ratio, percentile
@@ -90,6 +90,30 @@ def test_the_lost_column_names_the_top_reason_and_tolerates_an_older_server() ->
     assert (oracle_cell(two), str(lost_cell(two)), lost_total(two)) == ("1,296", "ram 1,200+", 1280)
     newer = {**request(4, 0), "oracle": 32, "lost": {"a reason not yet known": 32}}
     assert str(lost_cell(newer)) == "a reason not yet known 32"
+
+
+def test_the_wait_column_names_the_main_work_and_tolerates_an_older_server() -> None:
+    from server_patch.integration.waits import Work
+
+    assert str(wait_cell(request(1))) == "-"  # a server before issue 29's waits
+    assert str(wait_cell({**request(2), "waited_ms": 0.0, "waited": {}})) == ""
+    one = {**request(3), "waited_ms": 812.4, "waited": {Work.PREFILL: 812.4}}
+    assert str(wait_cell(one)) == "812 prefill"
+    two = {**request(4), "waited_ms": 2914.4, "waited": {"restore": 1.0, "prefill": 2908.0, "commit": 5.4}}
+    assert str(wait_cell(two)) == "2,914 prefill+"
+
+
+def test_a_request_ended_event_brings_its_kept_record_up_to_date() -> None:
+    state = DashboardState()
+    state.apply_event("hello", {"pid": 1, "started": 10.0})
+    for n in (1, 2):
+        state.apply_event("request", {**request(n), "waited_ms": 1.0, "waited": {"commit": 1.0}, "ended": False})
+    final = {**request(1), "waited_ms": 501.0, "waited": {"commit": 1.0, "prefill": 500.0}, "ended": True}
+    assert state.apply_event("request_ended", final) == "request"
+    assert state.requests[0].data["waited_ms"] == 501.0 and state.requests[0].key == "1:1"
+    assert state.apply_event("request_ended", final) is None  # a reconnect replays it: nothing changed
+    assert state.apply_event("request_ended", {**request(9), "ended": True}) is None  # not kept
+    assert len(state.requests) == 2 and state.logged == 2  # no new row, no new log line
 
 
 def test_the_counters_oracle_line_is_one_line_largest_loss_first() -> None:

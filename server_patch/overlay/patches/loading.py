@@ -3,7 +3,10 @@ whose restore point is a disk file waits in the queue, its file loading, while t
 
 * generate/ar.py ``BatchGenerator._next``: before it takes up to ``prefill_batch_size`` queued
   sequences, the door's ``admissible`` says how many (the queue reordered: those still loading
-  behind); none: no prompt batch this step, the decode steps go on.
+  behind); none: no prompt batch this step, the decode steps go on;
+* generate/ar.py ``BatchGenerator._next``, first thing every step (also while the batch is full
+  or a multi-chunk prefill runs, when ``admissible`` is not reached): with prompts queued, the
+  door's ``prefetch`` starts their disk loads and staged copies without admitting them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,21 @@ from server_patch.overlay.pristine import patch_of
 FILE_PATCHES = (
     patch_of(
         "mlx_vlm.generate.ar",
+        Edit(
+            name="loading.prefetch",
+            old=(
+                "    def _next(self, **kwargs):\n"
+                "        generation_responses = []\n"
+                "        prompt_responses = []\n"
+            ),
+            new=(
+                "    def _next(self, **kwargs):\n"
+                "        generation_responses = []\n"
+                "        prompt_responses = []\n"
+                "        if self._unprocessed_sequences:\n"
+                "            _apc_door.prefetch(self)\n"
+            ),
+        ),
         Edit(
             name="loading.admissible",
             old=(

@@ -1,0 +1,121 @@
+"""``bench stall``'s ``canary-load``: a request arrives while the idle canary loads a disk point.
+
+The canary checks restore points while the server is idle; a disk point's file used to load on
+the generation thread with no yield point, so a request arriving then waited for the whole
+read (issue 29: TTFT 688 vs 179 ms at 545 MB). Now the file loads on the canary's loader
+thread (``server_patch/disk/loader.py``). Here the other session's conversations are written
+to the disk tier and dropped from RAM, their files dropped from the page cache, and ``POST
+/admin/verify {"entry": id}`` queues a check of one of them; once ``GET /admin/verify`` says
+the file is loading (``loading``), the victim sends a short request (restored from RAM). Its
+TTFT is measured ``repeat`` times alone and ``repeat`` times so. Stock has no canary: its row
+has the TTFT alone only. The check after the load is cut short (``APC_CANARY_MAX_TOKENS`` =
+``MAX_TOKENS``: longer points with no restore point that close skip): the event is the load.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from typing import Any
+
+from apcctl.bench import pagecache
+from apcctl.bench.stall_session import Session, ask_to_disk, disk_root, event_conversation
+from apcctl.bench.ttft import BenchError
+
+MAX_TOKENS = 512  # the servers' APC_CANARY_MAX_TOKENS: points past it with no base skip after the load
+LOADING_WAIT_S = 60.0  # how long the victim waits for the canary to start loading
+
+
+IDLE_S = 0.1  # the servers' APC_CANARY_IDLE_S: a round's check starts (and resumes) at once
+
+
+def settings() -> dict[str, str]:
+    """The patched server's extra settings for this scenario."""
+    return {"APC_CANARY_MAX_TOKENS": str(MAX_TOKENS), "APC_CANARY_IDLE_S": str(IDLE_S)}
+
+
+def run(session: Session) -> dict[str, Any]:
+    """The scenario's row: the arriving request's TTFT alone and with the canary loading."""
+    server = session.server
+    ask_to_disk(session, event_conversation(session, "canary"))
+    session.ask(session.victim)  # the victim's own entry back in RAM: its request restores from RAM
+    alone = [_ttft(session) for _ in range(session.plan.repeat)]
+    row: dict[str, Any] = {"ttft_alone_ms": alone, "ttft_alone_median": _median(alone)}
+    if not server.patched:
+        return {**row, "ttft_with_ms": [], "ttft_with_median": None, "canary": None,
+                "note": "stock has no canary"}
+    record = _disk_record(session)
+    rounds = [_with_canary(session, record) for _ in range(session.plan.repeat)]
+    with_ms = [r["ttft_ms"] for r in rounds]
+    return {**row, "ttft_with_ms": with_ms, "ttft_with_median": _median(with_ms),
+            "ttft_vs_alone": round(_median(with_ms) / _median(alone), 2) if _median(alone) else None,
+            "record": {"id": record["id"], "length": record["length"], "disk_bytes": record.get("disk_bytes")},
+            "loading_at_arrival": sum(1 for r in rounds if r["loading_at_arrival"]),
+            "canary": _summed([r["canary"] for r in rounds]), "page_cache": rounds[-1]["page_cache"]}
+
+
+def _ttft(session: Session) -> float:
+    ms, _, _ = session.server.stream(session.victim, 1)
+    return round(ms, 1)
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 1) if values else None
+
+
+def _disk_record(session: Session) -> dict[str, Any]:
+    """A conversation's file (one only on disk, the most recently used, the longest of those):
+    as long as the other session's conversations, the canary's load is that of a file of theirs."""
+    listed = session.server.get_json("/admin/entries?tier=disk&kind=conversation")["entries"]
+    if not listed:
+        raise BenchError(f"{session.server.mode}: canary-load: no conversation on disk only after the flush")
+    return max(listed, key=lambda e: (float(e.get("last_used") or 0), int(e["length"])))
+
+
+def _with_canary(session: Session, record: dict[str, Any]) -> dict[str, Any]:
+    """One round: page cache dropped, the check queued, the request sent once the file loads."""
+    server = session.server
+    dropped = pagecache.drop(disk_root(server))
+    answer: dict[str, Any] = {}
+
+    def verify() -> None:
+        try:
+            answer["value"] = server.get_json("/admin/verify", {"entry": record["id"], "timeout_s": 600}, timeout=620)
+        except Exception as exc:  # reported below, after the request
+            answer["error"] = exc
+
+    thread = threading.Thread(target=verify, daemon=True)
+    thread.start()
+    loading = _wait_loading(session, thread)
+    ttft = _ttft(session)
+    thread.join()
+    if "error" in answer:
+        raise BenchError(f"{server.mode}: canary-load: POST /admin/verify failed: {answer['error']}")
+    return {"ttft_ms": ttft, "loading_at_arrival": loading, "canary": _results(answer["value"]),
+            "page_cache": dropped.as_dict() | {"label": dropped.label}}
+
+
+def _wait_loading(session: Session, verify: threading.Thread) -> bool:
+    """True once the canary's loader thread holds a file; False if the check finished first."""
+    deadline = time.monotonic() + LOADING_WAIT_S
+    while verify.is_alive() and time.monotonic() < deadline:
+        if int(session.server.get_json("/admin/verify").get("loading", 0) or 0) > 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _results(report: dict[str, Any]) -> dict[str, int]:
+    """What the check did: its points by result, the disk points whose file it loaded, and how
+    often a request made it stop."""
+    disk = [r for r in report.get("results", []) if r.get("tier") == "disk"]
+    loaded = [r for r in disk if not str(r.get("reason", "")).startswith(("file no longer", "file rejected"))]
+    return {"points": int(report.get("points", 0)), "pass": int(report.get("pass", 0)),
+            "fail": int(report.get("fail", 0)), "skip": int(report.get("skip", 0)),
+            "disk_points_loaded": len(loaded), "abandoned": int(report.get("abandoned", 0)),
+            "complete": int(bool(report.get("complete")))}
+
+
+def _summed(results: list[dict[str, int]]) -> dict[str, int]:
+    return {key: sum(r[key] for r in results) for key in results[0]} if results else {}

@@ -1,0 +1,149 @@
+"""Queued RAM restores whose merge copy is made off the generation thread (issue 29).
+
+A warm turn that cannot be lent its entry's buffer (a checkpoint below the entry's head, an
+anchor, an entry queued for writing, a buffer without room) gets one copy of its whole restored
+KV in the batch merge (``copyfree.merge.merge_rows``), on the generation thread: 537 MB in
+0.33-0.71 s at 16.4k tokens on the bench preset, every other stream frozen meanwhile. So while
+other rows decode, a queued prompt whose look-ahead plan is such a RAM restore of at least
+``APC_STAGE_MIN_TOKENS`` tokens (``BatchRows.stageable``) waits in STAGING, still in mlx-vlm's
+queue, while that very copy is made on the stager thread (``STAGES``): rows ``[:length]`` of
+each float KV child into fresh buffers with the capacity the merge would give it as a lone row
+(``copyfree.merge.stage_rows``). Meanwhile the entry holds a loan receipt
+(``LineageCache.lend``), so it is not evicted, written, rewound nor lent, and nothing writes the
+rows being read; the receipt ends as soon as the copy has.
+
+At a later step the prompt is admitted alone in its prompt batch (``integration.loading``), and
+its lookup, if it plans the very restore point staged (the same entry, length and snapshot),
+restores from the staged buffers (``Stage.take``), which the merge adopts as it adopts a lent
+buffer: no copy on the generation thread. Anything else fails closed to what happened before:
+a plan that changed meanwhile, a copy that failed or took past ``APC_DISK_LOAD_WAIT_MS``, a
+prompt that left the queue: the staged buffers are dropped, and the lookup restores (and the
+merge copies) as it would have. The same tokens are restored either way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from server_patch import clock, settings
+from server_patch.copyfree.merge import stage_rows
+from server_patch.disk import faults
+from server_patch.disk.loader import BackgroundLoads
+from server_patch.state.layout import CacheLayout, MlxKV
+
+log = logging.getLogger("server_patch.copyfree")
+
+STAGER_THREAD = "apc-stage"
+# One thread of its own (MLX gives each thread a stream it never frees): a staged copy never
+# waits behind a request's disk load, nor the other way round.
+STAGES = BackgroundLoads(STAGER_THREAD)
+LATE = "staged copy slower than APC_DISK_LOAD_WAIT_MS"
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class _Job:
+    """What the stager thread copies: the entry's KV layers as they were when it started."""
+
+    id: str
+    layers: list[list[dict]]
+    kv_children: list[list[bool]]
+    length: int
+    capacity: int
+
+    def run(self, _job: Any = None) -> tuple[Optional[tuple[list, list]], str]:
+        faults.before_stage()
+        return stage_rows(self.layers, self.kv_children, self.length, self.capacity), ""
+
+
+@dataclass
+class Stage:
+    """One queued prompt's staged copy of the restore point its look-ahead planned."""
+
+    entry: Any
+    length: int
+    state: Any  # the plan's snapshot: the restore point is the same only with this very one
+    job: _Job
+    started: float  # ``clock.steady()`` when it started
+    steps_at_start: int  # the book's decode steps then
+    receipt: Any = None  # the cache's loan receipt while the copy runs
+    staged: Optional[tuple[list, list]] = None  # ``stage_rows``' answer, once done
+    done: bool = False
+    why: str = ""  # why nothing was staged (the copy failed, or was late)
+
+    @property
+    def capacity(self) -> int:
+        return self.job.capacity
+
+    def take(self, layout: CacheLayout, cache: Any, plan: Any) -> Optional[list[Any]]:
+        """The restored row caches around the staged buffers, if ``plan`` is the restore point
+        staged and the cache still holds its entry; else None. Taken once either way: the
+        caches are then the buffers' only holders, so the prefill appends in place."""
+        staged, self.staged = self.staged, None
+        if staged is None or plan.entry is not self.entry or plan.length != self.length \
+                or plan.state is not self.state or not cache.holds(self.entry):
+            return None
+        taken, kept = staged
+        return layout.build_lent(MlxKV(kept, self.length, lent=True), taken, plan.state, plan.length)
+
+
+class Stagings:
+    """The staged copies of one runtime's queued prompts, on the stager thread."""
+
+    def __init__(self, runtime: Any, stages: BackgroundLoads = STAGES) -> None:
+        self.runtime = runtime
+        self.stages = stages
+
+    def start(self, plan: Any, capacity: int, steps: int) -> Optional[Stage]:
+        """Start copying ``plan``'s rows into buffers of ``capacity`` rows; None where the cache
+        refuses the entry a receipt (queued for writing, or lent): the merge copies then."""
+        cache, layout = self.runtime.cache, self.runtime.layout
+        receipt = cache.lend(plan)
+        if receipt is None:
+            return None
+        kv_children = [[codec.name == "kv" for codec in layer.codecs] for layer in layout.layers]
+        job = _Job(f"stage-{next(_ids)}", plan.entry.kv.layers, kv_children, plan.length, capacity)
+        stage = Stage(plan.entry, plan.length, plan.state, job, clock.steady(), steps, receipt)
+        self.poll(stage)  # submitted
+        return stage
+
+    def poll(self, stage: Stage, wait_s: float = 0.0) -> bool:
+        """Whether ``stage`` is done (staged, failed or late); the receipt ends once it is."""
+        if stage.done:
+            return True
+        finished, answer = self.stages.poll(self.runtime.cache, stage.job, load=stage.job.run, kept=True,
+                                            wait_s=wait_s)
+        if finished:
+            stage.staged, stage.why = answer
+            if stage.staged is None:
+                log.warning("apc_copyfree staged copy of entry %s at %d failed (%s): the merge copies",
+                            getattr(stage.entry, "id", "?"), stage.length, stage.why)
+            self._finish(stage)
+        elif (clock.steady() - stage.started) * 1000 >= settings.value("APC_DISK_LOAD_WAIT_MS"):
+            stage.why = LATE
+            self.drop(stage)
+        return stage.done
+
+    def drop(self, stage: Stage) -> None:
+        """Nobody will use ``stage``: its copy is dropped (once it finishes) and its receipt ends."""
+        self.stages.forget(self.runtime.cache, stage.job)
+        stage.staged = None
+        self._finish(stage)
+
+    def _finish(self, stage: Stage) -> None:
+        stage.done = True
+        receipt, stage.receipt = stage.receipt, None
+        if receipt is not None:
+            self.runtime.cache.end(receipt)
+
+
+def min_tokens() -> int:
+    """``APC_STAGE_MIN_TOKENS``: the shortest restore staged; 0: none."""
+    return int(settings.value("APC_STAGE_MIN_TOKENS"))
+
+
+__all__ = ["LATE", "STAGER_THREAD", "STAGES", "Stage", "Stagings", "min_tokens"]
