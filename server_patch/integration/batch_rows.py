@@ -184,6 +184,8 @@ class BatchRows:
         entry = plan.entry
         assert entry is not None
         row = self.book.by_key(key)
+        if row is not None:
+            row.staged = False
         if row is not None and row.stage is not None:
             stage, row.stage = row.stage, None  # taken once: used here or dropped
             staged = stage.take(self.runtime.layout, self.runtime.cache, plan)

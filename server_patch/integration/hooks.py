@@ -117,7 +117,7 @@ def prefetch(generator: Any) -> None:
     """Every step of the generator, admitting or not: the disk loads and staged copies of its
     first queued prompts start (``LineageCoordinator.prefetch``), while the batch is full or a
     prefill runs. A stock coordinator, or a failure: nothing."""
-    if (lineage := _lineage(getattr(generator, "apc", None))) is None:
+    if (lineage := _lineage(generator.apc)) is None:
         return
     try:
         decoding, prefilling = len(generator._generation_batch), generator._prompt_batch is not None

@@ -43,8 +43,7 @@ import numpy as np
 from server_patch import clock, settings
 from server_patch.disk import faults
 from server_patch.disk.loader import BackgroundLoads
-from server_patch.integration import waits
-from server_patch.integration import staging
+from server_patch.integration import staging, waits
 from server_patch.integration.pending import Pending, RequestKey, request_key
 from server_patch.integration.rowlife import WAITING, RowBook, RowLife, RowState
 from server_patch.integration.staging import Stagings
@@ -202,7 +201,8 @@ class DiskLoads:
         if plan.tier == DISK:
             if self.runtime.disk is None or self.runtime.refuses(DISK):
                 return None
-            return self.book.loading(pending, Load(plan.record, plan.length, clock.steady(), self.book.decode_steps))
+            load = Load(plan.record, plan.length, clock.steady(), self.book.decode_steps)
+            return self.book.loading(pending, load)
         if not busy or self.stagings is None or not self.rows.stageable(plan, staging.min_tokens()):
             return None
         stage = self.stagings.start(plan, self.rows.staged_capacity(plan.prompt_len), self.book.decode_steps)

@@ -183,9 +183,12 @@ class RowBook:
 
     def _bound(self) -> None:
         """Forget the oldest rows past the limit, but none holding a loan or a deferral (those
-        end by their own events or a lookup's sweep)."""
+        end by their own events or a lookup's sweep), nor one waiting in the queue (its staged
+        copy holds an entry's receipt until its lookup or its leaving the queue ends it)."""
         excess = len(self._rows) - self._limit
-        for row in [r for r in self._rows.values() if r.loan is None and r.deferral is None][:max(0, excess)]:
+        forgettable = [r for r in self._rows.values()
+                       if r.loan is None and r.deferral is None and r.state not in WAITING]
+        for row in forgettable[:max(0, excess)]:
             self._drop(row)
 
     def bind(self, key: Any, uid: Any) -> Optional[RowLife]:

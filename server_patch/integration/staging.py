@@ -108,7 +108,11 @@ class Stagings:
         kv_children = [[codec.name == "kv" for codec in layer.codecs] for layer in layout.layers]
         job = _Job(f"stage-{next(_ids)}", plan.entry.kv.layers, kv_children, plan.length, capacity)
         stage = Stage(plan.entry, plan.length, plan.state, job, clock.steady(), steps, receipt)
-        self.poll(stage)  # submitted
+        try:
+            self.poll(stage)  # submitted
+        except Exception:
+            self._finish(stage)  # never a receipt left out
+            raise
         return stage
 
     def poll(self, stage: Stage, wait_s: float = 0.0) -> bool:

@@ -176,7 +176,9 @@ TOOLS_ON = {"APC_SEGMENTS_TOOLS": "1"}
 
 
 def both(model_dir: Path, log_dir: Path, env: dict[str, str] | None = None,
-         tools: bool = False) -> dict[str, list[Step]]:
+         tools: bool = False, after_entries: list[dict] | None = None) -> dict[str, list[Step]]:
+    """The scenario on a server with segments off, then on; ``after_entries`` (if given) gets the
+    second server's ``/admin/entries`` once its run is done (one server fewer to start)."""
     env = dict(env or {})
     out = {}
     with ScenarioServer(model_dir, wire=False, env=env, log_dir=log_dir / "before") as server:
@@ -185,6 +187,8 @@ def both(model_dir: Path, log_dir: Path, env: dict[str, str] | None = None,
     with ScenarioServer(model_dir, wire=True, env=env, log_dir=log_dir / "after") as server:
         out["after"] = run(server)
         assert "segments on" in server.log_text(), server.log_tail()
+        if after_entries is not None:
+            after_entries.extend(admin_entries(server))
     if tools:
         with ScenarioServer(model_dir, wire=True, env={**env, **TOOLS_ON}, log_dir=log_dir / "tools") as server:
             out["after + tool boundaries"] = run(server)
@@ -200,9 +204,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def results(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    runs = both(model_dir, tmp_path_factory.mktemp("seg-e2e-logs"))
+    entries: list[dict] = []
+    runs = both(model_dir, tmp_path_factory.mktemp("seg-e2e-logs"), after_entries=entries)
     before, after = runs["before"], runs["after"]
-    return {s.name: s for s in before}, {s.name: s for s in after}, before, after
+    return {s.name: s for s in before}, {s.name: s for s in after}, before, after, entries
 
 
 def admin_entries(server: PatchedServer) -> list[dict]:
@@ -219,7 +224,7 @@ def admin_entries(server: PatchedServer) -> list[dict]:
 
 @pytest.mark.server
 def test_segments_reuse_more_and_never_more_than_the_oracle(results):
-    _, _, before, after = results
+    _, _, before, after, _ = results
     assert sum(s.cached for s in after) > sum(s.cached for s in before)
     for b, a in zip(before, after):
         assert a.cached <= a.oracle and b.cached <= b.oracle, (a, b)
@@ -227,7 +232,7 @@ def test_segments_reuse_more_and_never_more_than_the_oracle(results):
 
 @pytest.mark.server
 def test_first_sight_divergences_restore_at_template_segments(results):
-    before, after, _, _ = results
+    before, after, _, _, _ = results
     # A session in the next minute: the anchor ends before the clock message (the tiny
     # tokenizer spells its 12 digits one token each: ~25 tokens before the minute differs),
     # so it restores there instead of at the periodic checkpoint.
@@ -242,11 +247,9 @@ def test_first_sight_divergences_restore_at_template_segments(results):
 
 
 @pytest.mark.server
-def test_admin_entries_show_segment_checkpoints(model_dir: Path, tmp_path: Path):
-    with ScenarioServer(model_dir, wire=True, log_dir=tmp_path) as server:
-        for _, messages, tools in scenario()[:9]:
-            server.chat(messages, tools=tools, max_tokens=1)
-        kinds = {c["kind"] for e in admin_entries(server) for c in e["checkpoints"]}
+def test_admin_entries_show_segment_checkpoints(results):
+    # the entries of the segments-on server once it has served the whole scenario
+    kinds = {c["kind"] for e in results[4] for c in e["checkpoints"]}
     assert "segment" in kinds, kinds
 
 
