@@ -99,6 +99,7 @@ SCRIPT = textwrap.dedent(r"""
         return found
 
     model_dir, mode = sys.argv[1], sys.argv[2]
+    LONG = 200  # tokens of a request kept decoding while another joins its batch (C, D)
     logs_commits = mode == "copyfree"  # with APC_COPYFREE=0 no "apc_copyfree commit" line is logged
     rg = ResponseGenerator(model_path=model_dir,
                            apc_manager=None if mode == "cold" else _apc.from_env(model_namespace="t"))
@@ -261,17 +262,21 @@ SCRIPT = textwrap.dedent(r"""
                                for m, a in zip(pair, out)],
                       "prompts": [a["prompt"] for a in out]}
 
-    # C: a warm turn joins a batch that is decoding another conversation.
+    # C: a warm turn joins a batch that is decoding another conversation. Held at its first
+    # token until the joiner is queued, the long request decodes one token per batch step: 6 to 15
+    # of them while the joiner (a short suffix, 6 tokens) lives; LONG leaves it decoding well
+    # after the joiner has left, and "long_decoding" checks that it did.
     long_convo = [{"role": "system", "content": text(40, 50)}, {"role": "user", "content": text(100, 51)}]
     decoding = threading.Event()
     commits.clear()
     rg.requests.hold_after_first_token = True
     long_thread = threading.Thread(target=lambda: result.__setitem__(
-        "long", ask(long_convo, max_tokens=400, on_first=decoding, no_eos=True)))
+        "long", ask(long_convo, max_tokens=LONG, on_first=decoding, no_eos=True)))
     long_thread.start()
     decoding.wait(120)
     before = ledger.snapshot()
     joined = ask(convo)
+    joined["long_decoding"] = long_thread.is_alive()  # the precondition LONG is sized for
     joined["copies"] = ledger.delta(ledger.snapshot(), before)
     joined["record"] = waited(lambda: record_of(joined["prompt"]))
     long_thread.join(300)
@@ -288,16 +293,17 @@ SCRIPT = textwrap.dedent(r"""
     decoding = threading.Event()
     commits.clear()
     rg.requests.hold_after_first_token = True
-    t = threading.Thread(target=lambda: ask(resend, max_tokens=400, on_first=decoding, no_eos=True))
+    t = threading.Thread(target=lambda: ask(resend, max_tokens=LONG, on_first=decoding, no_eos=True))
     t.start()
     decoding.wait(120)
     again = ask(resend, max_tokens=4)
+    again_while_decoding = t.is_alive()
     t.join(300)
     if logs_commits:  # the deferred entry's commit at the resend's lookup (the decoding copy's
         # own end then keeps its reply past an entry already stored: no second commit line)
         waited(lambda: any((c["mode"], c["reason"]) == ("copy", "lookup") for c in commits))
     result["resend"] = {"prompt": again["prompt"], "record": waited(lambda: record_of(again["prompt"])),
-                        "commits": list(commits)}
+                        "commits": list(commits), "while_decoding": again_while_decoding}
 
     result["pool"] = pool.stats()
     print(json.dumps(result))
@@ -426,6 +432,7 @@ def test_rows_sharing_a_batch_copy_once_and_append_only_their_new_rows(runs):
 
 def test_a_row_joining_a_decoding_batch_is_adopted_not_copied(runs):
     joined = runs["copyfree"]["join"]
+    assert joined["long_decoding"]  # the other request still decoded when this one answered
     assert joined["record"]["kind"] == "entry"
     assert {(c["mode"], c["reason"]) for c in joined["commits"]} == {("adopt", "join")}, joined["commits"]
     assert len(joined["commits"]) == 2  # the decoding request's entry and the joining one's
@@ -447,5 +454,6 @@ def test_a_row_joining_a_decoding_batch_is_adopted_not_copied(runs):
 
 def test_a_resend_during_decode_restores_the_deferred_entry(runs):
     resend = runs["copyfree"]["resend"]
+    assert resend["while_decoding"]  # its first copy still decoded when the resend answered
     assert resend["record"] == {"kind": "entry", "restored": resend["prompt"] - 1}
     assert ("copy", "lookup") in {(c["mode"], c["reason"]) for c in resend["commits"]}

@@ -66,9 +66,14 @@ def model_dir(tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", 0)
 
 
-def test_stream_generate_hits_its_lineage_and_keeps_one_entry(model_dir, tmp_path):
-    lines = run(model_dir, tmp_path, lineage=True)
-    turns, summary = lines[:3], lines[3]
+@pytest.fixture(scope="module")
+def lineage_lines(model_dir, tmp_path_factory) -> list[dict]:
+    """The lineage run's lines (three turns, then the entries), run once for both tests."""
+    return run(model_dir, tmp_path_factory.mktemp("lineage"), lineage=True)
+
+
+def test_stream_generate_hits_its_lineage_and_keeps_one_entry(lineage_lines):
+    turns, summary = lineage_lines[:3], lineage_lines[3]
     assert turns[0]["cached"] == 0
     for previous, turn in zip(turns, turns[1:]):
         assert turn["cached"] == previous["prompt_tokens"] - 1
@@ -78,8 +83,8 @@ def test_stream_generate_hits_its_lineage_and_keeps_one_entry(model_dir, tmp_pat
     assert length == turns[-1]["prompt_tokens"] - 1 and kinds == ["final", "final"]
 
 
-def test_stream_generate_output_matches_stock(model_dir, tmp_path):
-    lineage = run(model_dir, tmp_path, lineage=True)[:3]
+def test_stream_generate_output_matches_stock(model_dir, lineage_lines, tmp_path):
+    lineage = lineage_lines[:3]
     stock = run(model_dir, tmp_path, lineage=False)
     assert [t["text"] for t in lineage] == [t["text"] for t in stock]
     assert [t["cached"] for t in lineage] == [t["cached"] for t in stock]
