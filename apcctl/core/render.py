@@ -87,11 +87,13 @@ def printable(value: Any) -> str:
 
 def restore_label(record: dict[str, Any]) -> str:
     """A request's restore kind; ``entry/lent`` when the entry lent it its own KV buffer (the
-    warm turn copied no KV)."""
+    warm turn copied no KV), ``entry/staged`` when its copy was made off the generation thread
+    while it was queued (``integration.staging``)."""
     from server_patch.lineage.model import KVAdmission  # (numpy: only for a table of requests)
 
     kind = str(record.get("restore_kind", "?"))
-    return kind + ("/lent" if record.get("kv_admission") == KVAdmission.LENT else "")
+    suffix = {KVAdmission.LENT: "/lent", KVAdmission.STAGED: "/staged"}.get(record.get("kv_admission"), "")
+    return kind + suffix
 
 
 # The short names of ``lineage.misses.Lost`` in the LOST columns of ``apcctl requests`` and the

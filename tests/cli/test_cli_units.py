@@ -211,6 +211,7 @@ def test_restore_label_says_when_the_entry_lent_its_buffer() -> None:
             "ttft_ms": 9.0, "entry_id": "abc"}
     copied = dict(lent, kv_admission="copied")
     assert render.restore_label(lent) == "entry/lent" and render.restore_label(copied) == "entry"
+    assert render.restore_label({**lent, "kv_admission": "staged"}) == "entry/staged"
     assert render.restore_label({"restore_kind": "cold"}) == "cold"
     assert " entry/lent " in format_request(lent) and " entry " in format_request(copied)
     kind = next(c for c in request_columns() if c.key == "restore_kind")
