@@ -14,6 +14,7 @@ stream decodes ``tokens`` tokens alone, then again while an *event* runs in anot
 * ``full-budget``: ``commits`` new conversations committed under a RAM budget of about two
   entries with a slow disk writer (``APC_TEST_FAULT_DISK_STALL_S``): the commits that used
   to wait for the writer;
+* ``full-budget-normal`` (``patched`` only): the same with a normal writer;
 * ``canary-load``: a request arrives while the idle canary loads that conversation's file
   (``bench.stall_canary``): that request's TTFT against its TTFT alone.
 
@@ -36,7 +37,8 @@ from apcctl.bench.stall_session import (Gaps, Loaded, Plan, Session, ask_to_disk
                                         event_conversation, lineage_stats)
 from apcctl.bench.ttft import BenchServer, next_turn
 
-SCENARIOS = ("cold-prefill", "ram-restore", "disk-restore", "shared-row-end", "full-budget", "canary-load")
+SCENARIOS = ("cold-prefill", "ram-restore", "disk-restore", "shared-row-end", "full-budget", "full-budget-normal",
+             "canary-load")
 # Mode -> (the bench server's mode, extra settings): ``patched-unpaced`` is patched with
 # decode-aware prefill off (``APC_DECODE_STALL_MS=0``), for its throughput cost side by side.
 MODES: dict[str, tuple[str, dict[str, str]]] = {
@@ -46,7 +48,9 @@ MODES: dict[str, tuple[str, dict[str, str]]] = {
 # ``patched`` is the prefill's pacing); a shared row's end and the canary's load have none to pace.
 PACED_SCENARIOS = ("cold-prefill", "ram-restore", "disk-restore", "full-budget")
 DISK_SCENARIOS = ("disk-restore", "canary-load")
-BUDGET_SCENARIOS = ("full-budget",)
+BUDGET_SCENARIOS = ("full-budget", "full-budget-normal")  # a server each: their writers differ
+# ``patched`` only: stock's ``full-budget`` has no slow writer already.
+PATCHED_ONLY = ("full-budget-normal",)
 SLOW_WRITE_S = 1.0  # the full-budget server's writer sleeps this long per file
 REPLY_COUNTS = ("reply_appends", "reply_row_copies")  # how a shared row's reply commit copied
 
@@ -123,6 +127,7 @@ PREPARE: dict[str, Callable[[Session], dict[str, Any]]] = {
     "disk-restore": lambda s: _restore(s, "disk", from_disk=True),
     "shared-row-end": _shared_row_end,
     "full-budget": _full_budget,
+    "full-budget-normal": _full_budget,
 }
 
 
@@ -156,8 +161,9 @@ def server_env(mode: str, scenarios: list[str], budget_bytes: int) -> dict[str, 
     if any(s in DISK_SCENARIOS + BUDGET_SCENARIOS for s in scenarios):
         env.update({"APC_DISK_ENABLED": "1"} if mode == "stock" else {"APC_LINEAGE_DISK": "1"})
     if any(s in BUDGET_SCENARIOS for s in scenarios) and mode != "stock":
-        env.update({"APC_LINEAGE_RAM_BUDGET_BYTES": str(budget_bytes), "APC_TEST_FAULTS": "1",
-                    "APC_TEST_FAULT_DISK_STALL_S": str(SLOW_WRITE_S), "APC_LINEAGE_DISK_WRITE_DELAY_S": "0.5"})
+        env.update({"APC_LINEAGE_RAM_BUDGET_BYTES": str(budget_bytes), "APC_LINEAGE_DISK_WRITE_DELAY_S": "0.5"})
+    if "full-budget" in scenarios and mode != "stock":  # the slow writer
+        env.update({"APC_TEST_FAULTS": "1", "APC_TEST_FAULT_DISK_STALL_S": str(SLOW_WRITE_S)})
     if "canary-load" in scenarios and mode != "stock":
         env.update(stall_canary.settings())
     return env
@@ -191,14 +197,16 @@ def run_scenarios(model_dir: Path, mode: str, scenarios: list[str], plan: Plan, 
 
 
 def of_mode(mode: str, scenarios: list[str]) -> list[str]:
-    """The scenarios ``mode`` runs: all, but only ``PACED_SCENARIOS`` for ``patched-unpaced``."""
-    return [s for s in scenarios if mode != "patched-unpaced" or s in PACED_SCENARIOS]
+    """The scenarios ``mode`` runs: all, but only ``PACED_SCENARIOS`` for ``patched-unpaced``,
+    and ``PATCHED_ONLY`` ones only for ``patched``."""
+    return [s for s in scenarios if (mode != "patched-unpaced" or s in PACED_SCENARIOS)
+            and (mode == "patched" or s not in PATCHED_ONLY)]
 
 
 def run(model_dir: Path, modes: list[str], scenarios: list[str], plan: Plan, workdir: Path, timeout: float,
         echo: Callable[[str], None]) -> dict[str, Any]:
     """Every mode through the scenarios: one server per mode for the plain and disk scenarios,
-    another for ``full-budget`` (its RAM budget is about two of the first server's entries)."""
+    another per budget scenario (its RAM budget is about two of the first server's entries)."""
     plain = [s for s in scenarios if s not in BUDGET_SCENARIOS]
     budgeted = [s for s in scenarios if s in BUDGET_SCENARIOS]
     result: dict[str, Any] = {"plan": plan.__dict__, "modes": modes, "scenarios": scenarios, "rows": [],
@@ -211,9 +219,9 @@ def run(model_dir: Path, modes: list[str], scenarios: list[str], plan: Plan, wor
             entry_bytes = max(entry_bytes, held)
     budget = int(2.5 * entry_bytes) if entry_bytes else 4 * 2**20
     result["budget_bytes"] = budget
-    for mode in modes:
-        if budgeted:
-            rows, _ = run_scenarios(model_dir, mode, budgeted, plan, workdir, timeout, budget, echo)
+    for name in budgeted:
+        for mode in (m for m in modes if of_mode(m, [name])):
+            rows, _ = run_scenarios(model_dir, mode, [name], plan, workdir, timeout, budget, echo)
             result["rows"] += rows
     result["load_avg_end"] = list(os.getloadavg())
     return result
@@ -251,36 +259,48 @@ def notes(row: dict[str, Any]) -> str:
 
 def render(result: dict[str, Any]) -> str:
     """A row per gap scenario and mode, then the canary's TTFT rows."""
-    head = (f"{'scenario':<14} {'mode':<16} {'alone p50/p99/max ms':>22} {'with event p50/p99/max ms':>27} "
+    head = (f"{'scenario':<18} {'mode':<16} {'alone p50/p99/max ms':>22} {'with event p50/p99/max ms':>27} "
             f"{'max ×':>6} {'event ms':>9} {'prefill tok/s':>14}  notes")
-    lines = [head, "-" * len(head)]
-    for row in (r for r in result["rows"] if r["scenario"] != "canary-load"):
+    gap_rows = [r for r in result["rows"] if r["scenario"] != "canary-load"]
+    lines = [head, "-" * len(head)] if gap_rows else []
+    for row in gap_rows:
         a, w = row["alone"], row["with_event"]
         tps = row.get("event_prefill_tps") if row.get("event_cached_tokens") == 0 else None  # a cold prefill's
-        lines.append(f"{row['scenario']:<14} {row['mode']:<16} {a['p50']:>7.0f}/{a['p99']:>6.0f}/{a['max']:>6.0f}  "
+        lines.append(f"{row['scenario']:<18} {row['mode']:<16} {a['p50']:>7.0f}/{a['p99']:>6.0f}/{a['max']:>6.0f}  "
                      f"{w['p50']:>10.0f}/{w['p99']:>6.0f}/{w['max']:>7.0f}  "
                      f"{row['max_vs_alone'] or 0:>6.1f} {row['event_ms']:>9.0f} {tps if tps else '':>14}  {notes(row)}")
     canary = [r for r in result["rows"] if r["scenario"] == "canary-load"]
     if canary:
-        lines += ["", f"{'canary-load':<14} {'mode':<16} {'TTFT alone ms':>14} {'with the canary loading':>24} "
-                      f"{'×':>5}  notes"]
+        lines += [""] if lines else []
+        lines.append(f"{'canary-load':<18} {'mode':<16} {'TTFT alone ms':>14} {'with the canary loading':>24} "
+                     f"{'×':>5}  notes")
         for row in canary:
-            lines.append(f"{'canary-load':<14} {row['mode']:<16} {_ms(row['ttft_alone_median']):>14} "
+            lines.append(f"{'canary-load':<18} {row['mode']:<16} {_ms(row['ttft_alone_median']):>14} "
                          f"{_ms(row['ttft_with_median']):>24} {row.get('ttft_vs_alone') or '':>5}  "
                          f"{_canary_notes(row)}")
-    plan = result["plan"]
-    lines.append(f"victim: {plan['tokens']} tokens; event conversation ~{plan['context']:,} tokens; "
-                 f"shared-row-end reply {Plan(**plan).shared_reply} tokens; "
-                 f"full-budget: {plan['commits']} commits under {result.get('budget_bytes', 0):,} bytes, "
-                 f"writer {SLOW_WRITE_S:g} s per file (patched); load average "
-                 f"{result['load_avg'][0]:.1f} at the start, {result.get('load_avg_end', [0])[0]:.1f} at the end")
+    lines.append(_footer(result))
     return "\n".join(lines)
+
+
+def _footer(result: dict[str, Any]) -> str:
+    plan, ran = result["plan"], {r["scenario"] for r in result["rows"]}
+    parts = [f"victim: {plan['tokens']} tokens", f"event conversation ~{plan['context']:,} tokens"]
+    if "shared-row-end" in ran:
+        parts.append(f"shared-row-end reply {Plan(**plan).shared_reply} tokens")
+    if ran & set(BUDGET_SCENARIOS):
+        parts.append(f"full-budget: {plan['commits']} commits under {result.get('budget_bytes', 0):,} bytes, "
+                     f"writer {SLOW_WRITE_S:g} s per file (patched)")
+    parts.append(f"load average {result['load_avg'][0]:.1f} at the start, "
+                 f"{result.get('load_avg_end', [0])[0]:.1f} at the end")
+    return "; ".join(parts)
 
 
 def _canary_notes(row: dict[str, Any]) -> str:
     if row.get("canary") is None:
         return row.get("note", "")
     canary = row["canary"]
-    return (f"medians of {len(row['ttft_with_ms'])}; loading at arrival {row['loading_at_arrival']}/"
-            f"{len(row['ttft_with_ms'])}; disk points loaded {canary['disk_points_loaded']}; "
+    rounds = len(row["ttft_with_ms"])
+    return (f"medians of {rounds}; loading at arrival {row['loading_at_arrival']}/{rounds}, at its first token "
+            f"{row['loading_at_first_token']}/{rounds}; the load ~{_ms(row['load_ms_median'])} ms; "
+            f"{row['record']['disk_bytes'] or 0:,} B file, disk points loaded {canary['disk_points_loaded']}; "
             f"page cache {row['page_cache']['label']}")

@@ -7,7 +7,8 @@ thread (``server_patch/disk/loader.py``). Here the other session's conversations
 to the disk tier and dropped from RAM, their files dropped from the page cache, and ``POST
 /admin/verify {"entry": id}`` queues a check of one of them; once ``GET /admin/verify`` says
 the file is loading (``loading``), the victim sends a short request (restored from RAM). Its
-TTFT is measured ``repeat`` times alone and ``repeat`` times so. Stock has no canary: its row
+TTFT is measured ``repeat`` times alone and ``repeat`` times so, with the load's own duration
+(from the first poll that saw it loading to the first that did not). Stock has no canary: its row
 has the TTFT alone only. The check after the load is cut short (``APC_CANARY_MAX_TOKENS`` =
 ``MAX_TOKENS``: longer points with no restore point that close skip): the event is the load.
 """
@@ -25,8 +26,6 @@ from apcctl.bench.ttft import BenchError
 
 MAX_TOKENS = 512  # the servers' APC_CANARY_MAX_TOKENS: points past it with no base skip after the load
 LOADING_WAIT_S = 60.0  # how long the victim waits for the canary to start loading
-
-
 IDLE_S = 0.1  # the servers' APC_CANARY_IDLE_S: a round's check starts (and resumes) at once
 
 
@@ -48,10 +47,13 @@ def run(session: Session) -> dict[str, Any]:
     record = _disk_record(session)
     rounds = [_with_canary(session, record) for _ in range(session.plan.repeat)]
     with_ms = [r["ttft_ms"] for r in rounds]
+    loads = [r["load_ms"] for r in rounds if r["load_ms"] is not None]
     return {**row, "ttft_with_ms": with_ms, "ttft_with_median": _median(with_ms),
             "ttft_vs_alone": round(_median(with_ms) / _median(alone), 2) if _median(alone) else None,
             "record": {"id": record["id"], "length": record["length"], "disk_bytes": record.get("disk_bytes")},
             "loading_at_arrival": sum(1 for r in rounds if r["loading_at_arrival"]),
+            "loading_at_first_token": sum(1 for r in rounds if r["loading_at_first_token"]),
+            "load_ms": loads, "load_ms_median": _median(loads),
             "canary": _summed([r["canary"] for r in rounds]), "page_cache": rounds[-1]["page_cache"]}
 
 
@@ -65,12 +67,12 @@ def _median(values: list[float]) -> float | None:
 
 
 def _disk_record(session: Session) -> dict[str, Any]:
-    """A conversation's file (one only on disk, the most recently used, the longest of those):
-    as long as the other session's conversations, the canary's load is that of a file of theirs."""
+    """The longest conversation only on disk: one of the other session's (``context`` tokens),
+    never the victim's shorter one, so the canary loads a file of the size the scenario names."""
     listed = session.server.get_json("/admin/entries?tier=disk&kind=conversation")["entries"]
     if not listed:
         raise BenchError(f"{session.server.mode}: canary-load: no conversation on disk only after the flush")
-    return max(listed, key=lambda e: (float(e.get("last_used") or 0), int(e["length"])))
+    return max(listed, key=lambda e: int(e["length"]))
 
 
 def _with_canary(session: Session, record: dict[str, Any]) -> dict[str, Any]:
@@ -87,23 +89,32 @@ def _with_canary(session: Session, record: dict[str, Any]) -> dict[str, Any]:
 
     thread = threading.Thread(target=verify, daemon=True)
     thread.start()
-    loading = _wait_loading(session, thread)
+    since = _poll_loading(session, thread, until=True)
     ttft = _ttft(session)
+    still = since is not None and _loading(session)  # still loading when its one-token reply ended
+    ended = _poll_loading(session, thread, until=False) if since is not None else None
     thread.join()
     if "error" in answer:
         raise BenchError(f"{server.mode}: canary-load: POST /admin/verify failed: {answer['error']}")
-    return {"ttft_ms": ttft, "loading_at_arrival": loading, "canary": _results(answer["value"]),
+    load_ms = round((ended - since) * 1000, 1) if since is not None and ended is not None else None
+    return {"ttft_ms": ttft, "loading_at_arrival": since is not None, "loading_at_first_token": still,
+            "load_ms": load_ms, "canary": _results(answer["value"]),
             "page_cache": dropped.as_dict() | {"label": dropped.label}}
 
 
-def _wait_loading(session: Session, verify: threading.Thread) -> bool:
-    """True once the canary's loader thread holds a file; False if the check finished first."""
+def _loading(session: Session) -> bool:
+    return int(session.server.get_json("/admin/verify").get("loading", 0) or 0) > 0
+
+
+def _poll_loading(session: Session, verify: threading.Thread, *, until: bool) -> float | None:
+    """The ``perf_counter`` time ``GET /admin/verify`` first says the canary is loading a file
+    (``until=True``) or no longer is (False), polled every 20 ms; None if the check ended first."""
     deadline = time.monotonic() + LOADING_WAIT_S
     while verify.is_alive() and time.monotonic() < deadline:
-        if int(session.server.get_json("/admin/verify").get("loading", 0) or 0) > 0:
-            return True
+        if _loading(session) == until:
+            return time.perf_counter()
         time.sleep(0.02)
-    return False
+    return None if until else time.perf_counter()
 
 
 def _results(report: dict[str, Any]) -> dict[str, int]:

@@ -14,7 +14,7 @@ import click
 
 QUICK = {"preset": "tiny", "context": 600, "tokens": 24, "commits": 3, "repeat": 1}
 FULL = {"preset": "bench", "context": 4096, "tokens": 120, "commits": 5, "repeat": 3}
-SCENARIOS = "cold-prefill,ram-restore,disk-restore,shared-row-end,full-budget,canary-load"
+SCENARIOS = "cold-prefill,ram-restore,disk-restore,shared-row-end,full-budget,full-budget-normal,canary-load"
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -32,12 +32,13 @@ def register(main: click.Group, bench: click.Group) -> None:
 @click.option("--tokens", type=click.IntRange(2), default=None,
               help=f"The victim stream's reply length [{FULL['tokens']}; quick {QUICK['tokens']}].")
 @click.option("--commits", type=click.IntRange(1), default=None,
-              help=f"Conversations committed in full-budget [{FULL['commits']}; quick {QUICK['commits']}].")
+              help=f"Conversations committed in full-budget(-normal) [{FULL['commits']}; quick {QUICK['commits']}].")
 @click.option("--repeat", type=click.IntRange(1), default=None,
               help=f"canary-load: TTFT samples alone and with the canary loading [{FULL['repeat']}; "
                    f"quick {QUICK['repeat']}].")
 @click.option("--modes", default="stock,patched,patched-unpaced", show_default=True,
-              help="Servers to run, in order: stock, patched, patched-unpaced (decode-aware prefill off).")
+              help="Servers to run, in order: stock, patched, patched-unpaced (decode-aware prefill off; "
+                   "only the scenarios whose event prefills).")
 @click.option("--scenarios", default=SCENARIOS, show_default=True,
               help="Which events to run in the other session.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,

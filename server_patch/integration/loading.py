@@ -14,7 +14,9 @@ Its record says how long it waited and how many decode steps the batch took mean
 
 The same queue holds prompts whose RAM restore would take the merge copy: they wait in
 STAGING while the copy is made on the stager thread (``integration.staging``), and a prompt
-with a staged buffer is admitted alone in its prompt batch, so no merge copies it again.
+with a staged buffer is admitted alone in its prompt batch, so no merge copies it again. A file
+loaded while others decode is promoted at once, and its entry's merge copy staged the same way
+(LOADING -> STAGING): a loaded file's buffers have no room to be lent.
 
 Prefetch: mlx-vlm reaches ``admissible`` only when it would admit (room in the batch, no
 multi-chunk prefill running), so every step it also calls ``prefetch``: the first queued
@@ -72,6 +74,7 @@ class Load:
     late: bool = False  # still loading past the bound: admitted cold
     done: bool = False  # loaded, late, or no file left to load
     rejected: list[tuple[int, str]] = field(default_factory=list)  # (length, why) of files it rejected
+    promoted: Optional[str] = None  # the entry its file became, promoted while it queued (to stage its copy)
 
 
 def _load_checked(store: Any) -> Callable[[Any], Any]:
@@ -188,10 +191,37 @@ class DiskLoads:
             self._rejected(load, answer[1], prompt, namespace)
         elif finished:
             load.answer, load.done = answer, True
+            if busy and self._stage_loaded(row, prompt, namespace):
+                return False
         elif (clock.steady() - load.started) * 1000 >= settings.value("APC_DISK_LOAD_WAIT_MS"):
             load.late = load.done = True
             self.loads.forget(disk, load.record)
         return load.done
+
+    def _stage_loaded(self, row: RowLife, prompt: np.ndarray, namespace: str) -> bool:
+        """Its file loaded while others decode: the entry is promoted into RAM now, and if the
+        restore would take the merge copy (the file's buffers have no room to be lent), that
+        copy is staged too, the row going on waiting (LOADING -> STAGING), so neither the load
+        nor the copy runs on the generation thread. False: admitted as before (the lookup
+        promotes what was loaded)."""
+        load = row.load
+        if self.stagings is None or self.rows is None or not 0 < staging.min_tokens() <= load.length:
+            return False  # too short to stage: the lookup promotes it, as before
+        entry = self.runtime.cache.promote(load.record, load.answer[0], reason=load.answer[1])
+        load.answer = None  # in the cache now, or gone: the lookup plans from what the cache holds
+        if entry is None:
+            return False
+        load.promoted = entry.id
+        plan = self.runtime.cache.lookup(prompt, namespace, counted=False)
+        if plan.entry is not entry or not self.rows.stageable(plan, staging.min_tokens()):
+            return False
+        stage = self.stagings.start(plan, self.rows.staged_capacity(plan.prompt_len), load.steps_at_start)
+        if stage is None or not row.move(RowState.STAGING, "file loaded, copy staged"):
+            if stage is not None:
+                self.stagings.drop(stage)
+            return False
+        stage.started, row.stage = load.started, stage  # its wait counts from the load's start
+        return True
 
     def _look_ahead(self, prompt: np.ndarray, namespace: str, busy: bool) -> Optional[RowLife]:
         """The look-ahead (no lookup): a LOADING row if the prompt restores from a disk file, a
@@ -254,8 +284,11 @@ class DiskLoads:
             return None
         load = waited.load if waited is not None else None
         inline = self.rows is not None and self.rows.generator.generator is None
-        return RequestDisk(self.runtime.disk, load, list(load.rejected) if load is not None else [],
+        disk = RequestDisk(self.runtime.disk, load, list(load.rejected) if load is not None else [],
                            cache=self.runtime.cache, inline=inline)
+        if load is not None and load.promoted is not None:
+            disk.promoted.append(load.promoted)  # its file, loaded while it queued: a disk restore
+        return disk
 
 
 @dataclass

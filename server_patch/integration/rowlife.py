@@ -61,7 +61,7 @@ class RowState(StrEnum):
 WAITING = frozenset({RowState.LOADING, RowState.STAGING})  # queued, waiting for off-thread work
 
 _NEXT: dict[RowState, frozenset[RowState]] = {
-    RowState.LOADING: frozenset({RowState.ADMITTED, RowState.ENDED}),
+    RowState.LOADING: frozenset({RowState.STAGING, RowState.ADMITTED, RowState.ENDED}),
     RowState.STAGING: frozenset({RowState.ADMITTED, RowState.ENDED}),
     RowState.ADMITTED: frozenset({RowState.PREFILLING, RowState.DECODING, RowState.ENDED}),
     RowState.PREFILLING: frozenset({RowState.DECODING, RowState.ENDED}),

@@ -51,8 +51,9 @@ def test_the_events_did_what_their_names_say(result: dict) -> None:
     for mode in stall.MODES:  # the next turn restored its conversation (RAM, then disk)
         assert rows[("ram-restore", mode)]["event_cached_tokens"] > 0
         assert rows[("disk-restore", mode)]["event_cached_tokens"] > 0
-    for mode in ("patched", "patched-unpaced"):
-        budget = rows[("full-budget", mode)]["event_stats"]
+    budgeted = (("full-budget", "patched"), ("full-budget", "patched-unpaced"), ("full-budget-normal", "patched"))
+    for scenario, mode in budgeted:
+        budget = rows[(scenario, mode)]["event_stats"]
         assert budget["evictions"] > 0, budget  # the commits really pushed entries out of a full budget
     assert result["budget_bytes"] > 0
 
@@ -93,14 +94,18 @@ def test_a_request_arrived_while_the_canary_checked_a_file_it_loaded(result: dic
         canary = row["canary"]
         assert canary["complete"] == repeat and canary["fail"] == 0, canary
         assert canary["disk_points_loaded"] >= repeat, canary  # every round loaded the file from disk
-        assert row["record"]["length"] >= result["plan"]["context"] // 2
+        assert row["record"]["length"] >= 0.9 * result["plan"]["context"]  # the other session's file, not the victim's
         assert row["page_cache"]["files"] > 0
+        assert 0 <= row["loading_at_first_token"] <= row["loading_at_arrival"] <= repeat
+        assert len(row["load_ms"]) == row["loading_at_arrival"]  # timed wherever it was seen loading
 
 
 def test_the_table_has_a_row_per_scenario_and_mode(result: dict) -> None:
     table = stall.render(result).splitlines()
     canary_rows = sum(1 for r in result["rows"] if r["scenario"] == "canary-load")
-    assert len(table) == 2 + len(result["rows"]) - canary_rows + 2 + canary_rows + 1
+    assert len(table) == 2 + len(result["rows"]) - canary_rows + 2 + canary_rows + 1  # heads, rows, footer
+    canary_only = stall.render({**result, "rows": [r for r in result["rows"] if r["scenario"] == "canary-load"]})
+    assert canary_only.splitlines()[0].startswith("canary-load") and len(canary_only.splitlines()) == canary_rows + 2
     assert all(any(line.startswith(s) for line in table) for s in stall.SCENARIOS)
     assert any("reply appended 1" in line or "row copied 1" in line for line in table)
     assert any("stock has no canary" in line for line in table)

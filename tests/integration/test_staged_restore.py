@@ -30,6 +30,7 @@ from tests.e2e.test_e2e_disk import _cold, _send
 from tests.e2e.test_e2e_disk_loading import Chat, _records, _wait_held
 from tests.fake_model import prefill, random_tokens
 from tests.integration.test_pacing import Stream
+from tests.integration.test_row_loading import GatedDisk
 from tests.integration.test_row_machine import admit, light_server, serve_turn
 from tests.lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
 from tests.server_harness import PatchedServer, reply_text, reply_tokens, text
@@ -237,3 +238,37 @@ def test_a_branch_restore_stages_while_another_stream_decodes_and_answers_as_col
         # windows the stock merges copy); a merge copy of the row would be at least as large.
         assert staged > 0 and merged < staged, (before, after)
         assert reply_tokens(warm.answer) == reply_tokens(_cold(server, branch))
+
+
+def test_a_file_loaded_while_others_decode_has_its_merge_copy_staged_too(s):
+    """A restore from disk: the file's buffers have no room to be lent, so once its load is done
+    (off the thread) the entry is promoted and the merge copy staged as well (LOADING ->
+    STAGING): neither the load nor the copy runs on the generation thread."""
+    disk = GatedDisk()
+    disk.answers[s.entry.id] = (s.entry, "")
+    s.cache.flush()
+    s.disk.land()
+    s.cache.clear()  # RAM forgets; the disk remembers
+    s.coordinator.lineage.runtime.disk = disk
+    queue = queued(s.turn, 2)
+    before = ledger.snapshot()
+    assert admissible(s, queue) == 0
+    row = row_of(s, s.turn)
+    assert row.state == RowState.LOADING
+    s.book.decoded([99], [0])
+    disk.gate.set()
+    for _ in range(2000):
+        if row.state == STAGING:
+            break
+        assert admissible(s, queue) == 0  # still waiting: loading, then staging
+        time.sleep(0.005)
+    assert row.state == STAGING and s.cache.holds(s.entry)  # promoted while it queued
+    settle_stager()
+    assert admissible(s, queue) == 1
+    merged = ledger.snapshot()
+    warm, cold, row = warm_and_cold(s, 2)
+    assert row.history == [RowState.LOADING, STAGING, ADMITTED]
+    assert disk.loaded == [s.entry.id] and row.record.restore_kind == "disk"  # a disk restore still
+    assert row.record.kv_admission == "staged" and row.record.loading_steps == 1
+    assert copied(before, "stage") > 0 and copied(merged, "merge") == 0
+    assert mx.allclose(warm, cold, atol=1e-4).item()  # warm equals cold
