@@ -75,6 +75,17 @@ def _wait_held(hold: Path, server: PatchedServer, timeout: float = 120.0) -> Non
         time.sleep(0.02)
 
 
+def streamed_while_held(stream: Any, hold: Path) -> int:
+    """The tokens ``stream`` decodes while the work held by ``hold`` waits (until 5 more, or the
+    stream ends); then the hold is released."""
+    at_hold, give_up = stream.tokens, time.monotonic() + 60  # a guard, not a measure
+    while stream.tokens < at_hold + 5 and stream.is_alive() and time.monotonic() < give_up:
+        time.sleep(0.02)
+    streamed = stream.tokens - at_hold
+    hold.unlink()  # the held work goes on
+    return streamed
+
+
 @pytest.mark.server
 def test_a_disk_restore_waits_in_the_queue_while_another_stream_decodes(tiny_model_dir: Path,
                                                                        tmp_path: Path) -> None:
@@ -91,21 +102,17 @@ def test_a_disk_restore_waits_in_the_queue_while_another_stream_decodes(tiny_mod
         warm = Chat(second, turn2)
         warm.start()
         _wait_held(hold, second)  # its file is loading, held: the request waits in LOADING
-        at_hold, give_up = stream.tokens, time.monotonic() + 60  # a guard, not a measure
-        while stream.tokens < at_hold + 5 and stream.is_alive() and time.monotonic() < give_up:
-            time.sleep(0.02)
-        streamed_while_held = stream.tokens - at_hold
-        hold.unlink()  # the load goes on
+        streamed = streamed_while_held(stream, hold)
         warm.join(300)
         stream.join(300)
-        assert streamed_while_held >= 5, "the stream stopped decoding while the disk load was held"
+        assert streamed >= 5, "the stream stopped decoding while the disk load was held"
         assert warm.answer is not None, second.log_tail()
 
         line = second.lineage_lines("restore")[-1]
         assert line["kind"] == "disk", line
         (record,) = [r for r in _records(second) if r["restore_kind"] == "disk"]
         # It waited in the queue at least as many decode steps as the stream got tokens meanwhile.
-        assert record["loading_steps"] >= streamed_while_held, record
+        assert record["loading_steps"] >= streamed, record
         assert record["loading_ms"] > 0, record
         # A request admitted while another row decodes gets no first-token top logprobs from
         # mlx-vlm 0.7.10: its greedy tokens are compared with a cold prefill's.

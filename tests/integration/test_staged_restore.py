@@ -27,7 +27,7 @@ from server_patch.integration.pending import request_key
 from server_patch.integration.rowlife import RowState
 from server_patch.lineage import as_tokens
 from tests.e2e.test_e2e_disk import _cold, _send
-from tests.e2e.test_e2e_disk_loading import Chat, _records, _wait_held
+from tests.e2e.test_e2e_disk_loading import Chat, _records, _wait_held, streamed_while_held
 from tests.fake_model import prefill, random_tokens
 from tests.integration.test_pacing import Stream
 from tests.integration.test_row_loading import GatedDisk
@@ -220,18 +220,14 @@ def test_a_branch_restore_stages_while_another_stream_decodes_and_answers_as_col
         warm = Chat(server, branch)
         warm.start()
         _wait_held(hold, server)  # its copy is staging, held: the request waits in STAGING
-        at_hold, give_up = stream.tokens, time.monotonic() + 60  # a guard, not a measure
-        while stream.tokens < at_hold + 5 and stream.is_alive() and time.monotonic() < give_up:
-            time.sleep(0.02)
-        streamed_while_held = stream.tokens - at_hold
-        hold.unlink()
+        streamed = streamed_while_held(stream, hold)
         warm.join(300)
         stream.join(300)
-        assert streamed_while_held >= 5, "the stream stopped decoding while the copy was staged"
+        assert streamed >= 5, "the stream stopped decoding while the copy was staged"
         assert warm.answer is not None, server.log_tail()
         after = _copies(counter)
         (record,) = [r for r in _records(server) if r["kv_admission"] == "staged"]
-        assert record["loading_steps"] >= streamed_while_held, record
+        assert record["loading_steps"] >= streamed, record
         staged = after.get("stage.kv", 0) - before.get("stage.kv", 0)
         merged = after.get("merge.kv", 0) - before.get("merge.kv", 0)
         # The merge copied less than was staged: not the staged rows (only the small pooled
