@@ -9,6 +9,7 @@ it is (``state``). One bounded ``RowBook`` holds them, by
 Every mlx-vlm event is one transition (``RowState``, the diagram in docs/design.md):
 
     LOADING --loaded, failed or past the bound--> ADMITTED
+    LOADING --loaded while others decode, its copy stageable--> STAGING
     STAGING --staged, failed or past the bound--> ADMITTED
     ADMITTED --bind--> PREFILLING --store at the prefill end--> DECODING --leaving--> ENDED
     (a resend has nothing to prefill: bound and at its prefill end at once; ``removed`` ends a
