@@ -63,6 +63,7 @@ class Job:
     results: list[Result] = field(default_factory=list)
     abandons: int = 0
     cancelled: bool = False
+    announced: bool = False  # its start (or resumption) is logged: not again at each pass of a file load
     memo: dict[bytes, Any] = field(default_factory=dict)  # cold logits by the tokens they follow
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -115,8 +116,10 @@ class Runner:
         model = getattr(generator.model, "language_model", generator.model)
         tol = self._tolerance_of(model)
         self.running = True
-        log.info("apc_canary %s check of %d restore points (%d entries left), source=%s",
-                 "resuming" if job.abandons else "starting", len(job.points), len(job.remaining), job.source)
+        if not job.announced:
+            job.announced = True
+            log.info("apc_canary %s check of %d restore points (%d entries left), source=%s",
+                     "resuming" if job.abandons else "starting", len(job.points), len(job.remaining), job.source)
         try:
             while job.remaining and not job.cancelled:  # cancelled: its caller stopped waiting
                 (entry_id, tier), targets = next(iter(job.remaining.items()))
@@ -130,6 +133,7 @@ class Runner:
             return  # its file loads on the loader thread: the next idle pass goes on
         except Abandoned:
             job.abandons += 1
+            job.announced = False  # its resumption is news
             self.book.abandoned()
             log.info("apc_canary abandoned: a request arrived; %d entries of the check left, retried when idle",
                      len(job.remaining))
