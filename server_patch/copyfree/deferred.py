@@ -110,7 +110,7 @@ def commit_reply(layout: Any, settings: CopyFreeSettings, reply: Reply, batch: A
         if not adopt and cache is not None:  # only the rows its entry lacks, into that entry's buffer
             base = reply.base if reply.base is not None else appending.restored_base(pending)
             appended = appending.append_reply(layout, cache, base, caches, idx, length)
-            appending.count(cache, "reply_appends" if appended is not None else "reply_row_copies")
+            cache.count("reply_appends" if appended is not None else "reply_row_copies")
         kv = appended.kv if appended is not None else rows.kv_rows(layout, caches, idx, length, copy=not adopt)
         head = rows.capture(layout, caches, idx, length)
         store(pending, fed, kv=kv, head=head, prompt_head=reply.prompt_head, captures=captures)

@@ -251,6 +251,12 @@ class LineageCache:
             self.stats[hits_key(COLD)] += 1
             self.stats["prefill_tokens"] += plan.prompt_len
 
+    def count(self, key: str) -> None:
+        """One more ``key`` in the stats (``/admin/stats``): a counter the plumbing keeps, such as
+        how a reply commit copied or a prefetched load."""
+        with self.lock:
+            self.stats[key] += 1
+
     def note_cancelled_queued(self) -> None:
         """Count a request cancelled while queued: it never reached a lookup, but it is a
         request (``hits.requests`` and the records agree), counted neither hit nor cold."""
