@@ -107,7 +107,7 @@ def run(context: int, reply: int, slice_rows: int, repeat: int) -> dict[str, Any
 
     def append() -> list[mx.array]:
         entry = rows.kv_rows(layout, shared, 0, context, copy=True)  # the entry: its own buffer
-        padded = MlxKV([[{k: (merge._padded(v, merge.capacity(length + 512) - context) if k in ("keys", "values")
+        padded = MlxKV([[{k: (merge.padded(v, merge.capacity(length + 512) - context) if k in ("keys", "values")
                               else v) for k, v in child.items()} for child in layer] for layer in entry.layers],
                        context)
         mx.eval(padded.arrays())

@@ -124,7 +124,8 @@ def copy_with_room(layout: CacheLayout, caches: Sequence[Any], idx: Optional[int
     if layout.packed or capacity <= length:
         return rows.kv_rows(layout, caches, idx, length, copy=True)
     views = rows.kv_rows(layout, caches, idx, length, copy=False)
-    layers = [[{key: _roomy(value, length, capacity) if key in ("keys", "values") else
+    spare = capacity - length
+    layers = [[{key: copyfree_merge.padded(value[..., :length, :], spare) if key in ("keys", "values") else
                 mx.array(value) if isinstance(value, mx.array) else value
                 for key, value in child.items()} for child in layer] for layer in views.layers]
     kv = MlxKV(layers, length)
@@ -132,13 +133,6 @@ def copy_with_room(layout: CacheLayout, caches: Sequence[Any], idx: Optional[int
     if ledger.enabled():
         ledger.add("extract", kv.nbytes, kind="kv")
     return kv
-
-
-def _roomy(keys: mx.array, length: int, capacity: int) -> mx.array:
-    """``keys``' first ``length`` rows (axis 2) in a new buffer of ``capacity`` rows."""
-    spare = [(0, 0)] * keys.ndim
-    spare[2] = (0, capacity - length)
-    return mx.pad(keys[..., :length, :], spare)
 
 
 def append_reply(layout: CacheLayout, cache: Any, base: Optional[Base], caches: Sequence[Any], idx: int,
@@ -179,11 +173,5 @@ def _lent_part(layers: list[list[dict]]) -> list[list[dict]]:
             for layer in layers]
 
 
-def count(cache: Any, key: str) -> None:
-    """One more ``key`` in the cache's stats (``/admin/stats``): how reply commits copied."""
-    with cache.lock:
-        cache.stats[key] += 1
-
-
-__all__ = ["Appended", "Base", "append_reply", "base_entry", "copy_with_room", "count", "reply_capacity",
+__all__ = ["Appended", "Base", "append_reply", "base_entry", "copy_with_room", "reply_capacity",
            "restored_base"]

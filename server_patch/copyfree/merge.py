@@ -87,8 +87,8 @@ def stage_rows(layers: Sequence[Sequence[dict]], kv_children: Sequence[Sequence[
                 if int(keys.shape[2]) < length or int(values.shape[2]) < length:
                     raise ValueError(f"KV rows hold {int(keys.shape[2])} tokens, staging wants {length}")
                 spare = max(cap, length) - length
-                taken_layer.append({"keys": _padded(keys[..., :length, :], spare),
-                                    "values": _padded(values[..., :length, :], spare)})
+                taken_layer.append({"keys": padded(keys[..., :length, :], spare),
+                                    "values": padded(values[..., :length, :], spare)})
                 kept_layer.append({k: v for k, v in child.items() if k not in ("keys", "values")})
                 rows = int(keys.shape[2]) or 1
                 nbytes += (int(keys.nbytes) + int(values.nbytes)) // rows * length
@@ -137,8 +137,8 @@ def merge_kv(rows: Sequence[KVCache], cap: int) -> BatchKVCache:
     cap = max(cap, longest)
     padding = [longest - n for n in lengths]
     if batch == 1:
-        keys = _padded(template.keys[..., :longest, :], cap - longest)
-        values = _padded(template.values[..., :longest, :], cap - longest)
+        keys = padded(template.keys[..., :longest, :], cap - longest)
+        values = padded(template.values[..., :longest, :], cap - longest)
     else:
         keys = mx.zeros((batch, heads, cap, dk), dtype=dtype)
         values = mx.zeros((batch, heads, cap, dv), dtype=dtype)
@@ -168,11 +168,11 @@ def adopt_kv(row: KVCache) -> BatchKVCache:
     return cache
 
 
-def _padded(rows: mx.array, spare: int) -> mx.array:
-    """One allocation: the rows copied, then ``spare`` zero rows."""
+def padded(rows: mx.array, spare: int) -> mx.array:
+    """One allocation: the rows (axis 2) copied, then ``spare`` zero rows."""
     if spare <= 0:
         return mx.array(rows)  # a copy: mx.contiguous shares an already contiguous view
-    shape = (*rows.shape[:2], spare, rows.shape[3])
+    shape = (*rows.shape[:2], spare, *rows.shape[3:])
     return mx.concatenate([rows, mx.zeros(shape, dtype=rows.dtype)], axis=2)
 
 
