@@ -97,6 +97,19 @@ class DiskLoads:
         self.rows = rows
         self.stagings = stagings if stagings is not None or rows is None else Stagings(runtime)
         self._ahead: dict[Any, tuple[RequestKey, np.ndarray, str]] = {}  # queued uid -> looked ahead
+        # queued uid -> (its token list, then its key, tokens and namespace): see ``_prompt``
+        self._prompts: dict[Any, tuple[Any, tuple[RequestKey, np.ndarray, str]]] = {}
+
+    def _prompt(self, item: Any,
+                prompt_of: Callable[[Any], tuple[np.ndarray, str]]) -> tuple[RequestKey, np.ndarray, str]:
+        """A queued item's key, tokens and namespace, once per queued sequence (its uid and its
+        very token list): mlx-vlm queues token lists, which would otherwise be converted and
+        hashed again at every step."""
+        found = self._prompts.get(item[0])
+        if found is None or found[0] is not item[1]:
+            prompt, namespace = prompt_of(item)
+            found = self._prompts[item[0]] = (item[1], (request_key(namespace, prompt), prompt, namespace))
+        return found[1]
 
     def admissible(self, queue: list, prompt_of: Callable[[Any], tuple[np.ndarray, str]], limit: int, *,
                    idle: bool = False) -> int:
@@ -107,16 +120,16 @@ class DiskLoads:
         poll may wait a little for its file and no copy is staged (nobody would wait for it)."""
         ready, waiting, queued, keys = [], [], set(), []
         for item in queue:
-            prompt, namespace = prompt_of(item)
-            key = request_key(namespace, prompt)
+            key, prompt, namespace = self._prompt(item, prompt_of)
             queued.add(key)
             if len(ready) >= limit:
                 waiting.append(item)
-            elif self.ready(prompt, namespace, idle=idle and not ready, busy=not idle):
+            elif self.ready(prompt, namespace, idle=idle and not ready, busy=not idle, key=key):
                 ready.append(item)
                 keys.append(key)
             else:
                 waiting.append(item)
+        self._prompts = {item[0]: self._prompts[item[0]] for item in queue}  # the queue's only
         self._forget_gone(queued)
         queue[:] = ready + waiting
         return self._alone(keys)
@@ -140,23 +153,21 @@ class DiskLoads:
         ``blocked``: nothing is admitted this step, so what starts here is counted
         (``prefetched``: started ahead of the admission it would otherwise have waited for)."""
         uids = {item[0] for item in queue}
+        for uid in [uid for uid in self._prompts if uid not in uids]:
+            del self._prompts[uid]
         for uid in [uid for uid in self._ahead if uid not in uids]:
             self._left(self._ahead.pop(uid)[0])
         for item in queue[:min(limit, PREFETCH_MAX)]:
             if item[0] not in self._ahead:
-                prompt, namespace = prompt_of(item)
-                key = request_key(namespace, prompt)
-                self._ahead[item[0]] = (key, prompt, namespace)
+                key, prompt, namespace = self._ahead[item[0]] = self._prompt(item, prompt_of)
                 started = self.book.by_key(key) is None
-                self.ready(prompt, namespace, busy=busy)
+                self.ready(prompt, namespace, busy=busy, key=key)
                 if blocked and started and (row := self.book.by_key(key)) is not None and row.state in WAITING:
-                    cache = self.runtime.cache
-                    with cache.lock:
-                        cache.stats[PREFETCHED] += 1
+                    self.runtime.cache.count(PREFETCHED)
         for key, prompt, namespace in list(self._ahead.values()):
             row = self.book.by_key(key)
             if row is not None and row.state in WAITING:
-                self.ready(prompt, namespace, busy=busy)
+                self.ready(prompt, namespace, busy=busy, key=key)
 
     def _left(self, key: RequestKey) -> None:
         """A looked-ahead prompt left the queue (admitted, or cancelled): a row still waiting
@@ -165,12 +176,14 @@ class DiskLoads:
         if row is not None and row.state in WAITING and all(k != key for k, _, _ in self._ahead.values()):
             self._end_waiting(row)
 
-    def ready(self, prompt: np.ndarray, namespace: str, *, idle: bool = False, busy: bool = True) -> bool:
+    def ready(self, prompt: np.ndarray, namespace: str, *, idle: bool = False, busy: bool = True,
+              key: Optional[RequestKey] = None) -> bool:
         """False while this prompt's disk restore point loads or its copy stages (the first call
-        starts it). ``busy``: other rows decode (a copy may be staged: see ``admissible``)."""
+        starts it). ``busy``: other rows decode (a copy may be staged: see ``admissible``);
+        ``key``: its request key, where the caller has it."""
         if prompt.shape[0] < 2:
             return True
-        row = self.book.by_key(request_key(namespace, prompt))
+        row = self.book.by_key(key if key is not None else request_key(namespace, prompt))
         if row is not None and row.state not in WAITING:
             return True  # the same prompt admitted this step already: its own plan stands
         if row is None:
@@ -213,9 +226,7 @@ class DiskLoads:
             return False
         load.promoted = entry.id
         plan = self.runtime.cache.lookup(prompt, namespace, counted=False)
-        if plan.entry is not entry or not self.rows.stageable(plan, staging.min_tokens()):
-            return False
-        stage = self.stagings.start(plan, self.rows.staged_capacity(plan.prompt_len), load.steps_at_start)
+        stage = self._stage(plan, load.steps_at_start) if plan.entry is entry else None
         if stage is None or not row.move(RowState.STAGING, "file loaded, copy staged"):
             if stage is not None:
                 self.stagings.drop(stage)
@@ -233,10 +244,16 @@ class DiskLoads:
                 return None
             load = Load(plan.record, plan.length, clock.steady(), self.book.decode_steps)
             return self.book.loading(pending, load)
-        if not busy or self.stagings is None or not self.rows.stageable(plan, staging.min_tokens()):
-            return None
-        stage = self.stagings.start(plan, self.rows.staged_capacity(plan.prompt_len), self.book.decode_steps)
+        stage = self._stage(plan, self.book.decode_steps) if busy and self.stagings is not None else None
         return self.book.staging(pending, stage) if stage is not None else None
+
+    def _stage(self, plan: Any, steps: int) -> Optional[staging.Stage]:
+        """``plan``'s merge copy started on the stager thread if the merge would make it
+        (``BatchRows.stageable``); None otherwise, or where the entry is refused a receipt.
+        ``steps``: the book's decode steps when the wait began."""
+        if not self.rows.stageable(plan, staging.min_tokens()):
+            return None
+        return self.stagings.start(plan, self.rows.staged_capacity(plan.prompt_len), steps)
 
     def _disk_plan(self, prompt: np.ndarray, namespace: str) -> Any:
         """Its plan if it restores from a disk file (and the tier is not refused), else None."""
