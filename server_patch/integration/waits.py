@@ -27,12 +27,13 @@ disk load inside a lookup), each with an ``owners`` function (below, and the doo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 from server_patch import clock
 
@@ -137,6 +138,15 @@ class Waits:
                 record.delay_mark = step
                 record.delayed_steps += 1
 
+    @contextlib.contextmanager
+    def timed(self, kind: str, owners: Owners) -> Iterator[None]:
+        """The ``with`` body is one unit of ``owners``' ``kind`` of work (``begin`` ... ``end``)."""
+        self.begin(kind, owners)
+        try:
+            yield
+        finally:
+            self.end()
+
     def ended(self, row: "RowLife") -> None:
         """``row`` ended: nothing more holds it up, its record's waits are final."""
         if row.record is not None:
@@ -150,11 +160,8 @@ def run(kind: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if not units:
         return call(*args, **kwargs)
     parent = units[-1]
-    parent.waits.begin(kind, parent.owners)
-    try:
+    with parent.waits.timed(kind, parent.owners):
         return call(*args, **kwargs)
-    finally:
-        parent.waits.end()
 
 
 def unit(kind: Work, owners: Callable[..., tuple[Optional[Waits], Owners]]) -> Callable[[F], F]:
@@ -172,11 +179,8 @@ def unit(kind: Work, owners: Callable[..., tuple[Optional[Waits], Owners]]) -> C
                 waits = None
             if waits is None:
                 return function(*args, **kwargs)
-            waits.begin(kind, whose)
-            try:
+            with waits.timed(kind, whose):
                 return function(*args, **kwargs)
-            finally:
-                waits.end()
 
         return timed  # type: ignore[return-value]
 
