@@ -14,8 +14,9 @@ The overlay (``overlay/patches/pacing.py``) gives ``PromptProcessingBatch.prompt
 ``max_tokens`` argument and routes the three ``prompt_step()`` calls of ``BatchGenerator._next``
 through the door (``integration.hooks.prefill_step``), which hands them to ``step`` with the
 runtime's pacer (``LineageRuntime.pacer``: one per served model, none for a stock coordinator,
-whose prefill keeps mlx-vlm's chunks) and the number of rows decoding. A chunk's time is measured to the end of its compute (``mx.synchronize``: mlx-vlm
-dispatches it asynchronously), only while pacing is on.
+whose prefill keeps mlx-vlm's chunks) and the number of rows decoding. A chunk's time is
+measured to the end of its compute (``mx.synchronize``: mlx-vlm dispatches it asynchronously),
+only while pacing is on.
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ class PrefillPacer:
     most doubling), unless the chunk was mostly overhead: a chunk whose tokens per second fall
     below ``1 / MAX_COST`` of large chunks' (``FIRST_CHUNK`` or more) doubles instead, and the
     size never again goes that low (until an unpaced chunk measures that rate anew). Per-token
-    cost is not constant in the chunk size: measured on the bench preset on a loaded CPU, a 64-token chunk took 2 s and a
-    2,048-token one 5.7 s (the decode step dispatched before it, per-chunk work over the whole
-    context, a slower attention path for short chunks). So where the budget cannot be met,
-    pacing bounds its throughput cost and still cuts the longest wait, instead of splitting into
-    chunks that are all overhead."""
+    cost is not constant in the chunk size: measured on the bench preset on a loaded CPU, a
+    64-token chunk took 2 s and a 2,048-token one 5.7 s (the decode step dispatched before it,
+    per-chunk work over the whole context, a slower attention path for short chunks). So where
+    the budget cannot be met, pacing bounds its throughput cost and still cuts the longest wait,
+    instead of splitting into chunks that are all overhead."""
 
     def __init__(self, budget_ms: float) -> None:
         self.budget_ms = float(budget_ms)
