@@ -15,23 +15,20 @@ starts its load (held by the fault hook) before any stream ends, and answers as 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from server_patch.disk.loader import BackgroundLoads
-from server_patch.integration.loading import PREFETCHED, DiskLoads
+from server_patch.integration.loading import PREFETCHED
 from server_patch.integration.pending import request_key
-from server_patch.integration.rowlife import RowBook, RowState
-from server_patch.integration.timings import TimingBook
-from server_patch.lineage import DISK, LineageCache, LineageConfig, as_tokens
+from server_patch.integration.rowlife import RowState
+from server_patch.lineage import DISK, LineageCache, as_tokens
 from server_patch.lineage.flow import NOT_AHEAD
 from server_patch.lineage.misses import Lost
 from tests.e2e.test_e2e_disk import _cold, _env
 from tests.e2e.test_e2e_disk_loading import Chat, _conversation, _records, _stats, _wait_held
 from tests.integration.test_pacing import Stream
-from tests.integration.test_row_loading import GatedDisk, lookup, prompt_of, queue_of, s, until_ready  # noqa: F401
-from tests.lineage.test_lineage_policy import Clock, serve, words
+from tests.integration.test_row_loading import lookup, on_disk_only, prompt_of, queue_of, s, until_ready  # noqa: F401
+from tests.lineage.test_lineage_policy import serve, words
 from tests.server_harness import PatchedServer, reply_tokens
 
 LOADING, ENDED = RowState.LOADING, RowState.ENDED
@@ -91,15 +88,9 @@ def test_a_disk_plan_nobody_loaded_ahead_is_not_loaded_at_the_lookup(s):
 
 
 def test_a_plan_that_turns_to_another_file_restores_the_file_it_loaded():
-    disk, book = GatedDisk(), RowBook(TimingBook())
-    cache = LineageCache(LineageConfig(), disk=disk, clock=Clock())
     base = words(800, 4400)
-    shorter = serve(cache, base)[2]
-    disk.answers[shorter.id] = (shorter, "")
-    cache.flush()
-    cache.clear()
-    runtime = SimpleNamespace(cache=cache, disk=disk, refuses=lambda kind: False)
-    t = SimpleNamespace(cache=cache, disk=disk, book=book, loads=DiskLoads(runtime, book, BackgroundLoads()))
+    t = on_disk_only(base)
+    cache, disk, shorter = t.cache, t.disk, t.entry
     prompt = as_tokens(base + words(300, 4401) + words(20, 4402))
     disk.gate.set()
     until_ready(t, queue_of(prompt))  # its look-ahead loaded the shorter file

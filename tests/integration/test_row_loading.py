@@ -43,20 +43,27 @@ class GatedDisk(FakeDisk):
         return self.answers[record.id]
 
 
-@pytest.fixture
-def s():
-    """A cache whose conversation entry is on disk only, its disk, a book and the loads."""
+def on_disk_only(conversation: list[int]) -> SimpleNamespace:
+    """A cache whose entry of ``conversation`` is on disk only, its gated disk (answering that
+    entry), a book and the loads."""
     disk, book = GatedDisk(), RowBook(TimingBook())
     cache = LineageCache(LineageConfig(), disk=disk, clock=Clock())
-    long = words(800, 4100)
-    entry = serve(cache, long)[2]
+    entry = serve(cache, conversation)[2]
     disk.answers[entry.id] = (entry, "")
     cache.flush()
     cache.clear()  # RAM forgets; the disk remembers
     runtime = SimpleNamespace(cache=cache, disk=disk, refuses=lambda kind: False)
-    loads = DiskLoads(runtime, book, BackgroundLoads())
-    return SimpleNamespace(cache=cache, disk=disk, book=book, loads=loads, entry=entry,
-                           warm=as_tokens(long + words(20, 4101)), cold=as_tokens(words(300, 4102)))
+    return SimpleNamespace(cache=cache, disk=disk, book=book, loads=DiskLoads(runtime, book, BackgroundLoads()),
+                           entry=entry)
+
+
+@pytest.fixture
+def s():
+    """A cache whose conversation entry is on disk only, its disk, a book and the loads."""
+    long = words(800, 4100)
+    s = on_disk_only(long)
+    s.warm, s.cold = as_tokens(long + words(20, 4101)), as_tokens(words(300, 4102))
+    return s
 
 
 def queue_of(*prompts: np.ndarray) -> list[tuple]:
