@@ -38,7 +38,8 @@ def server_root(given: Path | None) -> Path:
 
 
 @click.command(epilog="Exit codes: 0 clean, 1 damaged files found (removed with --fix), "
-                      "2 usage error or --fix refused (a server holds the directory).")
+                      "2 usage error, not a lineage disk directory, or --fix refused (a server holds "
+                      "the directory).")
 @server_options()
 @click.option("--disk-path", type=click.Path(file_okay=False, path_type=Path),
               help="Lineage disk directory (default: APC_LINEAGE_DISK_PATH, else the managed server's recorded "
@@ -57,6 +58,11 @@ def check(targets: list[Target], disk_path: Path | None, fix: bool, as_json: boo
     with the ones installed here. A server may be running: its in-flight temp files are
     skipped, and --fix is refused.
 
+    Only files in the per-fingerprint subdirectories of a lineage disk directory (one with the
+    server's .apc-lineage-tier marker, or an earlier version's layout) are checked or removed;
+    any other file is listed as foreign and never touched, and a directory that is not a
+    lineage disk directory (a models directory) exits 2.
+
     \b
     Examples:
       apcctl check
@@ -64,7 +70,7 @@ def check(targets: list[Target], disk_path: Path | None, fix: bool, as_json: boo
       apcctl check --server main --json
     """
     from apcctl.core import render
-    from server_patch.disk.fsck import DiskInUse, check_dir
+    from server_patch.disk.fsck import DiskInUse, NotATier, check_dir
 
     root = server_root(disk_path) if disk_path is not None else disk_path_of(one(targets))
     if not root.is_dir():
@@ -74,10 +80,14 @@ def check(targets: list[Target], disk_path: Path | None, fix: bool, as_json: boo
     except DiskInUse as exc:
         raise CommandError(f"{exc}; stop it before --fix (a check without --fix is safe)",
                            ExitStatus.USAGE) from None
+    except NotATier as exc:
+        raise CommandError(f"refusing --fix: {exc}", ExitStatus.USAGE) from None
     if as_json:
         render.emit_json(report.as_dict())
     else:
         _show(report)
+    if not report.tier and report.foreign:
+        raise CommandError(f"{NotATier(root)}; its {len(report.foreign)} files are foreign", ExitStatus.USAGE)
     if not report.clean:
         raise click.exceptions.Exit(int(ExitStatus.FAILED))
 
@@ -89,5 +99,7 @@ def _show(report: CheckReport) -> None:
     for finding in report.damaged:
         action = "removed" if finding.removed else "damaged"
         click.echo(f"  {action}: {finding.path}: {finding.reason}: {finding.detail}")
+    for path in report.foreign:
+        click.echo(f"  foreign (not the server's, never removed): {path}")
     if damaged and not report.fixed:
         click.echo("run with --fix to remove them (or let the server reject them at start)")

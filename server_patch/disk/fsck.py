@@ -6,6 +6,11 @@ the metadata against the tensor table, the mlx / mlx-vlm / patch versions agains
 ones, and its model fingerprint against the per-fingerprint directory it sits in. A file that
 fails would be rejected by the server; ``fix`` removes it (only while holding the directory
 lock, so never under a running server).
+
+Only our own files are ever candidates: those directly inside the per-fingerprint
+subdirectories of a directory ``server_patch.disk.marker`` recognises as a tier. Any other file
+is reported as foreign and never opened for removal; a directory that is not a tier (a models
+directory given by mistake) is refused by ``fix`` (``NotATier``) and all its files are foreign.
 """
 
 from __future__ import annotations
@@ -20,11 +25,21 @@ from server_patch.private_files import fsync_dir
 from server_patch.disk.integrity import (
     HEADER, IO, SUFFIX, Expected, InvalidFile, check_identity, contents, is_temp, read_header, verify_data,
 )
-from server_patch.disk.lock import LOCK_NAME, DiskInUse, DiskLock, holder
+from server_patch.disk.lock import DiskInUse, DiskLock, holder
+from server_patch.disk.marker import MARKER_NAME, is_tier, ours, tier_of
 from server_patch.state.fingerprint import software_identity
 
 TEMP = "temp"  # a temp file no running server is writing: left by a killed one
 _FINGERPRINT_DIR = re.compile(r"^[0-9a-f]{16}$")
+
+
+class NotATier(ValueError):
+    """``fix`` was asked for a directory that is not a lineage disk tier."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(f"{root} is not a lineage disk directory (no {MARKER_NAME} marker and not the layout "
+                         "of an earlier version's tier, docs/reliability.md): nothing there is ours to remove")
+        self.root = root
 
 
 @dataclass
@@ -43,6 +58,8 @@ class CheckReport:
     in_flight: list[str] = field(default_factory=list)  # temp files of the running server
     in_use_by: int | None = None
     fixed: bool = False
+    tier: bool = True  # the directory is (in) a lineage disk tier
+    foreign: list[str] = field(default_factory=list)  # not ours: never checked, never removed
 
     @property
     def clean(self) -> bool:
@@ -51,14 +68,6 @@ class CheckReport:
     def as_dict(self) -> dict:
         by_reason = Counter(f.reason for f in self.damaged)
         return {**asdict(self), "clean": self.clean, "by_reason": dict(sorted(by_reason.items()))}
-
-
-def lock_root(root: Path) -> Path:
-    """The directory whose lock guards ``root``: itself, or the lineage root above a
-    per-fingerprint subdirectory."""
-    if (root / LOCK_NAME).exists() or not (root.parent / LOCK_NAME).exists():
-        return root
-    return root.parent
 
 
 def files(root: Path) -> Iterator[Path]:
@@ -86,17 +95,24 @@ def verify(path: Path, identity: dict[str, str]) -> Finding | None:
 
 
 def check_dir(root: Path, *, fix: bool = False) -> CheckReport:
-    """Verify every file under ``root``; with ``fix``, remove the damaged ones.
+    """Verify every file of ours under ``root``; with ``fix``, remove the damaged ones.
 
-    Raises ``DiskInUse`` when ``fix`` is asked while a server holds the directory.
+    Raises ``NotATier`` when ``fix`` is asked for a directory that is not a tier, and
+    ``DiskInUse`` when a server holds it.
     """
     report = CheckReport(disk_path=str(root))
-    guard = lock_root(root)
-    lock = DiskLock(guard).acquire() if fix else None  # DiskInUse propagates
+    tier = tier_of(root)  # also the directory whose lock guards root
+    report.tier = is_tier(tier)
+    if fix and not report.tier:
+        raise NotATier(root)
+    lock = DiskLock(tier).acquire() if fix else None  # DiskInUse propagates
     try:
-        report.in_use_by = None if fix else holder(guard)
+        report.in_use_by = None if fix else holder(tier)
         identity = software_identity()
         for path in files(root):
+            if not report.tier or not ours(path, tier):
+                report.foreign.append(str(path))
+                continue
             if is_temp(path):
                 if report.in_use_by is not None:
                     report.in_flight.append(str(path))
@@ -123,4 +139,4 @@ def check_dir(root: Path, *, fix: bool = False) -> CheckReport:
     return report
 
 
-__all__ = ["CheckReport", "DiskInUse", "Finding", "check_dir", "verify"]
+__all__ = ["CheckReport", "DiskInUse", "Finding", "NotATier", "check_dir", "verify"]

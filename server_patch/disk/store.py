@@ -30,6 +30,7 @@ import numpy as np
 
 from server_patch import clock
 from server_patch.disk import faults
+from server_patch.disk.marker import mark
 from server_patch.private_files import create_private, fsync_dir, fsync_fd, private_dir
 from server_patch.disk.integrity import (
     ARRAY, FORMAT, HASH_HEX, HEADER, IO, SUFFIX, Expected, InvalidFile, TableRow, build_header,
@@ -112,6 +113,7 @@ class DiskStore:
     def __init__(self, root: Path | str, *, fingerprint: str, layout: CacheLayout,
                  min_free: float | None = None) -> None:
         self.root = private_dir(Path(root))
+        mark(self.root.parent)  # the tier: ``apcctl check --fix`` removes files only under a marked one
         self.fingerprint = fingerprint
         self.layout = layout
         self.expected = Expected(identity=software_identity(), fingerprint=fingerprint,
