@@ -148,7 +148,7 @@ _SCALARS: tuple[Setting, ...] = (
        "server_patch.sparse.dispatch"),
     _s("APC_PROFILE_FLAG", T.PATH, None, "The flag file whose presence turns per-layer forward timing on "
        "(`apcctl profile`).", "profile", "server_patch.sparse.profiler",
-       default_text="<temp dir>/apcctl-profile-layers.flag", derive="server_patch.sparse.profiler:flag_path"),
+       default_text="<state dir>/profile/layers.flag", derive="server_patch.sparse.profiler:flag_path"),
     _s("APC_PROFILE_LOG", T.PATH, None, "Where profiled forwards write one JSON line each.", "profile",
        "server_patch.sparse.profiler", default_text="<flag>.jsonl", derive="server_patch.sparse.profiler:log_path"),
     _s("APC_LOG_FILE", T.PATH, None, "Send all server output to this file, rotating while it runs "
@@ -247,6 +247,7 @@ class _Group:
     names: Callable[[Any], Mapping[str, str]]  # the class's module -> {field: variable}
     why: Mapping[str, str]
     readers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # extra readers by field
+    default_texts: Mapping[str, str] = field(default_factory=dict)  # a default computed at start, by field
 
     def settings(self) -> list[Setting]:
         module_name, class_name = self.target.split(":")
@@ -258,7 +259,8 @@ class _Group:
             default = defaults[field_name]
             extra = self.readers.get(field_name, ())
             out.append(Setting(variable, type_for(default, field_name), default, self.why.get(field_name, ""),
-                               self.group, (module_name, *extra)))
+                               self.group, (module_name, *extra),
+                               default_text=self.default_texts.get(field_name, "")))
         return out
 
 
@@ -305,7 +307,8 @@ _GROUPS: tuple[_Group, ...] = (
                                "would have restored, and why each missing token was missed (0: off).",
         "shadow_block_tokens": "Tokens per shadow block (1..16): the oracle is rounded down to it; larger "
                                "blocks cost fewer bytes.",
-    }, {"enabled": ("server_patch.launch",)}),
+    }, {"enabled": ("server_patch.launch",)},
+       {"disk_max_bytes": "half the disk tier's volume, at most 1T"}),
     _Group("segments", "server_patch.boundaries.settings:SegmentSettings",
            lambda module: {field: key for key, field in module.ENV.items()}, {
                "enabled": "Chat-template segment boundaries as restore points (0: the anchor only).",
@@ -385,6 +388,38 @@ class InForce:
                 "shown": "" if self.error else (s.shown(self.value) if self.value is not None else s.default_shown),
                 "source": self.source, "default": None if s.secret else _jsonable(s.default),
                 "default_shown": s.default_shown, "error": self.error or None, "why": s.why}
+
+
+def problems(env: Mapping[str, str], names: Any = None) -> list[str]:
+    """Why each registered variable set in ``env`` (only ``names``, if given) cannot be read: the
+    check ``apcctl config show``, ``serve`` and ``restart``'s plan make before a server runs
+    with it, and that a running server reports (a reader that falls back on a bad value, as
+    the journal does by turning itself off, would otherwise do so silently)."""
+    out = []
+    for s in registry():
+        raw = env.get(s.name)
+        if raw is None or not raw.strip() or (names is not None and s.name not in names):
+            continue
+        try:
+            s.parse(raw)
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+def unknown(names: Any) -> list[str]:
+    """``APC_*`` names in ``names`` that no setting (nor mlx-vlm's own cache) reads, each with
+    the registered name it was probably meant to be: a typo would otherwise be ignored."""
+    import difflib
+
+    known = {s.name for s in registry()} | MLX_VLM_OWNED
+    out = []
+    for name in names:
+        if name.startswith("APC_") and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+            out.append(f"{name} is not a setting" + (f" (did you mean {close[0]}?)" if close else "")
+                       + "; apcctl config show --markdown lists them")
+    return out
 
 
 def _jsonable(value: Any) -> Any:

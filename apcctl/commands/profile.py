@@ -1,7 +1,7 @@
 """``apcctl profile layers on|off|status``: the patched server's per-layer timer.
 
-The server checks a flag file once per forward (``APC_PROFILE_FLAG``, default in the system
-temp dir), so switching it here takes effect on the next forward without a restart. Records
+The server checks a flag file once per forward (``APC_PROFILE_FLAG``, default
+``<state dir>/profile/layers.flag``, a 0700 directory), so switching it here takes effect on the next forward without a restart. Records
 (one JSON line per forward) go to ``APC_PROFILE_LOG`` or ``<flag>.jsonl``; the server and this
 command must see the same environment.
 """
@@ -50,13 +50,18 @@ def off() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def status(last: int, as_json: bool) -> None:
     """Whether the timer is on, and the latest records."""
+    from apcctl.commands.common import CommandError, ExitStatus
     from server_patch.sparse import profiler
 
+    try:
+        records = profiler.read_records(last) if last > 0 else []
+    except OSError as exc:  # a FIFO or link in the log's place is refused, never waited on
+        raise CommandError(f"cannot read the profile log: {exc}", ExitStatus.FAILED) from None
     state = {
         "enabled": profiler.is_enabled(),
         "flag": str(profiler.flag_path()),
         "log": str(profiler.log_path()),
-        "records": profiler.read_records(last) if last > 0 else [],
+        "records": records,
     }
     if as_json:
         click.echo(json.dumps(state, indent=2))

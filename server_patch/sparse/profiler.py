@@ -10,23 +10,35 @@ MLX's lazy graph, so a profiled forward is a little slower than an unprofiled on
 The hooks go into mlx-vlm's glm5_next text model by the overlay: ``begin_forward`` before the
 layer loop, ``after_attention`` inside each decoder layer, ``after_layer`` after each layer,
 ``end_forward`` after the final norm. Meant for the single generation thread of a server.
+
+The flag lives in the server's state directory (``<state>/profile``, 0700), not the shared temp
+dir where any local user could switch profiling on. The generation thread never opens the log:
+``end_forward`` queues the line and a writer thread appends it, opening the file
+``O_NOFOLLOW | O_NONBLOCK`` as a regular file only, 0600 (a FIFO or symlink planted in its place
+is refused and the record dropped with a warning, never a hung inference).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
-import tempfile
+import queue
+import stat
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from server_patch import clock, settings
+from server_patch.private_files import FILE_MODE, open_private, private_dir
 
 ENV_FLAG = "APC_PROFILE_FLAG"
 ENV_LOG = "APC_PROFILE_LOG"
-DEFAULT_FLAG_NAME = "apcctl-profile-layers.flag"
+DEFAULT_FLAG_NAME = "layers.flag"
+PROFILE_DIR = "profile"  # under the server's state directory, 0700
+QUEUED_LINES = 4096  # records waiting for the writer; beyond, a record is dropped (never a wait)
 
 SPARSE_ATTENTION = "sparse_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -38,11 +50,15 @@ logger = logging.getLogger(__name__)
 
 
 def flag_path(path: Optional[os.PathLike] = None) -> Path:
-    """The flag file: ``path``, else ``$APC_PROFILE_FLAG``, else one in the system temp dir."""
+    """The flag file: ``path``, else ``$APC_PROFILE_FLAG``, else ``<state dir>/profile/layers.flag``."""
     if path is not None:
         return Path(path)
     env = settings.value(ENV_FLAG)
-    return Path(env) if env else Path(tempfile.gettempdir()) / DEFAULT_FLAG_NAME
+    if env:
+        return Path(env)
+    from server_patch.paths import state_dir
+
+    return state_dir() / PROFILE_DIR / DEFAULT_FLAG_NAME
 
 
 def log_path(path: Optional[os.PathLike] = None) -> Path:
@@ -57,8 +73,8 @@ def log_path(path: Optional[os.PathLike] = None) -> Path:
 def enable(path: Optional[os.PathLike] = None) -> Path:
     """Create the flag file; forwards that start afterwards are timed."""
     flag = flag_path(path)
-    flag.parent.mkdir(parents=True, exist_ok=True)
-    flag.touch()
+    private_dir(flag.parent, tighten=flag.parent.name == PROFILE_DIR)
+    os.close(open_private(flag, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK))
     return flag
 
 
@@ -81,12 +97,84 @@ def is_enabled(path: Optional[os.PathLike] = None) -> bool:
 
 
 def read_records(limit: int = 10, path: Optional[os.PathLike] = None) -> list[dict]:
-    """The last ``limit`` records from the log file (empty if there is none)."""
+    """The last ``limit`` records from the log file (empty if there is none), after this
+    process's queued ones are written."""
+    WRITER.drain()
     try:
-        lines = log_path(path).read_text().splitlines()
+        fd = open_regular(log_path(path), os.O_RDONLY)
     except FileNotFoundError:
         return []
+    with os.fdopen(fd, "r") as f:
+        lines = f.read().splitlines()
     return [json.loads(line) for line in lines[-limit:] if line.strip()]
+
+
+def open_regular(path: Path, flags: int) -> int:
+    """``path`` opened without following a symlink or waiting on a FIFO; anything but a regular
+    file raises ``OSError``. A file created here is 0600."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file: refusing to use it as the profile log")
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            os.fchmod(fd, FILE_MODE)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class LogWriter:
+    """Appends records to the log on its own thread: the generation thread only queues."""
+
+    def __init__(self) -> None:
+        self._lines: queue.Queue[str] = queue.Queue(QUEUED_LINES)
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self.dropped = 0
+
+    def submit(self, line: str) -> None:
+        try:
+            self._lines.put_nowait(line)
+        except queue.Full:
+            self.dropped += 1
+            return
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="apc-profile-log", daemon=True)
+                self._thread.start()
+                atexit.register(self.drain)
+
+    def drain(self, timeout: float = 2.0) -> None:
+        """Wait (up to ``timeout``) for the queued records to be written: at exit."""
+        done = threading.Event()
+        threading.Thread(target=lambda: (self._lines.join(), done.set()), daemon=True).start()
+        done.wait(timeout)
+
+    def _run(self) -> None:
+        while True:
+            line = self._lines.get()
+            try:
+                self._append(line)
+            finally:
+                self._lines.task_done()
+
+    @staticmethod
+    def _append(line: str) -> None:
+        try:
+            target = log_path()
+            private_dir(target.parent, tighten=target.parent.name == PROFILE_DIR)
+            fd = open_regular(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            try:
+                os.write(fd, (line + "\n").encode())
+            finally:
+                os.close(fd)
+        except OSError as error:  # a full or read-only disk, a FIFO or link in its place
+            logger.warning("layer profile not written: %s", error)
+
+
+WRITER = LogWriter()
 
 
 class ForwardTimer:
@@ -164,11 +252,5 @@ def end_forward(hidden: Any) -> Optional[dict]:
     record = timer.record()
     line = json.dumps(record, sort_keys=True)
     logger.info("layer profile %s", line)
-    try:
-        target = log_path()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with target.open("a") as f:
-            f.write(line + "\n")
-    except OSError as error:  # a full or read-only disk must not break generation
-        logger.warning("layer profile not written: %s", error)
+    WRITER.submit(line)  # never open() on the generation thread: the log could be a FIFO
     return record
