@@ -19,6 +19,9 @@ on every route outside ``/admin``, ``/health`` and the management routes, with t
 * vLLM's per-request **``cache_salt``** (any JSON body): nothing is shared across salts; one
   that is not a non-empty string is a 400.
 
+The same namespace scopes mlx-vlm's stored Responses (``tenancy.responses``): the middleware
+hands it to the handlers in a context variable, and an id another namespace stored is unknown.
+
 This module must not import mlx-vlm (topics load before the import hook).
 """
 
@@ -34,6 +37,7 @@ from server_patch.admin.guard import (READ_METHODS, Receive, Scope, Send, classi
 from server_patch.admin.internal import INTERNAL
 from server_patch.overlay.edits import Edit
 from server_patch.overlay.pristine import patch_of
+from server_patch.tenancy import responses
 from server_patch.tenancy.namespace import namespace
 
 if TYPE_CHECKING:
@@ -60,6 +64,21 @@ FILE_PATCHES = (
                 "\n"
                 "app.add_middleware(\n    CORSMiddleware,\n"
             ),
+        ),
+    ),
+    patch_of(
+        "mlx_vlm.server.responses_state",
+        Edit(
+            name="tenant.responses_store",
+            old="response_store: Dict[str, StoredResponse] = {}\n",
+            new=("from server_patch.tenancy.responses import NamespacedResponses as _ApcNamespacedResponses\n"
+                 "\n"
+                 "response_store: Dict[str, StoredResponse] = _ApcNamespacedResponses()\n"),
+        ),
+        Edit(
+            name="tenant.responses_evict",
+            old="            response_store.pop(old_id, None)\n",
+            new="            response_store.evict(old_id)\n",
         ),
     ),
 )
@@ -153,6 +172,7 @@ class RequestNamespace:
             await reply(send, 400, refused)
             return
         name = self._namespace(scope, key_id, data, salt)
+        responses.CURRENT.set(name)  # the Responses store's namespace (this request's task only)
         if name is not None:
             scope = with_headers(scope, drop=HONOURED, add=[(TENANT_HEADER, name.encode("utf-8"))])
         await self.app(scope, receive, send)
