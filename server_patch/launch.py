@@ -275,7 +275,7 @@ def warn_sizing() -> None:
     from server_patch.admin.views import human_size, sizing_view
     from server_patch.lineage import LineageConfig
 
-    sizing = sizing_view(LineageConfig.from_env())
+    sizing = sizing_view(LineageConfig.from_env(), startup=True)
     b, disk = sizing["budgets"], sizing["disk"]
     where = (f"on {disk['path']} ({human_size(disk['free_bytes'])} free)" if disk.get("free_bytes") is not None
              else "(disk tier off)" if not disk["enabled"] else f"on {disk.get('path')}")

@@ -26,6 +26,22 @@ def register(main: click.Group, bench: click.Group) -> None:
     main.add_command(demo)
 
 
+def demo_budget() -> dict[str, str]:
+    """A RAM budget sized to this machine (a quarter of its memory, at most the server's default),
+    unless the shell sets one: the tiny model needs little, and a newcomer on a 24 GB machine
+    should not see the default 48 GiB budget and its warning (issue 36)."""
+    import os
+
+    import psutil
+
+    from server_patch.lineage.config import LineageConfig
+
+    variable = "APC_LINEAGE_RAM_BUDGET_BYTES"
+    if os.environ.get(variable, "").strip():
+        return {}
+    return {variable: str(min(LineageConfig.ram_budget_bytes, psutil.virtual_memory().total // 4))}
+
+
 def _dashboard() -> Callable[..., Any] | None:
     """The Textual dashboard, when the ``tui`` package provides one."""
     try:
@@ -106,7 +122,7 @@ def demo(max_requests: int, duration: float | None, no_dashboard: bool, port: in
     server = ManagedServer(NAME, root=state_dir())
     server.stop(grace=10)  # a demo left over from an interrupted run
     model = build_model(server.directory / "model", "tiny")
-    spec = build_spec(NAME, model=str(model), port=port or free_port(), env={"HF_HUB_OFFLINE": "1"},
+    spec = build_spec(NAME, model=str(model), port=port or free_port(), env={"HF_HUB_OFFLINE": "1", **demo_budget()},
                       directory=server.directory)
     click.echo(f"demo: tiny model {model}\ndemo: starting the patched server at {spec.url} (log {server.log_path})",
                err=as_json)

@@ -12,8 +12,8 @@ from apcctl.commands.serve import _env, spec_sizing
 from apcctl.config import ConfigError, Target, load_config
 from apcctl.core import render
 from apcctl.core.manage import GRACE_MARGIN_S, ManagedServer
-from apcctl.core.model_source import model_problem
-from apcctl.core.respec import Changes, Respecified, respec
+from apcctl.core.model_source import model_problem, weights_problem
+from apcctl.core.respec import Changes, Respecified, override_notes, respec
 from apcctl.core.restart import SUPERVISORS, Phase, RestartStep, rolling_restart
 from apcctl.core.roll import restart_targets
 
@@ -103,10 +103,12 @@ def restart(targets: Targets, timeout: float, force: bool, supervisor: str | Non
       apcctl restart --server main -e APC_LINEAGE_RAM_BUDGET_BYTES=32G --dry-run
     """
     progress = ProgressPrinter(err=as_json, timeout=timeout)
-    changed = respecified(targets, supervisor, Changes(env=_env(env_pairs), model=model))
+    changed, notes = respecified(targets, supervisor, Changes(env=_env(env_pairs), model=model))
     for change in changed:  # before anything is drained: what the next start changes
         for line in change.lines():
             progress(RestartStep(change.name, Phase.PLAN, message=f"change {line}"))
+    for name, note in notes:  # and what the operator asked for that it does not
+        progress(RestartStep(name, Phase.PLAN, message=f"note: {note}"))
     # Every target is planned (and a bad plan refused) before anything is touched; then a server
     # behind a running fleet's gateway is taken out of the gateway instead of being drained
     # (apcctl.core.roll), so the fleet's clients never see a 503.
@@ -137,17 +139,22 @@ def restart(targets: Targets, timeout: float, force: bool, supervisor: str | Non
         raise click.exceptions.Exit(int(ExitStatus.FAILED))
 
 
-def respecified(targets: Targets, supervisor: str | None, asked: Changes) -> list[Respecified]:
+def respecified(targets: Targets, supervisor: str | None,
+                asked: Changes) -> tuple[list[Respecified], list[tuple[str, str]]]:
     """The managed servers whose next start differs from their record: the config table read
-    again, then ``-e`` and ``--model``. A supervised server takes no ``-e``/``--model`` (its
-    installed unit says what starts; it reads the config file itself at every start)."""
+    again, then ``-e`` and ``--model``; and ``(server, note)`` for each config key the next
+    start does not take (an earlier ``-e`` beats it). A supervised server takes no
+    ``-e``/``--model`` (its installed unit says what starts; it reads the config file itself at
+    every start). Refused here, before anything is drained, as ``serve`` refuses them: a model
+    directory that cannot be served, a value of any setting the server cannot read."""
     if asked.model is not None and (problem := model_problem(asked.model)):
         raise click.UsageError(problem)
     try:
-        tables = load_config(targets.config_path).servers
+        config = load_config(targets.config_path)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    out = []
+    tables = config.servers
+    out, notes = [], []
     for target in targets:
         spec = target.managed.spec() if target.managed is not None else None
         if (supervisor or target.settings.supervisor) != "none" or spec is None:
@@ -159,7 +166,11 @@ def respecified(targets: Targets, supervisor: str | None, asked: Changes) -> lis
         table = tables.get(spec.name)
         changes = Changes(config_env=table.budget_environment() if table else {}, env=asked.env, model=asked.model)
         new = respec(spec, changes)
+        if (problem := model_problem(new.model) or weights_problem(new.model)) is not None:
+            raise click.UsageError(f"{spec.name}: {problem}")
         if new != spec:
-            spec_sizing(new)  # a bad budget is a usage error now, not a server that exits at start
+            spec_sizing(new)  # a bad value is a usage error now, not a server that exits at start
             out.append(Respecified(spec.name, spec, new))
-    return out
+        notes += [(spec.name, note) for note in override_notes(new, changes, config.path)]
+    return out, notes
+

@@ -14,8 +14,9 @@ from apcctl.commands.common import (EXIT_CODES_HELP, EXIT_CODES_SHORT, CommandEr
                                     emit_results, for_each, json_option, managed, one, server_options, talking_to)
 from apcctl.config import DEFAULT_HOST, DEFAULT_PORT, ConfigError, Target, load_config, server_name
 from apcctl.core import render
-from apcctl.core.manage import ManagedServer, ManageError, ServerSpec, build_spec
-from apcctl.core.model_source import model_problem
+from apcctl.core.manage import ManagedServer, ManageError, ServerSpec, build_spec, rebased
+from apcctl.core.model_source import model_problem, weights_problem
+from apcctl.core.respec import Changes, difference, override_notes, respec
 from apcctl.service.record import read_record
 
 if TYPE_CHECKING:
@@ -29,7 +30,33 @@ def register(main: click.Group, bench: click.Group) -> None:
         main.add_command(command)
 
 
-@click.command(context_settings={"ignore_unknown_options": True}, epilog=EXIT_CODES_SHORT)
+class PassThroughCommand(click.Command):
+    """A command whose arguments after ``--`` go to mlx-vlm's server unchanged (in
+    ``ctx.meta[SERVER_ARGS]``; None without ``--``); everything before is click's, so a
+    mistyped option (``--prot``) is an error at once, with click's suggestion, not mlx-vlm's
+    usage text from a server that exits seconds later."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if "--" in args:
+            at = args.index("--")
+            args, ctx.meta[SERVER_ARGS] = args[:at], tuple(args[at + 1:])
+        else:
+            ctx.meta[SERVER_ARGS] = None
+        return super().parse_args(ctx, args)
+
+    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return [*super().collect_usage_pieces(ctx), "[-- MLX_VLM_ARGS...]"]
+
+
+SERVER_ARGS = "apcctl.server_args"
+
+
+def server_args_given() -> tuple[str, ...] | None:
+    """What followed ``--`` on this command line (None: no ``--``)."""
+    return click.get_current_context().meta.get(SERVER_ARGS)
+
+
+@click.command(cls=PassThroughCommand, epilog=EXIT_CODES_SHORT)
 @click.option("--server", "--name", "-s", "name", envvar="APCCTL_SERVER", metavar="NAME|URL",
               help="Server name (its state files live in <state dir>/servers/NAME), or the URL of a configured "
                    "or managed server; default: the config's default, its only server, else 'default'. "
@@ -60,23 +87,38 @@ def register(main: click.Group, bench: click.Group) -> None:
 @click.option("--config", "config_path", envvar="APCCTL_CONFIG", type=click.Path(dir_okay=False, path_type=Path),
               help="TOML config file. [env: APCCTL_CONFIG]")
 @json_option
-@click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve(name: str | None, model: str | None, port: int | None, host: str | None, disk_path: Path | None,
           env_pairs: tuple[str, ...], api_keys: tuple[str, ...], api_key_file: Path | None,
           served_names: tuple[str, ...], allowed_origins: tuple[str, ...], foreground: bool,
-          wait: bool, timeout: float, config_path: Path | None, as_json: bool, server_args: tuple[str, ...]) -> None:
+          wait: bool, timeout: float, config_path: Path | None, as_json: bool) -> None:
     """Start the patched server in the background: PID file, log file and state under the state dir.
 
-    Arguments after -- go to mlx-vlm's server unchanged. The server runs with APC_ENABLED=1,
-    its own APC_STATE_DIR (admin token, journal) and its own disk tier.
+    Only the arguments after -- go to mlx-vlm's server, unchanged (an unknown option before it
+    is an error). The server runs with APC_ENABLED=1, its own APC_STATE_DIR (admin token,
+    journal) and its own disk tier.
+
+    A stopped server started before (its name has a server.json) starts again with its recorded
+    command, as 'docker start' does: the config table's budgets read again, then the flags given
+    now (--model, --port, --host, --disk-path, -e, and what follows --) override it; the output
+    lists what changed. --foreground (a supervisor's start) always builds the command afresh.
 
     \b
     Examples:
       apcctl serve --model ~/models/glm5-next --port 8080
       apcctl serve --server b --model DIR --port 8081 -- --max-kv-size 65536
+      apcctl serve --server b            # again, after apcctl stop: the recorded command
     """
     env_pairs = (*env_pairs, *api_key_env(api_keys, api_key_file), *serving_env(served_names, allowed_origins))
-    spec, server = server_spec(name, model, port, host, disk_path, env_pairs, config_path, server_args)
+    server_args = server_args_given()
+    recorded = None if foreground else recorded_start(name, model, port, host, disk_path, env_pairs, config_path,
+                                                       server_args)
+    if recorded is not None:
+        spec, server, changes = recorded
+    else:
+        spec, server = server_spec(name, model, port, host, disk_path, env_pairs, config_path, server_args or ())
+        changes = None
+    if (problem := weights_problem(spec.model)) is not None:
+        raise click.UsageError(problem)
     if server.pid() is not None:
         raise CommandError(f"server {spec.name!r} is already running (pid {server.pid()}); "
                            f"apcctl stop --server {spec.name}")
@@ -98,12 +140,18 @@ def serve(name: str | None, model: str | None, port: int | None, host: str | Non
             server.discard_start(previous)  # never came up: no record of it for later commands to talk to
             raise CommandError(f"{exc}\n(full log: {server.log_path})") from None
     info = {"server": spec.name, "pid": pid, "url": spec.url, "log": str(server.log_path),
-            "state_dir": str(server.directory), "ready": wait, "sizing": sizing}
+            "state_dir": str(server.directory), "ready": wait, "sizing": sizing,
+            "recorded": changes is not None, "changes": changes or []}
     if as_json:
         render.emit_json(info)
         for warning in sizing.warnings:
             click.echo(f"warning: {warning}", err=True)
     else:
+        if changes is not None:
+            click.echo(f"{spec.name}: the recorded command ({server.spec_path})"
+                       + (", changed: " if changes else ", unchanged"), err=True)
+            for line in changes:
+                click.echo(f"  {line}", err=True)
         click.echo(f"{spec.name}: pid {pid} serving {spec.model} at {spec.url}" + ("" if wait else " (starting)"))
         click.echo(f"log {server.log_path}")
         for line in sizing_lines(sizing):
@@ -138,18 +186,45 @@ def server_spec(name: str | None, model: str | None, port: int | None, host: str
     return spec, server
 
 
+def recorded_start(name: str | None, model: str | None, port: int | None, host: str | None,
+                   disk_path: Path | None, env_pairs: tuple[str, ...], config_path: Path | None,
+                   server_args: tuple[str, ...] | None) -> tuple[ServerSpec, ManagedServer, list[str]] | None:
+    """A known, stopped server's recorded command with what is given now on top (the config
+    table read again as ``restart`` reads it, then the flags), and the lines saying what changed;
+    None when the name has no record (a first start) or its server runs."""
+    try:
+        config = load_config(config_path)
+        server = ManagedServer(server_name(name, config))
+    except (ConfigError, ManageError) as exc:
+        raise click.UsageError(str(exc)) from None
+    old = server.spec()
+    if old is None or server.pid() is not None:
+        return None
+    table = config.servers.get(server.name)
+    changes = Changes(config_env=table.budget_environment() if table else {}, env=_env(env_pairs), model=model)
+    new = rebased(respec(old, changes), port=port, host=host, disk_path=disk_path, extra_args=server_args)
+    if (problem := model_problem(new.model)) is not None:
+        raise click.UsageError(problem)
+    notes = [f"note: {note}".replace("restart -e", "serve -e") for note in override_notes(new, changes, config.path)]
+    return new, server, difference(old, new) + notes
+
+
 def spec_sizing(spec: ServerSpec) -> Sizing:
     """The budgets this server will run with, the machine's memory and disk, and the warnings;
-    a bad budget value is a usage error here rather than a server that exits at start."""
+    a bad value of any ``APC_*`` setting is a usage error here (as ``apcctl config show`` says
+    it), rather than a server that exits at start or runs with a feature silently off."""
+    from server_patch import settings as registry
     from server_patch.admin.views import sizing_view
     from server_patch.lineage import LineageConfig
 
     env = {**os.environ, **spec.env}
+    if problems := registry.problems(env):
+        raise click.UsageError("; ".join(problems) + " (apcctl config show lists every setting)")
     try:
         config = LineageConfig.from_env(env)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    return sizing_view(config, env)
+    return sizing_view(config, env, startup=True)
 
 
 def sizing_lines(sizing: Sizing) -> list[str]:
@@ -184,12 +259,18 @@ def serving_env(served_names: tuple[str, ...], allowed_origins: tuple[str, ...])
 
 
 def _env(pairs: tuple[str, ...]) -> dict[str, str]:
+    """``-e KEY=VALUE`` pairs; an ``APC_*`` name no setting reads is an error with the name it
+    was probably meant to be (a typo would otherwise be ignored by the server)."""
+    from server_patch import settings as registry
+
     env = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--env")
         env[key] = value
+    if unknown := registry.unknown(env):
+        raise click.BadParameter("; ".join(unknown), param_hint="--env")
     return env
 
 

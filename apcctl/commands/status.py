@@ -111,6 +111,8 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     if body.budgets:
         rows += _budget_rows(body.budgets, disk_on, lineage.disk_pending_writes if lineage else 0, sizing)
     rows += [("warning", w) for w in (sizing.warnings if sizing else [])]
+    rows += [("invalid", f"{w}: the server runs without it (what reads it is off or at its default); "
+                         "restart -e with a valid value") for w in body.invalid_settings]
     if lineage is None:
         return rows
     rows += [

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO, Mapping, NoReturn, Sequence
 
@@ -36,6 +37,7 @@ FAILED_FILE = "server.failed.json"
 PID_FILE = "server.pid"
 LOG_FILE = "server.log"
 TOKEN_FILE = "admin-token"
+START_BANNER = "=== apcctl "  # opens every start's part of server.log
 LOG_ROTATE_BYTES = LOG_MAX_BYTES  # the server rotates server.log while it runs (APC_LOG_MAX_BYTES)
 # Variables a server depends on, kept in server.json so a restart reproduces them.
 ENV_PREFIXES = ("APC_", "HF_", "MLX_")
@@ -117,6 +119,29 @@ class ServerSpec:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def extra_args(self) -> list[str]:
+        """The arguments for mlx-vlm after ``build_spec``'s ``--model/--host/--port``."""
+        return self.argv[self.argv.index("--port") + 2:] if "--port" in self.argv else []
+
+
+def rebased(spec: ServerSpec, *, port: int | None = None, host: str | None = None, disk_path: Path | None = None,
+            extra_args: tuple[str, ...] | None = None) -> ServerSpec:
+    """``spec`` with another port, host, disk tier or mlx-vlm arguments (None keeps each): what
+    ``apcctl serve`` of a recorded server starts when flags are given again."""
+    if port is None and host is None and disk_path is None and extra_args is None:
+        return spec
+    host, port = host or spec.host, port or spec.port
+    head = spec.argv[:spec.argv.index("--model")] if "--model" in spec.argv else [sys.executable, *LAUNCHER]
+    extra = list(extra_args) if extra_args is not None else spec.extra_args
+    argv = [*head, "--model", spec.model, "--host", host, "--port", str(port), *extra]
+    env = dict(spec.env)
+    if disk_path is not None:
+        env["APC_LINEAGE_DISK_PATH"] = str(Path(disk_path).expanduser().resolve())
+    if (argv, env) == (spec.argv, spec.env):
+        return spec
+    return replace(spec, host=host, port=port, argv=argv, env=env, created=time.time())
+
 
 def build_spec(name: str, *, model: str, port: int, host: str = "127.0.0.1", extra_args: tuple[str, ...] = (),
                env: dict[str, str] | None = None, disk_path: Path | None = None,
@@ -164,6 +189,11 @@ class BackgroundFiles:
     def log_tail(self, lines: int = 40) -> str:
         return file_tail(self.log_path, lines)
 
+    def cause(self) -> str:
+        """``: <the exception line>`` of a start that failed (``failure_cause``), else ""."""
+        found = failure_cause(file_tail(self.log_path, 2000))
+        return f": {found}" if found else ""
+
     def open_log(self, what: str, argv: Sequence[str]) -> BinaryIO:
         """The log, opened for the child's output, after rotating it past its cap (at start too,
         so the banner line is not what pushes a full log past it) and a banner naming the start."""
@@ -173,7 +203,7 @@ class BackgroundFiles:
         except FileNotFoundError:
             pass
         log = self.log_path.open("ab")
-        log.write(f"\n=== apcctl {what} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(argv)}\n".encode())
+        log.write(f"\n{START_BANNER}{what} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(argv)}\n".encode())
         log.flush()
         return log
 
@@ -329,7 +359,8 @@ class ManagedServer(BackgroundFiles):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process() is None:
-                raise ManageError(f"server {self.name!r} exited during start-up; log tail:\n{self.log_tail(20)}")
+                raise ManageError(f"server {self.name!r} exited during start-up{self.cause()}; log tail:\n"
+                                  f"{self.log_tail(20)}")
             try:
                 client.health()
                 return
@@ -337,6 +368,25 @@ class ManagedServer(BackgroundFiles):
                 time.sleep(0.2)
         raise ManageError(f"server {self.name!r} did not answer /health within {timeout:.0f} s")
 
+
+
+# The line a Python traceback ends with: ``FileNotFoundError: No safetensors found in ...``.
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt)(?::(?:\s.*)?)?$")
+
+
+def failure_cause(log: str) -> str:
+    """The exception a server that exited while starting died of: the last traceback's last
+    line in ``log`` (its last start only), or "" when there is none. mlx-vlm may print its usage
+    text after it, so the log's tail alone often hides it (issue 36)."""
+    last_start = log.rfind(START_BANNER)
+    lines = [line.strip() for line in log[last_start if last_start >= 0 else 0:].splitlines()]
+    at = next((i for i in range(len(lines) - 1, -1, -1) if _EXCEPTION_LINE.match(lines[i])), None)
+    if at is None:
+        return ""
+    if lines[at].endswith(":"):  # a message that starts on the next line (mlx-vlm's "No safetensors")
+        following = next((line for line in lines[at + 1:] if line), "")
+        return f"{lines[at]} {following}".strip()
+    return lines[at]
 
 
 def file_tail(path: Path, lines: int) -> str:

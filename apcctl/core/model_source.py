@@ -28,3 +28,14 @@ def model_problem(model: str) -> str | None:
     if looks_like_path(model):
         return f"model directory {path} does not exist"
     return None
+
+
+def weights_problem(model: str) -> str | None:
+    """Why a local model directory cannot load: no ``*.safetensors`` weights (mlx-vlm's load then
+    fails with "No safetensors found in ...", and prints its conversion help after it); None for
+    a directory with weights or a repo id. ``serve`` and ``restart``'s plan check it before a
+    server is started or stopped."""
+    path = Path(model).expanduser()
+    if not path.is_dir() or any(w.name != "consolidated.safetensors" for w in path.glob("*.safetensors")):
+        return None
+    return f"model directory {path} has no *.safetensors weights (mlx-vlm would fail: No safetensors found)"

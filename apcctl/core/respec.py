@@ -54,6 +54,27 @@ def respec(spec: ServerSpec, changes: Changes) -> ServerSpec:
     return replace(spec, argv=argv, env=env, model=model, config_env=from_config, created=time.time())
 
 
+def overridden(new: ServerSpec, changes: Changes) -> dict[str, tuple[str, str]]:
+    """``{variable: (config value, value in force)}`` for each config-table key that does not
+    apply to ``new`` (``respec``'s result) because the last start had the variable from ``-e``
+    or its shell, which keeps beating the table: said in the plan, or the operator's change to
+    the table silently does nothing (issue 36). Keys ``-e`` sets now are what was asked."""
+    return {key: (value, new.env[key]) for key, value in changes.config_env.items()
+            if key not in new.config_env and key not in changes.env and key in new.env and new.env[key] != value}
+
+
+def override_notes(new: ServerSpec, changes: Changes, config_path: Path | None) -> list[str]:
+    """``ram_budget = 1G in config.toml is overridden by ...``: one line per ``overridden`` key."""
+    from apcctl.config import BUDGET_KEYS, SERVING_KEYS
+
+    keys = {v: k for k, v in {**BUDGET_KEYS, **SERVING_KEYS}.items()}
+    where = config_path.name if config_path else "the config file"
+    return [f"{keys.get(variable, variable)} = {shown(variable, wanted)} in {where} is overridden by "
+            f"{variable}={shown(variable, in_force)} from the last serve (-e or its shell); restart -e "
+            f"{variable}={shown(variable, wanted)} to change it"
+            for variable, (wanted, in_force) in overridden(new, changes).items()]
+
+
 def shown(key: str, value: str | None) -> str:
     if value is None:
         return "(unset)"

@@ -496,7 +496,8 @@ class _OneServer:
         while time.monotonic() < deadline:
             process = self.managed.process() if self.managed is not None else None
             if self.managed is not None and process is None:
-                raise RestartFailed("the server exited while starting", log_tail=self.managed.log_tail(15))
+                raise RestartFailed(f"the server exited while starting{self.managed.cause()}",
+                                    log_tail=self.managed.log_tail(15))
             try:
                 self.client.health()
                 pid = self.client.status().server.pid

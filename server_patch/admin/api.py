@@ -21,7 +21,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from server_patch import MLX_VLM_VERSION, PATCH_VERSION, clock
+from server_patch import MLX_VLM_VERSION, PATCH_VERSION, clock, settings
 from server_patch.admin import schema, views
 from server_patch.admin.auth import TokenError, load_or_create_token, token_matches
 from server_patch.admin.flush import flush_report
@@ -139,6 +139,7 @@ def status(parts: PartsDep) -> dict[str, Any]:
         lineage=lineage,
         sizing=_sizing(current, lineage.budgets if lineage else None),
         oracle=current.cache.misses.totals() if current is not None else None,
+        invalid_settings=settings.problems(os.environ),
     ).to_json()
 
 

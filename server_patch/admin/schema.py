@@ -483,6 +483,9 @@ class Status(Answer):
     sizing: Sizing | None = _omit()
     # The live oracle's totals (``lineage.misses.MissBook.totals``); absent before the cache.
     oracle: dict[str, Any] | None = _omit()
+    # APC_* values this process was started with but cannot read (``settings.problems``): what
+    # reads one runs without it (the journal turns itself off); absent from older servers.
+    invalid_settings: list[str] = field(default_factory=list)
 
     @property
     def started(self) -> bool:

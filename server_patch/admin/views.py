@@ -76,15 +76,17 @@ def configured_budgets(config: Any, disk_used: int = 0, disk_files: int = 0) -> 
 
 
 def sizing_warnings(config: Any, *, ram_total: int | None, disk_enabled: bool, disk_free: int | None,
-                    disk_used: int = 0) -> list[str]:
+                    disk_used: int = 0, disk_cap_default: bool = False) -> list[str]:
     """Budgets this machine cannot honour: a RAM budget above physical memory, a disk cap above
-    what the volume can still give the cache (its free space plus the cache's own files)."""
+    what the volume can still give the cache (its free space plus the cache's own files).
+    ``disk_cap_default``: the cap was not set, so it is the volume-sized default (said so)."""
     out = []
     if ram_total and config.ram_budget_bytes > ram_total:
         out.append(f"RAM budget {human_size(config.ram_budget_bytes)} exceeds physical memory "
                    f"{human_size(ram_total)} (APC_LINEAGE_RAM_BUDGET_BYTES)")
     if disk_enabled and disk_free is not None and config.disk_max_bytes > disk_free + disk_used:
-        out.append(f"disk cap {human_size(config.disk_max_bytes)} exceeds the free space of its volume "
+        cap = "the default disk cap (half the volume, at most 1 TiB)" if disk_cap_default else "disk cap"
+        out.append(f"{cap} {human_size(config.disk_max_bytes)} exceeds the free space of its volume "
                    f"({human_size(disk_free)} free, {human_size(disk_used)} already cached; "
                    "APC_LINEAGE_DISK_MAX_BYTES): the free-space floor, not the cap, will bound the cache")
     return out
@@ -93,15 +95,9 @@ def sizing_warnings(config: Any, *, ram_total: int | None, disk_enabled: bool, d
 def disk_volume(root: Path, count_files: bool = True) -> DiskVolume:
     """Free and total bytes of the volume ``root`` is (or will be) on, and (``count_files``) the
     bytes of the cache files already there (the running cache's index knows them already)."""
-    import shutil
+    from server_patch.disk.space import volume_usage
 
-    probe = root
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent  # the tier creates its directory on first use
-    try:
-        total, _, free = shutil.disk_usage(probe)
-    except OSError:
-        total = free = None
+    total, free = volume_usage(root) or (None, None)
     used = files = 0
     try:
         for item in (os.scandir(root) if count_files and root.is_dir() else ()):
@@ -114,9 +110,11 @@ def disk_volume(root: Path, count_files: bool = True) -> DiskVolume:
 
 
 def sizing_view(config: Any, env: Mapping[str, str] = os.environ,
-                budgets: Budgets | Mapping[str, int] | None = None) -> Sizing:
+                budgets: Budgets | Mapping[str, int] | None = None, *, startup: bool = False) -> Sizing:
     """Budgets (``budgets`` when the cache runs, else the configured ones), physical memory,
-    the disk volume's free space, and what this machine cannot honour."""
+    the disk volume's free space, and what this machine cannot honour. A disk cap nobody set
+    (the volume-sized default) that the free space cannot hold is said once, at ``startup``
+    (``apcctl serve``, the launcher), not at every status: nobody asked for it."""
     import psutil
 
     from server_patch.disk.paths import default_disk_root, disk_enabled
@@ -127,6 +125,7 @@ def sizing_view(config: Any, env: Mapping[str, str] = os.environ,
         budgets = configured_budgets(config, disk.files_bytes or 0, disk.files or 0)
     budgets = Budgets.from_json(budgets, "budgets")
     ram_total = int(psutil.virtual_memory().total)
-    warnings = sizing_warnings(config, ram_total=ram_total, disk_enabled=enabled, disk_free=disk.free_bytes,
-                               disk_used=budgets.disk_used)
+    cap_default = not (env.get("APC_LINEAGE_DISK_MAX_BYTES") or "").strip()
+    warnings = sizing_warnings(config, ram_total=ram_total, disk_enabled=enabled and (startup or not cap_default),
+                               disk_free=disk.free_bytes, disk_used=budgets.disk_used, disk_cap_default=cap_default)
     return Sizing(budgets=budgets, ram_total_bytes=ram_total, disk=disk, warnings=warnings)

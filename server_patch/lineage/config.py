@@ -24,6 +24,23 @@ class ThinClass(StrEnum):
 DEFAULT_THIN_ORDER: tuple[str, ...] = tuple(ThinClass)
 
 
+def volume_disk_cap(env: Mapping[str, str]) -> int:
+    """The disk cap when ``APC_LINEAGE_DISK_MAX_BYTES`` is unset: a fixed 1 TiB warned on almost
+    every machine (issue 36), so it is sized to the disk tier's volume: half its total size, at
+    most 1 TiB (the class default, also used when the volume cannot be read)."""
+    from server_patch.disk.paths import default_disk_root
+    from server_patch.disk.space import volume_usage
+
+    usage = volume_usage(default_disk_root(env))
+    if usage is None:
+        return LineageConfig.disk_max_bytes
+    return min(LineageConfig.disk_max_bytes, int(usage[0] * DEFAULT_DISK_FRACTION))
+
+
+# The default disk cap's share of its volume (``volume_disk_cap``).
+DEFAULT_DISK_FRACTION = 0.5
+
+
 @dataclass(frozen=True)
 class LineageConfig:
     """Knobs of the lineage design; see docs/design.md for why each default is what it is."""
@@ -48,6 +65,7 @@ class LineageConfig:
     ram_budget_bytes: int = 48 * GB
     anchor_max_entries: int = 16
     anchor_max_bytes: int = 16 * GB
+    # Used only where the volume's size cannot be read: unset, the cap is ``volume_disk_cap``'s.
     disk_max_bytes: int = 1024 * GB
     disk_low_watermark: float = 0.9
     # An entry still being extended is not worth writing: wait until it is idle this long.
@@ -75,7 +93,10 @@ class LineageConfig:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "LineageConfig":
         """Build from ``APC_LINEAGE`` (on/off) and ``APC_LINEAGE_<FIELD>`` variables, then overrides."""
         env = os.environ if env is None else env
-        config = replace(cls(), **(env_values(cls, cls.env_names(), env) | overrides))
+        values = env_values(cls, cls.env_names(), env) | overrides
+        if "disk_max_bytes" not in values:
+            values["disk_max_bytes"] = volume_disk_cap(env)
+        config = replace(cls(), **values)
         config.validate()
         return config
 
