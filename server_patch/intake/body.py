@@ -7,19 +7,25 @@ middleware reads every inference request body once, up to ``APC_INFERENCE_MAX_BO
 mlx-vlm would parse as JSON (any but a form upload: its handlers call ``request.json()``
 whatever the content type) answers 400 JSON for what stock cannot handle: nesting past
 ``APC_INFERENCE_MAX_JSON_DEPTH``, a lone surrogate, an empty ``messages``, a media reference the
-media policy refuses. A body that is not JSON is left for mlx-vlm to refuse as it does.
+media policy refuses, an inline image that does not decode. A body that is not JSON is left for
+mlx-vlm to refuse as it does. The checks walk any JSON (issue 34: a tool schema's ``"type":
+["integer", "null"]`` was a 500); should a shape check still fail on a body, the body goes on
+as stock takes it, while one whose media cannot be checked is refused (the policy fails closed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Callable
 
 from server_patch.admin.guard import (BODY_METHODS, Receive, Scope, Send, classify, header, read_capped, replaying,
                                       reply, route_path)
-from server_patch.intake import checks, media
+from server_patch.intake import checks, data_images, media
 from server_patch.intake.limits import IntakeLimits
+
+log = logging.getLogger("server_patch.intake")
 
 FORM_TYPES = (b"multipart/", b"application/x-www-form-urlencoded")
 
@@ -55,18 +61,33 @@ class InferenceBodyGuard:
                     "(APC_INFERENCE_MAX_JSON_DEPTH)")
         except (ValueError, UnicodeDecodeError):
             return None  # not JSON: mlx-vlm answers it as it does
-        why = checks.refusal(path, data, self.limits.max_json_depth)
-        if why:
-            return why
+        return _shape_refusal(path, data, self.limits.max_json_depth) or await _media_refusal(data, self.policy)
+
+
+def _shape_refusal(path: str, data: object, max_depth: int) -> str | None:
+    """The shape checks' refusal; a body they cannot classify goes to mlx-vlm as stock takes it."""
+    try:
+        return checks.refusal(path, data, max_depth)
+    except Exception:  # noqa: BLE001 - these checks only spare stock its own 500s: never cause one
+        log.exception("intake: the shape checks failed on a request body; passing it on unchecked")
+        return None
+
+
+async def _media_refusal(data: object, policy: media.MediaPolicy) -> str | None:
+    """The media policy's (or a broken inline image's) refusal; one that cannot be checked is refused."""
+    try:
         references = list(media.references(data))
         if not references:
             return None
-        return await asyncio.to_thread(_first_refusal, references, self.policy)  # DNS may block
+        return await asyncio.to_thread(_first_refusal, references, policy)  # DNS and decoding may block
+    except Exception:  # noqa: BLE001 - the policy guards what the server fetches: fail closed, as a 400
+        log.exception("intake: a request's media references could not be checked; refusing it")
+        return "the request's media references could not be checked"
 
 
 def _first_refusal(references: list[str], policy: media.MediaPolicy) -> str | None:
     for reference in references:
-        why = media.refusal(reference, policy)
+        why = media.refusal(reference, policy) or data_images.refusal(reference)
         if why:
             return why
     return None

@@ -76,7 +76,8 @@ def references(data: Any) -> Iterator[str]:
             continue
         if not isinstance(node, dict):
             continue
-        media = inside or node.get("type") in MEDIA_TYPES
+        kind = node.get("type")  # any JSON: a JSON-Schema "type" may be a list or an object
+        media = inside or (isinstance(kind, str) and kind in MEDIA_TYPES)
         for key, value in node.items():
             if isinstance(value, str):
                 if key in MEDIA_KEYS or (media and key in REFERENCE_KEYS):
@@ -99,7 +100,10 @@ def refusal(reference: str, policy: MediaPolicy, resolve: Resolver = socket.geta
     text = reference.strip()
     if text.startswith("data:"):
         return None
-    parts = urlsplit(text)
+    try:
+        parts = urlsplit(text)
+    except ValueError:  # e.g. an unclosed "[" of an IPv6 host
+        return f"media reference {reference[:200]!r} is not a valid URL"
     scheme = parts.scheme.lower()
     if scheme in ("http", "https"):
         return _url_refusal(text, parts, policy, resolve)
@@ -121,7 +125,7 @@ def _url_refusal(url: str, parts: Any, policy: MediaPolicy, resolve: Resolver) -
         return f"media URL {url!r} names no host"
     try:
         answers = resolve(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
+    except (OSError, ValueError):  # UnicodeError (an IDNA label) is a ValueError
         return f"media URL host {host!r} does not resolve"
     for answer in answers:
         address = ipaddress.ip_address(str(answer[4][0]).split("%", 1)[0])
@@ -137,7 +141,10 @@ def local_refusal(path: str | os.PathLike[str], policy: MediaPolicy) -> str | No
     """Why a local file may not be read: outside the allowed directory, or none allowed."""
     if policy.local_root is None:
         return f"local media paths are not accepted; set {LOCAL_ENV} to a directory to allow files in it"
-    real = os.path.realpath(os.path.expanduser(os.fspath(path)))
+    try:
+        real = os.path.realpath(os.path.expanduser(os.fspath(path)))
+    except ValueError:  # a NUL character, a lone surrogate: no file has that name
+        return "local media path is not a valid file name"
     if os.path.commonpath([real, policy.local_root]) != policy.local_root:
         return f"local media path is outside {LOCAL_ENV} ({policy.local_root})"
     return None
