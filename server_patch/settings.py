@@ -293,7 +293,8 @@ _GROUPS: tuple[_Group, ...] = (
         "max_checkpoints": "Checkpoints an entry keeps; more are thinned.",
         "thin_order": "Checkpoint classes in the order thinning drops them.",
         "ram_budget_bytes": "Bytes of entries and checkpoints held in RAM.",
-        "anchor_max_entries": "Pinned anchors kept.",
+        "anchor_max_entries": "Pinned anchors kept in RAM, shared fairly: over a cap, the least recently used "
+                              "anchor of the API key (else namespace) holding the most leaves first.",
         "anchor_max_bytes": "Bytes the pinned anchors may hold (inside the RAM budget).",
         "disk_max_bytes": "Bytes the disk tier may hold.",
         "disk_low_watermark": "Disk eviction frees down to this fraction of the disk budget.",

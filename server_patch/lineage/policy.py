@@ -35,6 +35,7 @@ from server_patch.lineage.model import (
     ANCHOR, COLD, DISK, DIVERGENCE, FINAL, GUARD, PERIODIC, RAM, SEGMENT,
     Capture, Checkpoint, DiskRecord, Entry, Event, EventKind, Loan, RestorePlan, Reason, as_tokens,
 )
+from server_patch.lineage import anchor_share
 from server_patch.lineage.summary import CANCELLED_QUEUED, hits_key, kv_key
 from server_patch.lineage.tally import EntryMap, RecordMap
 
@@ -718,13 +719,9 @@ class LineageCache:
         entry may leave RAM unwritten). Lent entries and entries whose write is in flight
         cannot leave: the passes go on over the others and stop only when none is left."""
         cfg = self.config
-        anchors = sorted(self._entries.pinned_anchors(), key=lambda e: e.last_used)
-        size = self._entries.counted
-        count, nbytes = len(anchors), sum(size(a.id) for a in anchors)
-        for anchor in [a for a in anchors if self._evictable(a)]:
-            if count <= cfg.anchor_max_entries and nbytes <= cfg.anchor_max_bytes:
-                break
-            count, nbytes = count - 1, nbytes - size(anchor.id)
+        for anchor in anchor_share.over_cap(self._entries.pinned_anchors(), size=lambda a: self._entries.counted(a.id),
+                                            evictable=self._evictable, max_entries=cfg.anchor_max_entries,
+                                            max_bytes=cfg.anchor_max_bytes):  # fair shares across API keys
             self._evict_ram(anchor, Reason.ANCHOR_CAP)
         excess = self.ram_used - cfg.ram_budget_bytes
         if excess <= 0:

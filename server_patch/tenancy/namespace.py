@@ -39,3 +39,16 @@ def namespace(key_id: str | None, tenant: str | None, cache_salt: str | None) ->
     parts = {"key": key_id, "tenant": tenant,
              "salt": None if cache_salt is None else digest(cache_salt, "apc-cache-salt")}
     return PREFIX + json.dumps(parts, sort_keys=True, separators=(",", ":"))
+
+
+def share_holder(name: str | None) -> str:
+    """Who a namespace's share of the shared anchor caps belongs to (``lineage.anchor_share``): its
+    API key when it has one (a key's tenants and salts are one holder), else the namespace."""
+    if name and name.startswith(PREFIX):
+        try:
+            parts = json.loads(name[len(PREFIX):])
+        except ValueError:
+            return "namespace:" + name
+        if isinstance(parts, dict) and isinstance(parts.get("key"), str):
+            return "key:" + parts["key"]
+    return "namespace:" + (name or "")
