@@ -29,6 +29,8 @@ PRISTINE: dict[str, tuple[str, str]] = {
         "mlx_vlm/server/request_normalization.py", "68df01a0bf7b53587ea63f2d9ccb0b4cb6d02003526d6a8a9f4469cc1d867bc0"),
     "mlx_vlm.utils": (
         "mlx_vlm/utils.py", "ed95bcfd1c4e8cb522c3c7f34d4aaa10f5e53bc69a45622606f80edfa2fd7cc7"),
+    "mlx_vlm.server.realtime": (
+        "mlx_vlm/server/realtime.py", "815998c835bd348649779ce480152c48cf8ff770ca53503f1a1c31649668b416"),
     "mlx_vlm.server.responses_state": (
         "mlx_vlm/server/responses_state.py", "27cbf1414b31d2c044c639d620b280539d0ba0411f0f6b6b2897c86c5e35ed18"),
     "mlx_vlm.server.openai": (

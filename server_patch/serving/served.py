@@ -153,3 +153,9 @@ class ServedModels:
 SERVED = ServedModels()
 capture = SERVED.capture
 resolve = SERVED.resolve
+
+
+def realtime_model(requested: Any) -> Any:
+    """What the realtime websocket may load for ``requested``: the served text model's path (the
+    one model a client may name), or ModelNotServed; ``APC_LOAD_REQUESTED_MODEL=1`` lets any through."""
+    return SERVED.resolve(TEXT, requested, None, inherit=None)[0]

@@ -4,6 +4,9 @@
   the served one's own path (so a trailing slash reloads nothing), or a 404 ``model_not_found``
   before mlx-vlm unloads anything. The served models are captured as the lifespan starts,
   before mlx-vlm pops its preload variables.
+* The realtime websocket's ``session.update`` (``session.model`` or ``?model=``) goes through
+  the same check (the served text model, or an ``error`` event ``model_not_found``) before its
+  worker loads anything: stock loads any local directory or starts a Hub download.
 * ``_unload_model_cache_group`` closes the lineage runtime of the APC manager it unloads before
   stock clears it: its unwritten entries reach the disk, its threads and journal end.
 * The origin guard (``server_patch.serving.origins``) goes outside mlx-vlm's CORS middleware,
@@ -76,6 +79,26 @@ FILE_PATCHES = (
                  "        return _anthropic_error_response(404, e.detail, \"not_found_error\")\n"
                  "    except Exception as e:\n        traceback.print_exc()\n        mx.clear_cache()\n"
                  "        gc.collect()\n        return _anthropic_error_response(500, str(e), \"api_error\")\n"),
+        ),
+    ),
+    patch_of(
+        "mlx_vlm.server.realtime",
+        Edit(
+            name="served_model.realtime_import",
+            old="from .runtime import runtime\n",
+            new="from .runtime import runtime\nfrom server_patch.serving import served as _apc_served\n",
+        ),
+        Edit(  # session.update (or ?model=) named any directory or Hub repo, and the worker loaded it
+            name="served_model.realtime",
+            old=('                    await send_error("session.update.session.model is required")\n'
+                 "                    continue\n"),
+            new=('                    await send_error("session.update.session.model is required")\n'
+                 "                    continue\n"
+                 "                try:\n"
+                 "                    model_name = _apc_served.realtime_model(model_name)\n"
+                 "                except _apc_served.ModelNotServed as e:\n"
+                 '                    await send_error(e.detail, code="model_not_found")\n'
+                 "                    continue\n"),
         ),
     ),
 )

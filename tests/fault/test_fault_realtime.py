@@ -1,0 +1,68 @@
+"""The realtime websocket loads only the served model (issue 34, item 6), with a real websocket client.
+
+Stock mlx-vlm 0.7.10's ``/v1/realtime`` hands ``session.update``'s ``session.model`` (or the
+``?model=`` query) to its worker, which loads whatever it names: any local directory, or a Hugging
+Face repo it starts downloading. The HTTP routes have the served-model check
+(``server_patch.serving.served``); here the websocket has it too. Against the real servers: the
+patched one answers a foreign name with an ``error`` event ``model_not_found`` and its worker
+never tries to load it (no loader error in the log), lets the served model through to the loader
+(the tiny model is no VoiceChat model, so that load then fails, as on stock), and stock tries to
+load ``/etc``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from websockets.sync.client import connect
+
+from tests.server_harness import PatchedServer
+
+pytestmark = pytest.mark.server
+
+FOREIGN = ("/etc", "some-org/some-voice-model")
+LOADER_TRIED = "Realtime VoiceChat command failed"  # the worker's log line when a load (or open) raised
+
+
+@pytest.fixture(scope="module")
+def patched(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PatchedServer]:
+    with PatchedServer(tiny_model_dir, log_dir=tmp_path_factory.mktemp("realtime")) as server:
+        yield server
+
+
+def session_update(server: PatchedServer, model: str | None, query: str = "") -> dict[str, Any]:
+    """The event the server answers one ``session.update`` with, over a fresh websocket."""
+    with connect(f"ws://127.0.0.1:{server.port}/v1/realtime{query}", open_timeout=60) as ws:
+        created = json.loads(ws.recv(timeout=60))
+        assert created["type"] == "session.created", created
+        session = {"model": model} if model is not None else {}
+        ws.send(json.dumps({"type": "session.update", "session": session}))
+        return json.loads(ws.recv(timeout=300))
+
+
+@pytest.mark.parametrize("model", FOREIGN)
+def test_a_foreign_model_is_refused_before_the_worker_loads_it(patched: PatchedServer, model: str) -> None:
+    before = len(patched.log_text())
+    for event in (session_update(patched, model), session_update(patched, None, f"?model={model}")):
+        assert event["type"] == "error" and event["error"]["code"] == "model_not_found", event
+        assert repr(model) in event["error"]["message"] and "POST /admin/model" in event["error"]["message"]
+    log = patched.log_text()[before:]
+    assert LOADER_TRIED not in log and "Config not found" not in log, log
+
+
+def test_the_served_model_reaches_the_loader(patched: PatchedServer) -> None:
+    """The positive control: the check lets the served model through (trailing slash and all)."""
+    event = session_update(patched, str(patched.model_dir) + "/")
+    assert event["type"] == "error" and event["error"]["code"] == "session_initialization_failed", event
+    assert "not a realtime VoiceChat model" in event["error"]["message"], event
+
+
+def test_stock_loads_whatever_the_session_names(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """What the reliability row says of stock: it hands ``/etc`` to its loader."""
+    with PatchedServer(tiny_model_dir, env={"APC_LINEAGE": "0"}, log_dir=tmp_path) as stock:
+        event = session_update(stock, "/etc")
+        assert event["error"]["code"] == "session_initialization_failed", event
+        assert "Config not found at /etc" in event["error"]["message"], event
