@@ -166,7 +166,8 @@ def respecified(targets: Targets, supervisor: str | None,
         table = tables.get(spec.name)
         changes = Changes(config_env=table.budget_environment() if table else {}, env=asked.env, model=asked.model)
         new = respec(spec, changes)
-        if (problem := model_problem(new.model) or weights_problem(new.model)) is not None:
+        weights = weights_problem(new.model) if new.model != spec.model else None  # the recorded one loaded
+        if (problem := model_problem(new.model) or weights) is not None:
             raise click.UsageError(f"{spec.name}: {problem}")
         if new != spec:
             spec_sizing(new)  # a bad value is a usage error now, not a server that exits at start

@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 from apcctl.commands.common import EXIT_CODES_SHORT, CommandError, ExitStatus, json_option
-from apcctl.commands.serve import port_busy, server_spec, sizing_lines, spec_sizing
+from apcctl.commands.serve import (PassThroughCommand, port_busy, server_args_given, server_spec, sizing_lines,
+                                   spec_sizing)
 from apcctl.config import ConfigError, load_config, server_name
 from apcctl.core import render
 from apcctl.core.manage import ManagedServer, ManageError
@@ -40,7 +41,7 @@ def service() -> None:
     """
 
 
-@service.command("install", context_settings={"ignore_unknown_options": True}, epilog=EXIT_CODES_SHORT)
+@service.command("install", cls=PassThroughCommand, epilog=EXIT_CODES_SHORT)
 @SERVER_OPTION
 @click.option("--model", "-m", metavar="DIR|REPO", help="Model to serve (default: the config's model).")
 @click.option("--port", "-p", type=click.IntRange(1, 65535), help="Port (default: the config's, else 8080).")
@@ -53,10 +54,9 @@ def service() -> None:
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until /health answers.")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for /health.")
 @json_option
-@click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def install(name: str | None, model: str | None, port: int | None, host: str | None, disk_path: Path | None,
             env_pairs: tuple[str, ...], supervisor: str | None, config_path: Path | None, dry_run: bool,
-            wait: bool, timeout: float, as_json: bool, server_args: tuple[str, ...]) -> None:
+            wait: bool, timeout: float, as_json: bool) -> None:
     """Write and load a launchd agent or systemd user unit running `apcctl serve --foreground`.
 
     Takes serve's options. launchd: ~/Library/LaunchAgents/com.apcctl.NAME.plist, KeepAlive
@@ -71,6 +71,7 @@ def install(name: str | None, model: str | None, port: int | None, host: str | N
       apcctl service install --server main --model DIR --dry-run
     """
     supervisor = supervisor or installer.default_supervisor()
+    server_args = server_args_given() or ()  # only what follows -- reaches mlx-vlm, as for serve
     spec, server = server_spec(name, model, port, host, disk_path, env_pairs, config_path, server_args)
     try:
         unit = installer.service_spec(spec, config_path=config_path, disk_path=disk_path, env_pairs=env_pairs,
