@@ -76,7 +76,7 @@ def _shape_refusal(path: str, data: object, max_depth: int) -> str | None:
 async def _media_refusal(data: object, policy: media.MediaPolicy) -> str | None:
     """The media policy's (or a broken inline image's) refusal; one that cannot be checked is refused."""
     try:
-        references = list(media.references(data))
+        references = [*media.references(data), *data_images.anthropic_sources(data)]
         if not references:
             return None
         return await asyncio.to_thread(_first_refusal, references, policy)  # DNS and decoding may block

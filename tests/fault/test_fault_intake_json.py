@@ -5,21 +5,20 @@ from the body guard, on ``/v1/chat/completions`` and ``/v1/responses``; stock ml
 answers 200. Here the patched server and a stock one (``APC_LINEAGE=0``) answer the same bodies:
 the fixture tools of ``tests/fixtures/agent_tool_schemas`` on both routes get stock's status and
 stock's reply. A ``data:`` image with bad base64 or a truncated PNG is a 500 on both before the
-fix (stock's loader raises in the handler); the patched server answers 400 JSON and keeps serving.
+fix (stock's loader raises in the handler), on chat, Responses and Anthropic's base64 image blocks;
+the patched server answers 400 JSON and keeps serving.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
-import random
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 from tests.fixtures import agent_tool_schemas as agents
+from tests.fixtures import inline_images
 from tests.server_harness import PatchedServer
 
 pytestmark = pytest.mark.server
@@ -66,20 +65,8 @@ def test_agent_tool_schemas_are_answered_as_stock_answers_them(servers: dict[str
     assert "Traceback" not in patched.log_text(), patched.log_tail()
 
 
-def png(size: int) -> bytes:
-    """A PNG of noise, so a cut lands inside its pixel data."""
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.frombytes("RGB", (size, size), random.Random(size).randbytes(size * size * 3)).save(out, "PNG")
-    return out.getvalue()
-
-
-BROKEN_IMAGES = {
-    "bad base64": "data:image/png;base64,!!!notbase64@@",
-    "base64 cut mid-quantum": "data:image/png;base64," + base64.b64encode(png(16)).decode()[:-7],
-    "PNG cut inside its pixel data": "data:image/png;base64," + base64.b64encode(png(64)[:9000]).decode(),
-}
+BROKEN_IMAGES = {case: inline_images.BROKEN[case]
+                 for case in ("bad base64", "base64 cut mid-quantum", "PNG cut inside its pixel data")}
 
 
 def with_image(model: str, url: str, path: str) -> dict[str, Any]:
@@ -100,4 +87,10 @@ def test_a_broken_inline_image_is_a_400_where_stock_gives_a_500(servers: dict[st
     responses = with_image(str(patched.model_dir), BROKEN_IMAGES[case], "/v1/responses")
     status, reply = patched.request("POST", "/v1/responses", responses)
     assert status == 400 and "inline image" in json.dumps(reply), (case, status, reply)
+    data = BROKEN_IMAGES[case].split(",", 1)[1]  # Anthropic's base64 block of the same bytes
+    messages = {"model": str(patched.model_dir), "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}]}]}
+    status, reply = patched.request("POST", "/v1/messages", messages)
+    assert status == 400 and "inline image" in json.dumps(reply), (case, status, reply)
+    assert stock.request("POST", "/v1/messages", messages)[0] == 500, case
     assert patched.chat([{"role": "user", "content": "Still there?"}], max_tokens=2)["choices"]
