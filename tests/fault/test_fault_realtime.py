@@ -66,3 +66,16 @@ def test_stock_loads_whatever_the_session_names(tiny_model_dir: Path, tmp_path: 
         event = session_update(stock, "/etc")
         assert event["error"]["code"] == "session_initialization_failed", event
         assert "Config not found at /etc" in event["error"]["message"], event
+
+
+def test_the_check_names_the_served_path_and_the_opt_in_restores_stock(monkeypatch: pytest.MonkeyPatch,
+                                                                       tiny_model_dir: Path) -> None:
+    from server_patch.serving import served
+
+    monkeypatch.setattr(served, "SERVED", served.ServedModels())
+    served.SERVED.serve(served.TEXT, str(tiny_model_dir), names=["tiny"])
+    assert served.realtime_model("tiny") == served.realtime_model(f"{tiny_model_dir}/") == str(tiny_model_dir)
+    with pytest.raises(served.ModelNotServed):
+        served.realtime_model("/etc")
+    served.SERVED.load_requested = True  # APC_LOAD_REQUESTED_MODEL=1
+    assert served.realtime_model("/etc") == "/etc"
