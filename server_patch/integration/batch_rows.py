@@ -177,13 +177,14 @@ class BatchRows:
         headroom = self.settings.lend_headroom if self.settings.lending else 0
         return copyfree_merge.capacity(prompt_len + self.settings.decode_reserve + headroom)
 
-    def restore(self, key: RequestKey, plan: RestorePlan, reclaimed: set[str]) -> tuple[list[Any], Any]:
-        """The restored row caches (truncated views, the buffers staged while it queued, or the
-        entry's own lent buffers) and the loan (a ``Lease``, None otherwise). Raises if they
-        cannot be built (a lent entry cannot)."""
+    def restore(self, row: Optional[RowLife], key: RequestKey, plan: RestorePlan,
+                reclaimed: set[str]) -> tuple[list[Any], Any]:
+        """The restored row caches (truncated views, the buffers staged while ``row``, the
+        request's row if it has one yet, queued, or the entry's own lent buffers) and the loan
+        (a ``Lease``, None otherwise). ``key``: its request key. Raises if they cannot be built
+        (a lent entry cannot)."""
         entry = plan.entry
         assert entry is not None
-        row = self.book.by_key(key)
         if row is not None:
             row.staged = False
         if row is not None and row.stage is not None:
@@ -198,22 +199,22 @@ class BatchRows:
                 return lease.holder, lease
         return self.runtime.layout.build(entry.kv, plan.state, plan.length), None
 
-    @waits.unit(waits.Work.RESTORE, waits.keyed_rows)
-    def merge(self, keys: Sequence[Optional[RequestKey]], row_caches: Sequence[Sequence[Any]],
+    @waits.unit(waits.Work.RESTORE, waits.merged_rows)
+    def merge(self, found: Sequence[Optional[RowLife]], row_caches: Sequence[Sequence[Any]],
               prefix_lens: Sequence[int], suffixes: Sequence[int]) -> Optional[list[Any]]:
-        """One copy per restored row into buffers with room for the suffix and the decode
-        reserve; none when a lone row was lent its entry's buffer. None: stock's merge."""
-        found = [self.book.by_key(key) if key is not None else None for key in keys]
+        """One copy per restored row (``found``: each one's row, None for a cold one) into
+        buffers with room for the suffix and the decode reserve; none when a lone row was lent
+        its entry's buffer. None: stock's merge."""
         lent = [row if row is not None and row.loan is not None else None for row in found]
-        lone = lent[0] if len(keys) == 1 else None
-        staged = len(keys) == 1 and found[0] is not None and found[0].staged  # adopted, as a loan is
+        lone = lent[0] if len(found) == 1 else None
+        staged = len(found) == 1 and found[0] is not None and found[0].staged  # adopted, as a loan is
         for row in found:
             if row is not None:
                 row.staged = False
         for row in lent:
             if row is not None and row is not lone:  # rows sharing a batch: the merge copies
                 self._end_loan(row, reason="batch")
-        headroom = self.settings.lend_headroom if len(keys) == 1 and self.settings.lending else 0
+        headroom = self.settings.lend_headroom if len(found) == 1 and self.settings.lending else 0
         caches = copyfree_merge.merge_rows(row_caches, prefix_lens, suffixes, self.settings.decode_reserve,
                                            headroom=headroom, lend=lone is not None or staged)
         if lone is not None:
@@ -223,12 +224,11 @@ class BatchRows:
                 lone.loan.holder, lone.loan.merged = list(caches), True
         return caches
 
-    def admission_of(self, key: RequestKey, lease: Any) -> KVAdmission:
+    def admission_of(self, row: Optional[RowLife], lease: Any) -> KVAdmission:
         """How a restored row's KV reaches the batch: its entry's buffer, a staged copy, or the
         merge's copy."""
         if lease is not None:
             return KVAdmission.LENT
-        row = self.book.by_key(key)
         return KVAdmission.STAGED if row is not None and row.staged else KVAdmission.COPIED
 
     # ------------------------------------------------------------------ prefill end

@@ -20,9 +20,10 @@ adapter that answers those verbs; the decisions are made elsewhere:
   ``BatchRows``.
 
 Every request is one record (``integration.rowlife.RowLife``: its pending prompt, loan,
-deferral, reply and timing record, and its ``RowState``), named by its namespace and its tokens
-(``pending.request_key``) until ``bind_rows`` names it by the generator's uid: two tenants that
-send the same tokens never share one. Each verb and hook here is one transition of it.
+deferral, reply and timing record, and its ``RowState``), named by the generator's uid from the
+queue to its end: ``lookup`` gets it from mlx-vlm (the ``lineage.lookup_uid`` edit) and hands
+the row on in its answer (``ROW``) to ``merge_rows``; identical prompts, of one tenant or two,
+are separate records. Each verb and hook here is one transition of it.
 Block-mode (pure attention) models keep stock behaviour. ``APC_COPYFREE=0`` keeps the stock
 merge and commits every entry by an immediate copy.
 """
@@ -45,13 +46,15 @@ from server_patch.integration.generator import GeneratorView
 from server_patch.integration.loading import DiskLoads
 from server_patch.integration.pending import Pending, RequestKey, namespace_of, request_key
 from server_patch.integration.prefill import Prefills
-from server_patch.integration.rowlife import RowBook
+from server_patch.integration.rowlife import RowBook, RowLife
 from server_patch.integration.runtime import LineageRuntime, runtime_for
 from server_patch.lineage import DISK, as_tokens
 from server_patch.lineage.flow import Admission
 from server_patch.lineage.misses import Lost
 
 log = logging.getLogger("server_patch.lineage")
+
+ROW = "apc_row"  # a lookup answer's key for the request's row (mlx-vlm hands the answer to ``merge_rows``)
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,8 @@ class LineageCoordinator(APCCoordinator):
     @waits.unit(waits.Work.RESTORE, waits.lookup)
     def lookup(self, token_ids: Sequence[int], *, extra_hash: int, safe_lookup_min: int,
                suffix_is_text_only: Callable[[int], bool],
-               prefix_has_media: Callable[[int], bool]) -> Optional[dict]:
+               prefix_has_media: Callable[[int], bool], uid: Any = None) -> Optional[dict]:
+        """``uid``: mlx-vlm's id of the queued sequence (None on the single-sequence path)."""
         if (lineage := self.lineage) is None:
             return super().lookup(token_ids, extra_hash=extra_hash, safe_lookup_min=safe_lookup_min,
                                   suffix_is_text_only=suffix_is_text_only,
@@ -130,7 +134,8 @@ class LineageCoordinator(APCCoordinator):
         rows = lineage.rows
         rows.sweep()
         reclaimed: set[str] = set()  # entries whose loans this lookup ended: never lent again now
-        disk = lineage.loads.for_request(key, record)  # None without a disk tier
+        mine = lineage.book.queued(uid, key)  # its row, if it waited in the queue (or looked up before)
+        disk = lineage.loads.for_request(mine, record)  # None without a disk tier
         admission = Admission.admit(lineage.runtime.cache, prompt, namespace, disk=disk,
                                     settle=lambda plan: rows.settle(prompt, namespace, plan, reclaimed),
                                     disk_refused=lambda: lineage.runtime.refuses(DISK))
@@ -144,19 +149,19 @@ class LineageCoordinator(APCCoordinator):
         warm, lease = None, None
         if plan.hit and plan.length >= safe_lookup_min and suffix_is_text_only(plan.length):
             try:
-                warm, lease = rows.restore(key, plan, reclaimed)
+                warm, lease = rows.restore(mine, key, plan, reclaimed)
             except Exception as exc:  # fail closed: a cold prefill, never garbage (a lent entry raises)
                 fail_closed(exc, f"apc_lineage restore of {plan.entry.id} at {plan.length}", log=log)
         if warm is None:  # a lent entry's rows are a loan in the way; media, a failed build: other
             admission.refuse(Lost.LOAN if plan.entry is not None and plan.entry.lent else Lost.OTHER)
-        lineage.book.admit(Pending(prompt, namespace, admission.plan), record, lease)
+        row = lineage.book.admit(Pending(prompt, namespace, admission.plan), record, lease, uid=uid)
         record.lookup_ms = (time.perf_counter() - start) * 1000
         if warm is None:
             admission.cold()
             miss = admission.miss
             record.oracle, record.lost, record.lost_why = miss.oracle, miss.lost, miss.detail
             return None
-        kv_admission = rows.admission_of(key, lease)
+        kv_admission = rows.admission_of(row, lease)
         admission.restored(kv_admission)
         miss = admission.miss
         record.oracle, record.lost, record.lost_why = miss.oracle, miss.lost, miss.detail
@@ -164,7 +169,8 @@ class LineageCoordinator(APCCoordinator):
         record.restored_tokens, record.entry_id = plan.length, plan.entry.id
         record.kv_admission, record.admission_ms = kv_admission, record.lookup_ms
         return {"matched_blocks": [], "warm_cache": warm, "prefix_len": plan.length,
-                "extra_hash": extra_hash, "full_input_ids": list(token_ids), "cache_plan": self.plan}
+                "extra_hash": extra_hash, "full_input_ids": list(token_ids), "cache_plan": self.plan,
+                ROW: row}
 
     def merge_rows(self, picks: Sequence[Optional[dict]], prefix_lens: Sequence[int], *,
                    kv_quant_config: Optional[dict] = None):
@@ -172,21 +178,20 @@ class LineageCoordinator(APCCoordinator):
         if lineage is None:
             return super().merge_rows(picks, prefix_lens, kv_quant_config=kv_quant_config)
         start = time.perf_counter()
-        keys = [_key_of(p) if p is not None else None for p in picks]
+        found = [p.get(ROW) if p is not None else None for p in picks]
         result = None
         if self.copyfree.enabled and kv_quant_config is None:
-            result = self._merge_copyfree(lineage.rows, picks, keys, prefix_lens)
+            result = self._merge_copyfree(lineage.rows, picks, found, prefix_lens)
         if result is None:
             result = super().merge_rows(picks, prefix_lens, kv_quant_config=kv_quant_config)
         merge_ms = (time.perf_counter() - start) * 1000
-        for key in keys:
-            row = lineage.book.by_key(key) if key is not None else None
+        for row in found:
             if row is not None and row.record is not None:
                 row.record.admission_ms += merge_ms
         return result
 
     def _merge_copyfree(self, rows: BatchRows, picks: Sequence[Optional[dict]],
-                        keys: Sequence[Optional[RequestKey]], prefix_lens: Sequence[int]):
+                        found: Sequence[Optional[RowLife]], prefix_lens: Sequence[int]):
         """One copy per restored row, into buffers sized for prefix + suffix + reserve."""
         memory = self.manager.memory_plan
         if len(prefix_lens) == len(memory.lengths):
@@ -196,7 +201,7 @@ class LineageCoordinator(APCCoordinator):
             totals = [len(p["full_input_ids"]) if p else n for p, n in zip(picks, prefix_lens)]
         suffixes = [max(0, total - n) for total, n in zip(totals, prefix_lens)]
         row_caches = [p["warm_cache"] if p is not None else self.fresh_cache() for p in picks]
-        caches = rows.merge(keys, row_caches, prefix_lens, suffixes)
+        caches = rows.merge(found, row_caches, prefix_lens, suffixes)
         if caches is None:
             return None
         with self.manager.lock:
@@ -204,9 +209,9 @@ class LineageCoordinator(APCCoordinator):
         return caches, max(prefix_lens) if prefix_lens else 0
 
     def bind_rows(self, uids: Sequence[Any], metas: Sequence[Optional[dict]]) -> None:
-        """Tie each row to the generator's uid (called when a batch is built): its record is
-        named by the uid from now on; a prompt restored at its own prompt end is at its
-        prefill end already, its reply tracked."""
+        """Each row of a prompt batch just built is PREFILLING (found by its uid; a row looked
+        up without one is named by it here); a prompt restored at its own prompt end is at
+        its prefill end already, its reply tracked."""
         if (lineage := self.lineage) is None or not metas:
             return
         for uid, meta in zip(uids, metas):

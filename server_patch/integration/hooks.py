@@ -15,7 +15,7 @@ None of these raises into mlx-vlm: a failure is logged (and re-raised under
 * the batch generator's queue: ``admissible`` (a prompt whose disk restore point loads, or
   whose merge copy stages, waits), ``prefetch`` (every step: their loads and copies start);
 * the batch generator's prefill: ``prefill_step`` (decode-aware chunks, ``server_patch.pacing``);
-* the batch generator's rows: ``generator_started``, ``rows_bound``, ``rows_decoded``,
+* the batch generator's rows: ``lookup`` (with the row's uid), ``generator_started``, ``rows_bound``, ``rows_decoded``,
   ``rows_leaving``, ``batches_joining``, ``request_removed``; the buffer pool: ``clear``;
 * the server's request events: ``prefill_completed``, ``first_token``, ``queued_tokens``,
   ``cancelled``; the idle loop: ``idle``; a cache reset: ``cache_cleared``; the model's end:
@@ -173,6 +173,15 @@ def prefill_step(generator: Any, prompt_batch: Any) -> int:
     from server_patch import pacing
 
     return pacing.step(pacer, prompt_batch, decoding)
+
+
+def lookup(coordinator: Any, token_ids: Sequence[int], uid: Any, **lookup_kwargs: Any) -> Any:
+    """A queued sequence's lookup at admission: the lineage coordinator gets mlx-vlm's ``uid``
+    too, the name of the request's row from the queue to its end (issue 35: identical prompts
+    are separate rows); stock's answers as it would. Raises what the lookup raises, as stock's."""
+    if (lineage := _lineage(coordinator)) is not None:
+        return lineage.lookup(token_ids, uid=uid, **lookup_kwargs)
+    return coordinator.lookup(token_ids, **lookup_kwargs)
 
 
 def rows_bound(coordinator: Any, uids: Sequence[Any], metas: Sequence[dict]) -> None:

@@ -118,31 +118,31 @@ class DiskLoads:
         its order; a prompt with a staged buffer is admitted alone (first, or at the next step).
         ``prompt_of``: a queued item's tokens and namespace; ``idle``: nothing decodes, so a
         poll may wait a little for its file and no copy is staged (nobody would wait for it)."""
-        ready, waiting, queued, keys = [], [], set(), []
+        ready, waiting, queued, uids = [], [], set(), []
         for item in queue:
-            key, prompt, namespace = self._prompt(item, prompt_of)
-            queued.add(key)
+            _, prompt, namespace = self._prompt(item, prompt_of)
+            queued.add(item[0])
             if len(ready) >= limit:
                 waiting.append(item)
-            elif self.ready(prompt, namespace, idle=idle and not ready, busy=not idle, key=key):
+            elif self.ready(prompt, namespace, idle=idle and not ready, busy=not idle, uid=item[0]):
                 ready.append(item)
-                keys.append(key)
+                uids.append(item[0])
             else:
                 waiting.append(item)
         self._prompts = {item[0]: self._prompts[item[0]] for item in queue}  # the queue's only
         self._forget_gone(queued)
         queue[:] = ready + waiting
-        return self._alone(keys)
+        return self._alone(uids)
 
-    def _alone(self, keys: list[RequestKey]) -> int:
-        """How many of the ready prompts (``keys``, in order) to admit: up to the first with a
+    def _alone(self, uids: list[Any]) -> int:
+        """How many of the ready prompts (``uids``, in order) to admit: up to the first with a
         staged buffer, which is admitted alone (a shared prompt batch would merge-copy it)."""
-        for i, key in enumerate(keys):
-            row = self.book.by_key(key)
+        for i, uid in enumerate(uids):
+            row = self.book.by_uid(uid)
             if row is not None and row.state == RowState.STAGING and row.stage is not None \
                     and row.stage.staged is not None:
                 return max(i, 1)
-        return len(keys)
+        return len(uids)
 
     def prefetch(self, queue: list, prompt_of: Callable[[Any], tuple[np.ndarray, str]], limit: int, *,
                  busy: bool = True, blocked: bool = True) -> None:
@@ -156,40 +156,42 @@ class DiskLoads:
         for uid in [uid for uid in self._prompts if uid not in uids]:
             del self._prompts[uid]
         for uid in [uid for uid in self._ahead if uid not in uids]:
-            self._left(self._ahead.pop(uid)[0])
+            del self._ahead[uid]
+            self._left(uid)
         for item in queue[:min(limit, PREFETCH_MAX)]:
-            if item[0] not in self._ahead:
-                key, prompt, namespace = self._ahead[item[0]] = self._prompt(item, prompt_of)
-                started = self.book.by_key(key) is None
-                self.ready(prompt, namespace, busy=busy, key=key)
-                if blocked and started and (row := self.book.by_key(key)) is not None and row.state in WAITING:
+            uid = item[0]
+            if uid not in self._ahead:
+                _, prompt, namespace = self._ahead[uid] = self._prompt(item, prompt_of)
+                started = self.book.by_uid(uid) is None
+                self.ready(prompt, namespace, busy=busy, uid=uid)
+                if blocked and started and (row := self.book.by_uid(uid)) is not None and row.state in WAITING:
                     self.runtime.cache.count(PREFETCHED)
-        for key, prompt, namespace in list(self._ahead.values()):
-            row = self.book.by_key(key)
+        for uid, (_, prompt, namespace) in list(self._ahead.items()):
+            row = self.book.by_uid(uid)
             if row is not None and row.state in WAITING:
-                self.ready(prompt, namespace, busy=busy, key=key)
+                self.ready(prompt, namespace, busy=busy, uid=uid)
 
-    def _left(self, key: RequestKey) -> None:
-        """A looked-ahead prompt left the queue (admitted, or cancelled): a row still waiting
-        under its key, that no queued prompt shares, ends there."""
-        row = self.book.by_key(key)
-        if row is not None and row.state in WAITING and all(k != key for k, _, _ in self._ahead.values()):
+    def _left(self, uid: Any) -> None:
+        """Looked-ahead prompt ``uid`` left the queue (admitted, or cancelled): its row, if
+        still waiting, ends there."""
+        row = self.book.by_uid(uid)
+        if row is not None and row.state in WAITING:
             self._end_waiting(row)
 
     def ready(self, prompt: np.ndarray, namespace: str, *, idle: bool = False, busy: bool = True,
-              key: Optional[RequestKey] = None) -> bool:
-        """False while this prompt's disk restore point loads or its copy stages (the first call
-        starts it). ``busy``: other rows decode (a copy may be staged: see ``admissible``);
-        ``key``: its request key, where the caller has it."""
+              uid: Any = None) -> bool:
+        """False while queued prompt ``uid``'s disk restore point loads or its copy stages (the
+        first call starts it). ``busy``: other rows decode (a copy may be staged: see
+        ``admissible``). Identical prompts queued under two uids wait each on its own."""
         if prompt.shape[0] < 2:
             return True
-        row = self.book.by_key(key if key is not None else request_key(namespace, prompt))
+        row = self.book.queued(uid, request_key(namespace, prompt) if uid is None else None)
         if row is not None and row.state not in WAITING:
-            return True  # the same prompt admitted this step already: its own plan stands
+            return True  # admitted this step already: its own plan stands
         if row is None:
             if self.runtime.disk is None and (self.stagings is None or not busy):
                 return True  # nothing it could wait for: no look-ahead
-            row = self._look_ahead(prompt, namespace, busy)
+            row = self._look_ahead(prompt, namespace, busy, uid)
             if row is None:
                 return True
         if row.state == RowState.STAGING:
@@ -234,7 +236,7 @@ class DiskLoads:
         stage.started, row.stage = load.started, stage  # its wait counts from the load's start
         return True
 
-    def _look_ahead(self, prompt: np.ndarray, namespace: str, busy: bool) -> Optional[RowLife]:
+    def _look_ahead(self, prompt: np.ndarray, namespace: str, busy: bool, uid: Any) -> Optional[RowLife]:
         """The look-ahead (no lookup): a LOADING row if the prompt restores from a disk file, a
         STAGING row if its RAM restore would take the merge copy while others decode, else None."""
         plan = self.runtime.cache.lookup(prompt, namespace, counted=False)
@@ -243,9 +245,9 @@ class DiskLoads:
             if self.runtime.disk is None or self.runtime.refuses(DISK):
                 return None
             load = Load(plan.record, plan.length, clock.steady(), self.book.decode_steps)
-            return self.book.loading(pending, load)
+            return self.book.loading(pending, load, uid)
         stage = self._stage(plan, self.book.decode_steps) if busy and self.stagings is not None else None
-        return self.book.staging(pending, stage) if stage is not None else None
+        return self.book.staging(pending, stage, uid) if stage is not None else None
 
     def _stage(self, plan: Any, steps: int) -> Optional[staging.Stage]:
         """``plan``'s merge copy started on the stager thread if the merge would make it
@@ -271,10 +273,11 @@ class DiskLoads:
         else:
             load.record, load.length = plan.record, plan.length
 
-    def _forget_gone(self, queued: set[RequestKey]) -> None:
-        """Waiting rows no longer queued (cancelled meanwhile): ended, their work dropped."""
+    def _forget_gone(self, queued: set[Any]) -> None:
+        """Waiting rows whose uid is no longer queued (cancelled meanwhile): ended, their work
+        dropped."""
         for row in self.book.rows():
-            if row.state in WAITING and row.key not in queued:
+            if row.state in WAITING and row.uid not in queued:
                 self._end_waiting(row)
 
     def _end_waiting(self, row: RowLife) -> None:
@@ -285,11 +288,11 @@ class DiskLoads:
         row.load = row.stage = None
         self.book.end(row, "left the queue")
 
-    def for_request(self, key: RequestKey, record: Any) -> Optional["RequestDisk"]:
-        """The disk tier of request ``key``'s lookup (None without one; ``record``: its timing
-        record, which gets the wait in the queue); the row's load is handed over, so the row
-        holds no arrays. A staged copy not finished by now is dropped (its receipt ends)."""
-        row = self.book.by_key(key)
+    def for_request(self, row: Optional[RowLife], record: Any) -> Optional["RequestDisk"]:
+        """The disk tier of a request's lookup (None without one; ``row``: the request's row,
+        if it has one yet; ``record``: its timing record, which gets the wait in the queue);
+        the row's load is handed over, so the row holds no arrays. A staged copy not finished
+        by now is dropped (its receipt ends)."""
         waited = row if row is not None and row.state in WAITING else None
         work = (waited.load or waited.stage) if waited is not None else None
         if work is not None and record is not None:

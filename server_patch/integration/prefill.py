@@ -66,24 +66,28 @@ class Prefills:
 
     def take(self, token_ids: Sequence[int], prompt_cache: Sequence[Any], extra_hash: int,
              batch_idx: Optional[int], uid: Any = None) -> tuple[bool, list[RowLife]]:
-        """The state after ``token_ids``: a capture (references to the snapshot layers) for
-        every prefilling row that wants one here (one per request key: row ``uid``'s own,
-        else the newest). Returns whether any was taken, and the rows whose prefill ends here
-        (the caller commits them)."""
+        """The state after ``token_ids`` of batch row ``batch_idx``: a capture (references to
+        the snapshot layers) for row ``uid`` if it wants one here; it is the one row whose state
+        this is (an identical prompt in the same batch is another row, with its own store). A
+        store with no uid, or whose uid names no looked-up row (the single-sequence path), goes
+        to the unbound rows that want it, one per request key, the newest. Returns whether any
+        was taken, and the rows whose prefill ends here (the caller commits them)."""
         prefix = as_tokens(token_ids)
         length = int(prefix.shape[0])
-        by_key: dict[Any, RowLife] = {}
-        for row in self.book.matching(prefix, namespace_of(extra_hash)):
-            mine = by_key.get(row.key)
-            if mine is None or (mine.uid != uid or uid is None):
-                by_key[row.key] = row
+        found = self.book.matching(prefix, namespace_of(extra_hash))
+        own = self.book.by_uid(uid) if uid is not None else None
+        if own is not None:
+            chosen = [own] if own in found else []
+        else:
+            newest: dict[Any, RowLife] = {row.key: row for row in found if row.uid is None}
+            chosen = list(newest.values())
         snapshot = None
-        for pending in (row.pending for row in by_key.values()):
+        for pending in (row.pending for row in chosen):
             if length in pending.wanted and length != pending.final:
                 if snapshot is None:
                     snapshot = rows.capture(self.runtime.layout, prompt_cache, batch_idx, length)
                 pending.taken[length] = (pending.wanted[length], snapshot)
-        return snapshot is not None, [row for row in by_key.values() if length == row.pending.final]
+        return snapshot is not None, [row for row in chosen if length == row.pending.final]
 
     @staticmethod
     def resend(row: RowLife) -> bool:

@@ -3,8 +3,12 @@
 Everything the cache knows about one request is one ``RowLife``: its prompt between lookup
 and prefill end (``pending``), the loan of an entry's buffer (``loan``), its deferred commit
 (``deferral``), the reply it is being fed (``reply``), its timing record (``record``), and where
-it is (``state``). One bounded ``RowBook`` holds them, by
-``RequestKey`` from the lookup until ``bind_rows`` names the generator's uid, then by uid.
+it is (``state``). One bounded ``RowBook`` holds them, each by mlx-vlm's uid from the queue
+(a LOADING or STAGING row) or its lookup (the ``lookup`` edit passes the uid) to its end; the
+HTTP request id is a field (``request_id``), set by the server's events. Identical prompts are
+rows of their own, with their own replies (issue 35: keyed by their tokens, twins admitted in
+one prompt batch were one row, and one twin's reply was another's). Only a prompt no queue
+named (the single-sequence path) is found by its request key until a store names its uid.
 
 Every mlx-vlm event is one transition (``RowState``, the diagram in docs/design.md):
 
@@ -93,6 +97,7 @@ class RowLife:
     load: Any = None  # while LOADING and until its lookup: its ``integration.loading.Load``
     stage: Any = None  # while STAGING and until its lookup: its ``integration.staging.Stage``
     staged: bool = False  # its restored caches hold a staged buffer: the merge adopts it, no copy
+    request_id: Any = None  # the HTTP request's id, once the server reports an event of it
 
     @property
     def key(self) -> tuple[Optional[str], int, int]:
@@ -126,13 +131,14 @@ class RowLife:
 
 
 class RowBook:
-    """The rows of one runtime, bounded, by key until bound and then by uid. Thread-safe: the
-    generation thread moves rows, the server's threads finish their records."""
+    """The rows of one runtime, bounded, each by mlx-vlm's uid from the queue to its end (a
+    row of a prompt that has none, the single-sequence path's, by its request key until a
+    store or a bind names one). Thread-safe: the generation thread moves rows, the server's
+    threads finish their records."""
 
     def __init__(self, timings: TimingBook, limit: int = ROWS_MAX) -> None:
         self.timings = timings
         self._rows: OrderedDict[int, RowLife] = OrderedDict()
-        self._by_key: dict[tuple[Optional[str], int, int], RowLife] = {}
         self._by_uid: dict[Any, RowLife] = {}
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
@@ -145,42 +151,49 @@ class RowBook:
 
     # ------------------------------------------------------------------ admission and binding
 
-    def loading(self, pending: Pending, load: Any) -> RowLife:
-        """A queued prompt whose restore point's file is loading (``load``): a LOADING row,
-        named by its key until its lookup admits it."""
-        return self.waiting(pending, RowState.LOADING, load=load)
+    def loading(self, pending: Pending, load: Any, uid: Any = None) -> RowLife:
+        """Queued prompt ``uid`` whose restore point's file is loading (``load``): a LOADING row."""
+        return self.waiting(pending, RowState.LOADING, uid, load=load)
 
-    def staging(self, pending: Pending, stage: Any) -> RowLife:
-        """A queued prompt whose RAM restore's rows are being copied (``stage``): a STAGING row."""
-        return self.waiting(pending, RowState.STAGING, stage=stage)
+    def staging(self, pending: Pending, stage: Any, uid: Any = None) -> RowLife:
+        """Queued prompt ``uid`` whose RAM restore's rows are being copied (``stage``): a STAGING row."""
+        return self.waiting(pending, RowState.STAGING, uid, stage=stage)
 
-    def waiting(self, pending: Pending, state: RowState, **work: Any) -> RowLife:
+    def waiting(self, pending: Pending, state: RowState, uid: Any = None, **work: Any) -> RowLife:
         """A queued prompt that waits (``WAITING``) for work done off the generation thread."""
         with self._lock:
-            row = RowLife(pending, state=state, seq=next(self._seq), **work)
-            self._rows[row.seq] = row
-            self._by_key[pending.key] = row
-            self._bound()
-            return row
+            return self._add(RowLife(pending, state=state, uid=uid, seq=next(self._seq), **work))
 
-    def admit(self, pending: Pending, record: Optional[RequestTiming] = None, loan: Any = None) -> RowLife:
-        """A looked-up prompt (or one planned cold without a lookup): a new ADMITTED row. One
-        not yet bound with the same key is admitted again instead (its plan and record are the
-        new lookup's; a loan it holds stays), as one request key names one pending prompt; a
-        LOADING one is admitted (its load finished, failed or ran past the bound)."""
+    def admit(self, pending: Pending, record: Optional[RequestTiming] = None, loan: Any = None,
+              uid: Any = None) -> RowLife:
+        """Looked-up prompt ``uid`` (or one planned cold without a lookup): ADMITTED. Its row
+        waiting in the queue is admitted (its load finished, failed or ran past the bound);
+        a second lookup of the same uid admits its row again (its plan and record are the new
+        lookup's; a loan it holds stays). Identical prompts of other uids are rows of their
+        own. Without a uid, an unbound ADMITTED row with the same request key is the one."""
         with self._lock:
-            row = self._by_key.get(pending.key)
+            row = self._by_uid.get(uid) if uid is not None else self._unbound(pending.key)
             if row is not None and row.state in WAITING and row.move(RowState.ADMITTED, "admit"):
                 row.load = row.stage = None  # what it loaded is promoted, what it staged taken (or dropped)
             if row is not None and row.state == RowState.ADMITTED:
                 row.pending, row.record = pending, record
                 row.loan = row.loan if row.loan is not None else loan
-                return row
-            row = RowLife(pending, record, loan=loan, seq=next(self._seq))
-            self._rows[row.seq] = row
-            self._by_key[pending.key] = row
-            self._bound()
+            else:
+                row = self._add(RowLife(pending, record, uid=uid, loan=loan, seq=next(self._seq)))
+            if record is not None and uid is not None:
+                record.uid = uid
             return row
+
+    def _add(self, row: RowLife) -> RowLife:
+        self._rows[row.seq] = row
+        if row.uid is not None:
+            self._by_uid[row.uid] = row
+        self._bound()
+        return row
+
+    def _unbound(self, key: Any) -> Optional[RowLife]:
+        """The newest row with request ``key`` and no uid (a prompt no queue named)."""
+        return next((r for r in reversed(self._rows.values()) if r.uid is None and r.key == key), None)
 
     def _bound(self) -> None:
         """Forget the oldest rows past the limit, but none holding a loan or a deferral (those
@@ -193,29 +206,38 @@ class RowBook:
             self._drop(row)
 
     def bind(self, key: Any, uid: Any) -> Optional[RowLife]:
-        """Row ``key`` is the generator's ``uid`` from now on (re-keyed once): PREFILLING."""
+        """Row ``uid`` is in a prompt batch now: PREFILLING. A row admitted without a uid (a
+        lookup that had none) with request ``key`` is named ``uid`` here."""
         with self._lock:
-            row = self._by_key.get(key)
+            row = self._by_uid.get(uid)
+            if row is None and (row := self._unbound(key)) is not None and row.state == RowState.ADMITTED:
+                row.uid = uid
+                self._by_uid[uid] = row
             if row is None or row.state != RowState.ADMITTED:
                 return None
             if not row.move(RowState.PREFILLING, "bind"):
                 return None
-            del self._by_key[key]
-            row.uid = uid
             if row.record is not None:
                 row.record.uid = uid
-            self._by_uid[uid] = row
             return row
 
     # ------------------------------------------------------------------ finding rows
 
     def by_key(self, key: Any) -> Optional[RowLife]:
+        """The newest row with request ``key`` (identical prompts are rows of their own: a
+        uid names one; this is for a prompt no queue named, and for tests)."""
         with self._lock:
-            return self._by_key.get(key)
+            return next((r for r in reversed(self._rows.values()) if r.key == key), None)
 
     def by_uid(self, uid: Any) -> Optional[RowLife]:
         with self._lock:
             return self._by_uid.get(uid)
+
+    def queued(self, uid: Any, key: Any) -> Optional[RowLife]:
+        """The row a lookup of ``uid`` (``key``: its request key) finds already there: the one
+        that waited in the queue, or its earlier lookup's; without a uid, an unbound one."""
+        with self._lock:
+            return self._by_uid.get(uid) if uid is not None else self._unbound(key)
 
     def rows(self) -> list[RowLife]:
         """Every row, oldest first."""
@@ -251,10 +273,7 @@ class RowBook:
                      and r.pending.tokens.shape[0] >= length and np.array_equal(r.pending.tokens[:length], prefix)]
             for row in found:
                 if row.pending.namespace is None:
-                    if self._by_key.get(row.key) is row:
-                        del self._by_key[row.key]
                     row.pending.namespace = namespace
-                    self._by_key.setdefault(row.key, row)
             return found
 
     # ------------------------------------------------------------------ endings
@@ -281,8 +300,6 @@ class RowBook:
 
     def _drop(self, row: RowLife) -> None:
         self._rows.pop(row.seq, None)
-        if self._by_key.get(row.key) is row:
-            del self._by_key[row.key]
         if row.uid is not None and self._by_uid.get(row.uid) is row:
             del self._by_uid[row.uid]
 
@@ -314,11 +331,13 @@ class RowBook:
     def prefill_completed(self, uid: Any, request_id: Any, prefill_s: float) -> None:
         """The server's prompt-time report: the record's restore line."""
         if (row := self._open_record(uid)) is not None:
+            row.request_id = request_id
             self.timings.log_restore(row.record, request_id, prefill_s)
 
     def first_token(self, uid: Any, request_id: Any, ttft_s: float) -> None:
         """The first token reached the client: the record is finished."""
         if (row := self._open_record(uid)) is not None:
+            row.request_id = request_id
             self._timed(row)
             self.timings.finish(row.record, request_id, ttft_s)
 

@@ -190,19 +190,23 @@ def unit(kind: Work, owners: Callable[..., tuple[Optional[Waits], Owners]]) -> C
 # ---------------------------------------------------------------------- whose work each unit is
 
 
-def lookup(coordinator: Any, token_ids: Sequence[int], *, extra_hash: int, **_: Any) -> tuple[Optional[Waits], Owners]:
-    """``LineageCoordinator.lookup``: the looked-up request's restore."""
+def lookup(coordinator: Any, token_ids: Sequence[int], *, extra_hash: int, uid: Any = None,
+           **_: Any) -> tuple[Optional[Waits], Owners]:
+    """``LineageCoordinator.lookup``: the looked-up request's restore (its row by ``uid``; one
+    with none, the single-sequence path's, by its request key)."""
     from server_patch.integration.pending import namespace_of, request_key
     from server_patch.lineage import as_tokens
 
     if coordinator.lineage is None:  # stock APC's (block mode, APC off)
         return None, Owners()
+    if uid is not None:
+        return coordinator.lineage.book.waits, Owners(uids=(uid,))
     return coordinator.lineage.book.waits, Owners(keys=(request_key(namespace_of(extra_hash), as_tokens(token_ids)),))
 
 
-def keyed_rows(batch_rows: Any, keys: Sequence[Any], *_: Any, **__: Any) -> tuple[Optional[Waits], Owners]:
-    """``BatchRows.merge(keys, ...)``: the merged rows' restore copy."""
-    return batch_rows.book.waits, Owners(keys=tuple(k for k in keys if k is not None))
+def merged_rows(batch_rows: Any, found: Sequence[Any], *_: Any, **__: Any) -> tuple[Optional[Waits], Owners]:
+    """``BatchRows.merge(rows, ...)``: the merged rows' restore copy."""
+    return batch_rows.book.waits, Owners(rows=tuple(r for r in found if r is not None))
 
 
 def one_row(batch_rows: Any, row: Any, *_: Any, **__: Any) -> tuple[Optional[Waits], Owners]:
@@ -210,4 +214,4 @@ def one_row(batch_rows: Any, row: Any, *_: Any, **__: Any) -> tuple[Optional[Wai
     return batch_rows.book.waits, Owners(rows=(row,))
 
 
-__all__ = ["WORK_KINDS", "Owners", "Waits", "Work", "keyed_rows", "lookup", "one_row", "run", "unit"]
+__all__ = ["WORK_KINDS", "Owners", "Waits", "Work", "lookup", "merged_rows", "one_row", "run", "unit"]

@@ -63,7 +63,7 @@ def test_a_queued_prompts_disk_load_starts_while_the_batch_is_full(s):
     assert row.load.done and row.load.answer[0] is not None
     assert calls == [len(s.cold), len(s.warm)]  # one look-ahead per queued prompt, however many steps
     assert s.loads.admissible(queue, prompt_of, 8) == 2  # the batch has room again: both admissible
-    admission = lookup(s, s.warm)
+    admission = lookup(s, s.warm, uid=1)  # second in the queue
     assert admission.tier == DISK and s.disk.loaded == [s.entry.id]
 
 

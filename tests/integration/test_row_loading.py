@@ -66,9 +66,10 @@ def s():
     return s
 
 
-def queue_of(*prompts: np.ndarray) -> list[tuple]:
-    """mlx-vlm's queued sequences as the coordinator reads them: (uid, ids, ..., kwargs, ...)."""
-    return [(i, prompt, 8, {}, None, None) for i, prompt in enumerate(prompts)]
+def queue_of(*prompts: np.ndarray, first: int = 0) -> list[tuple]:
+    """mlx-vlm's queued sequences as the coordinator reads them: (uid, ids, ..., kwargs, ...),
+    uids from ``first`` (a uid names one request: another prompt never reuses it)."""
+    return [(i, prompt, 8, {}, None, None) for i, prompt in enumerate(prompts, start=first)]
 
 
 def prompt_of(sequence: tuple) -> tuple[np.ndarray, str]:
@@ -83,13 +84,13 @@ def until_ready(s, queue: list, limit: int = 8) -> int:
     raise AssertionError("the load never finished")
 
 
-def lookup(s, prompt: np.ndarray, record=None) -> Admission:
-    """The lookup mlx-vlm makes once the prompt is admitted: the request's disk tier, then its row."""
-    key = request_key("", prompt)
-    disk = s.loads.for_request(key, record)
+def lookup(s, prompt: np.ndarray, record=None, uid: Any = 0) -> Admission:
+    """The lookup mlx-vlm makes once queued prompt ``uid`` is admitted: the request's disk
+    tier (its row's load), then its row."""
+    disk = s.loads.for_request(s.book.queued(uid, None), record)
     admission = Admission.admit(s.cache, prompt, "", disk=disk)
     disk.tell(admission)
-    s.book.admit(Pending(prompt, "", admission.plan), record)
+    s.book.admit(Pending(prompt, "", admission.plan), record, uid=uid)
     return admission
 
 
@@ -148,7 +149,7 @@ def test_a_request_that_leaves_the_queue_while_loading_ends_there(s):
     queue = queue_of(s.warm)
     assert s.loads.admissible(queue, prompt_of, 8) == 0
     row = s.book.by_key(request_key("", s.warm))
-    assert s.loads.admissible(queue_of(s.cold), prompt_of, 8) == 1  # cancelled: gone from the queue
+    assert s.loads.admissible(queue_of(s.cold, first=1), prompt_of, 8) == 1  # cancelled: gone from the queue
     assert row.state == ENDED and row.history == [LOADING] and row not in s.book.rows()
     s.disk.gate.set()
 

@@ -17,6 +17,7 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_vlm.apc_coordinator import PrefillMemoryPlan
@@ -111,7 +112,7 @@ def admit(s, uid: Any, tokens: np.ndarray) -> tuple[Any, list]:
     """lookup, checkpoint_lengths, merge (a warm row), bind: the row's caches and its lengths."""
     coordinator = s.coordinator
     hit = coordinator.lookup(tokens, extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
-                             prefix_has_media=lambda n: False)
+                             prefix_has_media=lambda n: False, uid=uid)
     lengths = coordinator.checkpoint_lengths(tokens, set())
     if hit is None:
         caches = s.model.make_cache()
@@ -301,14 +302,26 @@ def test_another_requests_lookup_commits_a_deferred_entry_it_would_restore_from(
     assert server.book.by_key(server.book.rows()[-1].key).record.restored_tokens == len(prompt) - 1
 
 
-def test_two_lookups_of_one_request_key_before_binding_are_one_row(server):
+def test_two_lookups_of_one_uid_are_one_row_and_the_same_prompt_of_another_uid_another(server):
     prompt = random_tokens(40, seed=12)
+    for uid in (1, 1, 2):
+        server.coordinator.lookup(prompt, extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
+                                  prefix_has_media=lambda n: False, uid=uid)
+    assert len(server.book) == 2
+    assert server.book.by_uid(1).record.seq == 2  # the second lookup's record: one uid, one request
+    assert server.book.by_uid(2).record.seq == 3 and server.book.by_uid(2) is not server.book.by_uid(1)
+
+
+def test_a_lookup_without_a_uid_is_named_by_its_bind(server):
+    """The single-sequence path's lookup has no uid: its row is found by its request key until
+    a bind names it (a second lookup of the same key before then is the same row)."""
+    prompt = random_tokens(40, seed=17)
     for _ in range(2):
         server.coordinator.lookup(prompt, extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
                                   prefix_has_media=lambda n: False)
     assert len(server.book) == 1
-    first = server.book.rows()[0].record
-    assert first.seq == 2  # the second lookup's record: one request key names one pending prompt
+    server.coordinator.bind_rows([5], [meta(prompt)])
+    assert server.book.by_uid(5) is server.book.rows()[0] and server.book.by_uid(5).state == PREFILLING
 
 
 def cold(tokens: np.ndarray) -> Pending:
@@ -333,3 +346,49 @@ def test_the_book_is_bounded_but_keeps_rows_with_a_loan_or_a_deferral():
     rows[0].loan, rows[1].deferral = object(), object()
     book.admit(cold(random_tokens(20, seed=9)))
     assert book.rows()[:2] == rows[:2] and rows[2] not in book.rows() and len(book) == 3
+
+
+def test_identical_prompts_in_one_prompt_batch_are_rows_of_their_own_each_keeping_its_own_reply(server):
+    """Issue 35's twins: three identical prompts admitted in one prompt batch, their replies cut
+    at different lengths. Each is a row of its own from its lookup (by uid, not by its tokens),
+    each prefill-end store tracks its own row's reply, and each follow-up turn (its own reply
+    appended) restores past its own reply."""
+    prompt, reply = random_tokens(40, seed=31), random_tokens(6, seed=32)
+    coordinator, uids, cuts = server.coordinator, [11, 12, 13], [2, 4, 6]
+    for uid in uids:
+        assert coordinator.lookup(prompt, extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
+                                  prefix_has_media=lambda n: False, uid=uid) is None
+        assert coordinator.checkpoint_lengths(prompt, set())[-1] == len(prompt) - 1
+    coordinator.bind_rows(uids, [meta(prompt)] * 3)
+    rows = [server.book.by_uid(uid) for uid in uids]
+    assert len({id(r) for r in rows}) == 3 and [r.state for r in rows] == [PREFILLING] * 3
+    assert len({r.record.seq for r in rows}) == 3 and [r.record.uid for r in rows] == uids
+    singles = []
+    for _ in uids:
+        caches = server.model.make_cache()
+        prefill(server.model, caches, prompt[:-1])
+        singles.append(caches)
+    shared = copyfree_merge.merge_rows(singles, [39] * 3, [1] * 3, reserve=0)
+    batch = Batch(uids=list(uids), prompt_cache=shared, _num_tokens=[0, 0, 0])
+    server.generator._generation_batch = batch
+    for i, uid in enumerate(uids):
+        coordinator.store_checkpoint(prompt[:-1], shared, extra_hash=0, batch_idx=i, uid=uid)
+        assert rows[i].state == DECODING and rows[i].reply is not None  # its own row, no twin's
+    assert all(r.state == DECODING for r in rows)
+    server.model(mx.array([[int(prompt[-1])]] * 3), cache=shared)  # the prompt batch's last token
+    keep = [0, 1, 2]
+    for step, token in enumerate(reply):  # each step feeds the same id to every row still there
+        server.model(mx.array([[int(token)]] * 3), cache=shared)
+        batch._num_tokens = [n + 1 for n in batch._num_tokens]
+        coordinator.rows_decoded(batch, [int(token)] * 3)
+        for i, cut in enumerate(cuts):
+            if step + 1 == cut:  # twin i's reply ends here: it leaves the batch
+                keep.remove(i)
+                coordinator.rows_leaving(batch, keep)
+    assert [r.state for r in rows] == [ENDED] * 3
+    assert [r.record.reply_tokens for r in rows] == cuts
+    for i, cut in enumerate(cuts):  # each twin's next turn: its own reply, then a new message
+        turn = np.concatenate([prompt, reply[:cut], random_tokens(8, seed=40 + i)])
+        coordinator.lookup(turn, extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
+                           prefix_has_media=lambda n: False, uid=20 + i)
+        assert server.book.by_uid(20 + i).record.restored_tokens >= len(prompt) + cut

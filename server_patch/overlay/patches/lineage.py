@@ -5,8 +5,9 @@
   server (``integration.parts.Parts``: the lineage runtimes, the boundary finder, the canary,
   the traffic gate), built with it; every server-side edit below reads them from there.
 * generate/ar.py, generate/dispatch.py: the batched and single-sequence paths build their
-  coordinator through the door (the lineage cache's where it applies); a prompt batch binds
-  each row's uid to its lookup, and passes it to checkpoint stores.
+  coordinator through the door (the lineage cache's where it applies); a queued sequence's
+  lookup passes its uid (the name of the request's row from the queue to its end), a prompt
+  batch's rows are bound by it, and checkpoint stores pass it too.
 * server/__init__.py: ``apply_chat_template`` also notes each request's system+tools prefix in
   the server's boundary finder.
 * server/generation.py: prefill-completed and first-token times go to the coordinator of the
@@ -82,6 +83,11 @@ FILE_PATCHES = (
                 "                )\n"
                 "            else:\n"
             ),
+        ),
+        Edit(
+            name="lineage.lookup_uid",
+            old="            return coordinator.lookup(ids_list, **lookup_kwargs)\n",
+            new="            return _apc_door.lookup(coordinator, ids_list, uid, **lookup_kwargs)\n",
         ),
         Edit(
             name="lineage.bind_rows",
