@@ -29,6 +29,8 @@ Sizes are read as the server reads them (``server_patch.settings``): bytes, or `
 
 from __future__ import annotations
 
+import os
+import stat
 import tomllib
 import urllib.parse
 from dataclasses import dataclass, field, replace
@@ -118,9 +120,11 @@ def load_config(path: Path | None = None) -> Config:
             raise ConfigError(f"config file {path} does not exist")
         return Config(path=None)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"cannot read config {path}: {exc}") from None
+        data = tomllib.loads(read_capped(path, CONFIG_MAX_BYTES))
+    except RecursionError:
+        raise ConfigError(f"cannot read config {path}: nested too deeply") from None
+    except (OSError, ValueError) as exc:  # tomllib.TOMLDecodeError is a ValueError
+        raise ConfigError(f"cannot read config {path}: {_why(exc)}") from None
     servers = {name: _server(name, table, path) for name, table in (data.get("servers") or {}).items()}
     default = data.get("default")
     if default is not None and default not in servers:
@@ -272,7 +276,7 @@ def server_name(value: str | None, config: Config) -> str:
 
 
 def _target(name: str, url: str, token: str | None, settings: ServerConfig, managed: ManagedServer | None) -> Target:
-    found, problem = (token, None) if token else _token(settings, managed)
+    found, problem = (token, None) if token else _token(settings, managed, url)
     return Target(name, url.rstrip("/"), found, settings, managed, problem)
 
 
@@ -313,31 +317,68 @@ def _managed_at(url: str) -> ManagedServer | None:
     return None
 
 
-def _token(settings: ServerConfig, managed: ManagedServer | None) -> tuple[str | None, str | None]:
-    """Config token or token file, ``APC_ADMIN_TOKEN``, the managed server's file, the default
-    file; and, when the configured ``token_file`` gave none, why (said instead of a bare 401)."""
+def _token(settings: ServerConfig, managed: ManagedServer | None,
+           url: str) -> tuple[str | None, str | None]:
+    """The config's token or token file; else, for a managed server at the URL its record names,
+    that server's own token; and, when none is found, why and what to do (said with the 401).
+
+    A token found on this machine (``APC_ADMIN_TOKEN``, a server's token file) goes only to the
+    managed server it belongs to: sent to any ``--server URL``, it would hand this machine's admin
+    token to whatever listens there, over plain HTTP. Elsewhere only ``--token`` or the config's
+    ``token`` / ``token_file`` are sent."""
     if settings.token:
         return settings.token, None
     if settings.token_file is not None:
+        fix = "fix the path, or give --token or APCCTL_TOKEN"
         try:
-            text = settings.token_file.read_text(encoding="utf-8").strip()
+            text = read_capped(settings.token_file, TOKEN_FILE_MAX_BYTES).strip()
         except FileNotFoundError:
-            return None, f"the config's token_file {settings.token_file} does not exist"
-        except OSError as exc:
-            return None, f"cannot read the config's token_file {settings.token_file}: {exc.strerror or exc}"
-        return (text, None) if text else (None, f"the config's token_file {settings.token_file} is empty")
-    env = registry.setting("APC_ADMIN_TOKEN").raw()
-    if env:
-        return env.strip(), None
-    if managed is not None and managed.token():
-        return managed.token(), None
-    from server_patch.admin.auth import default_token_path
-
-    return _read(default_token_path()), None
+            return None, f"the config's token_file {settings.token_file} does not exist; {fix}"
+        except (OSError, ValueError) as exc:
+            return None, f"cannot read the config's token_file {settings.token_file}: {_why(exc)}; {fix}"
+        return (text, None) if text else (None, f"the config's token_file {settings.token_file} is empty; {fix}")
+    if managed is not None and _same_server(managed, url):
+        found = managed.token()
+        return found, None if found else f"server {managed.name!r} has no readable token file in {managed.directory}"
+    return None, (f"no admin token was sent: {url} is not a server apcctl serve started, and a token found on "
+                  "this machine (APC_ADMIN_TOKEN, a token file) goes to no other; give --token or APCCTL_TOKEN, "
+                  "or token_file in the config")
 
 
-def _read(path: Path) -> str | None:
+def _same_server(managed: ManagedServer, url: str) -> bool:
+    """``url`` is where ``managed``'s record says it listens (scheme, host and port)."""
+    spec = managed.spec()
+    return spec is not None and _endpoint(spec.url) == _endpoint(url)
+
+
+def _endpoint(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url.strip())
     try:
-        return path.read_text(encoding="utf-8").strip() or None
-    except OSError:
-        return None
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+    except ValueError:
+        port = -1
+    return parts.scheme.lower(), (parts.hostname or "").lower(), port
+
+
+TOKEN_FILE_MAX_BYTES = 4096  # a token is 64 characters; a bigger "token file" is not one
+CONFIG_MAX_BYTES = 1 << 20
+
+
+def read_capped(path: Path, max_bytes: int) -> str:
+    """A regular file's UTF-8 text, at most ``max_bytes``: ``/dev/zero`` or a FIFO named as a
+    config or token file is refused instead of read forever (``ValueError`` says why)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        data = handle.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"{path} is larger than {max_bytes:,} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start})") from None
+
+
+def _why(exc: Exception) -> str:
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)

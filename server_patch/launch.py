@@ -359,6 +359,12 @@ def main(argv: list[str] | None = None) -> None:
     if copy_counter or counter.requested():  # measurement only: after the overlay, stock or patched
         counter.install(copy_counter_file)
     _end_streams_on_shutdown()
+    from server_patch.admin.access_log import install as quiet_admin_reads
+
+    try:
+        quiet_admin_reads()  # the dashboard's polls out of the access log (APC_LOG_ADMIN_REQUESTS=1 keeps them)
+    except ValueError as exc:
+        raise SystemExit(f"server_patch.launch: {exc}") from None
     sys.argv = ["mlx_vlm.server", *server_argv(args)]
     from mlx_vlm.server.cli import main as server_main
 

@@ -156,6 +156,9 @@ _SCALARS: tuple[Setting, ...] = (
     _s("APC_LOG_MAX_BYTES", T.SIZE, 64 << 20, "Size of the log file before it rotates.", "log",
        "server_patch.launch"),
     _s("APC_LOG_BACKUPS", T.INT, 4, "Rotated log files kept.", "log", "server_patch.launch"),
+    _s("APC_LOG_ADMIN_REQUESTS", T.BOOL, False, "Log the admin reads that succeed (GET `/admin/...`, which "
+       "the dashboard polls several times a second) in the access log; admin writes and failures are "
+       "always logged.", "log", "server_patch.admin.access_log"),
     _s("APC_DECODE_STALL_MS", T.FLOAT, 250.0, "While other rows decode, a prefill chunk is sized to take "
        "about this long (from the server's measured prefill rate), so no stream waits longer for one chunk; "
        "with no row decoding, prefill keeps mlx-vlm's full chunk. 0: mlx-vlm's fixed chunk, as stock.",

@@ -20,7 +20,7 @@ MODULES: tuple[str, ...] = ("bench_lookup", "model", "patch", "bench_replay", "p
                            "config_show", "forget", "bench_stall", "bench_copies")
 # Top-level command -> the module that registers it.
 COMMANDS: dict[str, str] = {
-    "model": "model", "patch": "patch", "profile": "profile", "serve": "serve", "stop": "serve", "logs": "serve",
+    "model": "model", "patch": "patch", "profile": "profile", "serve": "serve", "stop": "serve", "logs": "ops",
     "status": "status", "entries": "entries", "anchors": "anchors", "requests": "requests", "drain": "ops",
     "flush": "ops", "undrain": "ops", "restart": "restart", "report": "report", "demo": "demo", "top": "top",
     "check": "check", "service": "service", "verify": "verify", "fleet": "fleet", "config": "config_show",

@@ -28,10 +28,13 @@ _JSON_LINES: contextvars.ContextVar[bool] = contextvars.ContextVar("apcctl_json_
 
 
 class CommandError(click.ClickException):
-    """One message on stderr and one exit code from ``ExitStatus``."""
+    """One message on stderr and one exit code from ``ExitStatus``; a server's text in it (a log
+    tail, an error answer) is cleaned of terminal escapes, its lines kept."""
 
     def __init__(self, message: str, status: ExitStatus = ExitStatus.FAILED) -> None:
-        super().__init__(message)
+        from apcctl.core.sanitize import printable_lines
+
+        super().__init__(printable_lines(message))
         self.exit_code = int(status)
 
 
@@ -53,7 +56,7 @@ def command_error(error: AdminError, target: Target) -> CommandError:
         hint = (f" (server {target.name!r} is not running, yet something else answers at {target.url}: another "
                 f"program holds its port; stop that program, or serve {target.name!r} on another --port)")
     elif error.status in (401, 403) and target.token_problem:
-        hint = f" ({target.token_problem}; fix the path, or give --token or APCCTL_TOKEN)"
+        hint = f" ({target.token_problem})"  # it says what to do
     elif error.status in (401, 403):
         hint = " (give --token, APCCTL_TOKEN, or token_file in the config; the server's token is in its state dir)"
     elif error.status == 0 and stopped:

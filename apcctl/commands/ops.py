@@ -1,14 +1,18 @@
-"""``apcctl flush``, ``drain`` and ``undrain``: the verbs a restart is made of, one at a time."""
+"""``apcctl flush``, ``drain`` and ``undrain``: the verbs a restart is made of, one at a time; and
+``logs``, what a managed server wrote."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
-from apcctl.commands.common import (EXIT_CODES_SHORT, ExitStatus, Targets, emit_results, for_each, json_option,
-                                    server_options)
+from apcctl.commands.common import (EXIT_CODES_SHORT, CommandError, ExitStatus, Targets, emit_results, for_each,
+                                    json_option, managed, one, server_options, talking_to)
 from apcctl.config import Target
+from apcctl.core import render
 from apcctl.core.client import AdminClient
 
 if TYPE_CHECKING:
@@ -17,7 +21,7 @@ if TYPE_CHECKING:
 
 def register(main: click.Group, bench: click.Group) -> None:
     del bench
-    for command in (flush, drain, undrain):
+    for command in (flush, drain, undrain, logs):
         main.add_command(command)
 
 
@@ -87,3 +91,83 @@ def drain(targets: Targets, retry_after: int, as_json: bool) -> None:
 def undrain(targets: Targets, as_json: bool) -> None:
     """Admit new inference requests again."""
     _run(targets, as_json, lambda c: c.undrain(), lambda r: f"admitting requests ({r.in_flight} in flight)")
+
+
+class _Pattern(click.ParamType):
+    """A regular expression (Python's syntax), compiled; a bad one is a usage error (exit 2)."""
+
+    name = "regex"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> "re.Pattern[str]":
+        if isinstance(value, re.Pattern):
+            return value
+        try:
+            return re.compile(value)
+        except re.error as exc:
+            self.fail(f"{value!r} is not a regular expression: {exc}", param, ctx)
+
+
+# What --grep searches of the log's end (``manage.file_tail`` reads this much); --follow sees all.
+_GREP_WINDOW_LINES = 1_000_000
+
+
+@click.command(epilog=EXIT_CODES_SHORT)
+@server_options()
+@click.option("--lines", "-n", type=click.IntRange(min=0), default=50, show_default=True,
+              help="Lines to show (-n is always a count, as in tail; the server is -s).")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing what the server writes (Ctrl-C stops).")
+@click.option("--grep", "pattern", type=_Pattern(), metavar="REGEX",
+              help="Only lines matching REGEX (Python syntax; (?i) ignores case): the last --lines of those "
+                   "in the log's last 256 KiB, then, with --follow, every new one.")
+@json_option
+def logs(targets: list[Target], lines: int, follow: bool, pattern: "re.Pattern[str] | None", as_json: bool) -> None:
+    """Show a managed server's log (uvicorn, the overlay and the apc_lineage lines).
+
+    The server rotates server.log while it runs (APC_LOG_MAX_BYTES, 64 MiB; APC_LOG_BACKUPS, 4
+    old files); --follow reads on across a rotation. Escape sequences and control characters
+    the log holds (a client's text in a traceback) are not printed (--json keeps them, escaped).
+    The dashboard's own /admin polls are not in the access log unless the server runs with
+    APC_LOG_ADMIN_REQUESTS=1.
+    """
+    from apcctl.core.manage import file_tail
+
+    target = one(targets)
+    with talking_to(target):
+        server = managed(target)
+    if not server.log_path.exists():
+        raise CommandError(f"{target.name}: no log at {server.log_path} (a --foreground server writes to its "
+                           "terminal or supervisor)", ExitStatus.NOT_FOUND)
+    show = _LogLines(target.name if as_json else None, server.log_path, pattern)
+    tail = file_tail(server.log_path, _GREP_WINDOW_LINES if pattern else lines)
+    for line in show.kept(tail.splitlines())[-lines:] if lines else []:
+        show.emit(line)
+    if follow:
+        from apcctl.commands.serve import follow_file
+
+        try:
+            follow_file(server.log_path, show.chunk)
+        except KeyboardInterrupt:
+            pass
+
+
+class _LogLines:
+    """How ``logs`` prints lines: cleaned for the terminal (``render.printable_lines``), or one
+    JSON object per line with ``json_server``; only those ``pattern`` matches. Followed chunks
+    are cut into whole lines first, so a match and a cleaned escape never span two chunks."""
+
+    def __init__(self, json_server: str | None, path: Path, pattern: "re.Pattern[str] | None") -> None:
+        self.json_server, self.path, self.pattern, self.partial = json_server, path, pattern, ""
+
+    def kept(self, lines: list[str]) -> list[str]:
+        return [line for line in lines if self.pattern is None or self.pattern.search(line)]
+
+    def emit(self, line: str) -> None:
+        if self.json_server is not None:  # {"server", "log", "line"} per line, as every --follow stream prints
+            render.emit_json_line({"server": self.json_server, "log": str(self.path), "line": line})
+        else:
+            click.echo(render.printable_lines(line))
+
+    def chunk(self, data: bytes) -> None:
+        *done, self.partial = (self.partial + data.decode("utf-8", errors="replace")).split("\n")
+        for line in self.kept(done):
+            self.emit(line)

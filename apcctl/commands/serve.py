@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
 import click
 
-from apcctl.commands.common import (EXIT_CODES_HELP, EXIT_CODES_SHORT, CommandError, ExitStatus, Targets,
-                                    emit_results, for_each, json_option, managed, one, server_options, talking_to)
+from apcctl.commands.common import (EXIT_CODES_HELP, EXIT_CODES_SHORT, CommandError, Targets, emit_results,
+                                    for_each, json_option, managed, server_options)
 from apcctl.config import DEFAULT_HOST, DEFAULT_PORT, ConfigError, Target, load_config, server_name
 from apcctl.core import render
 from apcctl.core.manage import ManagedServer, ManageError, ServerSpec, build_spec, rebased
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 def register(main: click.Group, bench: click.Group) -> None:
     del bench
     main.epilog = EXIT_CODES_HELP  # the codes hold for every server command, so 'apcctl --help' lists them
-    for command in (serve, stop, logs):
+    for command in (serve, stop):  # logs: commands.ops
         main.add_command(command)
 
 
@@ -304,52 +304,6 @@ def stop(targets: Targets, grace: float | None, as_json: bool) -> None:
                 click.echo(f"{r['server']}: {done}")
 
     for_each(targets, action, show)
-
-
-@click.command(epilog=EXIT_CODES_SHORT)
-@server_options()
-@click.option("--lines", "-n", type=click.IntRange(min=0), default=50, show_default=True,
-              help="Lines to show (-n is always a count, as in tail; the server is -s).")
-@click.option("--follow", "-f", is_flag=True, help="Keep printing what the server writes (Ctrl-C stops).")
-@json_option
-def logs(targets: list[Target], lines: int, follow: bool, as_json: bool) -> None:
-    """Show a managed server's log (uvicorn, the overlay and the apc_lineage lines).
-
-    The server rotates server.log while it runs (APC_LOG_MAX_BYTES, 64 MiB; APC_LOG_BACKUPS, 4
-    old files); --follow reads on across a rotation.
-    """
-    target = one(targets)
-    with talking_to(target):
-        server = managed(target)
-    if not server.log_path.exists():
-        raise CommandError(f"{target.name}: no log at {server.log_path} (a --foreground server writes to its "
-                           "terminal or supervisor)", ExitStatus.NOT_FOUND)
-    tail = server.log_tail(lines)
-    if as_json:  # {"server", "log", "line"} per line, as every --follow stream prints
-        for line in tail.splitlines():
-            render.emit_json_line({"server": target.name, "log": str(server.log_path), "line": line})
-    elif tail:
-        click.echo(tail)
-    if follow:
-        _follow(server.log_path, target.name if as_json else None)
-
-
-def _follow(path: Path, json_server: str | None = None, poll_s: float = 0.25) -> None:
-    """``tail -F``: print what is appended, also across rotations (Ctrl-C stops); with
-    ``json_server``, one JSON object per whole line."""
-    partial = ""
-
-    def as_lines(chunk: bytes) -> None:
-        nonlocal partial
-        *done, partial = (partial + chunk.decode("utf-8", errors="replace")).split("\n")
-        for line in done:
-            render.emit_json_line({"server": json_server, "log": str(path), "line": line})
-
-    write = as_lines if json_server else (lambda chunk: click.echo(chunk.decode("utf-8", errors="replace"), nl=False))
-    try:
-        follow_file(path, write, poll_s=poll_s)
-    except KeyboardInterrupt:
-        pass
 
 
 def follow_file(path: Path, write: Callable[[bytes], None], *, poll_s: float = 0.25,

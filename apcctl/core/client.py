@@ -23,10 +23,22 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+# The most an answer may weigh: a server sending more is broken or hostile, and the CLI must not
+# hold it all in memory (the largest real answer, 200 requests or a big cache's entries, is a few MiB).
+MAX_ANSWER_BYTES = 64 << 20
+MAX_ERROR_BYTES = 64 << 10  # an error's body: only its message is read
+
+
 class AdminError(RuntimeError):
-    """An admin call failed; ``status`` is the HTTP status, or 0 when the server is unreachable."""
+    """An admin call failed; ``status`` is the HTTP status, or 0 when the server is unreachable.
+
+    ``message`` may quote the server: escape sequences and control characters are removed
+    (``sanitize.printable``), so a hostile answer cannot retitle or clear the terminal."""
 
     def __init__(self, status: int, message: str) -> None:
+        from apcctl.core.sanitize import printable
+
+        message = printable(message)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -64,27 +76,42 @@ class AdminClient:
         import httpx  # (loaded by the first call: a command's --help never pays for it)
 
         params = {k: v for k, v in (query or {}).items() if v is not None}
+        what = f"{method} {path}"
         try:
-            response = httpx.request(method, self.base_url.rstrip("/") + path, params=params, json=body,
-                                     headers=self._headers(auth), timeout=timeout or self.timeout)
+            with httpx.stream(method, self.base_url.rstrip("/") + path, params=params, json=body,
+                              headers=self._headers(auth), timeout=timeout or self.timeout) as response:
+                if response.is_error:
+                    raw = _capped(response, MAX_ERROR_BYTES, what, truncate=True)
+                    raise AdminError(response.status_code, _error_message(response.status_code, raw))
+                raw = _capped(response, MAX_ANSWER_BYTES, what)
+                content_type = response.headers.get("Content-Type", "")
         except httpx.TransportError as exc:
             raise AdminError(0, f"cannot reach {self.base_url}: {_reason(exc)}") from None
-        if response.is_error:
-            raise AdminError(response.status_code, _error_message(response.status_code, response.content))
-        if "json" in response.headers.get("Content-Type", ""):
-            return response.json()
-        return response.text
+        if "json" in content_type:
+            return parsed_json(raw, what)
+        return raw.decode("utf-8", errors="replace")
 
-    def _answer(self, kind: "type[T]", method: str, path: str, body: Any = None, **kwargs: Any) -> T:
-        """``path``'s answer parsed as ``kind`` (a ``schema.Answer``)."""
+    def _answer(self, kind: "type[T]", method: str, path: str, body: Any = None, *,
+                expect: dict[str, Any] | None = None, **kwargs: Any) -> T:
+        """``path``'s answer parsed as ``kind`` (a ``schema.Answer``); ``expect``: fields the
+        answer must carry with these values (a write's proof that it happened: an answer that
+        only fits the shape, ``{}``, is not a success)."""
         from server_patch.admin.schema import SchemaError
 
         answer = self._request(method, path, body, **kwargs)
+        wrong = [k for k, v in (expect or {}).items() if not isinstance(answer, dict) or answer.get(k, ...) is not v]
+        if wrong:
+            raise AnswerMismatch(200, f"{method} {path}: the server's answer does not say "
+                                      + ", ".join(f"{k} = {json.dumps(expect[k])}" for k in wrong)  # type: ignore[index]
+                                      + " (a broken server, or not this apcctl's?)")
         try:
             return kind.from_json(answer)  # type: ignore[attr-defined]
         except SchemaError as exc:
             raise AnswerMismatch(200, f"{method} {path}: the server's answer does not fit this apcctl: {exc} "
                                       "(are apcctl and the server the same version?)") from None
+        except (TypeError, ValueError, AttributeError, RecursionError) as exc:  # a shape no field expects
+            raise AnswerMismatch(200, f"{method} {path}: the server's answer does not fit this apcctl: "
+                                      f"{type(exc).__name__}: {exc}") from None
 
     def _headers(self, auth: bool = True) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if auth and self.token else {}
@@ -134,11 +161,15 @@ class AdminClient:
             with httpx.stream("GET", url, params={"since": int(since)}, headers=headers,
                               timeout=timeout or 30) as response:
                 if response.is_error:
-                    raise AdminError(response.status_code, _error_message(response.status_code, response.read()))
+                    raw = _capped(response, MAX_ERROR_BYTES, "GET /admin/events", truncate=True)
+                    raise AdminError(response.status_code, _error_message(response.status_code, raw))
                 for sse in EventSource(_Stoppable(response, stop)).iter_sse():
                     self.last_event_id, self.retry_ms = sse.id or self.last_event_id, sse.retry or self.retry_ms
                     if sse.data:
-                        yield sse.event or "message", json.loads(sse.data)
+                        data = parsed_json(sse.data.encode(), f"GET /admin/events ({sse.event or 'message'})")
+                        if not isinstance(data, dict):
+                            raise AnswerMismatch(200, "GET /admin/events: an event's data is not a JSON object")
+                        yield sse.event or "message", data
         except httpx.TransportError as exc:
             raise AdminError(0, f"cannot reach {self.base_url}: {_reason(exc)}") from None
 
@@ -162,8 +193,11 @@ class AdminClient:
     def unpin(self, entry_id: str) -> "S.EntryInfo":
         return self._answer(_schema().EntryInfo, "POST", f"/admin/anchors/{_quoted(entry_id)}/unpin")
 
-    def evict(self, entry_id: str) -> "S.Evicted":
-        return self._answer(_schema().Evicted, "DELETE", f"/admin/entries/{_quoted(entry_id)}")
+    def evict(self, entry_id: str, reason: str | None = None) -> "S.Evicted":
+        """``reason``: who asks, for the events and the journal (``operator`` by default; apcctl
+        restart's probe says ``restart probe``, so ``report`` does not count it as an operator's)."""
+        return self._answer(_schema().Evicted, "DELETE", f"/admin/entries/{_quoted(entry_id)}",
+                            query={"reason": reason})
 
     def new_anchor(self, system: str, tools: list[dict] | None = None, tenant: str | None = None,
                    timeout: float = 600) -> "S.NewAnchor":
@@ -175,10 +209,11 @@ class AdminClient:
         return self._answer(_schema().FlushReport, "POST", "/admin/flush", {"timeout": timeout}, timeout=timeout + 10)
 
     def drain(self, retry_after: int = 5) -> "S.Traffic":
-        return self._answer(_schema().Traffic, "POST", "/admin/drain", {"retry_after": retry_after})
+        return self._answer(_schema().Traffic, "POST", "/admin/drain", {"retry_after": retry_after},
+                            expect={"draining": True})
 
     def undrain(self) -> "S.Traffic":
-        return self._answer(_schema().Traffic, "POST", "/admin/undrain")
+        return self._answer(_schema().Traffic, "POST", "/admin/undrain", expect={"draining": False})
 
     def model(self) -> "S.ModelInfo":
         """The served model (and its names), the loaded one, the open lineage runtimes."""
@@ -221,9 +256,15 @@ class _Stoppable:
         self.response, self.stop, self.headers = response, stop, response.headers
 
     def iter_text(self) -> Iterator[str]:
+        unbroken = 0  # characters since the last line break: one event's line may not grow unbounded
         for text in self.response.iter_text():
             if self.stop is not None and self.stop.is_set():
                 return
+            cut = max(text.rfind("\n"), text.rfind("\r"))
+            unbroken = len(text) - cut - 1 if cut >= 0 else unbroken + len(text)
+            if unbroken > MAX_ANSWER_BYTES:
+                raise AnswerMismatch(200, f"GET /admin/events: a line of the stream is longer than "
+                                          f"{MAX_ANSWER_BYTES:,} characters")
             yield text
 
 
@@ -232,14 +273,50 @@ def _reason(exc: Exception) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _error_message(status: int, raw: bytes) -> str:
+def _capped(response: Any, limit: int, what: str, *, truncate: bool = False) -> bytes:
+    """The body, read as it comes, up to ``limit`` bytes: past it, the rest is dropped
+    (``truncate``: an error's message is in its start) or the answer refused."""
+    chunks, size = [], 0
+    for chunk in response.iter_bytes():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            if truncate:
+                return b"".join(chunks)[:limit]
+            raise AnswerMismatch(200, f"{what}: the server's answer is larger than {limit:,} bytes (a broken "
+                                      "or hostile server?)")
+    return b"".join(chunks)
+
+
+def parsed_json(raw: bytes, what: str) -> Any:
+    """``raw`` as JSON, or ``AnswerMismatch``: malformed JSON and JSON nested deeper than Python
+    parses (``RecursionError``) say so instead of a traceback."""
     try:
-        body = json.loads(raw or b"{}")
-    except ValueError:
+        return json.loads(raw)
+    except RecursionError:
+        raise AnswerMismatch(200, f"{what}: the server's answer is nested too deeply to be an answer") from None
+    except ValueError as exc:
+        raise AnswerMismatch(200, f"{what}: the server's answer is not JSON ({exc})") from None
+
+
+def _error_message(status: int, raw: bytes) -> str:
+    """``HTTP 404: <the server's message>``; only the status when the body is no JSON message."""
+    try:
+        return _message_of(status, json.loads(raw or b"{}"))
+    except (ValueError, RecursionError):
         return f"HTTP {status}"
+
+
+def _message_of(status: int, body: Any) -> str:
     detail = body.get("detail", body.get("error", body)) if isinstance(body, dict) else body
     if isinstance(detail, dict):
         detail = detail.get("message", detail)
     if isinstance(detail, list):  # FastAPI validation errors
-        detail = "; ".join(f"{'.'.join(str(p) for p in d.get('loc', []))}: {d.get('msg')}" for d in detail)
-    return f"HTTP {status}: {detail}"
+        detail = "; ".join(f"{'.'.join(str(p) for p in d.get('loc') or [])}: {d.get('msg')}"
+                           if isinstance(d, dict) and isinstance(d.get("loc") or [], list) else str(d)
+                           for d in detail)
+    text = str(detail)
+    return f"HTTP {status}: {text[:MAX_MESSAGE_CHARS]}" + (" [...]" if len(text) > MAX_MESSAGE_CHARS else "")
+
+
+MAX_MESSAGE_CHARS = 2000  # a server's error message, as the CLI prints it

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from typing import Any, Iterable, Mapping, Sequence, TextIO
@@ -15,17 +14,11 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
+from apcctl.core.sanitize import printable, printable_lines  # noqa: F401  (render.printable: the one cleaner)
+
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 PIPE_WIDTH = 240
-# Terminal escape sequences whole (CSI ``ESC [ ... final``; OSC, DCS, PM, APC and SOS strings up to
-# their terminator, or to the end when there is none), in 7- and 8-bit form; then any C0, DEL or
-# C1 control left, and the bidirectional overrides that reorder what a terminal shows.
-_ESCAPES = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]?"
-                      r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f]).*?(?:\x07|\x1b\\|\x9c|$)"
-                      r"|\x1b[ -~]?", re.DOTALL)
-_CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-_LINE_BREAKS = re.compile(r"[\t\n\r\x0b\x0c\x85\u2028\u2029]+")  # one row stays one line: a space
 
 
 def human_bytes(n: float | None) -> str:
@@ -38,6 +31,14 @@ def human_bytes(n: float | None) -> str:
             return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def anchors_line(b: Any) -> str:
+    """Pinned anchors wherever they are, against the cap, and what they hold in RAM (a ``Budgets``):
+    ``2 / 8 pinned (2 only on disk), 0 B / 1.0 GiB in RAM`` after a restart, as ``anchors list`` shows."""
+    on_disk = f" ({b.pinned_on_disk} only on disk)" if b.pinned_on_disk else ""
+    return (f"{b.pinned} / {b.anchor_count_limit} pinned{on_disk}, "
+            f"{human_bytes(b.anchor_bytes)} / {human_bytes(b.anchor_bytes_limit)} in RAM")
 
 
 def human_duration(seconds: float | None) -> str:
@@ -73,16 +74,6 @@ def percent(part: float, whole: float) -> str:
 
 def ms(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
-
-
-def printable(value: Any) -> str:
-    """``value`` as text a terminal shows as it is: escape sequences and control characters removed.
-
-    Labels come from clients (an anchor's label is the start of a system prompt): printed raw, an
-    ``ESC[2J`` would clear the screen and an OSC string retitle the window. Every table cell and
-    every client-derived string the CLI and the dashboard print goes through here.
-    """
-    return _CONTROLS.sub("", _LINE_BREAKS.sub(" ", _ESCAPES.sub("", str(value))))
 
 
 def restore_label(record: dict[str, Any]) -> str:

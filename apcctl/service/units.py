@@ -33,6 +33,9 @@ LABEL_PREFIX = "com.apcctl."
 UNIT_PREFIX = "apcctl-"
 SERVICE_LOG = "service.log"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# C0 and C1 controls and DEL: a newline in a value would start a new directive of the unit
+# (``ExecStartPre=...``) and end a plist string early for a reader that splits lines.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class ServiceConfigError(ValueError):
@@ -56,6 +59,17 @@ class ServiceSpec:
         if not _NAME.match(self.name):
             raise ServiceConfigError(f"server name {self.name!r} cannot name a service: use letters, digits, "
                                      "'.', '_' and '-'")
+        for what, value in self._written():
+            if _CONTROL.search(value):
+                raise ServiceConfigError(f"{what} {value!r} has a control character (a newline, a tab...), which "
+                                         "cannot be written into a service file: remove it")
+
+    def _written(self) -> list[tuple[str, str]]:
+        """Every text the plist or unit holds, with what to call it in an error."""
+        return [*(("argument", a) for a in self.argv),
+                *(item for k, v in self.env.items() for item in (("environment name", k), (f"{k}=", v))),
+                ("working directory", str(self.working_dir)), ("log path", str(self.log_path)),
+                ("health URL", self.health_url)]
 
     @property
     def stop_timeout(self) -> int:
