@@ -14,9 +14,10 @@ from apcctl.commands.common import (EXIT_CODES_HELP, EXIT_CODES_SHORT, CommandEr
                                     for_each, json_option, managed, server_options)
 from apcctl.config import DEFAULT_HOST, DEFAULT_PORT, ConfigError, Target, load_config, server_name
 from apcctl.core import render
-from apcctl.core.manage import ManagedServer, ManageError, ServerSpec, build_spec, rebased
+from apcctl.core.manage import (ENV_PREFIXES, SERVER_OWN_ENV, ManagedServer, ManageError, ServerSpec, build_spec,
+                                rebased)
 from apcctl.core.model_source import model_problem, weights_problem
-from apcctl.core.respec import Changes, difference, override_notes, respec
+from apcctl.core.respec import Changes, difference, override_notes, respec, shown
 from apcctl.service.record import read_record
 
 if TYPE_CHECKING:
@@ -201,11 +202,19 @@ def recorded_start(name: str | None, model: str | None, port: int | None, host: 
     if old is None or server.pid() is not None:
         return None
     table = config.servers.get(server.name)
-    changes = Changes(config_env=table.budget_environment() if table else {}, env=_env(env_pairs), model=model)
+    asked = _env(env_pairs)
+    # This shell's variables apply where the record has none (as at a first start); a recorded
+    # value wins over the shell's (-e changes it), and the plan says so.
+    shell = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) and k not in SERVER_OWN_ENV}
+    changes = Changes(config_env=table.budget_environment() if table else {},
+                      env={**{k: v for k, v in shell.items() if k not in old.env}, **asked}, model=model)
     new = rebased(respec(old, changes), port=port, host=host, disk_path=disk_path, extra_args=server_args)
     if (problem := model_problem(new.model)) is not None:
         raise click.UsageError(problem)
     notes = [f"note: {note}".replace("restart -e", "serve -e") for note in override_notes(new, changes, config.path)]
+    notes += [f"note: {k}={shown(k, v)} in this shell is not used: the recorded command has {k}="
+              f"{shown(k, new.env[k])} (serve -e {k}=... to change it)"
+              for k, v in sorted(shell.items()) if k in new.env and new.env[k] != v and k not in asked]
     return new, server, difference(old, new) + notes
 
 

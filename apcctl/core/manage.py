@@ -42,6 +42,8 @@ LOG_ROTATE_BYTES = LOG_MAX_BYTES  # the server rotates server.log while it runs 
 # Variables a server depends on, kept in server.json so a restart reproduces them.
 ENV_PREFIXES = ("APC_", "HF_", "MLX_")
 DEFAULT_ENV = {"APC_ENABLED": "1", "PYTHONUNBUFFERED": "1"}
+# Set by ``build_spec`` for each server, whatever the shell says (its own state directory).
+SERVER_OWN_ENV = ("APC_STATE_DIR",)
 LAUNCHER = ("-m", "server_patch.launch")
 # A systemd Type=notify unit sets NOTIFY_SOCKET; the readiness check beside the server sends READY=1 there.
 NOTIFY_SOCKET = "NOTIFY_SOCKET"
@@ -151,7 +153,7 @@ def build_spec(name: str, *, model: str, port: int, host: str = "127.0.0.1", ext
     environment = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
     for key, value in DEFAULT_ENV.items():
         environment.setdefault(key, value)
-    environment["APC_STATE_DIR"] = str(directory)
+    environment.update({key: str(directory) for key in SERVER_OWN_ENV})
     if disk_path is not None:
         environment["APC_LINEAGE_DISK_PATH"] = str(Path(disk_path).expanduser().resolve())
     else:

@@ -151,6 +151,29 @@ def test_the_demo_sizes_its_ram_budget_to_the_machine(monkeypatch: pytest.Monkey
     assert demo_budget() == {}  # the shell's choice stands
 
 
+def test_a_recorded_start_takes_new_shell_variables_and_names_the_ones_it_does_not(
+        cli_env: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 2, without a process: what ``serve --server NAME`` would start for a stopped server."""
+    from apcctl.commands.serve import recorded_start
+
+    recorded("shell", tiny_model_dir, APC_LINEAGE_ANCHOR_MAX_ENTRIES="3")
+    monkeypatch.setenv("APC_LINEAGE_ANCHOR_MAX_ENTRIES", "9")  # the record's -e value wins, said so
+    monkeypatch.setenv("APC_CANARY_CHUNK", "64")  # the record has none: it applies, as at a first start
+    found = recorded_start("shell", None, None, None, None, (), None, None)
+    assert found is not None
+    spec, _, lines = found
+    assert spec.env["APC_LINEAGE_ANCHOR_MAX_ENTRIES"] == "3" and spec.env["APC_CANARY_CHUNK"] == "64"
+    assert "APC_CANARY_CHUNK: (unset) -> 64" in lines
+    assert ("note: APC_LINEAGE_ANCHOR_MAX_ENTRIES=9 in this shell is not used: the recorded command has "
+            "APC_LINEAGE_ANCHOR_MAX_ENTRIES=3 (serve -e APC_LINEAGE_ANCHOR_MAX_ENTRIES=... to change it)") in lines
+    again = recorded_start("shell", None, None, None, None, ("APC_LINEAGE_ANCHOR_MAX_ENTRIES=9",), None,
+                           ("--max-kv-size", "64"))
+    assert again is not None
+    spec, _, lines = again
+    assert spec.env["APC_LINEAGE_ANCHOR_MAX_ENTRIES"] == "9" and spec.argv[-2:] == ["--max-kv-size", "64"]
+    assert not any(line.startswith("note:") for line in lines)
+
+
 # ---------------------------------------------------------------------- real servers
 
 
