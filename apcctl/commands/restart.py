@@ -16,6 +16,7 @@ from apcctl.core.model_source import model_problem, weights_problem
 from apcctl.core.respec import Changes, Respecified, override_notes, respec
 from apcctl.core.restart import SUPERVISORS, Phase, RestartStep, rolling_restart
 from apcctl.core.roll import restart_targets
+from server_patch import settings as registry
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -172,6 +173,9 @@ def respecified(targets: Targets, supervisor: str | None,
         if new != spec:
             spec_sizing(new)  # a bad value is a usage error now, not a server that exits at start
             out.append(Respecified(spec.name, spec, new))
+        elif bad := registry.problems(new.env):  # recorded before serve checked: fix it with -e
+            raise click.UsageError(f"{spec.name}: in the recorded command, " + "; ".join(bad)
+                                   + ": give a valid value with restart -e KEY=VALUE")
         notes += [(spec.name, note) for note in override_notes(new, changes, config.path)]
     return out, notes
 

@@ -72,6 +72,11 @@ def test_a_value_the_server_cannot_read_is_refused_by_serve_and_by_the_restart_p
     assert "APC_JOURNAL_MAX_BYTE is not a setting (did you mean APC_JOURNAL_MAX_BYTES?)" in typo
     assert f"change {JOURNAL_MAX}: (unset) -> 64M" in run("restart", "--server", "planned", "--dry-run",
                                                            "-e", f"{JOURNAL_MAX}=64M").output
+    recorded("bad-record", tiny_model_dir, **{JOURNAL_MAX: "64Q"})  # started before serve checked values
+    kept = run("restart", "--server", "bad-record", "--dry-run", code=ExitStatus.USAGE).output
+    assert f"bad-record: in the recorded command, {JOURNAL_MAX}='64Q' is not a size" in kept
+    assert "restart -e KEY=VALUE" in kept
+    run("restart", "--server", "bad-record", "--dry-run", "-e", f"{JOURNAL_MAX}=64M")
 
 
 # ---------------------------------------------------------------------- item 1: what the config does not change
