@@ -7,15 +7,20 @@ import click
 
 from apcctl.commands import LazyGroup
 from apcctl.commands.codes import EXIT_CODES_HELP
+from apcctl.commands.complete import SuggestingGroup
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_HELP)
+class Group(SuggestingGroup, LazyGroup):
+    """Commands imported on first use, and a mistyped one answered with the closest names."""
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_HELP)
 @click.version_option(package_name="apcctl")
 def main() -> None:
     """Run and inspect the lineage prompt cache of a patched mlx-vlm server."""
 
 
-@main.group(cls=LazyGroup)
+@main.group(cls=Group)
 def bench() -> None:
     """Benchmarks that print ratios measured side by side in one run."""
 

@@ -9,6 +9,7 @@ import click
 
 from apcctl.commands.common import (EXIT_CODES_SHORT, Targets, for_each, full_id, json_option, one, server_options,
                                     talking_to)
+from apcctl.commands.complete import entry_ids
 from apcctl.commands.entries import show_entries
 from apcctl.config import Target
 from apcctl.core import render
@@ -44,7 +45,7 @@ def _verb(name: str, call: Callable[[AdminClient, str], Any], done: str, help_te
     server's answer out."""
 
     @server_options()
-    @click.argument("entry_id")
+    @click.argument("entry_id", shell_complete=entry_ids)
     @json_option
     def command(targets: list[Target], entry_id: str, as_json: bool) -> None:
         target = one(targets)

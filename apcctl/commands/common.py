@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 import click
 
 from apcctl.commands.codes import EXIT_CODES_HELP, EXIT_CODES_SHORT, ExitStatus
+from apcctl.commands.complete import server_names
 from apcctl.config import ConfigError, Target, select
 from apcctl.core.client import AdminClient, AdminError
 from apcctl.core.manage import ManagedServer, ManageError
@@ -120,7 +121,7 @@ def server_options(*, allow_all: bool = False) -> Callable[[Callable[..., Any]],
 
 
 SERVER_OPTIONS = (
-    click.option("--server", "-s", envvar="APCCTL_SERVER", metavar="NAME|URL",
+    click.option("--server", "-s", envvar="APCCTL_SERVER", metavar="NAME|URL", shell_complete=server_names,
                  help="A server name (config file or apcctl serve) or a URL. [env: APCCTL_SERVER]"),
     click.option("--token", envvar="APCCTL_TOKEN", metavar="TOKEN",
                  help="Admin token (default: the config's token_file, then the server's token file). "
@@ -130,7 +131,25 @@ SERVER_OPTIONS = (
                  help="TOML config file (default: user config dir/apcctl/config.toml). [env: APCCTL_CONFIG]"),
 )
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON (stable shape, for scripts).")
+_OUTPUT_JSON = "apcctl_output_json"
+
+
+def _remember_output(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value == "json":
+        ctx.meta[_OUTPUT_JSON] = True
+
+
+def _json_or_output(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    # click handles the options given on the command line first, so -o json is known here
+    return bool(value or ctx.meta.get(_OUTPUT_JSON))
+
+
+def json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--json``, and ``-o json`` / ``--output json`` for kubectl's hands: both set ``as_json``."""
+    fn = click.option("--json", "as_json", is_flag=True, callback=_json_or_output,
+                      help="Print JSON (stable shape, for scripts).")(fn)
+    return click.option("--output", "-o", type=click.Choice(["json"]), expose_value=False, callback=_remember_output,
+                        metavar="json", help="-o json: the same as --json (kubectl's spelling).")(fn)
 
 
 def one(targets: list[Target]) -> Target:

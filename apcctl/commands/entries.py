@@ -8,6 +8,7 @@ import click
 
 from apcctl.commands.common import (EXIT_CODES_SHORT, Targets, emit_results, for_each, full_id, json_option,
                                     server_options, watch_option, watching)
+from apcctl.commands.complete import entry_ids
 from apcctl.config import Target
 from apcctl.core import render
 
@@ -55,7 +56,7 @@ def show_entries(targets: Targets, results: list[dict[str, Any]], *, as_json: bo
 
 @click.command(epilog=EXIT_CODES_SHORT)
 @server_options(allow_all=True)
-@click.argument("entry_id", required=False)
+@click.argument("entry_id", required=False, shell_complete=entry_ids)
 @click.option("--tier", type=click.Choice(["ram", "disk", "all"]), default="all", show_default=True)
 @click.option("--kind", type=click.Choice(["conversation", "anchor", "all"]), default="all", show_default=True)
 @click.option("--checkpoints", "-c", is_flag=True, help="A row per checkpoint under each entry.")

@@ -36,6 +36,8 @@ PRELOADS = {
 }
 ADAPTER_ENV = "MLX_VLM_PRELOAD_ADAPTER"
 SWITCH_HINT = "switching models needs the admin token: POST /admin/model"
+# What a client sending its own name for the model (``gpt-4o``, ``glm``) needs the server to say.
+NAME_HINT = "to let clients call it by another name, start the server with --served-model-name NAME"
 
 
 def normalise(name: Any) -> str | None:
@@ -76,8 +78,9 @@ class ModelNotServed(HTTPException):
 
     def __init__(self, requested: Any, served: list[str], param: str = "model") -> None:
         shown = ", ".join(repr(s) for s in served) if served else "no model of this kind"
+        hints = f"{NAME_HINT}; {SWITCH_HINT}" if param == "model" else SWITCH_HINT
         super().__init__(404, detail=f"The {param} {requested!r} does not exist on this server "
-                                     f"(it serves {shown}); {SWITCH_HINT}")
+                                     f"(it serves {shown}); {hints}")
         self.param = param
 
 

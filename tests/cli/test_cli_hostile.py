@@ -271,3 +271,66 @@ def test_the_unit_spec_refuses_every_control_character() -> None:
         with pytest.raises(ServiceConfigError, match="control character"):
             ServiceSpec(name="svc", argv=("python",), env={"APC_X": f"a{bad}b"})
     ServiceSpec(name="svc", argv=("python", "--model", "a b %s $HOME \"q\""))  # odd, yet printable: written quoted
+
+
+# ------------------------------------------------------------------ 36.19: completion, suggestions, -o json
+
+
+def completions(*words: str, incomplete: str = "") -> list[str]:
+    """What click's shell completion offers after ``apcctl WORDS`` (bash, zsh and fish ask the same)."""
+    from click.shell_completion import ShellComplete
+
+    return [item.value for item in ShellComplete(main, {}, "apcctl", "_APCCTL_COMPLETE")
+            .get_completions(list(words), incomplete)]
+
+
+BUDGETS = {"ram_used": 0, "ram_limit": 1, "conversation_bytes": 0, "anchor_bytes": 0, "anchor_bytes_limit": 1,
+           "anchor_count": 0, "anchor_count_limit": 1, "disk_used": 0, "disk_limit": 1, "entries": 2,
+           "disk_files": 0}
+
+
+def test_server_names_and_entry_ids_complete(isolated: Path, listener: Listener) -> None:
+    managed_at("main", listener.url, "managed-secret")
+    managed_at("mirror", "http://127.0.0.1:9", "other")
+    config = isolated / "apcctl.toml"
+    config.write_text('[servers.remote]\nurl = "http://10.0.0.7:8080"\n')
+    assert sorted(completions("status", "-s")) == ["main", "mirror"]
+    assert completions("status", "--config", str(config), "--server", incomplete="r") == ["remote"]
+    entry = {"kind": "conversation", "pinned": False, "length": 10, "bytes": 1}
+    listener.answers["/admin/entries"] = (200, "application/json", json.dumps(
+        {"entries": [{"id": "d3a1", **entry}, {"id": "d3b2", **entry}, {"id": "e9", **entry}],
+         "budgets": BUDGETS, "started": True}).encode())
+    assert completions("entries", "-s", "main", incomplete="d3") == ["d3a1", "d3b2"]
+    assert completions("anchors", "pin", "-s", "main", incomplete="e") == ["e9"]
+    assert listener.authorizations()[-1] == "Bearer managed-secret"
+    # A server that does not answer, or answers nonsense: nothing, and nothing printed.
+    assert completions("entries", "-s", "mirror", incomplete="d3") == []
+    listener.answers["/admin/entries"] = (200, "application/json", b"[[[")
+    assert completions("entries", "-s", "main", incomplete="d3") == []
+
+
+def test_a_mistyped_command_gets_a_suggestion(isolated: Path) -> None:
+    result = apcctl("statsu")
+    assert result.exit_code == ExitStatus.USAGE and "Did you mean 'status'" in result.output
+    result = apcctl("bench", "stal")
+    assert result.exit_code == ExitStatus.USAGE and "Did you mean 'stall'" in result.output
+    result = apcctl("qqqqqq")
+    assert result.exit_code == ExitStatus.USAGE and "No such command 'qqqqqq'" in result.output
+
+
+def test_dash_o_json_is_json(isolated: Path, listener: Listener) -> None:
+    listener.answers["/admin/drain"] = (200, "application/json", json.dumps(
+        {"in_flight": 1, "draining": True, "retry_after_s": 5}).encode())
+    for flag in (["-o", "json"], ["--output=json"], ["--json"]):
+        result = apcctl("drain", "--server", listener.url, "--token", "t", *flag)
+        assert result.exit_code == 0 and json.loads(result.stdout)["draining"] is True, result.output
+    plain = apcctl("drain", "--server", listener.url, "--token", "t")
+    assert plain.stdout.startswith("127.0.0.1") and "draining, 1 in flight" in plain.stdout
+    assert apcctl("drain", "--server", listener.url, "-o", "yaml").exit_code == ExitStatus.USAGE
+
+
+def test_the_model_not_found_error_names_served_model_name() -> None:
+    from server_patch.serving.served import ModelNotServed
+
+    assert "--served-model-name" in ModelNotServed("gpt-4o", ["/models/glm"]).detail
+    assert "--served-model-name" not in ModelNotServed("lora", ["no adapter"], "adapter_path").detail
