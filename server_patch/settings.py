@@ -126,6 +126,11 @@ _SCALARS: tuple[Setting, ...] = (
        "about a week of traffic.", "journal", "server_patch.integration.journal"),
     _s("APC_JOURNAL_SNAPSHOT_S", T.FLOAT, 60.0, "The least time between two budget snapshots in the journal "
        "(what a report draws bytes per tier from).", "journal", "server_patch.integration.journal"),
+    _s("APC_DRIFT", T.BOOL, True, "Name what the client changed in each prompt against the nearest earlier one "
+       "of its namespace (position, segment, cause; /admin and the journal only); 0 turns it off.", "journal",
+       "server_patch.drift.detector"),
+    _s("APC_DRIFT_TEXT", T.BOOL, True, "Keep a short decoded text diff around each divergence; 0 keeps the "
+       "cause and position without prompt text.", "journal", "server_patch.drift.detector"),
     _s("APC_LINEAGE_DISK", T.BOOL, True, "The disk tier: entries evicted from RAM are written to disk and "
        "restored from it, across restarts too; 0 keeps RAM only.", "disk", "server_patch.disk.paths"),
     _s("APC_DISK_LOAD_WAIT_MS", T.FLOAT, 30000.0, "How long a request whose restore point is on disk waits "
@@ -206,6 +211,10 @@ _SCALARS: tuple[Setting, ...] = (
     _s("APC_CANCEL_ON_DISCONNECT", T.BOOL, True, "Stop a request whose client disconnected, non-streamed "
        "ones too, at the next step (0: stock, a non-streamed request decodes to `max_tokens` unread).",
        "intake", "server_patch.intake.client_gone"),
+    _s("APC_DRAIN_STREAM_DEADLINE_S", T.FLOAT, 60.0, "A request still in flight this many seconds after a "
+       "drain began (`apcctl restart`) is ended: a stream gets a final SSE error (`drain_deadline`), a "
+       "request with no answer yet a 503, a client that cannot take it a closed connection; 0 waits for "
+       "every request.", "admin", "server_patch.admin.drain_deadline"),
     _s("APC_CANARY_INTERVAL_S", T.FLOAT, 0.0, "Seconds between scheduled restore checks while idle "
        "(0: only `apcctl verify`).", "canary", "server_patch.canary.runner"),
     _s("APC_CANARY_IDLE_S", T.FLOAT, 1.0, "Idle time after the last request before a check may run.",
