@@ -4,16 +4,20 @@ A request is in flight from its first byte until the last byte of its response b
 for streamed completions is the end of the stream: exactly what a restart must wait for.
 While draining, new inference requests get 503 with ``Retry-After`` (a websocket is closed
 with 1013, try again later, before its endpoint runs); admin, health and metrics routes keep
-answering so operators and supervisors can watch the drain.
+answering so operators and supervisors can watch the drain. A request still in flight
+``APC_DRAIN_STREAM_DEADLINE_S`` after the drain began is ended (``drain_deadline``), so one slow
+client cannot keep a restart from happening.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from typing import Any, Awaitable, Callable
 
 from server_patch import clock
+from server_patch.admin import drain_deadline
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -32,10 +36,30 @@ class Traffic:
         # uvicorn would wait for them forever and a stop would end in SIGKILL, skipping the flush.
         self.shutting_down = threading.Event()
         self.in_flight = 0
-        self.draining = False
+        self._draining = False
+        self._cut_at: float | None = None  # monotonic: requests still in flight then are ended
         self.retry_after = 5
         self.last_finished: float | None = None
         self.rejected = 0
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        """A drain that begins sets the deadline of what is in flight (a repeated drain keeps it)."""
+        with self._lock:
+            if value and not self._draining:
+                deadline = drain_deadline.deadline_s()
+                self._cut_at = None if deadline is None else clock.monotonic() + deadline
+            elif not value:
+                self._cut_at = None
+            self._draining = value
+
+    def cut_at(self) -> float | None:
+        """When requests still in flight are ended (None: no drain, or no deadline)."""
+        return self._cut_at
 
     def start(self) -> None:
         with self._lock:
@@ -90,10 +114,53 @@ class TrafficMiddleware:
                     self.traffic.finish()
 
         try:
-            await self.app(scope, receive, tracking_send)
+            if scope["type"] == "http":
+                await self._until_drain_deadline(scope, receive, tracking_send)
+            else:
+                await self.app(scope, receive, tracking_send)
         finally:
             if not finished:
                 self.traffic.finish()
+
+    async def _until_drain_deadline(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the app; past a drain's deadline, end its request (``drain_deadline``)."""
+        state = drain_deadline.ResponseState()
+        cut = asyncio.Event()
+
+        async def app_send(message: dict) -> None:
+            if cut.is_set():
+                return  # ended: the final words are the middleware's
+            state.saw(message)
+            await send(message)
+
+        async def app_receive() -> dict:
+            """The client's messages, and ``http.disconnect`` once the request is ended."""
+            if cut.is_set():
+                return {"type": "http.disconnect"}
+            message, ended = asyncio.ensure_future(receive()), asyncio.ensure_future(cut.wait())
+            await asyncio.wait({message, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if message.done():
+                ended.cancel()
+                return message.result()
+            message.cancel()
+            return {"type": "http.disconnect"}
+
+        app = asyncio.ensure_future(self.app(scope, app_receive, app_send))
+        deadline = asyncio.ensure_future(drain_deadline.passed(self.traffic.cut_at))
+        try:
+            await asyncio.wait({app, deadline}, return_when=asyncio.FIRST_COMPLETED)
+            if app.done():
+                app.result()  # the app's own exception, as before
+                return
+            cut.set()  # the app sees its client gone: the row is cancelled at its next step
+            await asyncio.wait({app}, timeout=drain_deadline.FINAL_WRITE_S)  # ... and may end itself
+            app.cancel()  # a send blocked on a full socket ends here
+            if not state.finished:
+                await drain_deadline.end(scope, send, state, drain_deadline.deadline_s() or 0.0)
+        finally:
+            deadline.cancel()
+            if not app.done():
+                app.cancel()
 
     async def _refuse_http(self, send: Send) -> None:
         body = json.dumps({"error": {"message": DRAINING_MESSAGE, "type": "server_draining"}}).encode()
