@@ -206,7 +206,8 @@ _SCALARS: tuple[Setting, ...] = (
        "(local paths, `file://`; vLLM's `--allowed-local-media-path`). Unset: no local file is read (stock "
        "reads any).", "intake", "server_patch.intake.media", default_text="unset: no local files"),
     _s("APC_METRICS_PUBLIC", T.BOOL, False, "Answer mlx-vlm's `GET /metrics` in full to anyone, as stock "
-       "does; 0 keeps its per-request records (`latest`, `recent`, `last_error`) for the admin token.",
+       "does; 0 keeps its per-request records (`latest`, `recent`, `last_error`) for the admin token, "
+       "and with API keys all of it (its totals cover every key).",
        "intake", "server_patch.intake.metrics_view"),
     _s("APC_CANCEL_ON_DISCONNECT", T.BOOL, True, "Stop a request whose client disconnected, non-streamed "
        "ones too, at the next step (0: stock, a non-streamed request decodes to `max_tokens` unread).",

@@ -5,6 +5,11 @@ and the 32 most recent requests: each one's prompt size, reply size and timings,
 error's text. Without the admin token the patched server keeps the aggregates (``summary``
 less ``last_error``, ``server``) that monitoring reads; the per-request view is the token's
 (here, or ``/admin/requests``). ``APC_METRICS_PUBLIC=1`` answers everyone in full, as stock does.
+
+With API keys (``--api-key``) even the aggregates are the admin token's: their totals (requests,
+prompt sizes, times) cover every key, so one key holder polling them learns what the others
+send. A key gets 403 JSON there; the operator's monitoring uses the admin token (or
+``/admin/metrics``). Keys and ``APC_METRICS_PUBLIC=1`` together answer everyone, as asked.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from server_patch.admin.auth import token_matches
 
 ENV = "APC_METRICS_PUBLIC"
 PER_REQUEST = ("latest", "recent")
+KEYED_MESSAGE = "with API keys, /metrics needs the admin token: its totals cover every key"
 
 
 def public() -> bool:
@@ -28,6 +34,10 @@ def metrics_view(request: Any, payload: dict[str, Any]) -> dict[str, Any]:
     token = getattr(request.app.state, "apc_admin_token", None)
     if public() or (token and token_matches(token, request.headers.get("authorization"))):
         return payload
+    if getattr(request.app.state, "apc_api_keys_on", False):
+        from fastapi import HTTPException
+
+        raise HTTPException(403, detail=KEYED_MESSAGE)
     view = {key: value for key, value in payload.items() if key not in PER_REQUEST}
     if isinstance(view.get("summary"), dict):
         view["summary"] = {key: value for key, value in view["summary"].items() if key != "last_error"}

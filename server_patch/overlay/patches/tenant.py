@@ -99,6 +99,7 @@ def install(app: Any) -> None:
     except ValueError as exc:
         raise SystemExit(f"server_patch: {exc}") from None
     app.add_middleware(RequestNamespace, api_keys=api_keys, from_user=on)
+    app.state.apc_api_keys_on = api_keys is not None  # /metrics' totals are then the admin token's
 
 
 def parsed(body: bytes | None) -> dict[str, Any] | None:
