@@ -87,10 +87,12 @@ class StaticFleetSource:
 
 
 class LiveFleetSource:
-    """A running fleet: its gateway and its servers (name and admin client each), asked in parallel."""
+    """A running fleet: its gateway and its servers (name and admin client each), asked in parallel.
+    ``key``: the gateway's control-plane key (``GatewayProcess.key``), without which smg lists nothing."""
 
-    def __init__(self, gateway: str, policy: str, members: Sequence[tuple[str, AdminClient]]) -> None:
-        self.gateway = GatewayClient(gateway, None, timeout=5.0)
+    def __init__(self, gateway: str, policy: str, members: Sequence[tuple[str, AdminClient]],
+                 key: str | None = None) -> None:
+        self.gateway = GatewayClient(gateway, key, timeout=5.0)
         self.policy = policy
         self.members = list(members)
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.members) + 1), thread_name_prefix="apcctl-fleet")

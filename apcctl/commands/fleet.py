@@ -16,7 +16,7 @@ from apcctl.commands.common import EXIT_CODES_SHORT, CommandError, ExitStatus, j
 from apcctl.config import ConfigError, load_config
 from apcctl.core import render
 from apcctl.core.fleet_state import DEFAULT_FLEET, FleetMember, FleetSpec, FleetState
-from apcctl.core.gateway import DEFAULT_POLICY, POLICIES, GatewayClient, GatewayError, GatewaySpec, smg_executable
+from apcctl.core.gateway import DEFAULT_POLICY, POLICIES, GatewayError, GatewaySpec, require_smg
 from apcctl.core.hosts import free_port
 from apcctl.core.manage import ServerSpec
 from apcctl.fleet.config import DEFAULT_GATEWAY_PORT, FleetConfig, load_fleet
@@ -112,7 +112,7 @@ def fleet_up(fleet_name: str | None, count: int | None, model: str | None, port:
                            f"apcctl fleet down --name {spec.name}")
     _check_ports(spec.gateway, server_specs)
     try:
-        smg_executable()  # before any server starts
+        require_smg()  # before any server starts
         workers = up(state, spec, server_specs, timeout=timeout,
                      on_progress=lambda line: click.echo(f"{spec.name}: {line}", err=True))
     except (FleetError, GatewayError) as exc:
@@ -223,7 +223,10 @@ def fleet_down(fleet_name: str | None, grace: float, config_path: Path | None, a
 @config_option
 @json_option
 def fleet_status_command(fleet_name: str | None, config_path: Path | None, as_json: bool) -> None:
-    """The gateway's view of each worker (smg GET /workers) beside the server's own /admin/status."""
+    """The gateway's view of each worker (smg GET /workers) beside the server's own /admin/status.
+
+    A worker the fleet did not start (added to the gateway by someone else) is flagged: smg sends
+    clients' prompts to it like to the fleet's own servers."""
     state = _existing(fleet_name, config_path)
     view = fleet_status(state, config_path)
     if as_json:
@@ -236,17 +239,32 @@ def fleet_status_command(fleet_name: str | None, config_path: Path | None, as_js
         render.console().print(render.table(
             ["server", "url", "gateway", "load", "in flight", "draining", "requests", "hit rate", "token reuse"],
             [_row(r) for r in view["workers"]], numeric=("load", "in flight", "requests", "hit rate", "token reuse")))
+        for note in _notes(view):
+            click.echo(note, err=True)
     if not view["gateway"].get("reachable"):
         raise click.exceptions.Exit(int(ExitStatus.UNREACHABLE))
 
 
+FOREIGN = "NOT OURS"  # the server cell of a gateway worker the fleet did not start
+
+
 def _row(r: dict[str, Any]) -> list[str]:
+    """One row, every cell a short word or number (why a server is unreachable goes below the
+    table, so a long error does not wrap one cell over several lines)."""
     g, s, state = r["gateway"] or {}, r["status"], r["state"]
+    server = (r["server"] or "-") if r.get("in_fleet", True) else FOREIGN
     if not s.get("reachable"):
-        return [r["server"] or "-", r["url"], state, str(g.get("load", "-")), "-", "-", "-", "-",
-                f"unreachable: {s.get('error')}"]
-    return [r["server"] or "-", r["url"], state, str(g.get("load", "-")), str(s["in_flight"]),
+        return [server, r["url"], state, str(g.get("load", "-")), "-", "-", "-", "-", "unreachable"]
+    return [server, r["url"], state, str(g.get("load", "-")), str(s["in_flight"]),
             "yes" if s["draining"] else "no", str(s["requests"]), _pct(s["hit_rate"]), _pct(s["token_hit_rate"])]
+
+
+def _notes(view: dict[str, Any]) -> list[str]:
+    notes = [f"{r['server'] or r['url']}: unreachable: {r['status'].get('error')}"
+             for r in view["workers"] if not r["status"].get("reachable")]
+    notes += [f"warning: the gateway routes to {url}, a worker this fleet did not start (someone with the "
+              f"control-plane key added it); prompts sent to the gateway can reach it" for url in view["foreign_workers"]]
+    return notes
 
 
 def _pct(value: float | None) -> str:
@@ -347,7 +365,7 @@ def fleet_restart_command(fleet_name: str | None, timeout: float, grace: float |
     def progress(step: RestartStep) -> None:
         click.echo(f"{step.server}: {step.phase} {step.message}".rstrip(), err=True)
 
-    gateway = GatewayClient(spec.gateway.url, None, timeout=10.0)
+    gateway = state.gateway.client(spec.gateway.url, timeout=10.0)
     result = fleet_restart(gateway, targets, on_progress=progress, timeout=timeout, grace=grace, force=force)
     if as_json:
         render.emit_json({"fleet": state.name, **result.as_dict()})
@@ -413,6 +431,7 @@ def open_fleet_dashboard(fleet_name: str | None, shown: str | None, *, read_only
     chosen = [t for t in targets if t.name == shown] if shown else targets[:1]
     if not chosen:
         raise click.UsageError(f"not a server of fleet {state.name!r}: {shown}")
-    fleet_source = LiveFleetSource(spec.gateway.url, spec.gateway.policy, [(t.name, t.client()) for t in targets])
+    fleet_source = LiveFleetSource(spec.gateway.url, spec.gateway.policy, [(t.name, t.client()) for t in targets],
+                                   state.gateway.key())
     run_dashboard(chosen[0].client(), read_only=read_only, restart_targets=targets, refresh_s=interval,
                   fleet=fleet_source)

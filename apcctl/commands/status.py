@@ -33,8 +33,25 @@ def process_info(target: Target, pid: int | None) -> dict[str, Any] | None:
     return asdict(sample) if sample is not None else None
 
 
-def collect(target: Target) -> dict[str, Any]:
-    body = target.client().status()
+def stopped(target: Target) -> bool:
+    """A managed server stopped on purpose (``apcctl stop``, ``fleet down``): it ran (it has a log)
+    and its PID file was removed by the stop. A crash leaves the PID file; a server recorded but
+    never started has no log: both stay errors."""
+    managed = target.managed
+    return managed is not None and not managed.pid_path.exists() and managed.log_path.exists()
+
+
+def collect(target: Target, listing: bool = False) -> dict[str, Any]:
+    """``listing`` (``--all``): a server stopped on purpose is a ``stopped`` row, not an error (as
+    ``docker ps -a`` shows ``Exited``); asked for by name, it is still "not running" (exit 3)."""
+    from apcctl.core.client import AdminError
+
+    try:
+        body = target.client().status()
+    except AdminError as exc:
+        if listing and exc.status == 0 and stopped(target):
+            return {"server": target.name, "url": target.url, "managed": True, "state": "stopped"}
+        raise
     return {"server": target.name, "url": target.url, "managed": target.managed is not None, "status": body,
             "process": process_info(target, body.server.pid), "hits": body.hits,
             "canary": canary_state(target.client()) if body.started else None}
@@ -59,14 +76,19 @@ def status(targets: Targets, as_json: bool, watch: float | None) -> None:
         out = render.console()
         for result in results:
             title = f"[bold]{result['server']}[/] {result['url']}"
-            if "error" not in result:
+            if result.get("state") == "stopped":
+                rows = [("status", f"stopped (apcctl serve --server {result['server']} starts it again)")]
+                out.print(render.key_values(rows + ([_gateway_row(result["gateway"])] if result.get("gateway") else []),
+                                            title=title))
+                out.print()
+            elif "error" not in result:
                 out.print(render.key_values(_rows(result), title=title))
                 out.print()
             elif result.get("gateway"):  # the server does not answer: what its gateway does about it
                 out.print(render.key_values([("status", "unreachable"), _gateway_row(result["gateway"])], title=title))
                 out.print()
 
-    watching(watch, lambda: for_each(targets, collect, show), as_json=as_json)
+    watching(watch, lambda: for_each(targets, lambda t: collect(t, targets.many), show), as_json=as_json)
 
 
 def with_gateway(results: list[dict[str, Any]]) -> None:

@@ -1,8 +1,8 @@
 """What ``apcctl fleet up`` leaves in ``<state dir>/fleets/<name>/``, so ``down`` and ``status`` find it.
 
 ``fleet.json`` names the servers (each a managed server under ``<state dir>/servers/``, or a URL the
-fleet does not start) and the gateway's command; ``gateway.pid`` / ``gateway.log`` belong to the
-gateway process (``apcctl.core.gateway``).
+fleet does not start) and the gateway's command; ``gateway.pid`` / ``gateway.log`` and the 0600
+``control-plane.key`` belong to the gateway process (``apcctl.core.gateway``). The directory is 0700.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from apcctl.core.gateway import GatewayProcess, GatewaySpec
 from apcctl.core.manage import plain_name, write_private
 from server_patch.paths import state_dir
+from server_patch.private_files import private_dir
 
 SPEC_FILE = "fleet.json"
 DEFAULT_FLEET = "fleet"
@@ -66,7 +67,7 @@ class FleetState:
             return None
 
     def save(self, spec: FleetSpec) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(self.directory)  # 0700: it holds the gateway's control-plane key
         write_private(self.directory / SPEC_FILE, json.dumps(asdict(spec), indent=2))
 
 

@@ -1,14 +1,18 @@
 """The gateway process: ``smg launch`` in front of the servers, and its worker API (``GatewayClient``,
 and ``worker_state``: what the gateway does with one server, for status, the roll and the dashboard).
 
-smg is a Rust binary shipped in a wheel (``pip install 'apcctl[fleet]'``); it renames its process
-(``smg::router``), so it is known by PID and create time like a managed server, never by name.
+smg is a Rust router shipped in a wheel (``pip install 'apcctl[fleet]'``). The fleet runs it through
+``apcctl.fleet.launch``: smg on a private loopback port with a control-plane key, and the Host/Origin
+guard (``apcctl.fleet.guard``) on the gateway's public port, in one process known by PID and create
+time like a managed server, never by name. The key is made at each start, kept 0600 beside the PID
+file, and sent by every ``GatewayClient`` the fleet's commands make (``GatewayProcess.client``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import shutil
+import secrets
 import subprocess
 import sys
 import time
@@ -21,8 +25,9 @@ import psutil
 
 from apcctl.core.client import AdminClient, AdminError
 from apcctl.core.hosts import free_port
+from server_patch.private_files import private_dir
 from apcctl.core.manage import (BackgroundFiles, StopResult, pid_file_owner, same_process, stop_recorded,
-                                write_pid_file)
+                                write_pid_file, write_private)
 
 SMG_VERSION = "1.13.0"  # the version pinned in the 'fleet' extra; flags below are checked against it
 # smg's policies that make sense for HTTP workers (see `smg launch --help`).
@@ -33,6 +38,7 @@ DEFAULT_POLICY = "cache_aware"
 ROUTING_KEY_HEADER = "x-smg-routing-key"
 PID_FILE = "gateway.pid"
 LOG_FILE = "gateway.log"
+KEY_FILE = "control-plane.key"  # 0600: smg's admin key for /workers (add, remove, even list)
 # smg drains in-flight requests on SIGTERM for up to its shutdown grace (default 180 s).
 GATEWAY_GRACE_S = 30.0
 # Registration polls a worker every this many seconds (smg's default of 30 makes `up` slow).
@@ -51,15 +57,10 @@ class GatewayError(RuntimeError):
     """The gateway could not be found, started, stopped or asked; the message says why."""
 
 
-def smg_executable() -> str:
-    """The ``smg`` console script of this Python (a venv's bin), else the one on PATH."""
-    beside = Path(sys.executable).with_name("smg")
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("smg")
-    if found is None:
+def require_smg() -> None:
+    """smg must be importable by this Python: the gateway process runs its router in-process."""
+    if importlib.util.find_spec("smg") is None:
         raise GatewayError("smg (the SGLang Model Gateway) is not installed: pip install 'apcctl[fleet]'")
-    return found
 
 
 @dataclass
@@ -81,10 +82,13 @@ class GatewaySpec:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def argv(self, executable: str | None = None) -> list[str]:
+    def argv(self, key_file: Path) -> list[str]:
+        """The guard on ``host:port``, smg behind it on a free loopback port (``apcctl.fleet.launch``)."""
         if self.policy not in POLICIES:
             raise GatewayError(f"unknown policy {self.policy!r}; one of {', '.join(POLICIES)}")
-        argv = [executable or smg_executable(), "launch", "--host", self.host, "--port", str(self.port),
+        listen = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        argv = [sys.executable, "-m", "apcctl.fleet.launch", "--listen", listen, "--upstream-port", str(free_port()),
+                "--key-file", str(key_file), "--",
                 "--policy", self.policy, "--worker-startup-check-interval", str(STARTUP_CHECK_S),
                 "--prometheus-host", self.metrics_host, "--prometheus-port", str(self.metrics_port or free_port()),
                 "--log-level", LOG_LEVEL]
@@ -100,6 +104,21 @@ class GatewayProcess(BackgroundFiles):
 
     pid_file, log_file = PID_FILE, LOG_FILE
 
+    @property
+    def key_path(self) -> Path:
+        return self.directory / KEY_FILE
+
+    def key(self) -> str | None:
+        """The control-plane key of the running (or last) gateway; None when there is none."""
+        try:
+            return self.key_path.read_text(encoding="utf-8").strip() or None
+        except OSError:
+            return None
+
+    def client(self, url: str, timeout: float = 5.0) -> "GatewayClient":
+        """smg's worker API at ``url``, with this gateway's control-plane key."""
+        return GatewayClient(url, self.key(), timeout=timeout)
+
     def process(self) -> psutil.Process | None:
         owner = pid_file_owner(self.pid_path)
         if owner is None or owner[1] is None:
@@ -110,8 +129,10 @@ class GatewayProcess(BackgroundFiles):
         running = self.process()
         if running is not None:
             raise GatewayError(f"the gateway is already running (pid {running.pid})")
-        argv = spec.argv()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        require_smg()
+        private_dir(self.directory)
+        write_private(self.key_path, secrets.token_urlsafe(32))  # a new key per start: an old one is void
+        argv = spec.argv(self.key_path)
         env = {**os.environ, "NO_COLOR": "1"}
         with self.open_log("fleet gateway", argv) as log:
             process = subprocess.Popen(argv, env=env, cwd=self.directory, stdin=subprocess.DEVNULL, stdout=log,
@@ -124,7 +145,7 @@ class GatewayProcess(BackgroundFiles):
 
 
 class GatewayClient(AdminClient):
-    """smg's worker API (open on loopback unless control-plane keys are configured)."""
+    """smg's worker API; the fleet's gateway answers it only with the control-plane key as token."""
 
     def workers(self) -> list[dict[str, Any]]:
         return list(self._request("GET", "/workers").get("workers", []))

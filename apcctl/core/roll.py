@@ -59,7 +59,7 @@ def restart_targets(targets: Sequence[Target], *, on_progress: Progress, timeout
         fleet = fleet_for(target.url)
         spec = fleet.spec() if fleet is not None else None
         if spec is not None:
-            gateway = GatewayClient(spec.gateway.url, None, timeout=10.0)
+            gateway = fleet.gateway.client(spec.gateway.url, timeout=10.0)
             result = fleet_restart(gateway, [target], on_progress=on_progress, timeout=timeout, grace=grace,
                                    force=force)
         else:

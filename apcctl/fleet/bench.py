@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from apcctl.core.client import AdminClient
-from apcctl.core.gateway import GatewayClient, GatewayProcess, GatewaySpec
+from apcctl.core.gateway import GatewayProcess, GatewaySpec
 from apcctl.core.hosts import free_port
 from apcctl.core.manage import ManagedServer, build_spec
 from apcctl.fleet.traffic import TraceResult, replay, system_prompts
@@ -129,7 +129,7 @@ def _through_gateway(directory: Path, variant: Variant, urls: list[str], model: 
                        metrics_port=free_port())
     gateway.start(spec)
     try:
-        GatewayClient(spec.url, None, timeout=5.0).wait_ready(urls, 120, gateway)
+        gateway.client(spec.url).wait_ready(urls, 120, gateway)
         return replay(spec.url, model=model, requests=requests, max_tokens=max_tokens, tenant=tenant,
                       routing_key=variant.routing_key, agents=agents, trace=trace)
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from apcctl.core.fleet_state import FleetSpec, FleetState
-from apcctl.core.gateway import GatewayClient, GatewayError
+from apcctl.core.gateway import GatewayError
 from apcctl.core.manage import ManagedServer, ManageError, ServerSpec, StopResult
 
 Progress = Callable[[str], None]
@@ -51,7 +51,7 @@ def up(state: FleetState, spec: FleetSpec, server_specs: dict[str, ServerSpec], 
         state.save(spec)
         on_progress(f"gateway: smg launch at {spec.gateway.url}, policy {spec.gateway.policy}")
         state.gateway.start(spec.gateway)
-        client = GatewayClient(spec.gateway.url, None, timeout=5.0)
+        client = state.gateway.client(spec.gateway.url)
         workers = client.wait_ready([m.url for m in spec.members], timeout, state.gateway)
         on_progress(f"gateway: {len(workers)} workers ready")
         return workers

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 from apcctl.config import ConfigError, load_config, resolve
 from apcctl.core.client import AdminError
 from apcctl.core.fleet_state import SPEC_FILE, FleetState, fleets_root
-from apcctl.core.gateway import GatewayClient, worker_state
+from apcctl.core.gateway import worker_state
 
 WORKER_KEYS = ("id", "status", "is_healthy", "load")
 
@@ -45,7 +45,7 @@ def _workers(state: FleetState, url: str) -> tuple[dict[str, dict[str, Any]], st
     if state.gateway.process() is None:
         return {}, "the gateway is not running"
     try:
-        return {_key(str(w.get("url", ""))): w for w in GatewayClient(url, None, timeout=5.0).workers()}, None
+        return {_key(str(w.get("url", ""))): w for w in state.gateway.client(url).workers()}, None
     except AdminError as exc:
         return {}, exc.message
 
@@ -68,7 +68,10 @@ def server_view(name: str, url: str, config_path: Path | None = None) -> dict[st
 
 
 def fleet_status(state: FleetState, config_path: Path | None = None) -> dict[str, Any]:
-    """One object per member (and per gateway worker no member names): both views side by side."""
+    """One object per member (and per gateway worker no member names): both views side by side.
+
+    A worker the fleet did not name (``in_fleet`` false, listed in ``foreign_workers``) was added to
+    the gateway by something else: smg routes prompts to it like to the fleet's own servers."""
     spec = state.spec()
     if spec is None:
         raise FileNotFoundError(f"no fleet {state.name!r} (apcctl fleet up)")
@@ -77,7 +80,7 @@ def fleet_status(state: FleetState, config_path: Path | None = None) -> dict[str
                                "pid": process.pid if process else None, "log": str(state.gateway.log_path)}
     workers: list[dict[str, Any]] = []
     try:
-        workers = GatewayClient(spec.gateway.url, None, timeout=5.0).workers()
+        workers = state.gateway.client(spec.gateway.url).workers()
         gateway["reachable"] = True
     except AdminError as exc:
         gateway.update(reachable=False, error=exc.message)
@@ -85,13 +88,14 @@ def fleet_status(state: FleetState, config_path: Path | None = None) -> dict[str
     rows = []
     for member in spec.members:
         worker = by_url.pop(member.url.rstrip("/"), None)
-        rows.append({"server": member.name, "url": member.url, "managed": member.managed,
+        rows.append({"server": member.name, "url": member.url, "managed": member.managed, "in_fleet": True,
                      "state": worker_state(worker),
                      "gateway": {k: worker.get(k) for k in WORKER_KEYS} if worker else None,
                      "status": server_view(member.name, member.url, config_path)})
-    for url, worker in by_url.items():  # added to the gateway by hand
-        rows.append({"server": None, "url": url, "managed": False, "state": worker_state(worker),
+    for url, worker in by_url.items():  # added to the gateway by someone else
+        rows.append({"server": None, "url": url, "managed": False, "in_fleet": False, "state": worker_state(worker),
                      "gateway": {k: worker.get(k) for k in WORKER_KEYS},
                      "status": server_view(url, url, config_path)})
     ready = sum(1 for r in rows if r["state"] == "healthy")
-    return {"fleet": state.name, "gateway": gateway, "ready_workers": ready, "workers": rows}
+    return {"fleet": state.name, "gateway": gateway, "ready_workers": ready, "workers": rows,
+            "foreign_workers": sorted(by_url)}

@@ -27,6 +27,7 @@ import pytest
 from apcctl.commands.common import ExitStatus
 from apcctl.config import ConfigError
 from apcctl.core.client import AdminError
+from apcctl.core.fleet_state import FleetState
 from apcctl.core.gateway import GatewayClient, worker_state
 from apcctl.core.hosts import free_port
 from apcctl.core.manage import ManagedServer
@@ -117,7 +118,8 @@ def _fleet_view(fleet: dict[str, Any]) -> LiveFleetSource:
 
     config = load_config(None)
     members = [resolve(s["server"], None, config) for s in fleet["servers"]]
-    return LiveFleetSource(fleet["url"], "cache_aware", [(t.name, t.client()) for t in members])
+    return LiveFleetSource(fleet["url"], "cache_aware", [(t.name, t.client()) for t in members],
+                           FleetState(fleet["fleet"]).gateway.key())
 
 
 def _served(fleet: dict[str, Any]) -> dict[str, int]:
@@ -165,7 +167,11 @@ def test_status_shows_the_gateway_view_beside_each_server(fleet: dict[str, Any])
     assert {everyone[s["server"]]["gateway"]["state"] for s in fleet["servers"]} == {"healthy"}, everyone
     assert {everyone[s["server"]]["gateway"]["fleet"] for s in fleet["servers"]} == {"fleet"}
     # Out of the gateway by hand: absent there, still up on its own; back in, healthy again.
-    gateway = GatewayClient(fleet["url"], None, timeout=10.0)
+    # The gateway's worker API takes the fleet's control-plane key, and nothing without it.
+    with pytest.raises(AdminError) as anonymous:
+        GatewayClient(fleet["url"], None, timeout=10.0).workers()
+    assert anonymous.value.status == 401
+    gateway = FleetState(fleet["fleet"]).gateway.client(fleet["url"], timeout=10.0)
     third = fleet["servers"][2]
     gateway.remove_worker(str(gateway.worker_for(third["url"])["id"]))
     while gateway.worker_for(third["url"]) is not None:
@@ -277,6 +283,12 @@ def test_down_leaves_no_process(fleet: dict[str, Any]) -> None:
     assert not any(_alive(p) for p in processes)
     result = run("fleet", "status", "--json", code=int(ExitStatus.UNREACHABLE))
     assert json.loads(result.stdout)["gateway"]["pid"] is None
+    # Stopped on purpose: `status --all` lists them as stopped and exits 0 (docker ps -a's Exited);
+    # asked for by name, a stopped server is still "not running" (exit 3).
+    listed = {r["server"]: r for r in run_json("status", "--all")}
+    assert {listed[s["server"]].get("state") for s in fleet["servers"]} == {"stopped"}, listed
+    assert "stopped (apcctl serve --server fleet-1" in run("status", "--all").stdout
+    run("status", "--server", "fleet-1", code=int(ExitStatus.UNREACHABLE))
 
 
 def _alive(process: psutil.Process) -> bool:
@@ -312,6 +324,23 @@ def test_bench_rows_split_the_reuse_by_request_kind() -> None:
     assert out["reuse"] == round(23 / 36, 4) and out["of_one_server"] == round(23 / 36 / 0.8, 4)
     assert out["by_kind"] == {"turn": {"requests": 2, "prompt_tokens": 30, "cached_tokens": 23},
                               "new_session": {"requests": 1, "prompt_tokens": 6, "cached_tokens": 0}}
+
+
+def test_an_unreachable_server_keeps_fleet_status_columns_short() -> None:
+    """Why a server does not answer goes below the table: a long error in a cell wrapped the row."""
+    from apcctl.commands.fleet import FOREIGN, _notes, _row
+
+    error = "cannot reach http://127.0.0.1:30002: [Errno 111] Connection refused " * 2
+    down = {"server": "fleet-2", "url": "http://127.0.0.1:30002", "in_fleet": True, "state": "absent",
+            "gateway": None, "status": {"reachable": False, "error": error}}
+    up = {"server": None, "url": "http://127.0.0.1:9", "in_fleet": False, "state": "healthy",
+          "gateway": {"load": 0}, "status": {"reachable": True, "in_flight": 0, "draining": False, "requests": 3,
+                                             "hit_rate": 0.5, "token_hit_rate": 0.25}}
+    for row in (_row(down), _row(up)):
+        assert len(row) == 9 and max(len(cell) for cell in row[2:]) <= len("unreachable"), row
+    assert _row(down)[-1] == "unreachable" and _row(up)[0] == FOREIGN
+    notes = _notes({"workers": [down, up], "foreign_workers": [up["url"]]})
+    assert notes[0] == f"fleet-2: unreachable: {error}" and up["url"] in notes[1]
 
 
 def test_worker_state_names_what_the_gateway_does_with_a_server() -> None:
