@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import click
 
 from apcctl.commands.common import CommandError, ExitStatus
+from apcctl.commands.complete import server_names
 from apcctl.config import ConfigError, load_config, server_name
 from apcctl.core import render
 from apcctl.core.manage import ENV_PREFIXES, ManagedServer, ManageError, ServerSpec
@@ -36,7 +37,7 @@ def config() -> None:
 
 
 @config.command("show")
-@click.option("--server", "-s", envvar="APCCTL_SERVER", metavar="NAME",
+@click.option("--server", "-s", envvar="APCCTL_SERVER", metavar="NAME", shell_complete=server_names,
               help="A managed server: the values its process runs with; else whose config-file budgets count "
                    "(default: the config's default server). [env: APCCTL_SERVER]")
 @click.option("--config", "config_path", envvar="APCCTL_CONFIG", metavar="PATH",

@@ -12,6 +12,7 @@ import click
 
 from apcctl.commands.common import (EXIT_CODES_HELP, EXIT_CODES_SHORT, CommandError, Targets, emit_results,
                                     for_each, json_option, managed, server_options)
+from apcctl.commands.complete import server_names
 from apcctl.config import DEFAULT_HOST, DEFAULT_PORT, ConfigError, Target, load_config, server_name
 from apcctl.core import render
 from apcctl.core.manage import (ENV_PREFIXES, SERVER_OWN_ENV, ManagedServer, ManageError, ServerSpec, build_spec,
@@ -59,6 +60,7 @@ def server_args_given() -> tuple[str, ...] | None:
 
 @click.command(cls=PassThroughCommand, epilog=EXIT_CODES_SHORT)
 @click.option("--server", "--name", "-s", "name", envvar="APCCTL_SERVER", metavar="NAME|URL",
+              shell_complete=server_names,
               help="Server name (its state files live in <state dir>/servers/NAME), or the URL of a configured "
                    "or managed server; default: the config's default, its only server, else 'default'. "
                    "[env: APCCTL_SERVER]")

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from apcctl.commands.common import EXIT_CODES_SHORT, CommandError, ExitStatus, json_option
+from apcctl.commands.complete import server_names
 from apcctl.commands.serve import (PassThroughCommand, port_busy, server_args_given, server_spec, sizing_lines,
                                    spec_sizing)
 from apcctl.config import ConfigError, load_config, server_name
@@ -19,6 +20,7 @@ from apcctl.service.runner import SupervisorError
 from apcctl.service.units import ServiceConfigError, command_line
 
 SERVER_OPTION = click.option("--server", "--name", "-s", "name", envvar="APCCTL_SERVER", metavar="NAME|URL",
+                             shell_complete=server_names,
                              help="Server name (default: the config's default, its only server, else 'default'). "
                                   "[env: APCCTL_SERVER]")
 SUPERVISOR_OPTION = click.option("--supervisor", type=click.Choice(installer.SUPERVISED),

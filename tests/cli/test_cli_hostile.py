@@ -296,6 +296,8 @@ def test_server_names_and_entry_ids_complete(isolated: Path, listener: Listener)
     config.write_text('[servers.remote]\nurl = "http://10.0.0.7:8080"\n')
     assert sorted(completions("status", "-s")) == ["main", "mirror"]
     assert completions("status", "--config", str(config), "--server", incomplete="r") == ["remote"]
+    for command in (["serve"], ["service", "install"], ["config", "show"], ["logs"], ["restart"]):
+        assert completions(*command, "-s", incomplete="ma") == ["main"], command
     entry = {"kind": "conversation", "pinned": False, "length": 10, "bytes": 1}
     listener.answers["/admin/entries"] = (200, "application/json", json.dumps(
         {"entries": [{"id": "d3a1", **entry}, {"id": "d3b2", **entry}, {"id": "e9", **entry}],
