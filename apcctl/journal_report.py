@@ -171,7 +171,12 @@ def _anchors(cache: list[dict[str, Any]], budgets: list[dict[str, Any]]) -> dict
     return {"pinned": len(pins), "by_source": dict(Counter(str(c.get("detail") or "-") for c in pins)),
             "unpinned": sum(1 for c in cache if c.get("event") == "unpin"),
             "pinned_ids": sorted({str(c.get("entry_id")) for c in pins}),
-            "pinned_now": budgets[-1].get("anchor_count") if budgets else None}
+            "pinned_now": _pinned(budgets[-1]) if budgets else None}
+
+
+def _pinned(budgets: dict[str, Any]) -> int:
+    """Pinned anchors wherever they are (``Budgets.pinned``): in RAM, or only on disk."""
+    return int(budgets.get("anchor_count", 0)) + int(budgets.get("pinned_on_disk", 0))
 
 
 def _tiers(budgets: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ import functools
 import queue
 import threading
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from textual import on, work
 from textual.app import App, ComposeResult, SystemCommand
@@ -29,6 +29,7 @@ from textual.screen import Screen
 from textual.widgets import Input, TabbedContent, TabPane
 from textual.worker import Worker, WorkerState
 
+from apcctl.core import render
 from apcctl.core.client import AdminClient
 from tui import impact
 from tui.fleet import FleetSource
@@ -78,9 +79,12 @@ class DashboardApp(App[None]):
     ]
 
     def __init__(self, source: DashboardSource, *, read_only: bool = False, restarter: Restarter | None = None,
-                 refresh_s: float = 1.0, fleet: FleetSource | None = None) -> None:
+                 refresh_s: float = 1.0, fleet: FleetSource | None = None,
+                 notices: Callable[[], str] | None = None) -> None:
         super().__init__()
         self.source = source
+        self.notices = notices  # what the caller has to say (the demo: its traffic is done), asked each poll
+        self._told: set[str] = set()
         self.fleet = fleet
         self.read_only = read_only
         self.restarter = restarter
@@ -178,7 +182,15 @@ class DashboardApp(App[None]):
             delay, self._backoff = self._backoff, min(MAX_BACKOFF_S, self._backoff * 2)
         self.polls += 1
         self.render_all()
+        self._tell_notices()
         self._poll_timer = self.set_timer(delay, self.poll_now)
+
+    def _tell_notices(self) -> None:
+        """Each new line the caller's ``notices`` has, once, as a notification."""
+        said = self.notices() if self.notices is not None else ""
+        if said and said not in self._told:
+            self._told.add(said)
+            self.notify(said, timeout=30)
 
     def _fleet_polled(self, fleet: Any, error: BaseException | None) -> None:
         """The fleet's own poll-render-reschedule: draw the Fleet tab, arm the next fleet poll."""
@@ -438,14 +450,16 @@ class DashboardApp(App[None]):
 
     def _performed(self, title: str, answer: Any) -> None:
         freed = getattr(answer, "freed_bytes", None)  # an eviction's answer (``schema.Evicted``)
-        self.notify(f"{title}: done" + (f", freed {freed:,} bytes" if freed is not None else ""))
+        self.notify(f"{title}: done" + (f", freed {render.human_bytes(freed)}" if freed is not None else ""))
         self.poll_now()
 
 
 def make_app(source: DashboardSource, *, read_only: bool = False, restarter: Restarter | None = None,
-             refresh_s: float = 1.0, fleet: FleetSource | None = None) -> DashboardApp:
+             refresh_s: float = 1.0, fleet: FleetSource | None = None,
+             notices: Callable[[], str] | None = None) -> DashboardApp:
     """The one way to build the dashboard: the CLI, the demo and the tests all come through here."""
-    return DashboardApp(source, read_only=read_only, restarter=restarter, refresh_s=refresh_s, fleet=fleet)
+    return DashboardApp(source, read_only=read_only, restarter=restarter, refresh_s=refresh_s, fleet=fleet,
+                        notices=notices)
 
 
 def restarter_for(targets: Sequence[Any] | None) -> Restarter | None:
@@ -471,7 +485,8 @@ def restarter_for(targets: Sequence[Any] | None) -> Restarter | None:
 
 
 def run_dashboard(client: AdminClient, *, read_only: bool = False, restart_targets: Sequence[Any] | None = None,
-                  refresh_s: float = 1.0, fleet: FleetSource | None = None) -> None:
+                  refresh_s: float = 1.0, fleet: FleetSource | None = None,
+                  notices: Callable[[], str] | None = None) -> None:
     """Open the dashboard on ``client``'s server until the operator quits.
 
     Args:
@@ -479,6 +494,8 @@ def run_dashboard(client: AdminClient, *, read_only: bool = False, restart_targe
         restart_targets: ``apcctl.config.Target`` list the Restart tab restarts; None leaves it off.
         refresh_s: seconds between polls (``+``/``-`` change it inside).
         fleet: the fleet ``client``'s server belongs to, for the Fleet tab (``tui.fleet``).
+        notices: asked after every poll; each new line it returns is shown once (the demo: its
+            traffic is done).
     """
     make_app(LiveSource(client), read_only=read_only, restarter=restarter_for(restart_targets),
-             refresh_s=refresh_s, fleet=fleet).run()
+             refresh_s=refresh_s, fleet=fleet, notices=notices).run()

@@ -51,9 +51,11 @@ def _dashboard() -> Callable[..., Any] | None:
     return run_dashboard
 
 
-def _open_dashboard(run_dashboard: Callable[..., Any], target: Target) -> None:
-    """The dashboard on the demo server, with its Restart tab able to roll it."""
-    run_dashboard(target.client(), restart_targets=[target])
+def _open_dashboard(run_dashboard: Callable[..., Any], target: Target, traffic: AgentTraffic) -> None:
+    """The dashboard on the demo server, with its Restart tab able to roll it; it says when the
+    demo's traffic is done (``q`` then ends the demo)."""
+    run_dashboard(target.client(), restart_targets=[target],
+                  notices=lambda: traffic_done_line(traffic) + "; q ends the demo" if traffic.done.is_set() else "")
 
 
 def _print_live(target: Target, traffic: AgentTraffic, err: bool) -> None:
@@ -75,9 +77,30 @@ def _print_live(target: Target, traffic: AgentTraffic, err: bool) -> None:
         closed.set()  # an open event stream would hold up the server's graceful shutdown
 
 
+def earlier_disk_tier(spec: Any) -> str:
+    """What an earlier demo left in the disk tier this one starts on ("" when nothing): its first
+    requests may restore from there, and the hit rate is no cold start's."""
+    from pathlib import Path
+
+    root = Path(spec.env.get("APC_LINEAGE_DISK_PATH", ""))
+    files = [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")] if root.is_dir() else []
+    if not files:
+        return ""
+    size = sum(p.stat().st_size for p in files)
+    return (f"demo: reusing the disk tier an earlier demo left at {root} ({len(files)} files, "
+            f"{render.human_bytes(size)}): its first requests may restore from disk; remove that directory "
+            "for a cold start")
+
+
+def traffic_done_line(traffic: AgentTraffic) -> str:
+    return (f"demo: traffic done: {traffic.sent} requests sent ({traffic.failed} failed); "
+            "the server keeps running until the demo ends")
+
+
 def _print_events(events: queue.Queue[tuple[str, dict[str, Any]]], traffic: AgentTraffic, err: bool) -> None:
     click.echo(header(), err=err)
     seen, quiet = 0, 0
+    announced = False
     # Failed requests leave no record; after the traffic ends, a few quiet seconds also end it.
     while not (traffic.done.is_set() and (seen >= traffic.sent - traffic.failed or quiet >= 10)):
         try:
@@ -85,6 +108,9 @@ def _print_events(events: queue.Queue[tuple[str, dict[str, Any]]], traffic: Agen
             quiet = 0
         except queue.Empty:
             quiet += traffic.done.is_set()
+            if traffic.done.is_set() and not announced:
+                click.echo(traffic_done_line(traffic), err=err)
+                announced = True
             continue
         if name == "request":
             seen += 1
@@ -126,6 +152,9 @@ def demo(max_requests: int, duration: float | None, no_dashboard: bool, port: in
                       directory=server.directory)
     click.echo(f"demo: tiny model {model}\ndemo: starting the patched server at {spec.url} (log {server.log_path})",
                err=as_json)
+    reused = earlier_disk_tier(spec)
+    if reused:
+        click.echo(reused, err=as_json)
     try:
         server.start(spec)
         server.wait_ready(timeout=300)
@@ -138,7 +167,7 @@ def demo(max_requests: int, duration: float | None, no_dashboard: bool, port: in
         if run_dashboard is None:
             _print_live(target, traffic, err=as_json)
         else:
-            _open_dashboard(run_dashboard, target)
+            _open_dashboard(run_dashboard, target, traffic)
         traffic.stop.set()
         traffic.done.wait(timeout=310)
         summary = _summary(target, traffic, first_pid)

@@ -11,6 +11,7 @@ from apcctl.commands.common import (EXIT_CODES_SHORT, Targets, emit_results, for
 from apcctl.commands.complete import entry_ids
 from apcctl.config import Target
 from apcctl.core import render
+from apcctl.core.client import AdminClient, AdminError
 
 if TYPE_CHECKING:
     from server_patch.admin.schema import EntryInfo
@@ -54,6 +55,31 @@ def show_entries(targets: Targets, results: list[dict[str, Any]], *, as_json: bo
                                title=f"[bold]{result['server']}[/] {len(rows)} {title}"))
 
 
+def entry_or_absorber(client: AdminClient, entry_id: str) -> tuple[EntryInfo, str | None]:
+    """``entry_id``'s entry; for an entry absorbed into its conversation's longer entry (the
+    server's 404 names it), that entry and ``entry_id`` (the id ``requests`` showed)."""
+    from server_patch.admin.schema import absorber_in
+
+    try:
+        return client.entry(entry_id), None
+    except AdminError as exc:
+        into = absorber_in(exc.message) if exc.status == 404 else None
+        if into is None:
+            raise
+        try:
+            return client.entry(into), entry_id
+        except AdminError:
+            raise exc from None  # the absorber went too: the server's first answer says where it went
+
+
+def _one_entry_json(result: dict[str, Any]) -> Any:
+    """One entry's JSON; an absorbed one's absorber says which id was asked for (``absorbed_from``)."""
+    entry = result["entries"][0]
+    if not result.get("absorbed_from"):
+        return entry
+    return {**entry.to_json(), "absorbed_from": result["absorbed_from"]}
+
+
 @click.command(epilog=EXIT_CODES_SHORT)
 @server_options(allow_all=True)
 @click.argument("entry_id", required=False, shell_complete=entry_ids)
@@ -76,12 +102,20 @@ def entries(targets: Targets, entry_id: str | None, tier: str, kind: str, checkp
 
     def action(target: Target) -> dict[str, Any]:
         client = target.client()
-        rows = [client.entry(full_id(client, entry_id))] if entry_id else client.entries(tier=tier, kind=kind)
-        return {"server": target.name, "url": target.url, "entries": rows}
+        if not entry_id:
+            return {"server": target.name, "url": target.url, "entries": client.entries(tier=tier, kind=kind)}
+        asked = full_id(client, entry_id)
+        found, absorbed_from = entry_or_absorber(client, asked)
+        return {"server": target.name, "url": target.url, "entries": [found], "absorbed_from": absorbed_from}
 
     def show(results: list[dict[str, Any]]) -> None:
+        for result in results:
+            if result.get("absorbed_from"):
+                click.echo(f"{result['server']}: {result['absorbed_from']} was absorbed into "
+                           f"{result['entries'][0].id} (its conversation's longer entry, which holds its "
+                           "state now): showing that one", err=True)
         if entry_id and as_json:
-            emit_results(targets, results, lambda r: r["entries"][0])
+            emit_results(targets, results, _one_entry_json)
             return
         show_entries(targets, results, as_json=as_json, checkpoints=checkpoints or bool(entry_id), title="entries")
 

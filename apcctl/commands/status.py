@@ -156,8 +156,7 @@ def _budget_rows(b: Budgets, disk_on: bool, pending: int, sizing: Sizing | None)
     ram_total = sizing.ram_total_bytes if sizing else None
     rows = [("ram", f"{render.human_bytes(b.ram_used)} / {render.human_bytes(b.ram_limit)} "
                     f"({b.entries} entries)" + (f", {render.human_bytes(ram_total)} physical" if ram_total else "")),
-            ("anchors", f"{b.anchor_count} / {b.anchor_count_limit} pinned, "
-                        f"{render.human_bytes(b.anchor_bytes)} / {render.human_bytes(b.anchor_bytes_limit)}"),
+            ("anchors", render.anchors_line(b)),
             ("disk", (f"{render.human_bytes(b.disk_used)} / {render.human_bytes(b.disk_limit)} "
                       f"({b.disk_files} files, {pending} writes pending)") if disk_on else "off")]
     disk = sizing.disk if sizing else None

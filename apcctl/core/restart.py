@@ -594,9 +594,11 @@ class _OneServer:
         """Remove the probe anchor from whichever process answers now (RAM and disk)."""
         if self.probe is None:
             return
+        from server_patch.lineage.model import Reason
+
         anchor_id = self.probe["anchor_id"]
         try:
-            self.client.evict(anchor_id)
+            self.client.evict(anchor_id, reason=Reason.RESTART_PROBE)
         except AdminError as exc:
             if exc.status != 404:
                 self.warn(f"could not evict the probe anchor {anchor_id}: {exc.message}; "

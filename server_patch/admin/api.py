@@ -35,6 +35,7 @@ from server_patch.admin.deps import PartsDep, lineage_of as _lineage
 from server_patch.lineage.summary import hit_summary
 from server_patch.boundaries.anchors import anchor_label
 from server_patch.lineage import CacheError, LineageConfig
+from server_patch.lineage.model import Reason
 
 if TYPE_CHECKING:
     from server_patch.integration.parts import Parts
@@ -183,13 +184,17 @@ def entry(entry_id: str, parts: PartsDep) -> dict[str, Any]:
         return views.entry_view(found, records.get(entry_id)).to_json()
     if entry_id in records:
         return views.record_view(records[entry_id]).to_json()
-    raise HTTPException(404, detail=f"no entry {entry_id!r}")
+    raise HTTPException(404, detail=schema.not_held(entry_id, current.cache.absorbed_into(entry_id)))
 
 
 @router.delete("/entries/{entry_id}", summary="Evict an entry or anchor from RAM and disk")
-def evict(entry_id: str, parts: PartsDep) -> dict[str, Any]:
+def evict(entry_id: str, parts: PartsDep, reason: str = Query(
+        Reason.OPERATOR.value, description="Why, for the events and the journal: 'operator', or 'restart probe' "
+                                     "(the anchor apcctl restart pinned to probe the restart)")) -> dict[str, Any]:
+    if reason not in (Reason.OPERATOR, Reason.RESTART_PROBE):
+        raise HTTPException(422, detail=f"reason must be {Reason.OPERATOR!r} or {Reason.RESTART_PROBE!r}")
     try:
-        freed = _lineage(parts).cache.evict(entry_id)
+        freed = _lineage(parts).cache.evict(entry_id, reason)
     except CacheError:
         raise HTTPException(404, detail=f"no entry {entry_id!r}") from None
     return schema.Evicted(evicted=entry_id, freed_bytes=freed).to_json()

@@ -19,8 +19,8 @@ from prometheus_client.exposition import generate_latest
 from server_patch.canary.metrics import families as canary_families
 from server_patch.disk.integrity import FINGERPRINT, FORMAT_REASON, HASH, HEADER, IO, TRUNCATED
 from server_patch.integration.waits import WORK_KINDS
-from server_patch.lineage.model import COLD, DISK, LOG_KINDS, RAM, KVAdmission
-from server_patch.lineage.summary import hits_by_kind, kv_by_mode
+from server_patch.lineage.model import COLD, DISK, LOG_KINDS, RAM, RESTORE_KINDS, KVAdmission
+from server_patch.lineage.summary import disk_by_point, hits_by_kind, kv_by_mode
 
 if TYPE_CHECKING:
     from server_patch.integration.parts import Parts
@@ -110,6 +110,13 @@ class LineageCollector(Collector):
         for kind in LOG_KINDS:
             hits.add_metric([kind], by_kind[kind])
         yield hits
+        points = CounterMetricFamily("apc_lineage_disk_restores", "Restores from the disk tier (the "
+                                     "kind=\"disk\" requests of apc_lineage_restores), by the kind of "
+                                     "point their plan restored", labels=["point"])
+        by_point = disk_by_point(stats)
+        for point in (*(k for k in RESTORE_KINDS if k != COLD), *(p for p in by_point if p not in RESTORE_KINDS)):
+            points.add_metric([point], by_point.get(point, 0))
+        yield points
         admissions = CounterMetricFamily("apc_lineage_kv_admissions",
                                          "Warm requests by how their KV reached the batch: lent (the "
                                          "entry's own buffer, no copy), copied (one merge copy) or staged "
@@ -149,6 +156,12 @@ class LineageCollector(Collector):
         entries.add_metric([RAM], budgets["entries"])
         entries.add_metric([DISK], budgets["disk_files"])
         yield entries
+        pinned = GaugeMetricFamily("apc_lineage_anchors_pinned", "Pinned anchors, by where they are held "
+                                   "(ram: also on disk or not; disk: only their file, until a request "
+                                   "restores them)", labels=["tier"])
+        pinned.add_metric([RAM], budgets["anchor_count"])
+        pinned.add_metric([DISK], budgets.get("pinned_on_disk", 0))
+        yield pinned
 
 
 def _oracle_metrics(totals: dict) -> Iterable[Any]:

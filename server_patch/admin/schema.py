@@ -249,12 +249,35 @@ class Budgets(Answer):
     disk_queue_bytes: int = 0  # (newer than the others)
     anchor_bytes: int
     anchor_bytes_limit: int
-    anchor_count: int
+    anchor_count: int  # pinned anchors in RAM: what the anchor caps bound
     anchor_count_limit: int
+    pinned_on_disk: int = 0  # pinned anchors held only on disk (after a restart, until restored); newer
     disk_used: int
     disk_limit: int
     entries: int
     disk_files: int
+
+    @property
+    def pinned(self) -> int:
+        """Pinned anchors wherever they are: in RAM (``anchor_count``) or only on disk."""
+        return self.anchor_count + self.pinned_on_disk
+
+
+ABSORBED_INTO = "absorbed into "  # how a 404 for an absorbed entry names its absorber (``absorber_in``)
+
+
+def not_held(entry_id: str, absorbed_into: str | None) -> str:
+    """The 404 message of ``GET /admin/entries/{id}``: an absorbed entry names the entry that
+    holds its state now, so the CLI can show that one (``absorber_in``) as the dashboard does."""
+    if absorbed_into is None:
+        return f"no entry {entry_id!r}"
+    return f"no entry {entry_id!r}: it was {ABSORBED_INTO}{absorbed_into} (its conversation's longer entry)"
+
+
+def absorber_in(message: str) -> str | None:
+    """The absorber a ``not_held`` message names, or None."""
+    _, found, rest = message.partition(ABSORBED_INTO)
+    return rest.split(" ", 1)[0] or None if found else None
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -426,6 +449,8 @@ class Hits(Answer):
     hits: int = 0
     hit_rate: float | None = None
     by_kind: dict[str, int] = field(default_factory=dict)
+    # Disk restores (``by_kind["disk"]``) by the kind of point their plan restored (entry, anchor, ...).
+    disk_by_point: dict[str, int] = field(default_factory=dict)
     cancelled_queued: int = 0
     reused_tokens: int = 0
     prefill_tokens: int = 0

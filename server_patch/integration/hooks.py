@@ -18,7 +18,8 @@ None of these raises into mlx-vlm: a failure is logged (and re-raised under
 * the batch generator's rows: ``lookup`` (with the row's uid), ``generator_started``, ``rows_bound``, ``rows_decoded``,
   ``rows_leaving``, ``batches_joining``, ``request_removed``; the buffer pool: ``clear``;
 * the server's request events: ``prefill_completed``, ``first_token``, ``queued_tokens``,
-  ``cancelled``; the idle loop: ``idle``; a cache reset: ``cache_cleared``; the model's end:
+  ``cancelled``; the idle loop: ``idle``; a cache reset: ``cache_cleared``; stock's figures:
+  ``stock_stats``; the model's end:
   ``model_unloading``, ``shutdown``.
 """
 
@@ -132,6 +133,20 @@ def prefetch(generator: Any) -> None:
 def generator_started(coordinator: Any, generator: Any) -> None:
     """A ``BatchGenerator`` built its coordinator: the coordinator learns who else decodes."""
     _tell(coordinator, "apc_copyfree attach", lambda lineage: lineage.attach_generator(generator))
+
+
+def stock_stats(manager: Any, snapshot: dict) -> dict:
+    """mlx-vlm's ``APCManager.stats_snapshot`` (``GET /metrics``' ``apc``): behind a lineage cache
+    its counters are the lineage cache's (``admin.stock_stats``); stock's own otherwise."""
+    if (runtime := manager.lineage_runtime) is None:
+        return snapshot
+    try:
+        from server_patch.admin.stock_stats import lineage_figures
+
+        return lineage_figures(runtime, snapshot)
+    except Exception as exc:
+        fail_closed(exc, "apc_lineage stock stats", log=log)
+        return snapshot
 
 
 def cache_cleared(manager: Any) -> None:

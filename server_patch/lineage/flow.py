@@ -176,7 +176,7 @@ class Admission:
 
     def restored(self, admission: str = "") -> None:
         """Count the restore (it happened; ``admission``: how its KV reached the batch)."""
-        self.cache.note_restore(self._plan, admission)
+        self.cache.note_restore(self._plan, admission, tier=self.tier)
         self._explain()
 
     def cold(self) -> None:

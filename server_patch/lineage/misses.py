@@ -53,7 +53,7 @@ class Lost(StrEnum):
 _FROM_POLICY: dict[str, Lost] = {
     Reason.RAM_BUDGET: Lost.RAM_BUDGET, f"{Reason.RAM_BUDGET}, {Reason.UNWRITTEN}": Lost.RAM_BUDGET,
     Reason.ANCHOR_CAP: Lost.ANCHOR_CAP, Reason.DISK_CAP: Lost.DISK_CAP, Reason.OPERATOR: Lost.OPERATOR,
-    Reason.RESET: Lost.OPERATOR, Reason.FAILED_VALIDATION: Lost.DISK_REJECTED,
+    Reason.RESET: Lost.OPERATOR, Reason.RESTART_PROBE: Lost.OPERATOR, Reason.FAILED_VALIDATION: Lost.DISK_REJECTED,
     Reason.LENT_ROWS_LOST: Lost.LOAN,
 }
 

@@ -66,6 +66,7 @@ class Reason(StrEnum):
     """Why an entry or a file went, or an anchor was pinned (an ``Event``'s ``detail``)."""
 
     OPERATOR = "operator"  # an admin verb
+    RESTART_PROBE = "restart probe"  # apcctl restart removing the anchor it pinned to probe the restart
     CAPTURED = "captured"  # an anchor pinned by a capture
     ANCHOR_CAP = "anchor cap"
     RAM_BUDGET = "ram budget"

@@ -36,7 +36,7 @@ from server_patch.lineage.model import (
     Capture, Checkpoint, DiskRecord, Entry, Event, EventKind, Loan, RestorePlan, Reason, as_tokens,
 )
 from server_patch.lineage import anchor_share
-from server_patch.lineage.summary import CANCELLED_QUEUED, hits_key, kv_key
+from server_patch.lineage.summary import CANCELLED_QUEUED, disk_point_key, hits_key, kv_key
 from server_patch.lineage.tally import EntryMap, RecordMap
 
 
@@ -150,6 +150,7 @@ class LineageCache:
                 "anchor_bytes_limit": self.config.anchor_max_bytes,
                 "anchor_count": len(anchors),
                 "anchor_count_limit": self.config.anchor_max_entries,
+                "pinned_on_disk": self._records.pinned_anchors_outside(self._entries),
                 "disk_used": self._records.total,
                 "disk_limit": self.config.disk_max_bytes,
                 "entries": len(self._entries),
@@ -226,12 +227,17 @@ class LineageCache:
                 return _Candidate(length, kind, record=record)
         return None
 
-    def note_restore(self, plan: RestorePlan, admission: str = "") -> None:
+    def note_restore(self, plan: RestorePlan, admission: str = "", *, tier: str | None = None) -> None:
         """Count a restore that really happened (the plumbing calls this once it succeeded);
-        ``admission`` says how its KV reached the batch (a ``KVAdmission``)."""
+        ``admission`` says how its KV reached the batch (a ``KVAdmission``); ``tier``: where its
+        state came from when that is not the plan's (a file promoted for it: ``DISK``), so it
+        counts as ``disk`` as its request record says, with its plan's kind as the point."""
         with self.lock:
             now = self.clock()
-            self.stats[hits_key(plan.log_kind)] += 1
+            from_disk = plan.hit and (tier or plan.tier) == DISK
+            self.stats[hits_key(DISK if from_disk else plan.log_kind)] += 1
+            if from_disk:
+                self.stats[disk_point_key(plan.kind)] += 1
             if admission:
                 self.stats[kv_key(admission)] += 1
             self.stats["reused_tokens"] += plan.length
@@ -531,6 +537,7 @@ class LineageCache:
             entry.checkpoints = [c for c in entry.checkpoints if c.length < end]
             entry.turn_points = frozenset(n for n in entry.turn_points if n < end)
             entry.hits += point.hits
+            entry.last_hit = _latest(entry.last_hit, point.last_hit)
             self._entries.resized(entry)
             self.stats["reply_rewinds"] += 1
             self._emit(Event(EventKind.REWIND, entry.id, end, entry.nbytes, Reason.PROMPT_END))
@@ -610,6 +617,7 @@ class LineageCache:
                                       hits=old.hits, reply_end=0 < old.prompt_end < old.length))
         new.checkpoints = sorted(new.checkpoints + carried, key=lambda c: c.length)
         new.hits += old.hits
+        new.last_hit = _latest(new.last_hit, old.last_hit)  # its hits came with them: "hits 3, last_hit null" never
         del self._entries[old.id]
         if old.on_disk:
             new.supersedes.append(old.id)
@@ -838,6 +846,16 @@ class LineageCache:
                 self.stats["disk_evictions"] += 1
             self._enforce_disk_cap()
 
+    def absorbed_into(self, entry_id: str) -> str | None:
+        """The entry that absorbed ``entry_id`` (its conversation's longer entry), followed
+        along later absorptions to the last one; None if it was never absorbed."""
+        with self.lock:
+            seen, current = {entry_id}, self._superseded_by.get(entry_id)
+            while current is not None and (following := self._superseded_by.get(current)) not in seen | {None}:
+                seen.add(current)
+                current = following
+            return current
+
     def _resolve_absorber(self, entry_id: str) -> Entry | None:
         seen = set()
         current = self._superseded_by.get(entry_id)
@@ -923,22 +941,24 @@ class LineageCache:
             self._emit(Event(EventKind.UNPIN, entry.id, entry.length, entry.nbytes))
             return entry
 
-    def evict(self, entry_id: str) -> int:
-        """Remove an entry or anchor from RAM and disk; returns the bytes freed."""
+    def evict(self, entry_id: str, reason: str = Reason.OPERATOR) -> int:
+        """Remove an entry or anchor from RAM and disk; returns the bytes freed. ``reason``: who
+        asked (an operator, or apcctl restart removing its probe anchor)."""
         with self.lock:
             entry = self._entries.pop(entry_id, None)
             record = self._records.get(entry_id)
             if entry is None and record is None:
                 raise CacheError(entry_id)
+            self._holds.unsettle(entry_id)  # an operator's evict wins; a holder plans again
             freed = (entry.nbytes if entry is not None else 0) + (record.nbytes if record else 0)
             if record is not None:
-                self._delete_record(entry_id, Reason.OPERATOR)
+                self._delete_record(entry_id, reason)
             if entry is not None:
                 for old_id in entry.supersedes:
-                    self._delete_record(old_id, Reason.OPERATOR)
+                    self._delete_record(old_id, reason)
             self.stats["operator_evictions"] += 1
-            self._emit(Event(EventKind.EVICT, entry_id, (entry or record).length, freed, Reason.OPERATOR))
-            self.misses.went(entry or record, Reason.OPERATOR)
+            self._emit(Event(EventKind.EVICT, entry_id, (entry or record).length, freed, reason))
+            self.misses.went(entry or record, reason)
             return freed
 
     def drop(self, entry_id: str, reason: str) -> bool:
@@ -997,3 +1017,7 @@ class LineageCache:
             except Exception as exc:  # an observer must never break the cache (but in tests)
                 fail_closed(exc, f"lineage event observer ({event.kind})", log=_log, level=logging.DEBUG)
 
+
+def _latest(*times: float | None) -> float | None:
+    """The latest of ``times`` that is known (None if none is): hits carried over bring their time."""
+    return max((t for t in times if t is not None), default=None)

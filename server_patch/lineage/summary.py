@@ -11,6 +11,7 @@ from typing import Any, Mapping
 from server_patch.lineage.model import COLD, KVAdmission
 
 HITS_PREFIX = "hits_"  # + a log kind (``RestorePlan.log_kind``): requests that started there
+DISK_POINT_PREFIX = "disk_point_"  # + a ``RestoreKind``: disk restores by the point their plan restored
 KV_PREFIX = "kv_"  # + a ``KVAdmission``: warm requests by how their KV reached the batch
 CANCELLED_QUEUED = "cancelled_queued"  # requests cancelled while queued: they never reached a lookup
 
@@ -18,6 +19,16 @@ CANCELLED_QUEUED = "cancelled_queued"  # requests cancelled while queued: they n
 def hits_key(kind: str) -> str:
     """The stats key counting requests of log kind ``kind``."""
     return HITS_PREFIX + kind
+
+
+def disk_point_key(kind: str) -> str:
+    """The stats key counting disk restores (log kind ``disk``) whose plan restored a ``kind`` point."""
+    return DISK_POINT_PREFIX + kind
+
+
+def disk_by_point(stats: Mapping[str, int]) -> dict[str, int]:
+    """Disk restores by the kind of point their plan restored (entry, anchor, a checkpoint kind)."""
+    return _by_suffix(stats, DISK_POINT_PREFIX, ())
 
 
 def kv_key(mode: str) -> str:
@@ -56,9 +67,9 @@ def hit_summary(stats: Mapping[str, int]) -> dict[str, Any]:
     total = hits + by_kind.get(COLD, 0) + queued
     reused, prefilled = int(stats.get("reused_tokens", 0)), int(stats.get("prefill_tokens", 0))
     return {"requests": total, "hits": hits, "hit_rate": hits / total if total else None, "by_kind": by_kind,
-            "cancelled_queued": queued,
+            "disk_by_point": disk_by_point(stats), "cancelled_queued": queued,
             "reused_tokens": reused, "prefill_tokens": prefilled,
             "token_hit_rate": reused / (reused + prefilled) if reused + prefilled else None}
 
 
-__all__ = ["CANCELLED_QUEUED", "HITS_PREFIX", "KV_PREFIX", "hit_summary", "hits_by_kind", "hits_key", "kv_by_mode", "kv_key"]
+__all__ = ["CANCELLED_QUEUED", "DISK_POINT_PREFIX", "HITS_PREFIX", "KV_PREFIX", "disk_by_point", "disk_point_key", "hit_summary", "hits_by_kind", "hits_key", "kv_by_mode", "kv_key"]

@@ -83,6 +83,25 @@ class RecordMap(SizedMap[DiskRecord]):
 
     def __init__(self) -> None:
         super().__init__(lambda record: record.nbytes)
+        self._pinned: set[str] = set()  # ids of pinned anchors' files (a header is fixed once written)
+
+    def pinned_anchors_outside(self, held: SizedMap[Entry]) -> int:
+        """Pinned anchors whose file is all there is of them (not in ``held``, the RAM entries):
+        after a restart every anchor is, until a request restores it."""
+        return sum(1 for key in self._pinned if key not in held)
+
+    def clear(self) -> None:
+        super().clear()
+        self._pinned.clear()
+
+    def _count(self, key: str, value: DiskRecord) -> None:
+        super()._count(key, value)
+        if value.is_anchor and value.pinned:
+            self._pinned.add(key)
+
+    def _forget(self, key: str) -> None:
+        super()._forget(key)
+        self._pinned.discard(key)
 
 
 class EntryMap(SizedMap[Entry]):

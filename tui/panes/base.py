@@ -67,7 +67,10 @@ class EntryPane(Pane):
         self._show_selected()
 
     def _show_selected(self) -> None:
+        """The selected entry's checkpoints below the table; the timeline's height follows them,
+        so the table's cursor row is scrolled back into view once that height is laid out."""
         self.query_one(CheckpointTimeline).show(self.table.selected(), self.now)
+        self.call_after_refresh(self.table.keep_cursor_in_view)
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         self._show_selected()

@@ -24,7 +24,8 @@ def anchor_summary(state: DashboardState) -> Text:
     b, stats = state.budgets, state.stats
     text = Text()
     for name, value in (
-        ("pinned", f"{b.anchor_count if b else 0} of {b.anchor_count_limit if b else 0}"),
+        ("pinned", f"{b.pinned if b else 0} of {b.anchor_count_limit if b else 0}"
+                   + (f" ({b.pinned_on_disk} only on disk)" if b and b.pinned_on_disk else "")),
         ("RAM", f"{render.human_bytes(b.anchor_bytes if b else 0)} of "
                 f"{render.human_bytes(b.anchor_bytes_limit if b else 0)}"),
         ("anchor hits", f"{stats.get('hits_anchor', 0):,}"),

@@ -45,7 +45,8 @@ def update_gauges(pane: "LivePane", state: DashboardState) -> None:
     values: dict[str, tuple[Any, Any, str]] = {  # no budgets before the cache runs: empty gauges
         "ram": (b and b.ram_used, b and b.ram_limit, f"{b.entries if b else 0} entries"),
         "conversations": (b and b.conversation_bytes, b and b.ram_limit, ""),
-        "anchor-count": (b and b.anchor_count, b and b.anchor_count_limit, ""),
+        "anchor-count": (b and b.pinned, b and b.anchor_count_limit,
+                         f"{b.pinned_on_disk} only on disk" if b and b.pinned_on_disk else ""),
         "anchor-bytes": (b and b.anchor_bytes, b and b.anchor_bytes_limit, ""),
         "disk": (b and b.disk_used, b and b.disk_limit, f"{b.disk_files if b else 0} files"),
         "pool": (pool.active_bytes, pool.peak_bytes, f"peak, +{render.human_bytes(pool.cache_bytes or 0)} cached"),
@@ -102,6 +103,15 @@ def cache_events(events: list[Keyed], limit: int) -> Text:
     return text or Text("No cache events yet.", style="grey62")
 
 
+def warming_up(state: DashboardState) -> str:
+    """Why the request table is still empty while a request is in flight: a new server's first
+    request waits for MLX to compile its kernels (about 15 s on the tiny model), then rows come."""
+    idle = state.idle
+    if idle is None or state.requests or not (idle.in_flight or idle.queued):
+        return ""
+    return "first request in flight: MLX compiles its kernels on a new server's first request (~15 s)"
+
+
 class LivePane(Pane):
     BINDINGS = [Binding("t", "axis", "Graph axis")]
 
@@ -141,6 +151,7 @@ class LivePane(Pane):
         return self.query_one("#requests", KeyedTable)
 
     def update_view(self, state: DashboardState, now: float) -> None:
+        self.table.border_subtitle = warming_up(state)
         update_gauges(self, state)
         self.query_one("#counters", Static).update(counters(state, now))
         self.update_stream(state, now)

@@ -20,6 +20,8 @@ def gauge_text(label: str, used: float | None, limit: float | None, width: int, 
         numbers += f"  {detail}"  # the detail only where it leaves the bar room
     if len(label) + len(numbers) + MIN_BAR + 3 > width:
         label = label.rstrip()  # narrow: the label's alignment padding goes before the numbers do
+    if len(label) + len(numbers) + MIN_BAR + 3 > width:  # narrower still: the label is cut, never a unit
+        label = label[:max(1, width - len(numbers) - MIN_BAR - 3)]
     bar_width = max(MIN_BAR, width - len(label) - len(numbers) - 3)
     share = min(1.0, (used or 0) / limit) if limit else 0.0
     filled = round(share * bar_width)

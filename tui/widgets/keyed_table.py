@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
 from rich.text import Text
+from textual.binding import Binding
+from textual.coordinate import Coordinate
 from textual.widgets import DataTable
 
 Row = TypeVar("Row")
@@ -46,13 +48,19 @@ def matches(text: str, query: str) -> bool:
 class KeyedTable(DataTable, Generic[Row]):
     """Rows from ``show(rows)``; ``s``/``S`` sort, the app's ``/`` calls ``set_query``.
 
-    With ``follow``, a cursor on the first row stays on the first row as rows arrive, so a
-    newest-first table keeps showing the newest; moved down, it stays on its row.
+    With ``follow``, the table follows: its cursor stays on the first row of its own order (the
+    newest, for a newest-first table) as rows arrive, like top. Moved off it (or sorted another
+    way) it pauses, its cursor staying on its row; ``Home``/``g`` (or moving back to the first
+    row) resumes following. The title says which (``● following`` / ``❚❚ paused``).
+
+    The cursor's row stays in view when the table's height changes (the entry tabs' timeline
+    grows with the entry it describes).
     """
 
     BINDINGS = [
         ("s", "cycle_sort", "Sort"),
         ("S", "reverse_sort", "Reverse"),
+        Binding("home,g", "first_row", "First row / newest", show=False),
     ]
 
     def __init__(self, columns: Sequence[Column[Row]], row_key: Callable[[Row], str], *,
@@ -65,7 +73,10 @@ class KeyedTable(DataTable, Generic[Row]):
         self.sort_reverse = reverse
         self.filter_text = ""
         self.caption = title
-        self.follow = follow  # a cursor on the first row stays there as new rows arrive (like top)
+        self.follow = follow  # the table may follow its first row as new rows arrive (like top)
+        self.following = follow  # ... and does now (paused once the cursor moved off it)
+        self._own_order = (sort, reverse)  # the order it follows in
+        self._placing = False  # the table itself moves the cursor (a rebuild), not the user
         self._rows: list[Row] = []
         self._shown: list[tuple[str, tuple[Text, ...]]] = []
 
@@ -130,15 +141,49 @@ class KeyedTable(DataTable, Generic[Row]):
                     if cell != old:
                         self.update_cell(key, column.key, cell)
         else:
-            selected = None if self.follow and self.cursor_row == 0 else self.selected_key
-            self.clear()
-            for key, cells in visible:
-                self.add_row(*cells, key=key)
-            if selected is not None:
+            selected = None if self.following else self.selected_key
+            self._placing = True
+            try:
+                self.clear()
+                for key, cells in visible:
+                    self.add_row(*cells, key=key)
                 self._shown = visible
-                self.select_key(selected)
+                if selected is None or not self.select_key(selected):
+                    self.move_cursor(row=0)
+            finally:
+                self._placing = False
         self._shown = visible
         self._render_title()
+
+    # ------------------------------------------------------------------ following
+
+    def watch_cursor_coordinate(self, old: Coordinate, new: Coordinate) -> None:
+        super().watch_cursor_coordinate(old, new)
+        if self.follow and not self._placing and old.row != new.row:
+            self._set_following(new.row == 0 and (self.sort_column, self.sort_reverse) == self._own_order)
+
+    def action_first_row(self) -> None:
+        """``Home``/``g``: the first row; a following table goes back to its own order (newest
+        first) and follows again."""
+        if self.follow:
+            self.sort_column, self.sort_reverse = self._own_order
+            self._set_following(True)
+            self._refresh_rows()
+        self.move_cursor(row=0)
+
+    def _set_following(self, following: bool) -> None:
+        if following != self.following:
+            self.following = following
+            self._render_title()
+
+    def on_resize(self) -> None:
+        self.keep_cursor_in_view()
+
+    def keep_cursor_in_view(self) -> None:
+        """Scroll the cursor's row into view (after a change of height: a resize, or a widget
+        next to the table that grew)."""
+        if self.row_count:
+            self._scroll_cursor_into_view()
 
     # ------------------------------------------------------------------ sorting
 
@@ -148,6 +193,8 @@ class KeyedTable(DataTable, Generic[Row]):
         if reverse is None:
             reverse = not self.sort_reverse if key == self.sort_column else False
         self.sort_column, self.sort_reverse = key, reverse
+        if self.follow:  # another order has no newest row to follow: paused on the row it is on
+            self._set_following(self.following and (key, reverse) == self._own_order)
         self._refresh_rows()
 
     def action_cycle_sort(self) -> None:
@@ -173,4 +220,6 @@ class KeyedTable(DataTable, Generic[Row]):
             parts.append(f"by {label} {'▼' if self.sort_reverse else '▲'}")
         if self.filter_text:
             parts.append(f"filter {self.filter_text!r}")
+        if self.follow:
+            parts.append("● following" if self.following else "❚❚ paused: Home/g follows")
         self.border_title = " · ".join(parts)
