@@ -177,8 +177,10 @@ class RotatingOutput(io.TextIOBase):
         self._open()
 
     def _open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        from server_patch.private_files import open_private, private_dir
+
+        private_dir(self.path.parent, tighten=False)  # a directory it creates is 0700; a configured one keeps its mode
+        fd = open_private(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # 0600, an older 0644 file too
         try:
             for target in (1, 2):
                 os.dup2(fd, target)

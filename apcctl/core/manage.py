@@ -29,7 +29,7 @@ from apcctl.core.client import AdminClient, AdminError
 from server_patch.launch import LOG_BACKUPS, LOG_FILE_ENV, LOG_MAX_BYTES, rotate_files
 from server_patch.lineage.config import LineageConfig
 from server_patch.paths import state_dir
-from server_patch.private_files import open_private
+from server_patch.private_files import open_private, private_dir
 
 SPEC_FILE = "server.json"
 RUNNING_FILE = "server.running.json"
@@ -204,7 +204,8 @@ class BackgroundFiles:
                 rotate_files(self.log_path, LOG_BACKUPS)
         except FileNotFoundError:
             pass
-        log = self.log_path.open("ab")
+        private_dir(self.directory)  # 0700: the log holds request ids, sizes and client text
+        log = os.fdopen(open_private(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab")  # 0600
         log.write(f"\n{START_BANNER}{what} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(argv)}\n".encode())
         log.flush()
         return log
@@ -251,7 +252,7 @@ class ManagedServer(BackgroundFiles):
 
     def save(self, spec: ServerSpec) -> None:
         """Owner-only, because the environment may hold the admin token."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(self.directory)
         write_private(self.spec_path, json.dumps(asdict(spec), indent=2))
 
     RECORD_FILES = (SPEC_FILE, RUNNING_FILE, FAILED_FILE, PID_FILE)

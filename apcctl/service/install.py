@@ -15,6 +15,7 @@ from apcctl.service import units
 from apcctl.service.record import ServiceRecord, read_record, remove_record, write_record
 from apcctl.service.runner import SupervisorError, run_supervisor
 from server_patch.launch import LOG_FILE_ENV
+from server_patch.private_files import open_private, private_dir
 
 SUPERVISED = ("launchd", "systemd")
 # The per-user dirs platformdirs reads on Linux: the state dir (servers' records), the config file.
@@ -87,7 +88,9 @@ def install(supervisor: str, spec: units.ServiceSpec) -> Installed:
     A load that fails removes both again, so ``restart`` never goes to a service that is not there."""
     path = units.unit_path(supervisor, spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    Path(spec.working_dir).mkdir(parents=True, exist_ok=True)
+    private_dir(spec.working_dir)  # 0700: server.log and the supervisor's capture live there
+    if Path(spec.log_path).parent == Path(spec.working_dir):  # the capture file: 0600 before the supervisor opens it
+        os.close(open_private(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
