@@ -17,9 +17,9 @@ import pytest
 from click.testing import CliRunner
 
 from apcctl.cli import main
-from server_patch.disk import integrity
 from server_patch.disk.lock import LOCK_NAME
 from server_patch.disk.marker import MARKER_NAME, is_tier
+from tests.cli.test_check_cli import flip_data_byte
 from tests.disk.test_disk_store import written
 
 FINGERPRINT = "0123456789abcdef" + "0" * 48
@@ -36,13 +36,6 @@ def model_dir(path: Path) -> Path:
     (path / "config.json").write_text('{"model_type": "qwen3"}')
     mx.save_safetensors(str(path / "model.safetensors"), {"w": mx.zeros((4, 4))}, metadata={"format": "mlx"})
     return path
-
-
-def damage(path: Path) -> None:
-    header = integrity.read_header(path)
-    data = bytearray(path.read_bytes())
-    data[header.data_start + header.tensors[0].nbytes // 2] ^= 0x40
-    path.write_bytes(bytes(data))
 
 
 @pytest.fixture
@@ -75,7 +68,7 @@ def test_the_store_marks_its_tier_private(tier):
 
 def test_foreign_files_in_a_tier_are_listed_never_removed(tier, tmp_path):
     (ours,) = list((tier / FINGERPRINT[:16]).glob("*.safetensors"))
-    damage(ours)
+    flip_data_byte(ours)
     model_dir(tier / "stray-model")  # a model copied into the tier: a subdirectory that is no fingerprint's
     stray_top = tier / "weights.safetensors"
     stray_top.write_bytes((tier / "stray-model" / "model.safetensors").read_bytes())
@@ -92,7 +85,7 @@ def test_a_tier_of_an_earlier_version_is_recognised_by_its_layout(tier):
     (tier / MARKER_NAME).unlink()
     (tier / LOCK_NAME).write_text("")
     (ours,) = list((tier / FINGERPRINT[:16]).glob("*.safetensors"))
-    damage(ours)
+    flip_data_byte(ours)
     code, out = run("--disk-path", str(tier), "--fix")
     assert code == 1 and f"removed: {ours}" in out, out
 
