@@ -18,6 +18,13 @@ with a staged buffer is admitted alone in its prompt batch, so no merge copies i
 loaded while others decode is promoted at once, and its entry's merge copy staged the same way
 (LOADING -> STAGING): a loaded file's buffers have no room to be lent.
 
+Holds (issue 34 item 5): before its file's read starts, the request holds the entry
+(``LineageCache.hold``, ``lineage.holds``): the file's bytes are counted in the RAM budget while it
+loads, and once promoted the entry cannot be evicted by another load, commit or promotion until
+the lookup admits the request (``release``), or it leaves the queue. A load the budget cannot
+hold beside those already held waits its turn in LOADING (the first always starts, so every
+request whose entry alone fits the budget restores); its wait bound counts from its start.
+
 Prefetch: mlx-vlm reaches ``admissible`` only when it would admit (room in the batch, no
 multi-chunk prefill running), so every step it also calls ``prefetch``: the first queued
 prompts are looked ahead once each (memoised by uid) and their loads and staged copies start
@@ -68,13 +75,14 @@ class Load:
 
     record: Any  # the ``DiskRecord`` its look-ahead found (the next one after a rejected file)
     length: int  # the restore point's length in it
-    started: float  # ``clock.steady()`` when it started
+    started: float  # ``clock.steady()`` when it began to wait (its record's ``loading_ms``)
     steps_at_start: int  # the book's decode steps then
     answer: Optional[tuple[Any, str]] = None  # ``load_checked``'s, once finished
     late: bool = False  # still loading past the bound: admitted cold
     done: bool = False  # loaded, late, or no file left to load
     rejected: list[tuple[int, str]] = field(default_factory=list)  # (length, why) of files it rejected
     promoted: Optional[str] = None  # the entry its file became, promoted while it queued (to stage its copy)
+    begun: Optional[float] = None  # ``clock.steady()`` when its read started: its turn came (``_turn``)
 
 
 def _load_checked(store: Any) -> Callable[[Any], Any]:
@@ -200,18 +208,39 @@ class DiskLoads:
         load = row.load
         if load.done:
             return True
+        if not self._turn(row):
+            return False  # the RAM budget holds others' loads: it waits its turn
         finished, answer = self.loads.poll(disk, load.record, load=_load_checked(disk), kept=True,
                                            wait_s=IDLE_WAIT_S if idle else 0.0)
         if finished and answer[0] is None:
-            self._rejected(load, answer[1], prompt, namespace)
+            self._rejected(row, answer[1], prompt, namespace)
         elif finished:
             load.answer, load.done = answer, True
             if busy and self._stage_loaded(row, prompt, namespace):
                 return False
-        elif (clock.steady() - load.started) * 1000 >= settings.value("APC_DISK_LOAD_WAIT_MS"):
+        elif (clock.steady() - load.begun) * 1000 >= settings.value("APC_DISK_LOAD_WAIT_MS"):
             load.late = load.done = True
             self.loads.forget(disk, load.record)
+            self.release(row)
         return load.done
+
+    def _turn(self, row: RowLife) -> bool:
+        """Whether row's file may load now: its request holds the entry (``LineageCache.hold``)
+        from before the read until its lookup admits it, so the file's bytes are counted in the
+        RAM budget while it loads and, once promoted, no other load or commit evicts it. A load
+        the budget cannot hold beside the others' waits (its bound counts from its start)."""
+        load = row.load
+        if load.begun is None:
+            if not self.runtime.cache.hold(row, load.record.id, load.record.nbytes):
+                return False
+            load.begun = clock.steady()
+        return True
+
+    def release(self, row: Optional[RowLife]) -> None:
+        """What ``row``'s request holds of the cache is let go: it was admitted (its lookup
+        restored, or not), left the queue, or its load was abandoned."""
+        if row is not None:
+            self.runtime.cache.release(row)
 
     def _stage_loaded(self, row: RowLife, prompt: np.ndarray, namespace: str) -> bool:
         """Its file loaded while others decode: the entry is promoted into RAM now, and if the
@@ -262,11 +291,14 @@ class DiskLoads:
         plan = self.runtime.cache.lookup(prompt, namespace, counted=False)
         return plan if plan.tier == DISK and not self.runtime.refuses(DISK) else None
 
-    def _rejected(self, load: Load, why: str, prompt: np.ndarray, namespace: str) -> None:
+    def _rejected(self, row: RowLife, why: str, prompt: np.ndarray, namespace: str) -> None:
         """Its file failed validation: forgotten (as a lookup's own load would), and the next
         disk file the prompt would restore from starts loading, if any."""
+        load = row.load
         self.runtime.cache.promote(load.record, None, reason=why)
         load.rejected.append((load.length, why or "failed validation"))
+        self.release(row)
+        load.begun = None  # the next file waits its turn as the first did
         plan = self._disk_plan(prompt, namespace)
         if plan is None:
             load.done = True
@@ -286,6 +318,7 @@ class DiskLoads:
         if row.stage is not None:
             self.stagings.drop(row.stage)
         row.load = row.stage = None
+        self.release(row)
         self.book.end(row, "left the queue")
 
     def for_request(self, row: Optional[RowLife], record: Any) -> Optional["RequestDisk"]:

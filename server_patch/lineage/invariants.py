@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from server_patch.lineage.budget import WriteQueue
+from server_patch.lineage.holds import Holds
 from server_patch.lineage.model import Entry, Loan
 from server_patch.lineage.tally import EntryMap, RecordMap
 
@@ -98,6 +99,12 @@ def supersede_cycles(superseded_by: Mapping[str, str]) -> list[str]:
     return found
 
 
+def hold_violations(entries: EntryMap, holds: Holds) -> list[str]:
+    """A hold that pins an entry (``holds``) names one in RAM: a held entry never left it."""
+    return [f"entry {entry_id}: held in RAM by a request but not in RAM" for entry_id in holds.resident_ids()
+            if entry_id not in entries]
+
+
 def violations(entries: EntryMap, records: RecordMap, queued: WriteQueue,
                superseded_by: Mapping[str, str]) -> list[str]:
     """Every invariant the cache's parts break, in words (empty: all hold)."""
@@ -109,4 +116,4 @@ def violations(entries: EntryMap, records: RecordMap, queued: WriteQueue,
     return found
 
 
-__all__ = ["InvariantError", "loan_violations", "violations"]
+__all__ = ["InvariantError", "hold_violations", "loan_violations", "violations"]

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Hashable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -28,7 +28,8 @@ from server_patch.failclosed import fail_closed
 from server_patch.lineage.budget import WriteQueue, plan_eviction
 from server_patch.lineage.config import LineageConfig, ThinClass
 from server_patch.lineage.handles import KVHandle, SnapshotHandle
-from server_patch.lineage.invariants import InvariantError, loan_violations, violations
+from server_patch.lineage.holds import Holds
+from server_patch.lineage.invariants import InvariantError, hold_violations, loan_violations, violations
 from server_patch.lineage.lookup import common_prefix_len
 from server_patch.lineage.misses import Lost, MissBook
 from server_patch.lineage.model import (
@@ -95,6 +96,7 @@ class LineageCache:
         self._superseded_by: dict[str, str] = {}
         self._queued = WriteQueue()  # what the disk writer holds: counted in the RAM budget
         self._loans: set[Loan] = set()  # receipts out (``lend``), ended by ``end``
+        self._holds = Holds()  # entries requests hold until admitted (``hold``), let go by ``release``
         self.stats: Counter[str] = Counter()
         self.closed = False  # close(): its model is unloaded, nothing more is stored or written
         self.misses = MissBook.from_config(self.config, clock)  # the live oracle (``misses``)
@@ -124,10 +126,11 @@ class LineageCache:
 
     @property
     def ram_used(self) -> int:
-        """What the RAM budget bounds: the entries in RAM and what the disk writer holds of
-        entries that left RAM (``budget``)."""
+        """What the RAM budget bounds: the entries in RAM, what the disk writer holds of
+        entries that left RAM (``budget``), and the files requests hold while they load
+        (``holds``)."""
         with self.lock:
-            return self.ram_bytes + self._queued.bytes_outside(self._entries)
+            return self.ram_bytes + self._queued.bytes_outside(self._entries) + self._holds.reserved()
 
     @property
     def disk_bytes(self) -> int:
@@ -141,11 +144,14 @@ class LineageCache:
             anchor_bytes = sum(self._entries.counted(e.id) for e in anchors)
             conv = self._entries.total - anchor_bytes
             queued = self._queued.bytes_outside(self._entries)
+            loading = self._holds.reserved()
             return {
-                "ram_used": conv + anchor_bytes + queued,
+                "ram_used": conv + anchor_bytes + queued + loading,
                 "ram_limit": self.config.ram_budget_bytes,
                 "conversation_bytes": conv,
                 "disk_queue_bytes": queued,
+                "held_bytes": self._holds.pinned(self._entries.counted),  # in RAM, held for admission
+                "loading_bytes": loading,  # files held while they load
                 "anchor_bytes": anchor_bytes,
                 "anchor_bytes_limit": self.config.anchor_max_bytes,
                 "anchor_count": len(anchors),
@@ -520,6 +526,34 @@ class LineageCache:
             loan.entry.loans -= 1
             self._loans.discard(loan)
 
+    # ------------------------------------------------------------------ holds
+
+    def hold(self, owner: Hashable, entry_id: str, nbytes: int) -> bool:
+        """``owner`` (a request) holds entry ``entry_id`` until ``release(owner)`` (``holds``):
+        counted in the RAM budget with ``nbytes`` while it is not in RAM (its file loads), and
+        never evicted while it is. False, nothing taken, where the budget cannot hold it beside
+        what others hold: the caller waits its turn. The first hold, or one of an entry already
+        held or in RAM, is always granted, so an entry that fits the budget alone restores."""
+        with self.lock:
+            if not (len(self._holds) == 0 or self._holds.held(entry_id) or entry_id in self._entries):
+                held = self._holds.reserved() + self._holds.pinned(self._entries.counted)
+                if held + int(nbytes) > self.config.ram_budget_bytes:
+                    return False
+            self._holds.take(owner, entry_id, nbytes, resident=entry_id in self._entries)
+            return True
+
+    def release(self, owner: Hashable) -> int:
+        """Everything ``owner`` holds is let go (admitted, or gone from the queue); what the
+        budget cannot keep now may leave RAM. Returns how many holds it had."""
+        with self.lock:
+            let_go = self._holds.release(owner)
+            if let_go:
+                self._enforce_budgets(lossless=not self._writes_in_background())
+            return len(let_go)
+
+    def _writes_in_background(self) -> bool:
+        return bool(getattr(self.disk, "writes_in_background", False))
+
     def rewind(self, entry: Entry) -> bool:
         """Move ``entry``'s head back from past its reply to its prompt end: what the entry
         would be without reply reuse. For a next prompt that did not re-render the reply and
@@ -719,8 +753,7 @@ class LineageCache:
         the background (``DiskTier.writes_in_background``, the real store) frees RAM at once
         instead: entries already on disk first, and the least recently used entry without room
         in the writer's queue leaves RAM unwritten (``evicted_unwritten``). Metadata only."""
-        background = bool(getattr(self.disk, "writes_in_background", False))
-        self._enforce_budgets(keep=added[-1], lossless=not background)
+        self._enforce_budgets(keep=added[-1], lossless=not self._writes_in_background())
 
     def _enforce_budgets(self, keep: Entry | None = None, *, lossless: bool = False) -> None:
         """Anchor caps, then the RAM budget (see ``budget`` for what it counts and when an
@@ -742,9 +775,10 @@ class LineageCache:
             self._evict_ram(victim, Reason.RAM_BUDGET, write=id(victim) in written)
 
     def _evictable(self, entry: Entry) -> bool:
-        """Not lent, and no write in flight (evicting it would free nothing until the write
-        lands, and no pass waits for the writer)."""
-        return not entry.lent and not self._queued.holds(entry.id)
+        """Not lent, not held by a request waiting for its admission (``hold``), and no write
+        in flight (evicting it would free nothing until the write lands, and no pass waits
+        for the writer)."""
+        return not entry.lent and not self._holds.held(entry.id) and not self._queued.holds(entry.id)
 
     def _needs_write(self, entry: Entry) -> bool:
         """Whether leaving RAM loses state the disk lacks and no queued write will hold (a
@@ -914,6 +948,7 @@ class LineageCache:
             entry.pinned = record.pinned
             record.last_used = now
             self._entries[entry.id] = entry
+            self._holds.settle(entry.id)  # a request's hold pins it from now on
             self._emit(Event(EventKind.PROMOTE, entry.id, entry.length, entry.nbytes))
             self._take_in([entry])
             return entry if self.holds(entry) else None
@@ -968,6 +1003,7 @@ class LineageCache:
             entry = self._entries.pop(entry_id, None)
             if entry is None:
                 return False
+            self._holds.unsettle(entry_id)
             self.stats["dropped"] += 1
             self._emit(Event(EventKind.EVICT, entry.id, entry.length, entry.nbytes, reason))
             self.misses.went(entry, reason)
@@ -985,6 +1021,7 @@ class LineageCache:
         with self.lock:
             found = violations(self._entries, self._records, self._queued, self._superseded_by)
             found += loan_violations(self._entries, self._loans)
+            found += hold_violations(self._entries, self._holds)
         if found:
             raise InvariantError(found)
 
@@ -993,6 +1030,7 @@ class LineageCache:
         (``integration.runtime``). A lent entry's loan then ends with its entry gone (dropped)."""
         with self.lock:
             for entry in list(self._entries.values()):
+                self._holds.unsettle(entry.id)
                 self._emit(Event(EventKind.EVICT, entry.id, entry.length, entry.nbytes, Reason.RESET))
                 self.misses.went(entry, Reason.RESET)
             self._entries.clear()

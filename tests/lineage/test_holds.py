@@ -1,0 +1,82 @@
+"""Holds (``lineage.holds``): an entry a request waits for is counted while its file loads, is
+never evicted once promoted until its holder lets go, and loads beyond the RAM budget wait their
+turn (issue 34 item 5: concurrent disk restores evicted each other before admission).
+
+The policy is plain Python over sized handles: the real ``LineageCache``, a disk that writes at
+once; invariants are checked after every verb.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from server_patch.lineage import LineageCache, LineageConfig
+from tests.lineage.test_lineage_policy import Clock, FakeDisk, serve, words
+from tests.lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
+
+pytestmark = pytest.mark.usefixtures("checked_lineage")
+
+
+@pytest.fixture
+def disk_only():
+    """Four conversations' entries on disk only (RAM forgot them), and a RAM budget that holds
+    two and a half of them: each fits alone."""
+    cache = LineageCache(LineageConfig(), disk=FakeDisk(), clock=Clock())
+    entries = [serve(cache, words(800, 4200 + i))[2] for i in range(4)]
+    cache.flush()
+    cache.clear()
+    size = max(e.nbytes for e in entries)
+    cache.config = replace(cache.config, ram_budget_bytes=size * 5 // 2)
+    records = {r.id: r for r in cache.records()}
+    return cache, entries, [records[e.id] for e in entries]
+
+
+def test_loads_beyond_what_the_budget_holds_wait_their_turn(disk_only):
+    cache, entries, records = disk_only
+    assert cache.hold("a", records[0].id, records[0].nbytes)
+    assert cache.hold("b", records[1].id, records[1].nbytes)
+    assert cache.ram_used == records[0].nbytes + records[1].nbytes  # loads in flight are counted
+    assert not cache.hold("c", records[2].id, records[2].nbytes)  # a third does not fit beside them
+    assert cache.hold("d", records[1].id, records[1].nbytes)  # a twin waiting for a held file: no more bytes
+    assert cache.release("a") == 1
+    assert cache.hold("c", records[2].id, records[2].nbytes)  # its turn came
+
+
+def test_the_first_hold_is_granted_even_over_the_budget(disk_only):
+    cache, _, records = disk_only
+    cache.config = replace(cache.config, ram_budget_bytes=records[0].nbytes // 2)
+    assert cache.hold("a", records[0].id, records[0].nbytes)  # alone: as before, never starved
+
+
+def test_a_held_promoted_entry_is_not_evicted_by_other_promotions_or_commits(disk_only):
+    cache, entries, records = disk_only
+    assert cache.hold("a", records[0].id, records[0].nbytes)
+    assert cache.hold("b", records[1].id, records[1].nbytes)
+    assert cache.promote(records[0], entries[0]) is entries[0]
+    assert cache.promote(records[1], entries[1]) is entries[1]
+    serve(cache, words(900, 4300))  # a commit past the budget: only what nobody holds may go
+    assert cache.get(entries[0].id) is entries[0] and cache.get(entries[1].id) is entries[1]
+    assert cache.budgets()["held_bytes"] >= entries[0].nbytes + entries[1].nbytes
+    cache.release("a")  # admitted: its entry is an ordinary one again, and the budget holds
+    cache.release("b")
+    assert cache.ram_used <= cache.config.ram_budget_bytes
+
+
+def test_without_holds_the_promotions_evict_each_other(disk_only):
+    """What the holds prevent: promoted one after the other past the budget, the older
+    promoted entries leave RAM before their requests' lookups."""
+    cache, entries, records = disk_only
+    for record, entry in zip(records[:3], entries[:3]):
+        cache.promote(record, entry)
+    assert cache.get(entries[0].id) is None
+
+
+def test_an_operators_evict_of_a_held_entry_leaves_it_reserved_not_pinned(disk_only):
+    cache, entries, records = disk_only
+    assert cache.hold("a", records[0].id, records[0].nbytes)
+    cache.promote(records[0], entries[0])
+    cache.evict(entries[0].id)  # the invariants (checked after each verb) hold
+    assert cache.get(entries[0].id) is None and cache.ram_used == records[0].nbytes
+    assert cache.release("a") == 1 and cache.ram_used == 0
