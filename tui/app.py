@@ -34,7 +34,7 @@ from apcctl.core.client import AdminClient
 from tui import impact
 from tui.fleet import FleetSource
 from tui.messages import (EntryRequested, EventsArrived, NewAnchorRequested, PollRequested, RestartRequested,
-                          VerbRequested)
+                          ServerRequested, VerbRequested)
 from tui.panes.base import Pane
 from tui.panes.entries import AnchorsPane, LineagesPane
 from tui.panes.fleet import FleetPane
@@ -94,7 +94,11 @@ class DashboardApp(App[None]):
         self.polls = 0  # finished polls, successful or not (tests wait on it)
         self.fleet_polls = 0  # the same for the fleet view
         self.closing = threading.Event()  # set on unmount: every thread of the app stops on it
-        self._inbox: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
+        # (generation, event, data): a Fleet pick (``show_server``) starts a new generation, and an
+        # event the previous server's stream queued is dropped.
+        self._inbox: queue.SimpleQueue[tuple[int, str, dict[str, Any]]] = queue.SimpleQueue()
+        self._generation = 0
+        self._follow_stop = threading.Event()  # ends the current server's stream (a pick, or closing)
         self._woken = threading.Event()
         self._poll_timer: Any = None
         self._backoff = 0.5
@@ -132,6 +136,7 @@ class DashboardApp(App[None]):
 
     def on_unmount(self) -> None:
         self.closing.set()  # ends the event thread within a keepalive, so the process can exit
+        self._follow_stop.set()
 
     @property
     def caught_up(self) -> bool:
@@ -157,7 +162,8 @@ class DashboardApp(App[None]):
 
     @work(thread=True, exclusive=True, group="poll", exit_on_error=False)
     def _poll(self) -> Any:
-        return self.source.snapshot()
+        source = self.source
+        return source, source.snapshot()
 
     @work(thread=True, exclusive=True, group="fleet-poll", exit_on_error=False)
     def _poll_fleet(self) -> Any:
@@ -174,7 +180,10 @@ class DashboardApp(App[None]):
             self._fleet_polled(worker.result if event.state == WorkerState.SUCCESS else None, worker.error)
             return
         if event.state == WorkerState.SUCCESS:
-            self.state.apply_snapshot(worker.result)
+            source, snapshot = worker.result
+            if source is not self.source:  # asked of the server shown before a Fleet pick
+                return
+            self.state.apply_snapshot(snapshot)
             self._backoff = 0.5
             delay = self.refresh_s
         else:
@@ -202,7 +211,9 @@ class DashboardApp(App[None]):
             delay, self._fleet_backoff = self._fleet_backoff, min(MAX_BACKOFF_S, self._fleet_backoff * 2)
         self.fleet_polls += 1
         if not self.paused:
-            self.query_one(FleetPane).update_view(self.state, self.source.now())
+            pane = self.query_one(FleetPane)
+            pane.shown = self.source.name if hasattr(self.fleet, "source_for") else ""  # a picker: say which
+            pane.update_view(self.state, self.source.now())
         self._fleet_timer = self.set_timer(delay, self._poll_fleet)
 
     # ------------------------------------------------------------------ the event stream
@@ -211,28 +222,29 @@ class DashboardApp(App[None]):
     def _follow(self) -> None:
         """Follow the stream for the app's life; reconnect at once after a good connection, else back off."""
         backoff = 0.5
-        while not self.closing.is_set():
+        source, stop, generation = self.source, self._follow_stop, self._generation  # this server's stream
+        while not stop.is_set():
             connected = threading.Event()
 
             def emit(name: str, data: dict[str, Any]) -> None:
                 if name == "hello":
                     connected.set()
-                self._emit(name, data)
+                self._emit(name, data, generation)
 
             try:
-                self.source.follow(emit, self.closing)
+                source.follow(emit, stop)
                 error = "the event stream ended"
             except SourceError as exc:
                 error = str(exc)
-            if self.closing.is_set():
+            if stop.is_set():
                 return
-            self._emit("lost", {"error": error})
+            self._emit("lost", {"error": error}, generation)
             backoff = 0.5 if connected.is_set() else min(MAX_BACKOFF_S, backoff * 2)
-            self.closing.wait(backoff)
+            stop.wait(backoff)
 
-    def _emit(self, name: str, data: dict[str, Any]) -> None:
+    def _emit(self, name: str, data: dict[str, Any], generation: int) -> None:
         """Runs on the event thread: queue the event, and wake the UI once for however many follow."""
-        self._inbox.put((name, data))
+        self._inbox.put((generation, name, data))
         if not self._woken.is_set():
             self._woken.set()
             self.post_message(EventsArrived())
@@ -244,9 +256,11 @@ class DashboardApp(App[None]):
         fresh = False
         while True:
             try:
-                name, data = self._inbox.get_nowait()
+                generation, name, data = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            if generation != self._generation:
+                continue
             if name == "lost":
                 self.state.stream_state("lost", data["error"])
                 fresh = True
@@ -423,6 +437,31 @@ class DashboardApp(App[None]):
             self.call_from_thread(self.notify, f"{title} failed: {exc}", severity="error", timeout=8)
             return
         self.call_from_thread(self._performed, title, answer)
+
+    def on_server_requested(self, message: ServerRequested) -> None:
+        """Enter on a Fleet row: show that server in every other tab (``fleet top``'s picker)."""
+        picker = getattr(self.fleet, "source_for", None)  # a fixed snapshot has no servers to ask
+        source = picker(message.name) if picker is not None else None
+        if source is None:
+            self.notify(f"{message.name}: this fleet view cannot show its servers.", severity="warning")
+            return
+        self.show_server(source)
+        self.notify(f"Showing {message.name} in the Live, Lineages, Anchors and Log tabs.")
+        self.action_show_tab("live")
+
+    def show_server(self, source: DashboardSource) -> None:
+        """From now on every tab but Fleet shows ``source``: its stream replaces the last one, and
+        nothing the last server said (a poll or an event still on its way) is drawn."""
+        self._follow_stop.set()
+        fleet, fleet_error = self.state.fleet, self.state.fleet_error
+        self.source, self.state = source, DashboardState()
+        self.state.fleet, self.state.fleet_error = fleet, fleet_error
+        self._generation += 1
+        self._follow_stop = threading.Event()
+        self._backoff = 0.5
+        self._follow()
+        self.poll_now()
+        self.render_all()
 
     def on_poll_requested(self, _: PollRequested) -> None:
         """Poll now, without the backoff a lost server built up (a restart just brought it back)."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from apcctl.core.client import AdminClient, AdminError, hits_of
 from apcctl.core.gateway import GatewayClient, worker_state
-from tui.source import SourceError
+from tui.source import DashboardSource, LiveSource, SourceError
 from tui.state import Keyed
 
 if TYPE_CHECKING:
@@ -75,6 +75,9 @@ class FleetSource(Protocol):
         """The fleet now; raises ``SourceError`` only when nothing at all can be asked."""
         ...
 
+    # A source that can also give each server's own dashboard source has
+    # ``source_for(name) -> DashboardSource | None``: the Fleet tab's server picker (Enter on a row).
+
 
 @dataclass(frozen=True)
 class StaticFleetSource:
@@ -97,6 +100,10 @@ class LiveFleetSource:
         self.members = list(members)
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.members) + 1), thread_name_prefix="apcctl-fleet")
 
+    def source_for(self, name: str) -> DashboardSource | None:
+        client = next((c for n, c in self.members if n == name), None)
+        return None if client is None else LiveSource(client)
+
     def snapshot(self) -> FleetSnapshot:
         workers_future = self._pool.submit(self.gateway.workers)
         asked = [self._pool.submit(_ask, client) for _, client in self.members]
@@ -117,6 +124,13 @@ class LiveFleetSource:
         recent.sort(key=lambda k: k.data.get("started") or 0.0)
         return FleetSnapshot(self.gateway.base_url.rstrip("/"), self.policy, servers, recent, gateway_error,
                              time.time())
+
+
+def busiest(fleet: FleetSnapshot) -> str | None:
+    """The server that answered the most requests (where the gateway sent the traffic; the first
+    of a tie), None when none answers: what ``fleet top`` opens on without ``--server``."""
+    answered = [s for s in fleet.servers if s.status is not None]
+    return max(answered, key=lambda s: s.hits.requests).name if answered else None
 
 
 def _ask(client: AdminClient) -> tuple[Status | None, list[RequestRecord], str]:

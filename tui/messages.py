@@ -41,5 +41,12 @@ class EntryRequested(Message):
 
 
 @dataclass
+class ServerRequested(Message):
+    """A Fleet row was chosen: the other tabs show that server from now on (``name``)."""
+
+    name: str
+
+
+@dataclass
 class PollRequested(Message):
     """Poll the server now (a restarted server: the header must not keep the old one's state)."""

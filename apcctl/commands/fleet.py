@@ -401,7 +401,8 @@ def _members(fleet_name: str | None, config_path: Path | None,
 @fleet.command("top", epilog=EXIT_CODES_SHORT)
 @name_option
 @click.option("--server", "-s", "shown", metavar="NAME",
-              help="The server the Live, Lineages, Anchors and Log tabs show (default: the fleet's first).")
+              help="The server the Live, Lineages, Anchors and Log tabs show first (default: the one that "
+                   "answered the most requests); Enter on a Fleet row shows another.")
 @click.option("--read-only", is_flag=True, help="Hide every key that changes a server: pin, unpin, evict, "
                                                 "new anchor, restart.")
 @click.option("--interval", type=click.FloatRange(min=0.1, max=3600), default=1.0, show_default=True,
@@ -425,13 +426,20 @@ def open_fleet_dashboard(fleet_name: str | None, shown: str | None, *, read_only
                          config_path: Path | None) -> None:
     """``apcctl fleet top`` and ``apcctl top --fleet``: one server's tabs plus the Fleet tab."""
     from tui.app import run_dashboard
-    from tui.fleet import LiveFleetSource
+    from tui.fleet import LiveFleetSource, busiest
+    from tui.source import SourceError
 
     state, spec, targets = _members(fleet_name, config_path)
+    fleet_source = LiveFleetSource(spec.gateway.url, spec.gateway.policy, [(t.name, t.client()) for t in targets],
+                                   state.gateway.key())
+    # Without --server: the server the gateway sent the most requests to (Enter on a Fleet row switches).
+    if not shown:
+        try:
+            shown = busiest(fleet_source.snapshot())
+        except SourceError:
+            shown = None
     chosen = [t for t in targets if t.name == shown] if shown else targets[:1]
     if not chosen:
         raise click.UsageError(f"not a server of fleet {state.name!r}: {shown}")
-    fleet_source = LiveFleetSource(spec.gateway.url, spec.gateway.policy, [(t.name, t.client()) for t in targets],
-                                   state.gateway.key())
     run_dashboard(chosen[0].client(), read_only=read_only, restart_targets=targets, refresh_s=interval,
                   fleet=fleet_source)

@@ -3,6 +3,9 @@ ratio and budgets; below, the newest requests of the whole fleet with the server
 
 During a rolling restart (the Restart tab, which rolls the fleet's servers through the gateway)
 this is where a server is seen leaving the gateway (absent), coming back and turning healthy.
+
+Enter on a server row picks the server the other tabs show (as k9s switches contexts); the
+gateway box says which one they show.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ from typing import Any
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.widgets import Static
+from textual.widgets import DataTable, Static
 
 from apcctl.core import render
 from tui.columns import request_columns
 from tui.fleet import FleetServer, FleetSnapshot
+from tui.messages import ServerRequested
 from tui.panes.base import Pane
 from tui.state import DashboardState, Keyed
 from tui.widgets.keyed_table import Column, KeyedTable
@@ -75,7 +79,7 @@ def fleet_request_columns() -> list[Column[Keyed]]:
             *request_columns()]
 
 
-def gateway_line(fleet: FleetSnapshot | None, error: str) -> Text:
+def gateway_line(fleet: FleetSnapshot | None, error: str, shown: str = "") -> Text:
     if fleet is None:
         return Text(f"asking the fleet… {error}".rstrip(), style="red" if error else "grey62")
     text = Text()
@@ -83,6 +87,8 @@ def gateway_line(fleet: FleetSnapshot | None, error: str) -> Text:
     text.append(f"  policy {fleet.policy}  ")
     style = "green" if fleet.healthy == len(fleet.servers) else "yellow" if fleet.healthy else "bold red"
     text.append(f"{fleet.healthy} of {len(fleet.servers)} servers healthy in the gateway", style=style)
+    if shown:
+        text.append(f"\nthe other tabs show {shown} (Enter on a server to show another)", style="bold")
     for server in fleet.servers:
         if server.status is None:
             text.append(f"\n{server.name} does not answer: {server.error}", style="red")
@@ -94,6 +100,8 @@ def gateway_line(fleet: FleetSnapshot | None, error: str) -> Text:
 
 
 class FleetPane(Pane):
+    shown = ""  # the server the other tabs show (the app sets it)
+
     def compose(self) -> ComposeResult:
         yield Static(id="fleet-gateway", classes="box")
         yield KeyedTable(server_columns(), lambda s: s.name, title="Servers", id="fleet-servers")
@@ -109,7 +117,18 @@ class FleetPane(Pane):
 
     def update_view(self, state: DashboardState, now: float) -> None:
         fleet = state.fleet
-        self.query_one("#fleet-gateway", Static).update(gateway_line(fleet, state.fleet_error))
+        shown = next((s.name for s in fleet.servers if s.url == self.shown.rstrip("/")), self.shown) if fleet else ""
+        self.query_one("#fleet-gateway", Static).update(gateway_line(fleet, state.fleet_error, shown))
         if fleet is not None:
             self.query_one("#fleet-servers", KeyedTable).show(fleet.servers)
             self.table.show(fleet.recent[-REQUEST_ROWS:])
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        """Enter (or a click) on a server: the other tabs show it."""
+        servers = self.query_one("#fleet-servers", KeyedTable)
+        if event.data_table is not servers:
+            return
+        event.stop()
+        chosen = servers.selected()
+        if chosen is not None:
+            self.post_message(ServerRequested(chosen.name))
