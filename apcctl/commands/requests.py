@@ -13,12 +13,15 @@ from apcctl.commands.common import EXIT_CODES_SHORT, json_option, one, server_op
 from apcctl.config import Target
 from apcctl.core import render
 from apcctl.core.client import AdminClient, AdminError
+from apcctl.core.follow_lines import FollowLines
 
 if TYPE_CHECKING:
     from server_patch.admin.schema import RequestRecord
 
 COLUMNS = ("SEQ", "TIME", "KIND", "PROMPT", "REUSED", "ORACLE", "LOST", "LOOKUP", "ADMIT", "PREFILL", "COMMIT",
            "TTFT ms", "WAIT ms", "ENTRY")
+# --follow: the widths values commonly take (a clock; "entry/staged"; milliseconds like 1,234.5).
+FOLLOW_WIDTHS = {"TIME": 8, "KIND": 12, "LOOKUP": 7, "ADMIT": 7, "PREFILL": 7, "COMMIT": 7, "TTFT ms": 7}
 NUMERIC = ("SEQ", "PROMPT", "REUSED", "ORACLE", "LOOKUP", "ADMIT", "PREFILL", "COMMIT", "TTFT ms")
 LINE = "{:>6} {:8} {:12} {:>7} {:>7} {:>7} {:14} {:>8} {:>8} {:>9} {:>8} {:>9} {:16} {}"
 
@@ -127,8 +130,7 @@ def requests(targets: list[Target], since: int, limit: int, follow: bool, sse: b
         else:
             render.console().print(render.table(COLUMNS, [row(r) for r in records], numeric=NUMERIC))
         return
-    if not as_json:
-        click.echo(header())
+    lines = FollowLines(COLUMNS, NUMERIC, FOLLOW_WIDTHS)  # as wide as what arrives: what a table fits, unwrapped
     with talking_to(target):
         source = stream(client, since) if sse else poll(client, since, interval)
-        _take(source, count, render.emit_json_line if as_json else lambda r: click.echo(format_request(r)))
+        _take(source, count, render.emit_json_line if as_json else lambda r: click.echo("\n".join(lines.lines(row(r)))))

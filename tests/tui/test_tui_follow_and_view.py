@@ -134,3 +134,29 @@ def test_a_gauge_never_cuts_its_numbers(width: int) -> None:
     numbers = f"{render.human_bytes(12.3 * 2**20)} / {render.human_bytes(48 * 2**30)}"
     line = gauge_text("conversations ", 12.3 * 2**20, 48 * 2**30, width, detail="3 entries").plain
     assert numbers in line and len(line) <= width, line
+
+
+@sync
+async def test_a_value_that_grows_in_place_widens_its_column() -> None:
+    """Rows whose values change but not their order are updated cell by cell: ``healthy`` ->
+    ``draining`` and ``1.0 MiB`` -> ``1.0 GiB`` must show whole, not ``drainin`` (issue 36.14)."""
+    from textual.app import App, ComposeResult
+
+    from tui.widgets.keyed_table import Column, KeyedTable
+
+    columns = [Column("name", "SERVER", lambda r: r[0]), Column("state", "GATEWAY", lambda r: r[1]),
+               Column("ram", "RAM", lambda r: r[2], numeric=True)]
+
+    class OneTable(App):
+        def compose(self) -> ComposeResult:
+            yield KeyedTable(columns, lambda r: r[0])
+
+    app = OneTable()
+    async with app.run_test(size=(120, 10)) as pilot:
+        table = app.query_one(KeyedTable)
+        table.show([("fleet-1", "ok", "1 B")])
+        await pilot.pause()
+        table.show([("fleet-1", "draining", "1.0 GiB / 48.0 GiB")])
+        await pilot.pause()
+        for key, value in (("state", "draining"), ("ram", "1.0 GiB / 48.0 GiB")):
+            assert table.columns[key].content_width >= len(value), (key, table.columns[key].content_width)

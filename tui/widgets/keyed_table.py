@@ -138,8 +138,8 @@ class KeyedTable(DataTable, Generic[Row]):
         if [k for k, _ in visible] == [k for k, _ in self._shown]:
             for (key, cells), (_, before) in zip(visible, self._shown):
                 for column, cell, old in zip(self.spec, cells, before):
-                    if cell != old:
-                        self.update_cell(key, column.key, cell)
+                    if cell != old:  # a longer value widens its column (never "drainin", "1.0 Gi")
+                        self.update_cell(key, column.key, cell, update_width=True)
         else:
             selected = None if self.following else self.selected_key
             self._placing = True
