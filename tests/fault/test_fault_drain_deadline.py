@@ -121,3 +121,45 @@ def test_a_slow_stream_no_longer_vetoes_a_drain(tiny_model_dir: Path, tmp_path: 
     tail = slow.received[slow.received.rfind(b"drain_deadline"):]
     assert slow.reset or b"drain_deadline" in tail and tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), \
         slow.received[-300:]  # the last chunk, then chunked encoding's end
+
+
+@pytest.mark.parametrize("send_blocks", [False, True])
+def test_a_connection_that_cannot_take_the_final_words_is_aborted(monkeypatch: pytest.MonkeyPatch,
+                                                                   send_blocks: bool) -> None:
+    """The slow reader's path, on a real TCP connection whose client reads nothing: bytes wait in
+    the server's write buffer (uvicorn's shutdown would wait for them), or the final send cannot
+    complete; either way the connection is aborted, found by the client's address."""
+    import asyncio
+
+    from server_patch.admin import drain_deadline
+
+    monkeypatch.setattr(drain_deadline, "FINAL_WRITE_S", 0.2)
+
+    async def scenario() -> tuple[bool, bool]:
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        server = await asyncio.start_server(lambda r, w: accepted.set_result(w), HOST, 0)
+        client = socket.create_connection(server.sockets[0].getsockname()[:2])
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        writer = await accepted
+        transport = writer.transport
+        while transport.get_write_buffer_size() == 0:  # the client reads nothing: the kernel fills, then ours
+            transport.write(b"x" * (1 << 20))
+            await asyncio.sleep(0)
+        scope = {"client": client.getsockname()[:2], "server": server.sockets[0].getsockname()[:2],
+                 "method": "POST", "path": "/v1/chat/completions"}
+        state = drain_deadline.ResponseState()
+        state.saw({"type": "http.response.start", "headers": [(b"content-type", b"text/event-stream")]})
+
+        async def send(message: dict) -> None:
+            if send_blocks:
+                await asyncio.Event().wait()  # a send that never gets room
+            transport.write(message.get("body", b""))
+
+        await drain_deadline.end(scope, send, state, 3.0)
+        aborted = transport.is_closing()
+        server.close()
+        client.close()
+        return aborted, transport.get_write_buffer_size() == 0
+
+    aborted, emptied = asyncio.run(scenario())
+    assert aborted and emptied  # abort drops what the client would never have read
