@@ -9,21 +9,24 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import click
 
-from apcctl.commands.common import EXIT_CODES_SHORT, json_option, one, server_options, talking_to
+from apcctl.commands.common import (
+    EXIT_CODES_SHORT, CommandError, ExitStatus, json_option, one, server_options, talking_to,
+)
 from apcctl.config import Target
 from apcctl.core import render
 from apcctl.core.client import AdminClient, AdminError
+from apcctl.core.drift_view import detail_lines, drift_label
 from apcctl.core.follow_lines import FollowLines
 
 if TYPE_CHECKING:
     from server_patch.admin.schema import RequestRecord
 
-COLUMNS = ("SEQ", "TIME", "KIND", "PROMPT", "REUSED", "ORACLE", "LOST", "LOOKUP", "ADMIT", "PREFILL", "COMMIT",
-           "TTFT ms", "WAIT ms", "ENTRY")
+COLUMNS = ("SEQ", "TIME", "KIND", "PROMPT", "REUSED", "ORACLE", "LOST", "DRIFT", "LOOKUP", "ADMIT", "PREFILL",
+           "COMMIT", "TTFT ms", "WAIT ms", "ENTRY")
 # --follow: the widths values commonly take (a clock; "entry/staged"; milliseconds like 1,234.5).
 FOLLOW_WIDTHS = {"TIME": 8, "KIND": 12, "LOOKUP": 7, "ADMIT": 7, "PREFILL": 7, "COMMIT": 7, "TTFT ms": 7}
 NUMERIC = ("SEQ", "PROMPT", "REUSED", "ORACLE", "LOOKUP", "ADMIT", "PREFILL", "COMMIT", "TTFT ms")
-LINE = "{:>6} {:8} {:12} {:>7} {:>7} {:>7} {:14} {:>8} {:>8} {:>9} {:>8} {:>9} {:16} {}"
+LINE = "{:>6} {:8} {:12} {:>7} {:>7} {:>7} {:14} {:16} {:>8} {:>8} {:>9} {:>8} {:>9} {:16} {}"
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -36,7 +39,7 @@ def row(record: RequestRecord | Mapping[str, Any]) -> tuple[object, ...]:
 
     r = RequestRecord.of(record)
     return (r.seq, render.clock(r.started), render.restore_label(r), f"{r.prompt_tokens:,}",
-            f"{r.restored_tokens:,}", f"{r.oracle:,}", render.lost_label(r),
+            f"{r.restored_tokens:,}", f"{r.oracle:,}", render.lost_label(r), drift_label(r),
             render.ms(r.lookup_ms), render.ms(r.admission_ms),
             render.ms(r.prefill_ms), render.ms(r.commit_ms), render.ms(r.ttft_ms), render.wait_label(r),
             r.entry_id or "-")
@@ -95,6 +98,7 @@ def _take(records: Iterator[RequestRecord], count: int | None, emit: Callable[[R
 
 
 @click.command(epilog=EXIT_CODES_SHORT)
+@click.argument("ident", metavar="[ID]", required=False)
 @server_options()
 @click.option("--since", type=click.IntRange(min=0), default=0, show_default=True,
               help="Only records with a larger sequence number.")
@@ -105,8 +109,8 @@ def _take(records: Iterator[RequestRecord], count: int | None, emit: Callable[[R
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between polls.")
 @click.option("--count", type=click.IntRange(min=1), help="With --follow: stop after this many records.")
 @json_option
-def requests(targets: list[Target], since: int, limit: int, follow: bool, sse: bool, interval: float,
-             count: int | None, as_json: bool) -> None:
+def requests(ident: str | None, targets: list[Target], since: int, limit: int, follow: bool, sse: bool,
+             interval: float, count: int | None, as_json: bool) -> None:
     """Request timings: restore kind, reused tokens, lookup/admission/prefill/commit and TTFT (ms),
     and WAIT: the time it waited for other requests' work, and what most of it was.
 
@@ -115,13 +119,28 @@ def requests(targets: list[Target], since: int, limit: int, follow: bool, sse: b
 
     With --json and --follow, one JSON object per line.
 
+    DRIFT: what the client changed against the nearest earlier prompt of its namespace (cause and
+    token); ID (a SEQ or a request id) shows one record whole, with a short text diff there.
+
     \b
     Examples:
       apcctl requests -n 20
+      apcctl requests 42
       apcctl requests --follow --json | jq .ttft_ms
     """
     target = one(targets)
     client = target.client()
+    if ident is not None:
+        with talking_to(target):
+            found = [r for r in client.requests(since=0, limit=5000) if ident in (str(r.seq), r.request_id)]
+        if not found:
+            raise CommandError(f"no request {ident!r} in the server's recent records", ExitStatus.NOT_FOUND)
+        record = found[-1].to_json()
+        if as_json:
+            render.emit_json(record)
+        else:
+            click.echo("\n".join(detail_lines(record)))
+        return
     if not follow:
         with talking_to(target):
             records = client.requests(since=since, limit=limit)

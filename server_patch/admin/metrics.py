@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from server_patch.canary.metrics import families as canary_families
+from server_patch.drift.causes import Cause
 from server_patch.disk.integrity import FINGERPRINT, FORMAT_REASON, HASH, HEADER, IO, TRUNCATED
 from server_patch.integration.waits import WORK_KINDS
 from server_patch.lineage.model import COLD, DISK, LOG_KINDS, RAM, RESTORE_KINDS, KVAdmission
@@ -64,6 +65,15 @@ class RequestMetrics:
                                 "loads), by work", ["work"], registry=None, buckets=SECONDS_BUCKETS)
         for work in WORK_KINDS:
             self.waited.labels(work)
+        # What clients changed in their prompts (``server_patch.drift``), by cause (each from 0).
+        self.drift = Counter("apc_client_drift", "Requests whose prompt parted from the nearest earlier one "
+                             "of their namespace by a client change, by cause", ["cause"], registry=None)
+        self.drift_tokens = Counter("apc_client_drift_tokens", "Tokens of the earlier prompt past each such "
+                                    "divergence (what the change put out of reach), by cause", ["cause"],
+                                    registry=None)
+        for cause in Cause:
+            self.drift.labels(str(cause))
+            self.drift_tokens.labels(str(cause))
 
     def all(self) -> list[Any]:
         return [*self.seconds.values(), self.reused, self.prefilled]
@@ -76,6 +86,9 @@ class RequestMetrics:
         restored = max(0, int(record.restored_tokens))
         self.reused.labels(kind).inc(restored)
         self.prefilled.labels(kind).inc(max(0, int(record.prompt_tokens) - restored))
+        if (drift := getattr(record, "drift", None)) and drift.get("cause") in Cause._value2member_map_:
+            self.drift.labels(drift["cause"]).inc()
+            self.drift_tokens.labels(drift["cause"]).inc(max(0, int(drift.get("tokens", 0))))
 
     def observe_waits(self, record: Any) -> None:
         """One request whose row ended: what it waited for, by work."""
@@ -83,7 +96,7 @@ class RequestMetrics:
             self.waited.labels(work).observe(max(0.0, float(record.waited.get(work, 0.0))) / 1000)
 
     def collect(self) -> Iterable[Any]:
-        for metric in (*self.all(), self.waited):
+        for metric in (*self.all(), self.waited, self.drift, self.drift_tokens):
             yield from metric.collect()
 
 

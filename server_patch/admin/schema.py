@@ -347,6 +347,10 @@ class RequestRecord(Answer):
     oracle: int = 0  # the live oracle (``lineage.misses``): what an unbounded cache would have restored
     lost: dict[str, int] = field(default_factory=dict)  # and what this one restored less, by reason
     lost_why: str = ""  # why a disk file it would have restored from was rejected
+    # What the client changed against the nearest earlier prompt of its namespace (issue 37,
+    # ``server_patch.drift``): position, segment, cause, tokens, and (APC_DRIFT_TEXT) context,
+    # removed, added; {}: nothing changed, or off.
+    drift: dict[str, Any] = field(default_factory=dict)
     # Waiting for other requests' work on the generation thread (``integration.waits``), accruing
     # until the row ends (``ended``: final); ``waited`` by work ({"prefill": ms, ...}).
     waited_ms: float = 0.0

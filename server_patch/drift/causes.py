@@ -168,11 +168,14 @@ _MONTHS = "jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(
 _DAYS = "mon(?:day)?|tue(?:s(?:day)?)?|wed(?:nesday)?|thu(?:rs(?:day)?)?|fri(?:day)?|sat(?:urday)?|sun(?:day)?"
 _DATE = re.compile(rf"\d{{4}}-\d{{1,2}}-\d{{1,2}}|\d{{1,2}}[/.]\d{{1,2}}[/.]\d{{2,4}}|\d{{1,2}}:\d{{2}}|"
                    rf"\b(?:{_MONTHS})\b|\b(?:{_DAYS})\b", re.IGNORECASE)
+_DIGIT_GAPS = re.compile(r"(?<=[\d:/.-]) (?=[\d:/.-])")
 _VARIABLE = re.compile(rf"\d+|\b(?:{_MONTHS}|{_DAYS}|am|pm|utc|gmt)\b", re.IGNORECASE)
 
 
 def is_date_change(removed: str, added: str) -> bool:
-    """Both sides name a date or time, and they differ in nothing else."""
+    """Both sides name a date or time, and they differ in nothing else (a decoder that spaces
+    digit tokens, "2 0 2 6 - 1 2", is read as "2026-12")."""
+    removed, added = _DIGIT_GAPS.sub("", removed), _DIGIT_GAPS.sub("", added)
     if not (_DATE.search(removed) and _DATE.search(added)):
         return False
     return _masked(removed) == _masked(added)
@@ -181,7 +184,7 @@ def is_date_change(removed: str, added: str) -> bool:
 def _date_changed(earlier: Seen, prompt: np.ndarray, at: int, aligned: _Aligned, decode: Decode) -> bool:
     """``is_date_change`` on each side's text with a few shared tokens around it (a token may
     hold only a date's last digits)."""
-    before = prompt[max(0, at - 8):at]
+    before = prompt[max(0, at - 16):at]
     e_to, p_to = at + len(aligned.removed), at + len(aligned.added)
     return is_date_change(decode(np.concatenate([before, earlier.tokens[at:e_to + 4]])),
                           decode(np.concatenate([before, prompt[at:p_to + 4]])))

@@ -60,6 +60,16 @@ class DriftDetector:
             return {}
         return found.as_dict(text=self.config.text) if found is not None else {}
 
+    def observe_sequence(self, namespace: str, tokens: np.ndarray, kind: str) -> None:
+        """A processed sequence (``MissBook.sequence_listeners``): a prompt with its fed reply is
+        held, its reply starting where the held prompt it extends ends."""
+        if kind != "reply" or not self.config.enabled:
+            return
+        tokens = np.asarray(tokens)
+        earlier, shared = self.ring.nearest(tokens, namespace)
+        if earlier is not None and shared == earlier.length and not earlier.reply_from:
+            self.observe_reply(tokens, namespace, earlier.length)
+
     def observe_reply(self, tokens: np.ndarray, namespace: str, reply_from: int) -> None:
         """``namespace``'s prompt (``tokens[:reply_from]``) with the reply fed after it."""
         if self.config.enabled:

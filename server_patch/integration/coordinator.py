@@ -131,6 +131,7 @@ class LineageCoordinator(APCCoordinator):
         prompt, namespace = as_tokens(token_ids), namespace_of(extra_hash)
         key = request_key(namespace, prompt)
         record = lineage.runtime.timings.open(int(prompt.shape[0]))
+        record.drift = lineage.runtime.drift_of(prompt, namespace)  # what the client changed (/admin only)
         rows = lineage.rows
         rows.sweep()
         reclaimed: set[str] = set()  # entries whose loans this lookup ended: never lent again now

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from server_patch import clock, pacing
 from server_patch.disk.paths import default_disk_root, disk_enabled
 from server_patch.disk.store import DiskStore
+from server_patch.drift import DriftDetector, DriftSettings
 from server_patch.integration import journal
 from server_patch.integration.timings import TimingBook
-from server_patch.lineage import Event, LineageCache, LineageConfig
+from server_patch.lineage import Event, LineageCache, LineageConfig, as_tokens
 from server_patch.state import weights_hash
 from server_patch.state.fingerprint import model_fingerprint
 from server_patch.state.layout import CacheLayout
@@ -51,8 +52,10 @@ class LineageRuntime:
         self.event_listeners: list[Callable[[int, float, Event], None]] = []
         self.timings = TimingBook()
         self.pacer = pacing.from_env()  # decode-aware prefill chunks (``integration.hooks.prefill_step``)
+        self.drift = DriftDetector(DriftSettings.from_env())  # what each client changed (``drift_of``)
         # The server's parts this runtime serves under, set when they adopt it (``parts.Runtimes``).
         self.finder: SegmentFinder | None = None
+        self._boundaries: OrderedDict[tuple[int, int], SegmentInfo] = OrderedDict()  # the last few prompts'
         self.canary: Canary | None = None
         self.disk: DiskStore | None = None
         if disk_enabled() and why_no_disk:
@@ -62,6 +65,7 @@ class LineageRuntime:
             root = default_disk_root() / (self.fingerprint[:16] + (f"-{label}" if label else ""))
             self.disk = DiskStore(root, fingerprint=self.fingerprint, layout=self.layout)
         self.cache = LineageCache(self.config, disk=self.disk, on_event=self._record_event, clock=clock.steady)
+        self.cache.misses.sequence_listeners.append(self.drift.observe_sequence)
         # Request records and cache events also go to the on-disk journal (apcctl report).
         self.journal = journal.attach(self)
         self._closed = threading.Event()
@@ -110,7 +114,23 @@ class LineageRuntime:
 
         if self.finder is None:
             self.finder = SegmentFinder(SegmentSettings.from_env())
-        return boundaries(prompt_token_ids, self.finder)
+        # a request's lookup (``drift_of``) and its prefill planning ask for the same prompt
+        key = (len(prompt_token_ids), hash(as_tokens(prompt_token_ids).tobytes()))
+        if (found := self._boundaries.get(key)) is None:
+            found = self._boundaries[key] = boundaries(prompt_token_ids, self.finder)
+            while len(self._boundaries) > 8:
+                self._boundaries.popitem(last=False)
+        return found
+
+    def drift_of(self, prompt: Any, namespace: str) -> dict[str, Any]:
+        """What ``prompt`` changed against the nearest earlier sequence of ``namespace`` (the
+        request record's ``drift``, ``server_patch.drift``); {} when nothing, or off."""
+        if not self.drift.config.enabled:
+            return {}
+        info = self.boundaries(prompt)
+        template = self.finder.template
+        return self.drift.observe(prompt, namespace, kinds=info.kinds, gen_start=template.gen_start(prompt),
+                                  decode=template.decoder())
 
     @property
     def closed(self) -> bool:

@@ -42,6 +42,7 @@ def note_request(found: SegmentFinder, apply: Callable[..., Any], processor: Any
     """Note one rendered chat request: its system+tools prefix, then its segments (best effort)."""
     tokenizer = getattr(processor, "tokenizer", processor)
     found.registry.note_request(apply, processor, config, prompt, kwargs, found.hard_ids(tokenizer))
+    found.template.note(apply, processor, config, kwargs)
     if not kwargs.get("add_generation_prompt", True):
         return
     try:

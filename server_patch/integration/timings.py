@@ -94,6 +94,9 @@ class RequestTiming:
     oracle: int = 0
     lost: dict[str, int] = field(default_factory=dict)
     lost_why: str = ""  # why a disk file it would have restored from was rejected
+    # What the client changed against the nearest earlier prompt of its namespace
+    # (``server_patch.drift``): position, segment, cause, tokens, a short text diff; {}: nothing.
+    drift: dict[str, Any] = field(default_factory=dict)
     # Waiting for other requests' work on the generation thread (``integration.waits``): in all,
     # by ``waits.Work`` ({kind: ms}), and its decode steps that work pushed back. They accrue
     # past the first token until the row ends (``ended``: final from then on).

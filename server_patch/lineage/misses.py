@@ -164,6 +164,9 @@ class MissBook:
         # Told each processed sequence: (namespace, block hashes, tokens, PROMPT or REPLY); the
         # journal keeps them for ``apcctl report --what-if``. An observer never breaks a request.
         self.listeners: list[Callable[[str, np.ndarray, int, str], None]] = []
+        # Told each processed sequence's tokens: (namespace, tokens, PROMPT or REPLY), the oracle
+        # on or off (``server_patch.drift`` holds replies, to tell a re-rendered one).
+        self.sequence_listeners: list[Callable[[str, np.ndarray, str], None]] = []
 
     @classmethod
     def from_config(cls, config: Any, clock: Callable[[], float] | None = None) -> "MissBook":
@@ -194,6 +197,11 @@ class MissBook:
                   kind: str = "prompt") -> None:
         """``namespace`` processed ``tokens``: a prompt (``PROMPT``), or a prompt and the reply
         fed after it (``REPLY``)."""
+        for told in list(self.sequence_listeners):
+            try:
+                told(namespace, tokens, kind)
+            except Exception:  # noqa: BLE001 - an observer must never fail a request
+                pass
         if not self.enabled:
             return
         hashes = self.hashes(tokens) if hashes is None else hashes
