@@ -148,6 +148,12 @@ _SCALARS: tuple[Setting, ...] = (
        derive="server_patch.disk.paths:default_disk_root"),
     _s("APC_LINEAGE_DISK_MIN_FREE", T.FRACTION, 0.05, "Free space the disk writer leaves on the volume "
        "(0.05 or 5%): the cache is never what fills the disk.", "disk", "server_patch.disk.space"),
+    _s("APC_SHARED_DISK_PATH", T.PATH, None, "The fleet's shared disk tier: this server also restores "
+       "from its peers' subdirectories of this directory, read-only (its own stays APC_LINEAGE_DISK_PATH; "
+       "`fleet up` sets both). Unset: no peers.", "disk", "server_patch.disk.peers"),
+    _s("APC_SHARED_DISK_SCAN_MS", T.FLOAT, 1000.0, "How often the peers' directories are rescanned (a "
+       "directory whose mtime did not change is not listed again; only new files' headers are read).",
+       "disk", "server_patch.disk.peers"),
     _s("APC_SPARSE_ATTENTION", T.BOOL, True, "The patched glm5_next sparse-attention paths (read at import); "
        "0 sends every chunk to stock's `_attend` (docs/sparse-attention.md).", "sparse",
        "server_patch.sparse.dispatch"),

@@ -192,7 +192,7 @@ class LineageCache:
                     best = cand
                 durable = max(durable, self._durable_in_entry(entry, lcp, limit))
             ram_best = best.length if best is not None else 0
-            for record in () if ram_only else self._records.values():
+            for record in () if ram_only else self._disk_records():
                 # A superseded file still restores correctly until its absorber is written (it
                 # may hold a turn boundary the absorber has thinned), so it stays visible.
                 if record.namespace != namespace or record.id in self._entries:
@@ -209,6 +209,15 @@ class LineageCache:
             durable = durable if durable >= self.config.min_tokens else 0
             return RestorePlan(best.length, best.kind, tier, best.entry, best.checkpoint,
                                best.record, shared=shared, prompt_len=n, durable=durable)
+
+    def _disk_records(self) -> Iterable[DiskRecord]:
+        """Our own files, then the shared tier's peer files we do not hold (issue 38): a
+        peer's wins only where it restores strictly more (``lookup`` keeps the first best)."""
+        yield from self._records.values()
+        peers = getattr(self.disk, "peers", None)
+        for record in peers.records() if peers is not None else ():
+            if record.id not in self._records:
+                yield record
 
     @staticmethod
     def _best_in_entry(entry: Entry, lcp: int, limit: int) -> _Candidate | None:
@@ -953,6 +962,8 @@ class LineageCache:
             self._take_in([entry])
             return entry if self.holds(entry) else None
 
+            if getattr(record, "store", None) is not None:  # a peer's file: ours only once we write it
+                entry.on_disk, entry.dirty = False, True
     # ------------------------------------------------------------------ admin verbs
 
     def pin(self, entry_id: str) -> Entry:
