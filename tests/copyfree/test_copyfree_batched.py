@@ -53,7 +53,19 @@ SCRIPT = textwrap.dedent(r"""
         # generator admits them into one prompt batch.
         expect, held = 0, []
 
+        # Called in the generator thread with each token it hands a request (and that request's
+        # token queue) before the request sees it, while set: what C waits on (see `JoinWatch`).
+        on_token = None
+
         def put(self, item, block=True, timeout=None):
+            if self.on_token is not None and item is not None:
+                tokens, seen, plain = item.rqueue, self.on_token, item.rqueue.put
+
+                def watched(token, *a, **k):
+                    seen(tokens, token)
+                    return plain(token, *a, **k)
+
+                tokens.put = watched
             if self.expect and item is not None:
                 self.held.append(item)
                 if len(self.held) < self.expect:
@@ -86,10 +98,40 @@ SCRIPT = textwrap.dedent(r"""
         hold_after_first_token, hold = False, False
 
         def get_nowait(self):
+            if self.on_token is not None:  # the generator's poll between two batch steps
+                self.on_token.poll()
             if self.hold:
                 self.hold = False
                 return self.get(timeout=300)
             return super().get_nowait()
+
+    class JoinWatch:
+        # C's precondition and its copy window, read in the generator thread, not from how fast
+        # the clients read: at the generator's first poll after the joiner's last token (its row
+        # has left the batch, the next step has not run), the generator waits for `resume`, and
+        # the long request (queued first) had not had its last token then: it still decoded.
+        # The copies counted while it waits are the joiner's life and nothing after it, however
+        # slow the machine.
+        def __init__(self):
+            self.queues, self.joiner_ended, self.long_ended = [], False, False
+            self.paused, self.long_decoding = False, None
+            self.resume = threading.Event()
+
+        def __call__(self, tokens, token):
+            if isinstance(token, GenerationContext):
+                return
+            if tokens not in self.queues:
+                self.queues.append(tokens)
+            final = bool(getattr(token, "finish_reason", None))
+            if tokens is not self.queues[0]:
+                self.joiner_ended = self.joiner_ended or final
+            elif final:
+                self.long_ended = True
+
+        def poll(self):
+            if self.joiner_ended and not self.paused:
+                self.paused, self.long_decoding = True, not self.long_ended
+                self.resume.wait(300)
 
     def waited(read, timeout=120):
         # polls until `read()` is truthy (a record or log line written just after the last token)
@@ -269,6 +311,7 @@ SCRIPT = textwrap.dedent(r"""
     long_convo = [{"role": "system", "content": text(40, 50)}, {"role": "user", "content": text(100, 51)}]
     decoding = threading.Event()
     commits.clear()
+    watch = rg.requests.on_token = JoinWatch()
     rg.requests.hold_after_first_token = True
     long_thread = threading.Thread(target=lambda: result.__setitem__(
         "long", ask(long_convo, max_tokens=LONG, on_first=decoding, no_eos=True)))
@@ -276,9 +319,12 @@ SCRIPT = textwrap.dedent(r"""
     decoding.wait(120)
     before = ledger.snapshot()
     joined = ask(convo)
-    joined["long_decoding"] = long_thread.is_alive()  # the precondition LONG is sized for
-    joined["copies"] = ledger.delta(ledger.snapshot(), before)
+    waited(lambda: watch.paused)  # the generator waits at its poll after the joiner's last token
+    joined["long_decoding"] = watch.long_decoding  # the precondition LONG is sized for
     joined["record"] = waited(lambda: record_of(joined["prompt"]))
+    joined["copies"] = ledger.delta(ledger.snapshot(), before)
+    rg.requests.on_token = None
+    watch.resume.set()
     long_thread.join(300)
     if logs_commits:
         waited(lambda: len(commits) >= 2)
