@@ -109,6 +109,7 @@ class DiskStore:
 
     # ``write`` only queues: the policy never waits for a file, it frees RAM at once (``budget``).
     writes_in_background = True
+    peers: Any = None  # the shared tier's ``peers.PeerIndex`` (issue 38), when configured
 
     def __init__(self, root: Path | str, *, fingerprint: str, layout: CacheLayout,
                  min_free: float | None = None) -> None:
@@ -210,7 +211,8 @@ class DiskStore:
         return {"rejects": dict(self.rejects), "writes": dict(self.guard.stats),
                 "backoff_s": self.guard.delay_s, "retry_in_s": self.guard.retry_in(),
                 "last_error": self.guard.last_error, "min_free": self.guard.min_free,
-                "volume_bytes": total, "free_bytes": free}
+                "volume_bytes": total, "free_bytes": free,
+                **({"peers": self.peers.health()} if self.peers is not None else {})}
 
     def write_next(self) -> None:
         """Run this store's oldest queued write (on ``WRITER``'s thread); none left (dropped at
@@ -318,6 +320,8 @@ class DiskStore:
 
     def load_checked(self, record: DiskRecord) -> tuple[Entry | None, str]:
         """``load``, and why a file was rejected: the request flow's ``DiskLoader``."""
+        if (peer := getattr(record, "store", None)) is not None and peer is not self:
+            return peer.load_checked(record)  # a peer's file (``peers``): read-only, its own rules
         path = self.path_of(record.id)
         try:
             entry = self._load(path, record)
@@ -361,6 +365,8 @@ class DiskStore:
         queued write finished."""
         complete = self.flush(timeout)
         self._closed = True
+        if self.peers is not None:
+            self.peers.close()
         dropped = 0
         while True:
             try:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from server_patch import clock, pacing
 from server_patch.disk.paths import default_disk_root, disk_enabled
+from server_patch.disk import peers
 from server_patch.disk.store import DiskStore
 from server_patch.drift import DriftDetector, DriftSettings
 from server_patch.integration import journal
@@ -64,6 +65,7 @@ class LineageRuntime:
             label = self.layout.kv_quant_label  # --kv-bits: its own directory, the float one kept
             root = default_disk_root() / (self.fingerprint[:16] + (f"-{label}" if label else ""))
             self.disk = DiskStore(root, fingerprint=self.fingerprint, layout=self.layout)
+            self.disk.peers = peers.attach(self.disk)  # the shared tier (issue 38), if configured
         self.cache = LineageCache(self.config, disk=self.disk, on_event=self._record_event, clock=clock.steady)
         self.cache.misses.sequence_listeners.append(self.drift.observe_sequence)
         # Request records and cache events also go to the on-disk journal (apcctl report).
