@@ -39,7 +39,7 @@ def over_cap(anchors: Iterable[Entry], *, size: Callable[[Entry], int], evictabl
             break
         holder = max(movable, key=lambda h: (usage[h][measure], usage[h][1 - measure], -movable[h].last_used))
         victim = movable[holder]
-        held[holder].remove(victim)
+        held[holder] = [a for a in held[holder] if a is not victim]  # by identity: entries hold arrays
         usage[holder][0] -= 1
         usage[holder][1] -= size(victim)
         count, nbytes = count - 1, nbytes - size(victim)
