@@ -309,10 +309,8 @@ def _url_name(url: str) -> str:
 
 def _managed_at(url: str) -> ManagedServer | None:
     """The managed server listening at ``url``, so a URL still finds its token and PID files."""
-    wanted = url.rstrip("/")
     for name in managed_names():
-        spec = ManagedServer(name).spec()
-        if spec is not None and spec.url == wanted:
+        if _same_server(ManagedServer(name), url):
             return ManagedServer(name)
     return None
 
@@ -337,9 +335,10 @@ def _token(settings: ServerConfig, managed: ManagedServer | None,
         except (OSError, ValueError) as exc:
             return None, f"cannot read the config's token_file {settings.token_file}: {_why(exc)}; {fix}"
         return (text, None) if text else (None, f"the config's token_file {settings.token_file} is empty; {fix}")
-    if managed is not None and _same_server(managed, url):
-        found = managed.token()
-        return found, None if found else f"server {managed.name!r} has no readable token file in {managed.directory}"
+    owner = managed if managed is not None and _same_server(managed, url) else _managed_at(url)
+    if owner is not None:  # (a config entry of another name may point at a managed server)
+        found = owner.token()
+        return found, None if found else f"server {owner.name!r} has no readable token file in {owner.directory}"
     return None, (f"no admin token was sent: {url} is not a server apcctl serve started, and a token found on "
                   "this machine (APC_ADMIN_TOKEN, a token file) goes to no other; give --token or APCCTL_TOKEN, "
                   "or token_file in the config")

@@ -141,7 +141,15 @@ def test_a_managed_servers_token_goes_to_its_own_address_only(isolated: Path, li
     apcctl("status", "--server", listener.url)  # the URL of a managed server finds it
     assert listener.authorizations() == ["Bearer managed-secret", "Bearer managed-secret"]
 
+    # A config entry of another name at the managed server's address: that server's token.
+    config = isolated / "other.toml"
+    config.write_text(f'[servers.alias]\nurl = "{listener.url}/"\n')
+    listener.seen.clear()
+    apcctl("status", "--server", "alias", "--config", str(config))
+    assert listener.authorizations() == ["Bearer managed-secret"]
+
     # The same name, pointed elsewhere by the config: its token stays home.
+    ManagedServer("mine").forget()  # (now no managed server listens at the listener's address)
     elsewhere = isolated / "apcctl.toml"
     managed_at("moved", "http://127.0.0.1:9", "moved-secret")
     elsewhere.write_text(f'[servers.moved]\nurl = "{listener.url}"\n')
