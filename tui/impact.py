@@ -51,7 +51,7 @@ def pin(entry: EntryInfo | Mapping[str, Any], budgets: Budgets | Mapping[str, in
     held, held_cap = b.anchor_bytes, b.anchor_bytes_limit
     lines = [f"Pin {_name(entry)} as an anchor: LRU eviction no longer touches it.",
              f"Holds {_bytes(size)} of RAM on the anchor budget: {_bytes(held)} -> {_bytes(held + size)} "
-             f"of {_bytes(held_cap)}; anchors {count} -> {count + 1} of {count_cap}.",
+             f"of {_bytes(held_cap)}; anchors in RAM {count} -> {count + 1} of {count_cap}.",
              f"Frees {_bytes(size)} of the conversation budget (it stops counting there)."]
     if (count_cap and count + 1 > count_cap) or (held_cap and held + size > held_cap):
         lines.append("Over an anchor cap: the least recently used anchor leaves RAM (it stays on disk if written).")
@@ -69,7 +69,7 @@ def unpin(entry: EntryInfo | Mapping[str, Any], budgets: Budgets | Mapping[str, 
     count, held = b.anchor_count, b.anchor_bytes
     body = (f"Unpin {_name(entry)}: it joins the conversation LRU and may be evicted like any conversation.\n"
             f"Frees {_bytes(size)} of the anchor budget ({_bytes(held)} -> {_bytes(max(0, held - size))}; "
-            f"anchors {count} -> {max(0, count - 1)}) and holds it on the conversation budget "
+            f"anchors in RAM {count} -> {max(0, count - 1)}) and holds it on the conversation budget "
             f"({_bytes(b.conversation_bytes)} -> {_bytes(b.conversation_bytes + size)}"
             f" of {_bytes(b.ram_limit)} RAM).")
     return Impact(f"Unpin {entry.id}", body, "Unpin")
@@ -89,7 +89,7 @@ def evict(entry: EntryInfo | Mapping[str, Any], budgets: Budgets | Mapping[str, 
                  f"{_bytes(max(0, b.ram_used - ram))} of {_bytes(b.ram_limit)}) "
                  f"and {_bytes(disk)} of disk.")
     if entry.pinned:
-        lines.append(f"Frees an anchor slot ({b.anchor_count} -> "
+        lines.append(f"Frees an anchor slot in RAM ({b.anchor_count} -> "
                      f"{max(0, b.anchor_count - 1)} of {b.anchor_count_limit}).")
     return Impact(f"Evict {entry.id}", "\n".join(lines), "Evict")
 
@@ -134,7 +134,7 @@ def new_anchor(path: str, system: str, tools: list[dict[str, Any]] | None,
     lines = [f"Prefill the system prompt in {path} ({len(system):,} characters"
              f"{f', {len(tools)} tool' + ('s' if len(tools) != 1 else '') if tools else ''}) now, "
              "and pin the result as an anchor.",
-             f"Holds one anchor slot ({count} -> {count + 1} of {count_cap}) and its state in RAM"
+             f"Holds one anchor slot in RAM ({count} -> {count + 1} of {count_cap}) and its state there"
              + (f": about {_bytes(sizes.anchor_bytes(tokens))} for ~{tokens:,} tokens ({_bytes(sizes.per_token)} "
                 f"of KV per token and a {_bytes(sizes.snapshot)} state snapshot, as this model's entries hold; "
                 f"~{CHARACTERS_PER_TOKEN} characters a token)." if sizes else "."),

@@ -138,7 +138,7 @@ def entry(**fields) -> dict:
 def test_pin_says_what_it_holds_and_warns_over_a_cap() -> None:
     said = impact.pin(entry(), BUDGETS)
     assert said.possible
-    assert "Holds 400 B of RAM on the anchor budget: 200 B -> 600 B of 1000 B; anchors 2 -> 3 of 2" in said.body
+    assert "Holds 400 B of RAM on the anchor budget: 200 B -> 600 B of 1000 B; anchors in RAM 2 -> 3 of 2" in said.body
     assert "Over an anchor cap" in said.body
     assert not impact.pin(entry(tier="disk"), BUDGETS).possible
     assert not impact.pin(entry(pinned=True, kind="anchor"), BUDGETS).possible
@@ -148,7 +148,7 @@ def test_evict_says_what_it_frees() -> None:
     said = impact.evict(entry(), BUDGETS)
     assert "Frees 400 B of RAM (1000 B -> 600 B of 9.8 KiB) and 500 B of disk." in said.body
     assert "anchor slot" not in said.body
-    assert "Frees an anchor slot (2 -> 1 of 2)" in impact.evict(entry(pinned=True, kind="anchor"), BUDGETS).body
+    assert "Frees an anchor slot in RAM (2 -> 1 of 2)" in impact.evict(entry(pinned=True, kind="anchor"), BUDGETS).body
 
 
 def test_unpin_moves_the_bytes_between_budgets() -> None:
@@ -191,7 +191,8 @@ def test_gauge_turns_red_past_ninety_percent() -> None:
 
 def test_run_dashboard_signature_is_the_one_the_demo_calls() -> None:
     params = inspect.signature(run_dashboard).parameters
-    assert list(params) == ["client", "read_only", "restart_targets", "refresh_s", "fleet"]
+    assert list(params) == ["client", "read_only", "restart_targets", "refresh_s", "fleet", "notices"]
+    assert params["notices"].kind is inspect.Parameter.KEYWORD_ONLY and params["notices"].default is None
     assert params["fleet"].kind is inspect.Parameter.KEYWORD_ONLY and params["fleet"].default is None
     assert params["refresh_s"].kind is inspect.Parameter.KEYWORD_ONLY and params["refresh_s"].default == 1.0
     assert params["client"].annotation in (AdminClient, "AdminClient")
