@@ -1,0 +1,108 @@
+"""End to end: two real servers on loopback share one disk directory (issue 38).
+
+Each writes its own subdirectory (``APC_LINEAGE_DISK_PATH``) and reads the other's
+(``APC_SHARED_DISK_PATH``): a conversation served by one continues on the other from the
+first one's file, with a cold prefill's answer; another namespace gets nothing from it; a file
+its server deletes while the other loads it fails closed (a cold prefill's answer, no error),
+and the reader never deletes the writer's files.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.test_e2e_disk import _cold, _env, _files, _send, _stop_gracefully
+from tests.e2e.test_e2e_disk_loading import Chat, _wait_held
+from tests.server_harness import PatchedServer, assert_same_output, reply_text, text
+
+
+def _member(model: Path, shared: Path, name: str, log_dir: Path, **extra: str) -> PatchedServer:
+    env = _env(shared / name, APC_SHARED_DISK_PATH=str(shared), APC_SHARED_DISK_SCAN_MS="100", **extra)
+    return PatchedServer(model, env=env, log_dir=log_dir / name).start()
+
+
+def _disk(server: PatchedServer) -> dict[str, Any]:
+    status, body = server.admin("GET", "/status")
+    assert status == 200, body
+    return body["lineage"]["disk"]
+
+
+def _wait_peer_files(server: PatchedServer, peer: str, count: int, timeout: float = 120.0) -> None:
+    """Until ``server``'s peer index lists ``count`` files of ``peer`` (its own scan thread)."""
+    deadline = time.monotonic() + timeout
+    while _disk(server)["peers"]["files"].get(peer, 0) != count:
+        assert time.monotonic() < deadline, (_disk(server)["peers"], server.log_tail())
+        time.sleep(0.05)
+
+
+def _two_turns(server: PatchedServer, seed: int) -> list[dict]:
+    """Two turns on ``server``, flushed to its disk; the third turn's messages."""
+    turn0 = [{"role": "system", "content": text(300, seed)}, {"role": "user", "content": text(200, seed + 1)}]
+    a0, _ = _send(server, turn0)
+    turn1 = turn0 + [{"role": "assistant", "content": reply_text(a0)}, {"role": "user", "content": text(100, seed + 2)}]
+    a1, _ = _send(server, turn1)
+    status, body = server.admin("POST", "/flush")
+    assert status == 200, body
+    return turn1 + [{"role": "assistant", "content": reply_text(a1)}, {"role": "user", "content": text(60, seed + 3)}]
+
+
+@pytest.mark.server
+def test_a_session_continues_on_another_server_from_the_first_ones_file(tiny_model_dir: Path,
+                                                                       tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    a = _member(tiny_model_dir, shared, "a", tmp_path)
+    b = None
+    try:
+        turn2 = _two_turns(a, 3801)
+        written = _files(shared / "a")
+        assert len(written) == 2, written  # the conversation entry and the anchor
+        b = _member(tiny_model_dir, shared, "b", tmp_path)
+        other, line = _send(b, turn2, tenant="another-tenant")  # b's first request loads the model
+        assert line["kind"] == "cold", line  # a namespace restores only its own files, on any server
+        _wait_peer_files(b, "a", 2)
+        warm, line = _send(b, turn2)
+        assert line["kind"] == "disk", (line, b.log_tail())
+        assert_same_output(warm, _cold(b, turn2))
+        assert all(p.exists() for p in written), written  # a peer's files are never removed
+        _stop_gracefully(b)  # what b restored is b's now: written to its own subdirectory
+        assert len(_files(shared / "b")) >= 1
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+@pytest.mark.server
+def test_a_file_its_server_deletes_while_a_peer_loads_it_fails_closed(tiny_model_dir: Path, tmp_path: Path) -> None:
+    shared, hold = tmp_path / "shared", tmp_path / "hold"
+    a = _member(tiny_model_dir, shared, "a", tmp_path)
+    b = None
+    try:
+        turn2 = _two_turns(a, 3901)
+        entry_file = max(_files(shared / "a"), key=lambda p: p.stat().st_size)
+        hold.write_text("")
+        b = _member(tiny_model_dir, shared, "b", tmp_path, APC_TEST_FAULTS="1",
+                    APC_TEST_FAULT_DISK_LOAD_HOLD_FILE=str(hold))
+        _cold(b, turn2[:2])  # b's first request loads the model (another namespace: nothing to load)
+        _wait_peer_files(b, "a", 2)
+        chat = Chat(b, turn2)
+        chat.start()
+        _wait_held(hold, b)  # b's load of a's file has begun, held before it opens the file
+        status, body = a.admin("DELETE", f"/entries/{entry_file.stem}")
+        assert status == 200, body
+        assert not entry_file.exists()  # a evicted it: the file b is loading is gone
+        hold.unlink()
+        chat.join(300)
+        assert chat.answer is not None, b.log_tail()
+        assert _disk(b)["rejects"].get("peer_vanished") == 1, _disk(b)
+        assert_same_output(chat.answer, _cold(b, turn2))
+        assert "Traceback" not in b.log_text()
+    finally:
+        hold.unlink(missing_ok=True)
+        a.stop()
+        if b is not None:
+            b.stop()
