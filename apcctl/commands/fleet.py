@@ -20,6 +20,7 @@ from apcctl.core.gateway import DEFAULT_POLICY, POLICIES, GatewayError, GatewayS
 from apcctl.core.hosts import free_port
 from apcctl.core.manage import ServerSpec
 from apcctl.fleet.config import DEFAULT_GATEWAY_PORT, FleetConfig, load_fleet
+from apcctl.fleet import shared_disk
 from apcctl.fleet.lifecycle import STOP_GRACE_S, FleetError, down, up
 from apcctl.fleet.status import fleet_status
 from apcctl.fleet.traffic import TRACES
@@ -152,6 +153,7 @@ def plan(fleet_name: str | None, count: int | None, model: str | None, port: int
         members, server_specs = _started(name, count, model, first, config_path, env_pairs)
     else:
         members, server_specs = _configured(table, config_path, env_pairs)
+    server_specs = shared_disk.share_for(name, server_specs)  # one disk tier the servers share (issue 38)
     urls = [m.url for m in members]
     gateway = GatewaySpec(port=gateway_port, worker_urls=urls, host=table.host, policy=policy or table.policy,
                           cache_boundaries=cache_boundaries or list(table.cache_boundaries),
