@@ -1,6 +1,7 @@
 """Rolling restart of a fleet through its gateway: no client of the gateway sees a 503.
 
-For each server, one after the other: take it out of the gateway (``DELETE /workers/{id}``: smg
+For each server, one after the other: flush its cache to disk while it still serves (its
+sessions, moved to the others, restore from the shared disk tier), take it out of the gateway (``DELETE /workers/{id}``: smg
 stops routing to it and lets its requests finish), wait until smg no longer lists it, then the
 single-server steps of ``apcctl.core.restart.rolling_restart`` (drain, wait idle, flush, stop, start,
 probe; a failure rolls that server back), then put it back (``POST /workers``) and wait until
@@ -28,6 +29,7 @@ def fleet_restart(gateway: GatewayClient, targets: Sequence[Target], *, on_progr
     """Restart ``targets`` (servers behind ``gateway``) one at a time; see the module docstring."""
     done: list[ServerRestart] = []
     for n, target in enumerate(targets):
+        _flush_before_leaving(target, on_progress, timeout)
         try:
             _out_of_rotation(gateway, target, on_progress, timeout)
         except (GatewayError, AdminError) as exc:
@@ -73,6 +75,18 @@ def restart_targets(targets: Sequence[Target], *, on_progress: Progress, timeout
 
 def _untouched(targets: Sequence[Target]) -> list[ServerRestart]:
     return [ServerRestart(t.name, message="not restarted: an earlier server failed") for t in targets]
+
+
+def _flush_before_leaving(target: Target, on_progress: Progress, timeout: float) -> None:
+    """Write what RAM holds while the server still serves (issue 38): the sessions smg moves to
+    the others when it leaves restore from its files (the shared disk tier) instead of starting
+    cold. The flush after the drain (``rolling_restart``) still writes what changed since, and
+    decides whether the stop may go on; a failure here only costs the moved sessions' hits."""
+    on_progress(RestartStep(target.name, Phase.FLUSHING, message="writing RAM entries before leaving the gateway"))
+    try:
+        target.client(timeout=30.0).flush(timeout=min(timeout, 600.0))
+    except AdminError as exc:
+        on_progress(RestartStep(target.name, Phase.FLUSHING, message=f"flush before leaving failed: {exc}"))
 
 
 def _out_of_rotation(gateway: GatewayClient, target: Target, on_progress: Progress, timeout: float) -> None:
