@@ -29,6 +29,46 @@ def measure(entries: int, tokens: int, shared: int, repeats: int) -> dict[str, f
             "median_ms": float(np.median(times)), "max_ms": float(np.max(times))}
 
 
+def measure_fleet(servers: int, entries: int, tokens: int, shared: int, repeats: int) -> dict[str, float]:
+    """Time a lookup that finds nothing better in RAM and consults ``servers - 1`` peers'
+    indexes of ``entries`` files each (issue 38): the peers' last scan, no I/O in the lookup."""
+    from server_patch.lineage import LineageCache, LineageConfig
+    from server_patch.lineage.model import DiskRecord
+
+    rng = np.random.RandomState(0)
+    prefix = rng.randint(0, 150_000, shared)
+
+    def record(i: int) -> DiskRecord:
+        prompt = np.concatenate([prefix, rng.randint(0, 150_000, tokens - shared)])
+        return DiskRecord(id=f"p{i}", tokens=prompt, namespace="", checkpoints=((shared, "segment"),),
+                          nbytes=1, last_used=0.0)
+
+    class Peers:
+        def __init__(self, records: tuple[DiskRecord, ...]) -> None:
+            self._records = records
+
+        def records(self) -> tuple[DiskRecord, ...]:
+            return self._records
+
+    class Tier:  # our own disk index: ``entries`` files; the peers': the rest
+        def __init__(self) -> None:
+            self.own = [record(i) for i in range(entries)]
+            self.peers = Peers(tuple(record(entries + i) for i in range((servers - 1) * entries)))
+
+        def records(self) -> list[DiskRecord]:
+            return self.own
+
+    cache = LineageCache(LineageConfig(ram_budget_bytes=1 << 60, periodic_stride=0), disk=Tier())
+    probe = np.concatenate([prefix, rng.randint(0, 150_000, tokens - shared)])
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        cache.lookup(probe)
+        times.append((time.perf_counter() - start) * 1000)
+    return {"servers": servers, "files": servers * entries, "median_ms": float(np.median(times)),
+            "max_ms": float(np.max(times))}
+
+
 def measure_shadow(entries: int, tokens: int, shared: int, repeats: int, budget: int) -> dict[str, float]:
     """Time the live oracle's part of a lookup (hash the prompt's blocks, match them) with the
     shadow index filled by the same ``entries`` prompts, within ``budget`` bytes; and what it
@@ -60,9 +100,11 @@ def measure_shadow(entries: int, tokens: int, shared: int, repeats: int, budget:
 @click.option("--repeats", default=20, show_default=True)
 @click.option("--shadow-bytes", default=None, type=int,
               help="The live oracle's shadow budget (default: APC_LINEAGE_SHADOW_BUDGET_BYTES's default).")
+@click.option("--servers", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="Servers sharing a disk tier: the lookup also reads SERVERS-1 peers' indexes of ENTRIES files.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def bench_lookup(entries: int, tokens: int, shared: int, repeats: int, shadow_bytes: int | None,
-                 as_json: bool) -> None:
+                 servers: int, as_json: bool) -> None:
     """Lookup time against ENTRIES stored prompts of TOKENS tokens (numpy prefix compare), and
     what the live oracle's shadow index adds to it (block hashes and a binary search)."""
     from server_patch.lineage import LineageConfig
@@ -71,9 +113,14 @@ def bench_lookup(entries: int, tokens: int, shared: int, repeats: int, shadow_by
     worst = measure(entries, tokens, tokens - 200, max(3, repeats // 4))
     budget = LineageConfig().shadow_budget_bytes if shadow_bytes is None else shadow_bytes
     shadow = measure_shadow(entries, tokens, shared, repeats, budget)
+    fleet = measure_fleet(servers, entries, tokens, shared, repeats) if servers > 1 else None
     if as_json:
-        click.echo(json.dumps({"typical": result, "all_shared": worst, "shadow": shadow}))
+        click.echo(json.dumps({"typical": result, "all_shared": worst, "shadow": shadow,
+                               **({"fleet": fleet} if fleet else {})}))
         return
+    if fleet:
+        click.echo(f"shared disk tier, {servers} servers x {entries} files ({fleet['files']} indexed, none "
+                   f"in RAM): median {fleet['median_ms']:.2f} ms, max {fleet['max_ms']:.2f} ms")
     click.echo(f"{entries} entries x {tokens} tokens, {shared} shared: "
                f"median {result['median_ms']:.2f} ms, max {result['max_ms']:.2f} ms")
     click.echo(f"worst case (every entry shares {tokens - 200} tokens): "

@@ -197,6 +197,9 @@ class LineageCache:
                 # may hold a turn boundary the absorber has thinned), so it stays visible.
                 if record.namespace != namespace or record.id in self._entries:
                     continue
+                floor = best.length if best is not None else 0
+                if 0 < floor < min(n, record.length) and record.tokens[floor] != prompt[floor]:
+                    continue  # its prefix ends by ``floor`` <= ``shared``: no better point (a peer's index is large)
                 lcp = common_prefix_len(prompt, record.tokens)
                 shared = max(shared, lcp)
                 cand = self._best_in_record(record, lcp, limit)
@@ -953,6 +956,8 @@ class LineageCache:
                 return None
             now = self.clock()
             entry.on_disk, entry.dirty = True, False
+            if getattr(record, "store", None) is not None:  # a peer's file: ours only once we write it
+                entry.on_disk, entry.dirty = False, True
             entry.last_used = now
             entry.pinned = record.pinned
             record.last_used = now
@@ -962,8 +967,6 @@ class LineageCache:
             self._take_in([entry])
             return entry if self.holds(entry) else None
 
-            if getattr(record, "store", None) is not None:  # a peer's file: ours only once we write it
-                entry.on_disk, entry.dirty = False, True
     # ------------------------------------------------------------------ admin verbs
 
     def pin(self, entry_id: str) -> Entry:

@@ -159,3 +159,36 @@ def test_own_files_win_ties_and_peers_ours_already_holds_are_skipped(tmp_path, m
     store.flush()
     plan = cache.lookup(np.concatenate([longer, tokens(5, 14)]))
     assert plan.hit and not isinstance(plan.record, PeerRecord)
+
+
+class _Tier:
+    """A disk tier's index only (own records, and the peers' last scan): what ``lookup`` reads."""
+
+    def __init__(self, own, peer):
+        self.own = own
+        self.peers = type("Peers", (), {"records": staticmethod(lambda: tuple(peer))})()
+
+    def records(self):
+        return self.own
+
+
+def _record(record_id, prompt, checkpoints=()):
+    from server_patch.lineage.model import DiskRecord
+
+    return DiskRecord(id=record_id, tokens=prompt, namespace="", checkpoints=tuple(checkpoints), nbytes=1,
+                      last_used=0.0)
+
+
+def test_the_longest_point_wins_across_own_and_peer_files_and_the_floor_skips_only_shorter_ones():
+    prompt = tokens(400, 20)
+    own = [_record("own", np.concatenate([prompt[:200], tokens(50, 21)]), [(100, "segment")])]
+    peer = [_record("short", np.concatenate([prompt[:150], tokens(50, 22)])),  # skipped by the floor
+            _record("long", np.concatenate([prompt[:300], tokens(50, 23)]), [(250, "segment")]),
+            _record("tie", np.concatenate([prompt[:300], tokens(50, 24)]), [(250, "segment")])]
+    tier = _Tier(own, peer)
+    cache = LineageCache(LineageConfig(), disk=tier)
+    plan = cache.lookup(prompt)
+    assert (plan.record.id, plan.length, plan.shared) == ("long", 250, 300)  # the first of equals
+    tier.peers = None
+    plan = cache.lookup(prompt)
+    assert (plan.record.id, plan.length, plan.shared) == ("own", 100, 200)
