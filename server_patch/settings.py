@@ -154,6 +154,9 @@ _SCALARS: tuple[Setting, ...] = (
     _s("APC_SHARED_DISK_SCAN_MS", T.FLOAT, 1000.0, "How often the peers' directories are rescanned (a "
        "directory whose mtime did not change is not listed again; only new files' headers are read).",
        "disk", "server_patch.disk.peers"),
+    _s("APC_SHARED_DISK_RETENTION_S", T.FLOAT, 604800.0, "A peer server gone (its lock free) whose newest "
+       "file is older than this: its files are removed by the first peer that scans them (7 days; 0: never). "
+       "Until then its sessions restore from them.", "disk", "server_patch.disk.retention"),
     _s("APC_SPARSE_ATTENTION", T.BOOL, True, "The patched glm5_next sparse-attention paths (read at import); "
        "0 sends every chunk to stock's `_attend` (docs/sparse-attention.md).", "sparse",
        "server_patch.sparse.dispatch"),

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from server_patch import settings
+from server_patch.disk import retention
 from server_patch.disk.integrity import IO, SUFFIX, Expected, InvalidFile, is_temp
 from server_patch.disk.paths import SHARED_BITS
 from server_patch.disk.space import DiskUnavailable
@@ -178,12 +179,13 @@ class PeerStore(DiskStore):
 class PeerIndex:
     """Every peer of one store, rescanned on a thread of its own; ``records`` never does I/O."""
 
-    def __init__(self, shared: Path, owner: DiskStore, interval_s: float) -> None:
+    def __init__(self, shared: Path, owner: DiskStore, interval_s: float, retention_s: float = 0.0) -> None:
         self.shared = shared
         self.owner = owner
         self.own_server_dir = owner.root.parent.resolve()
         self.subdir = owner.root.name  # the fingerprint directory: the same model only
         self.interval_s = interval_s
+        self.retention_s = retention_s  # a server gone this long: its files are collected (``retention``)
         self._peers: dict[str, PeerStore] = {}
         self.refused: dict[str, str] = {}
         self._snapshot: tuple[PeerRecord, ...] = ()
@@ -229,6 +231,8 @@ class PeerIndex:
                 if self.refused.get(name) != why:
                     log.warning("lineage shared disk: peer directory %s refused: %s", server_dir, why)
                 continue
+            if self.retention_s > 0 and retention.collect(server_dir, peer_dir, now - self.retention_s):
+                continue  # a removed server's files, past the retention: gone
             store = self._peers.get(name) or PeerStore(peer_dir, name, self.owner)
             store.scan(now)
             seen[name] = store
@@ -269,7 +273,7 @@ def attach(store: DiskStore) -> PeerIndex | None:
     if shared is None:
         return None
     interval = max(0.05, settings.value("APC_SHARED_DISK_SCAN_MS") / 1000)
-    index = PeerIndex(shared, store, interval).start()
+    index = PeerIndex(shared, store, interval, settings.value("APC_SHARED_DISK_RETENTION_S")).start()
     log.info("lineage shared disk: reading peers under %s (%d files, refused: %s)", shared,
              len(index.records()), index.refused or "none")
     return index

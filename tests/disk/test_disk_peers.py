@@ -192,3 +192,29 @@ def test_the_longest_point_wins_across_own_and_peer_files_and_the_floor_skips_on
     tier.peers = None
     plan = cache.lookup(prompt)
     assert (plan.record.id, plan.length, plan.shared) == ("own", 100, 200)
+
+
+def _age(directory, seconds):
+    for path in directory.glob(f"*{SUFFIX}"):
+        os.utime(path, (path.stat().st_atime - seconds, path.stat().st_mtime - seconds))
+
+
+def test_a_removed_servers_files_stay_readable_until_the_retention_then_go(tmp_path, model, layout):
+    from server_patch.disk.lock import DiskLock
+
+    prompt = tokens(150, 30)
+    _, path = written_by_peer(tmp_path, model, layout, prompt)  # "a" is gone: nobody holds its lock
+    cache, store = server(tmp_path, "b", layout)
+    store.peers.retention_s = 3600
+    store.peers.refresh()
+    assert len(store.peers.records()) == 1  # gone, but within the retention: still restored from
+    _age(path.parent, 7200)
+    running = DiskLock(tmp_path / "a").acquire()  # a server runs there again: never collected
+    try:
+        store.peers.refresh()
+        assert path.exists() and len(store.peers.records()) == 1
+    finally:
+        running.release()
+    store.peers.refresh()
+    assert not path.exists() and store.peers.records() == ()
+    assert cache.lookup(np.concatenate([prompt, tokens(5, 31)])).length == 0
