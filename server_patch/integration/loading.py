@@ -208,6 +208,13 @@ class DiskLoads:
         load = row.load
         if load.done:
             return True
+        if (twin := self.runtime.cache.get(load.record.id)) is not None and twin.length >= load.length:
+            # an identical prompt's load promoted this very file already
+            self.loads.forget(disk, load.record)
+            load.done = True  # its lookup restores from RAM; no second read of the same file
+            return True
+        if self._loaded_for_another(row):
+            return False  # an identical prompt's row has read this file: its lookup promotes it
         if not self._turn(row):
             return False  # the RAM budget holds others' loads: it waits its turn
         finished, answer = self.loads.poll(disk, load.record, load=_load_checked(disk), kept=True,
@@ -223,6 +230,13 @@ class DiskLoads:
             self.loads.forget(disk, load.record)
             self.release(row)
         return load.done
+
+    def _loaded_for_another(self, row: RowLife) -> bool:
+        """Another waiting row (an identical prompt) holds this row's file read and not yet
+        promoted: this one waits for that promotion instead of reading the file again."""
+        record_id = row.load.record.id
+        return any(other is not row and other.load is not None and other.load.answer is not None
+                   and other.load.record.id == record_id for other in self.book.rows())
 
     def _turn(self, row: RowLife) -> bool:
         """Whether row's file may load now: its request holds the entry (``LineageCache.hold``)

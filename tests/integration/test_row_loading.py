@@ -163,3 +163,24 @@ def test_loading_leads_only_to_admitted_or_ended(monkeypatch):
     assert not row.move(PREFILLING, "bind") and row.state == LOADING
     assert row.move(ADMITTED, "admit") and book.bind(row.key, uid=1) is row and row.state == PREFILLING
     assert not row.move(LOADING, "again") and row.state == PREFILLING
+
+
+def test_identical_prompts_queued_together_wait_each_in_its_own_row_and_read_the_file_once(s):
+    """Twins (issue 35) are two LOADING rows, one per uid; the file is read once: the second
+    waits for the first's lookup to promote it, then restores from RAM."""
+    queue = [(0, s.warm, 8, {}, None, None), (1, s.warm, 8, {}, None, None)]
+    assert s.loads.admissible(queue, prompt_of, 8) == 0
+    rows = [s.book.by_uid(0), s.book.by_uid(1)]
+    assert rows[0] is not rows[1] and [r.state for r in rows] == [LOADING, LOADING]
+    s.disk.gate.set()
+    for _ in range(2000):
+        if s.loads.admissible(queue, prompt_of, 8, idle=True) >= 1:
+            break
+    one, other = queue[0][0], queue[1][0]  # whichever took the read first is ready first
+    first = lookup(s, s.warm, uid=one)
+    assert first.tier == DISK and s.book.by_uid(other).state == LOADING
+    assert until_ready(s, [(other, s.warm, 8, {}, None, None)]) == 1
+    second = lookup(s, s.warm, uid=other)
+    assert second.plan.hit and second.tier != DISK  # from RAM: the twin's promoted entry
+    assert s.disk.loaded == [s.entry.id]  # read once
+    assert [r.state for r in rows] == [ADMITTED, ADMITTED]  # each admitted, its own row
