@@ -122,6 +122,8 @@ def _print_events(events: queue.Queue[tuple[str, dict[str, Any]]], traffic: Agen
             size = f" {render.human_bytes(event.bytes)}" if event.bytes else ""
             click.echo(f"{'':>6} cache    {event.event:<12} {event.entry_id} @{event.length}{size} "
                        f"{event.detail or ''}".rstrip(), err=err)
+    if not announced:  # every record came before a quiet moment after the traffic ended
+        click.echo(traffic_done_line(traffic), err=err)
 
 
 @click.command(epilog=EXIT_CODES_SHORT)
