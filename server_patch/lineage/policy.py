@@ -1005,7 +1005,7 @@ class LineageCache:
             if entry is not None:
                 for old_id in entry.supersedes:
                     self._delete_record(old_id, reason)
-            self.stats["operator_evictions"] += 1
+            self.stats["operator_evictions" if reason == Reason.OPERATOR else "probe_evictions"] += 1
             self._emit(Event(EventKind.EVICT, entry_id, (entry or record).length, freed, reason))
             self.misses.went(entry or record, reason)
             return freed

@@ -60,3 +60,11 @@ def test_a_restore_whose_state_came_from_disk_counts_as_disk_with_its_point() ->
     summary = hit_summary(cache.stats)
     assert summary["by_kind"]["disk"] == 1 and summary["by_kind"].get("entry", 0) == 0
     assert summary["disk_by_point"] == {"entry": 1}
+
+
+def test_a_restart_probes_eviction_is_counted_apart_from_an_operators() -> None:
+    cache = make()
+    first, second = (serve(cache, words(300, seed))[2] for seed in (11, 12))
+    cache.evict(first.id)
+    cache.evict(second.id, "restart probe")
+    assert (cache.stats["operator_evictions"], cache.stats["probe_evictions"]) == (1, 1)

@@ -71,7 +71,8 @@ def counters(state: DashboardState, now: float) -> Table:
         ("reused tokens", f"{hits.reused_tokens:,}  "
                           f"({render.percent(hits.reused_tokens, hits.reused_tokens + hits.prefill_tokens)})"
                           f" · prefilled {hits.prefill_tokens:,}"),
-        ("evictions", f"{stats.get('evictions', 0):,} budget · {stats.get('operator_evictions', 0):,} operator"),
+        ("evictions", f"{stats.get('evictions', 0):,} budget · {stats.get('operator_evictions', 0):,} operator"
+                      + (f" · {stats['probe_evictions']:,} restart probe" if stats.get("probe_evictions") else "")),
         ("stores", f"{stats.get('stores', 0):,} · absorbs {stats.get('absorbs', 0):,} · "
                    f"thinned {stats.get('thinned', 0):,}"),
         ("disk writes", f"{stats.get('disk_writes', 0):,} ({render.human_bytes(stats.get('disk_bytes_written', 0))})"
