@@ -40,7 +40,10 @@ def main(argv: list[str] | None = None) -> None:
     host, _, port = args.listen.rpartition(":")
     host = host.strip("[]")
     key = args.key_file.read_text(encoding="utf-8").strip()
-    policy = OriginPolicy.from_env(os.environ, bound_hosts=[host])
+    try:
+        policy = OriginPolicy.from_env(os.environ, bound_hosts=[host])
+    except ValueError as exc:  # a malformed APC_ALLOWED_HOSTS / APC_ALLOWED_ORIGINS
+        raise SystemExit(f"apcctl guard: {exc}") from None
     try:
         sock = listen(host, int(port))
     except OSError as exc:
