@@ -356,6 +356,12 @@ class RequestRecord(Answer):
     waited_ms: float = 0.0
     waited: dict[str, float] = field(default_factory=dict)
     delayed_steps: int = 0  # its decode steps that work pushed back
+    # Its inter-token gaps while decoding (issue 40), each {"ms", "from", "to", "parts": {part: ms}}
+    # with parts that add up to "ms": its own "step", others' work by kind, "unattributed". The
+    # largest, the largest few that held others' work (largest first), and how many gaps.
+    worst_gap: dict[str, Any] = field(default_factory=dict)
+    gaps: list[dict[str, Any]] = field(default_factory=list)
+    gap_count: int = 0
     ended: bool = False
 
 

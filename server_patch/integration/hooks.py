@@ -25,8 +25,9 @@ None of these raises into mlx-vlm: a failure is logged (and re-raised under
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from server_patch.copyfree import pool
 from server_patch.failclosed import fail_closed
@@ -96,7 +97,7 @@ def clear(site: str) -> None:
     """Stock's per-chunk, per-prompt-batch and per-request ``mx.clear_cache()``, now opt-in
     (``APC_POOL_CLEAR=1``, ``server_patch.copyfree.pool``)."""
     try:
-        pool.clear(site)
+        waits.run(waits.Work.POOL, pool.clear, site)
     except Exception as exc:
         fail_closed(exc, f"apc_copyfree pool clear at {site}", log=copyfree_log)
 
@@ -108,7 +109,8 @@ def admissible(coordinator: Any, queue: list, extra_hash_of: Callable[[dict], in
     coordinator, or a failure: all of them, as stock."""
     if (lineage := _lineage(coordinator)) is not None:
         try:
-            return lineage.admissible(queue, extra_hash_of, limit, decoding=decoding)
+            with _staging(lineage):
+                return lineage.admissible(queue, extra_hash_of, limit, decoding=decoding)
         except Exception as exc:
             fail_closed(exc, "apc_lineage admissible", log=log)
     return min(limit, len(queue))
@@ -123,9 +125,10 @@ def prefetch(generator: Any) -> None:
     try:
         decoding, prefilling = len(generator._generation_batch), generator._prompt_batch is not None
         full = generator.completion_batch_size - decoding < generator.prefill_batch_size
-        lineage.prefetch(generator._unprocessed_sequences, generator._apc_extra_hash,
-                         generator.prefill_batch_size, busy=decoding > 0 or prefilling,
-                         blocked=prefilling or full)
+        with _staging(lineage):
+            lineage.prefetch(generator._unprocessed_sequences, generator._apc_extra_hash,
+                             generator.prefill_batch_size, busy=decoding > 0 or prefilling,
+                             blocked=prefilling or full)
     except Exception as exc:
         fail_closed(exc, "apc_lineage prefetch", log=log)
 
@@ -161,16 +164,51 @@ def cache_cleared(manager: Any) -> None:
         fail_closed(exc, "apc_lineage cache reset", log=log)
 
 
+def _waits_of(coordinator: Any) -> Optional[waits.Waits]:
+    """The waits book of ``coordinator``'s rows (``integration.waits``; None for stock's, or a
+    lineage coordinator with no cache of its own)."""
+    cache = getattr(_lineage(coordinator), "lineage", None)
+    return cache.book.waits if cache is not None else None
+
+
+def _staging(lineage: "LineageCoordinator") -> Any:
+    """The queue's turn on the generation thread (its loads and staged copies started or
+    checked) as one ``stage`` unit, charged to every live row."""
+    import contextlib
+
+    book = _waits_of(lineage)
+    return book.timed(waits.Work.STAGE, waits.Owners()) if book is not None else contextlib.nullcontext()
+
+
 def _prefilling(generator: Any, prompt_batch: Any) -> tuple[Any, waits.Owners]:
     """Whose prefill chunk it is (the prompt batch's rows), and the waits of the rows it holds
     up (``integration.waits``; None for a stock coordinator's)."""
-    lineage = _lineage(generator.apc)
-    book = lineage.lineage.book if lineage is not None and lineage.lineage is not None else None
-    return (book.waits if book is not None else None), waits.Owners(uids=tuple(prompt_batch.uids))
+    return _waits_of(generator.apc), waits.Owners(uids=tuple(prompt_batch.uids))
+
+
+def _settle(book: waits.Waits, batch: Any, kind: str, owners: waits.Owners) -> None:
+    """Wait, as a unit of ``kind``, for what ``batch`` still computes (mlx-vlm dispatches each
+    decode step's successor before returning its tokens, and a prompt batch its first token):
+    a unit timed next (a prefill chunk, a join, a leave) then times only its own work."""
+    if batch is None or not len(batch.uids):
+        return
+    with book.timed(kind, owners):
+        batch._eval_pending_state()
+
+
+def prefill_step(generator: Any, prompt_batch: Any) -> int:
+    """One prefill chunk (``_prefill_chunk``), after the decoding rows' pending step is
+    computed (their own ``step``, not the chunk: the chunk is timed to the end of its compute)."""
+    try:
+        if (book := _waits_of(generator.apc)) is not None:
+            _settle(book, generator._generation_batch, waits.OWN_STEP, waits.Owners())
+    except Exception as exc:  # a timing record never fails the chunk (the chunk raises as it would)
+        log.debug("apc_lineage waits: pending step not settled before a chunk: %s", exc)
+    return _prefill_chunk(generator, prompt_batch)
 
 
 @waits.unit(waits.Work.PREFILL, _prefilling)
-def prefill_step(generator: Any, prompt_batch: Any) -> int:
+def _prefill_chunk(generator: Any, prompt_batch: Any) -> int:
     """One ``prompt_step`` of the generator's prompt batch, sized so the rows decoding meanwhile
     wait at most ``APC_DECODE_STALL_MS`` (``server_patch.pacing``, with the lineage runtime's
     pacer); a stock coordinator's prefill keeps mlx-vlm's full chunk. The step itself is
@@ -217,8 +255,91 @@ def rows_leaving(coordinator: Any, batch: Any, keep: Sequence[int]) -> None:
 
 
 def rows_decoded(coordinator: Any, batch: Any, tokens: Sequence[int]) -> None:
-    """After each decode step: the ids it fed (0.7.10 keeps no generated ids; reply reuse)."""
+    """After each decode step: the ids it fed (0.7.10 keeps no generated ids; reply reuse), and
+    each row's inter-token gap ends (``waits.Waits.close_gaps``)."""
     _tell(coordinator, "apc_copyfree decode hook", lambda lineage: lineage.rows_decoded(batch, tokens))
+    try:
+        if (book := _waits_of(coordinator)) is not None:
+            book.close_gaps(list(batch.uids))
+    except Exception as exc:  # a timing record must never fail the generation thread
+        log.debug("apc_lineage gaps not closed: %s", exc)
+
+
+# Decorators the overlay puts on mlx-vlm's batch methods (``overlay/patches/copyfree.py``): each
+# call is a unit of ``integration.waits``, timed to the end of its compute. A stock coordinator's
+# batch, or a failure to name the book, runs the method untimed; the method raises as it would.
+
+
+def decode_step(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``GenerationBatch.next``: the joint decode step, every decoding row's own ``step``."""
+
+    @functools.wraps(method)
+    def timed(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        book = _waits_of(getattr(batch, "apc_coordinator", None)) if batch.uids else None
+        if book is None:
+            return method(batch, *args, **kwargs)
+        with book.timed(waits.OWN_STEP, waits.Owners()):
+            return method(batch, *args, **kwargs)
+
+    return timed
+
+
+def rows_leave(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``GenerationBatch.filter(keep)``: rows leaving are a ``leave`` unit of theirs, from their
+    batch's pending step computed (the rows' own ``step``) to the filtered caches computed."""
+
+    @functools.wraps(method)
+    def timed(batch: Any, keep: Sequence[int]) -> Any:
+        book = _waits_of(getattr(batch, "apc_coordinator", None))
+        if book is None or len(keep) >= len(batch.uids):
+            return method(batch, keep)
+        kept = set(keep)
+        leaving = waits.Owners(uids=tuple(uid for i, uid in enumerate(batch.uids) if i not in kept))
+        _settle(book, batch, waits.OWN_STEP, waits.Owners())
+        with book.timed(waits.Work.LEAVE, leaving):
+            result = method(batch, keep)
+            _settle(book, batch, waits.Work.LEAVE, leaving)
+        return result
+
+    return timed
+
+
+def batch_join(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``BatchGenerator._extend_generation_batch(gen_batch)``: a prompt batch joining a decoding
+    batch is a ``join`` unit of its rows, from both batches' pending work computed (the decoding
+    rows' own ``step``, the joiners' first token as their ``prefill``) to the joined caches
+    computed (mlx-vlm's extend only builds them: its copy would run in the next decode step)."""
+
+    @functools.wraps(method)
+    def timed(generator: Any, gen_batch: Any) -> Any:
+        book = _waits_of(generator.apc)
+        existing = generator._generation_batch
+        if book is None or not len(existing.uids) or not len(gen_batch.uids):
+            return method(generator, gen_batch)
+        joining = waits.Owners(uids=tuple(gen_batch.uids))
+        _settle(book, existing, waits.OWN_STEP, waits.Owners())
+        _settle(book, gen_batch, waits.Work.PREFILL, joining)
+        with book.timed(waits.Work.JOIN, joining):
+            result = method(generator, gen_batch)
+            _settle(book, generator._generation_batch, waits.Work.JOIN, joining)
+        return result
+
+    return timed
+
+
+def prompt_generation(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``PromptProcessingBatch.generate``: the prompt's last forward and first token (and its
+    prompt-end commit, its own unit inside), the rows' ``prefill``."""
+
+    @functools.wraps(method)
+    def timed(prompt_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        book = _waits_of(getattr(prompt_batch, "_apc_coordinator", None))
+        if book is None:
+            return method(prompt_batch, *args, **kwargs)
+        with book.timed(waits.Work.PREFILL, waits.Owners(uids=tuple(prompt_batch.uids))):
+            return method(prompt_batch, *args, **kwargs)
+
+    return timed
 
 
 def request_removed(coordinator: Any, uid: Any) -> None:

@@ -14,11 +14,12 @@ import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 from server_patch import clock
 from server_patch.admin.metrics import RequestMetrics
 from server_patch.copyfree import ledger
+from server_patch.integration.waits import GAPS_KEPT, OWN_STEP, UNATTRIBUTED
 from server_patch.lineage import COLD
 
 log = logging.getLogger("server_patch.lineage")
@@ -103,11 +104,39 @@ class RequestTiming:
     waited_ms: float = 0.0
     waited: dict[str, float] = field(default_factory=dict)
     delayed_steps: int = 0
+    # Its inter-token gaps while it decoded, each split into named parts that add up to it
+    # (``integration.waits``: its own ``step``, others' work by kind, ``unattributed``):
+    # ``{"ms", "from", "to" (the server's monotonic seconds), "parts": {part: ms}}``. The
+    # largest, the ``GAPS_KEPT`` largest that held others' work (largest first), and how many.
+    worst_gap: dict[str, Any] = field(default_factory=dict)
+    gaps: list[dict[str, Any]] = field(default_factory=list)
+    gap_count: int = 0
     ended: bool = False
     # The book's own marks, not in the JSON: in the ring (``TimingBook._finish``), and the
     # decode step ``waits`` last counted as delayed.
     finished: bool = False
     delay_mark: int = -1
+    # The gap now open: since when (None: no token of a decode step yet), what was charged to it.
+    gap_from: Optional[float] = None
+    gap_parts: dict[str, float] = field(default_factory=dict)
+
+    def close_gap(self, now: float) -> None:
+        """A decode step gave it a token at ``now``: the gap since its previous one is over.
+        Its parts are what was charged to it meanwhile, and the rest of it ``unattributed``."""
+        began, parts = self.gap_from, self.gap_parts
+        self.gap_from, self.gap_parts = now, {}
+        if began is None:
+            return
+        ms = (now - began) * 1000
+        named = {part: round(v, 3) for part, v in sorted(parts.items(), key=lambda kv: -kv[1])}
+        gap = {"ms": round(ms, 3), "from": began, "to": now,
+               "parts": {**named, UNATTRIBUTED: round(ms - sum(parts.values()), 3)}}
+        self.gap_count += 1
+        if ms > self.worst_gap.get("ms", -1.0):
+            self.worst_gap = gap
+        if any(part != OWN_STEP for part in parts):
+            kept = sorted([*self.gaps, gap], key=lambda g: -g["ms"])
+            self.gaps = kept[:GAPS_KEPT]
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -116,7 +145,7 @@ class RequestTiming:
         return out
 
 
-PRIVATE = ("uid", "finished", "delay_mark")  # fields of a record its JSON leaves out
+PRIVATE = ("uid", "finished", "delay_mark", "gap_from", "gap_parts")  # fields of a record its JSON leaves out
 
 
 def _fmt(**fields: Any) -> str:

@@ -19,6 +19,15 @@ charge. A prefill chunk is timed to the end of its compute only while decode-awa
 paces it (``server_patch.pacing`` synchronizes then); with ``APC_DECODE_STALL_MS=0`` a chunk is
 timed to its dispatch, and its compute is waited for in the next decode step, uncharged.
 
+A decoding row's inter-token gaps (issue 40): every unit charged to it also goes on the gap it
+is in, the joint decode step (``hooks.decode_step``) as its own ``step``, and when a step gives it
+its token (``close_gaps``) the gap since its previous one closes with the rest ``unattributed``
+(the loop, the server's queues): the parts add up to the gap (``RequestTiming.close_gap``). Each
+unit that follows a decode step first waits for the step's pending compute as ``step``
+(``hooks._settle``: mlx-vlm dispatches a step's successor before returning its tokens), so a
+join (``hooks.batch_join``, timed to its joined caches computed), a leave (``hooks.rows_leave``)
+or a paced prefill chunk times only its own work.
+
 The work units are declared where the work is (``unit`` decorators: ``hooks.prefill_step``,
 ``LineageCoordinator.lookup``, ``BatchRows.merge`` / ``prefill_end`` / ``commit``; ``run`` for the
 disk load inside a lookup), each with an ``owners`` function (below, and the door's
@@ -52,9 +61,18 @@ class Work(StrEnum):
     RESTORE = "restore"  # its lookup (planning, building the restored views) and its merge copy
     COMMIT = "commit"  # its entry committed: at its prompt end, past its reply, at a join or a lookup's sweep
     LOAD = "load"  # a disk file read on the generation thread at its lookup (not prefetched)
+    JOIN = "join"  # its finished prompt batch joined the decoding batch (``GenerationBatch.extend``)
+    LEAVE = "leave"  # its rows left the decoding batch (``GenerationBatch.filter``, its reply commit inside)
+    STAGE = "stage"  # the queue's turn: its disk load or staged copy started or checked (``prefetch``, ``admissible``)
+    POOL = "pool"  # the buffer pool cleared (``mx.clear_cache``, ``APC_POOL_CLEAR=1``)
 
 
 WORK_KINDS = tuple(Work)
+# A decoding row's inter-token gap (``RequestTiming.worst_gap`` / ``gaps``) is split into the
+# ``Work`` done for others, its own share of the joint decode step, and what no unit timed.
+OWN_STEP = "step"  # the decode step every decoding row shares (``GenerationBatch.next``)
+UNATTRIBUTED = "unattributed"  # the gap less every timed part: the loop, the server's queues
+GAPS_KEPT = 8  # a record keeps its largest gaps that held others' work, largest first
 
 
 @dataclass(frozen=True)
@@ -79,6 +97,7 @@ class _Unit:
     owners: Owners
     started: float
     inner: float = 0.0  # seconds of units opened inside it (charged as their own work)
+    cut: float = 0.0  # seconds of it already charged at a gap's end (``close_gaps``)
 
 
 _OPEN = threading.local()  # the units open on this thread, innermost last (``_OPEN.units``)
@@ -114,7 +133,7 @@ class Waits:
         unit = units.pop()
         elapsed = clock.monotonic() - unit.started
         if units:
-            units[-1].inner += elapsed
+            units[-1].inner += elapsed + unit.cut
         try:
             self.charge(unit.kind, max(0.0, elapsed - unit.inner), unit.owners)
         except Exception as exc:  # a wait record must never fail the generation thread
@@ -131,6 +150,10 @@ class Waits:
             record = row.record
             if record is None or row.state not in HELD_UP or id(row) in owning:
                 continue
+            if row.state == DECODING:
+                record.gap_parts = {**record.gap_parts, kind: record.gap_parts.get(kind, 0.0) + ms}
+            if kind == OWN_STEP:  # its own step: part of its gaps, never a wait for another
+                continue
             record.waited_ms += ms
             # Copied, never changed in place: a server thread may be serializing the record.
             record.waited = {**record.waited, kind: record.waited.get(kind, 0.0) + ms}
@@ -146,6 +169,24 @@ class Waits:
             yield
         finally:
             self.end()
+
+    def close_gaps(self, uids: Sequence[Any]) -> None:
+        """Rows ``uids`` just got their tokens of a decode step: the step so far is charged as
+        their own (the rest of it, a leaving row's filter say, falls in their next gap), and each
+        decoding row's gap since its previous token ends, split into what was charged to it
+        meanwhile and what no unit timed (``RequestTiming.close_gap``). O(rows), no array read."""
+        now = clock.monotonic()
+        units = _stack()
+        if units and units[-1].kind == OWN_STEP and units[-1].waits is self:
+            step = units[-1]
+            spent = max(0.0, now - step.started - step.inner)
+            step.cut += now - step.started
+            step.started, step.inner = now, 0.0
+            self.charge(OWN_STEP, spent, Owners())
+        for uid in uids:
+            row = self.book.by_uid(uid)
+            if row is not None and row.record is not None and row.state == DECODING:
+                row.record.close_gap(now)
 
     def ended(self, row: "RowLife") -> None:
         """``row`` ended: nothing more holds it up, its record's waits are final."""
@@ -214,4 +255,5 @@ def one_row(batch_rows: Any, row: Any, *_: Any, **__: Any) -> tuple[Optional[Wai
     return batch_rows.book.waits, Owners(rows=(row,))
 
 
-__all__ = ["WORK_KINDS", "Owners", "Waits", "Work", "lookup", "merged_rows", "one_row", "run", "unit"]
+__all__ = ["GAPS_KEPT", "OWN_STEP", "UNATTRIBUTED", "WORK_KINDS", "Owners", "Waits", "Work", "lookup",
+           "merged_rows", "one_row", "run", "unit"]

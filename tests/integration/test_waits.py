@@ -115,7 +115,7 @@ def test_the_row_end_makes_the_record_final_for_the_event_stream_and_the_histogr
     assert len(timings.ended_since(0)) == 1
     waited = {s.labels["work"]: s.value for m in timings.metrics.waited.collect() for s in m.samples
               if s.name.endswith("_sum")}
-    assert waited == {"prefill": 2.0, "restore": 0.0, "commit": 0.0, "load": 0.0}
+    assert waited == {"prefill": 2.0, **{kind: 0.0 for kind in waits.WORK_KINDS if kind != "prefill"}}
 
 
 def test_a_row_that_ends_before_its_first_token_is_final_when_finished(book: RowBook, clock: Clock) -> None:

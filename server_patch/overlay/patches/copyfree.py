@@ -142,9 +142,36 @@ FILE_PATCHES = (
             name="copyfree.batches_joining",
             old="    def _extend_generation_batch(self, gen_batch) -> None:\n",
             new=(
+                "    @_apc_door.batch_join\n"
                 "    def _extend_generation_batch(self, gen_batch) -> None:\n"
                 "        _apc_door.batches_joining(self.apc, self._generation_batch, gen_batch)\n"
             ),
+        ),
+        # Each a unit of ``integration.waits``, timed to the end of its compute: the joint decode
+        # step, rows leaving the batch, a prompt batch's last forward (issue 40).
+        Edit(
+            name="copyfree.decode_step_timed",
+            old="    def next(self) -> List[Response]:\n        \"\"\"Generate the next batch of tokens.\"\"\"\n",
+            new=("    @_apc_door.decode_step\n"
+                 "    def next(self) -> List[Response]:\n        \"\"\"Generate the next batch of tokens.\"\"\"\n"),
+        ),
+        Edit(
+            name="copyfree.rows_leave_timed",
+            old=("    def filter(self, keep: List[int]):\n"
+                 "        \"\"\"Filter the batch to keep only the specified indices.\"\"\"\n"),
+            new=("    @_apc_door.rows_leave\n"
+                 "    def filter(self, keep: List[int]):\n"
+                 "        \"\"\"Filter the batch to keep only the specified indices.\"\"\"\n"),
+        ),
+        Edit(
+            name="copyfree.prompt_generation_timed",
+            old=("    def generate(\n"
+                 "        self, sampler, stop_criteria, compute_logprobs=True, top_logprobs_k=0\n"
+                 "    ) -> GenerationBatch:\n"),
+            new=("    @_apc_door.prompt_generation\n"
+                 "    def generate(\n"
+                 "        self, sampler, stop_criteria, compute_logprobs=True, top_logprobs_k=0\n"
+                 "    ) -> GenerationBatch:\n"),
         ),
         Edit(
             name="copyfree.prompt_row_removed",
