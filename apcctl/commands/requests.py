@@ -22,11 +22,11 @@ if TYPE_CHECKING:
     from server_patch.admin.schema import RequestRecord
 
 COLUMNS = ("SEQ", "TIME", "KIND", "PROMPT", "REUSED", "ORACLE", "LOST", "DRIFT", "LOOKUP", "ADMIT", "PREFILL",
-           "COMMIT", "TTFT ms", "WAIT ms", "ENTRY")
+           "COMMIT", "TTFT ms", "WAIT ms", "GAP ms", "ENTRY")
 # --follow: the widths values commonly take (a clock; "entry/staged"; milliseconds like 1,234.5).
 FOLLOW_WIDTHS = {"TIME": 8, "KIND": 12, "LOOKUP": 7, "ADMIT": 7, "PREFILL": 7, "COMMIT": 7, "TTFT ms": 7}
 NUMERIC = ("SEQ", "PROMPT", "REUSED", "ORACLE", "LOOKUP", "ADMIT", "PREFILL", "COMMIT", "TTFT ms")
-LINE = "{:>6} {:8} {:12} {:>7} {:>7} {:>7} {:14} {:16} {:>8} {:>8} {:>9} {:>8} {:>9} {:16} {}"
+LINE = "{:>6} {:8} {:12} {:>7} {:>7} {:>7} {:14} {:16} {:>8} {:>8} {:>9} {:>8} {:>9} {:16} {:16} {}"
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -42,7 +42,7 @@ def row(record: RequestRecord | Mapping[str, Any]) -> tuple[object, ...]:
             f"{r.restored_tokens:,}", f"{r.oracle:,}", render.lost_label(r), drift_label(r),
             render.ms(r.lookup_ms), render.ms(r.admission_ms),
             render.ms(r.prefill_ms), render.ms(r.commit_ms), render.ms(r.ttft_ms), render.wait_label(r),
-            r.entry_id or "-")
+            render.gap_label(r), r.entry_id or "-")
 
 
 def format_request(r: RequestRecord | Mapping[str, Any]) -> str:
@@ -116,6 +116,10 @@ def requests(ident: str | None, targets: list[Target], since: int, limit: int, f
 
     WAIT accrues until the request's row ends ("ended": true in --json); --follow prints each record
     at its first token, so its WAIT is what it had waited by then.
+
+    GAP: its longest gap between two tokens while it decoded, and what most of it was (another's
+    join, prefill, ... or its own step); ID shows every part of it (worst_gap, gaps: the parts add
+    up to the gap).
 
     With --json and --follow, one JSON object per line.
 

@@ -129,6 +129,20 @@ def wait_label(record: Any) -> str:
     return f"{float(total):,.0f} {top}" + ("+" if len(waited) > 1 else "")
 
 
+def gap_label(record: Any) -> str:
+    """A request's GAP cell: its longest inter-token gap while decoding (ms) and what most of it
+    was (``integration.waits``: another's "join", "prefill", ..., its own "step", or
+    "unattributed"), as "734 join"; blank before a second token of a decode step, ``-`` from a
+    server before issue 40's gaps."""
+    gap = record.get("worst_gap")
+    if gap is None:
+        return "-"
+    parts = [(float(ms), str(part)) for part, ms in (gap.get("parts") or {}).items()]
+    if not gap or not parts:
+        return ""
+    return f"{float(gap.get('ms', 0.0)):,.0f} {max(parts)[1]}"
+
+
 def console() -> Console:
     """A console on click's stdout; wide in pipes, so tables are never cut to fit 80 columns, and
     without the padding that would fill every piped line to the table's width."""
