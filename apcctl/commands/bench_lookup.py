@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import click
 import numpy as np
+
+
+def _lookup_times(cache: Any, probe: np.ndarray, repeats: int) -> list[float]:
+    """Milliseconds of each of ``repeats`` lookups of ``probe``."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        cache.lookup(probe)
+        times.append((time.perf_counter() - start) * 1000)
+    return times
 
 
 def measure(entries: int, tokens: int, shared: int, repeats: int) -> dict[str, float]:
@@ -20,11 +31,7 @@ def measure(entries: int, tokens: int, shared: int, repeats: int) -> dict[str, f
         prompt = np.concatenate([prefix, rng.randint(0, 150_000, tokens - shared)])
         cache.commit(prompt, kv=SizedKV(1, tokens - 1), head=SizedSnapshot(1))
     probe = np.concatenate([prefix, rng.randint(0, 150_000, tokens - shared)])
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        cache.lookup(probe)
-        times.append((time.perf_counter() - start) * 1000)
+    times = _lookup_times(cache, probe, repeats)
     return {"entries": entries, "tokens": tokens, "shared": shared,
             "median_ms": float(np.median(times)), "max_ms": float(np.max(times))}
 
@@ -60,11 +67,7 @@ def measure_fleet(servers: int, entries: int, tokens: int, shared: int, repeats:
 
     cache = LineageCache(LineageConfig(ram_budget_bytes=1 << 60, periodic_stride=0), disk=Tier())
     probe = np.concatenate([prefix, rng.randint(0, 150_000, tokens - shared)])
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        cache.lookup(probe)
-        times.append((time.perf_counter() - start) * 1000)
+    times = _lookup_times(cache, probe, repeats)
     return {"servers": servers, "files": servers * entries, "median_ms": float(np.median(times)),
             "max_ms": float(np.max(times))}
 

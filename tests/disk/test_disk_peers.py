@@ -42,12 +42,17 @@ def written_by_peer(shared, model, layout, prompt, namespace=""):
     return entry, path
 
 
-def test_a_peers_file_restores_with_cold_logits_and_is_never_removed(tmp_path, model, layout):
-    prompt = tokens(200, 1)
+def read_by_b(tmp_path, model, layout, seed, n, more):
+    """A prompt of ``n`` tokens written by peer "a", read by "b"; the prompt ``more`` tokens longer."""
+    prompt = tokens(n, seed)
     entry, path = written_by_peer(tmp_path, model, layout, prompt)
     cache, store = server(tmp_path, "b", layout)
     store.peers.refresh()
-    longer = np.concatenate([prompt, tokens(40, 2)])
+    return entry, path, cache, store, np.concatenate([prompt, tokens(more, seed + 1)])
+
+
+def test_a_peers_file_restores_with_cold_logits_and_is_never_removed(tmp_path, model, layout):
+    entry, path, cache, store, longer = read_by_b(tmp_path, model, layout, 1, 200, 40)
     plan, _, warm = serve(cache, model, layout, longer)
     assert (plan.tier, plan.length) == ("disk", 199)
     assert isinstance(plan.record, PeerRecord) and plan.record.peer == "a"
@@ -86,11 +91,7 @@ def test_a_namespace_restores_only_its_own_files_from_a_peer(tmp_path, model, la
 
 
 def test_a_file_that_vanishes_before_its_load_fails_closed(tmp_path, model, layout):
-    prompt = tokens(150, 5)
-    _, path = written_by_peer(tmp_path, model, layout, prompt)
-    cache, store = server(tmp_path, "b", layout)
-    store.peers.refresh()
-    longer = np.concatenate([prompt, tokens(20, 6)])
+    _, path, cache, store, longer = read_by_b(tmp_path, model, layout, 5, 150, 20)
     plan = cache.lookup(longer)
     assert plan.tier == "disk"
     path.unlink()  # the peer evicted it between our listing and our load
