@@ -40,6 +40,7 @@ from typing import Any
 import click
 
 from apcctl.core.client import AdminClient
+from apcctl.core.config_keys import BUDGET_KEYS, SERVING_KEYS
 from apcctl.core.manage import ManagedServer, managed_names
 from server_patch import settings as registry
 from server_patch.envconfig import parse_size
@@ -47,12 +48,6 @@ from server_patch.envconfig import parse_size
 DEFAULT_PORT = 8080
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_NAME = "default"
-# Budget keys of a [servers.NAME] table -> the server's environment at ``apcctl serve``.
-BUDGET_KEYS = {"ram_budget": "APC_LINEAGE_RAM_BUDGET_BYTES", "disk_budget": "APC_LINEAGE_DISK_MAX_BYTES",
-               "anchor_budget": "APC_LINEAGE_ANCHOR_MAX_BYTES", "max_anchors": "APC_LINEAGE_ANCHOR_MAX_ENTRIES"}
-# Serving keys (a string or a list of strings) -> the server's environment at ``apcctl serve``.
-SERVING_KEYS = {"served_model_name": "APC_SERVED_MODEL_NAME", "allowed_origins": "APC_ALLOWED_ORIGINS",
-                "allowed_hosts": "APC_ALLOWED_HOSTS"}
 _KEYS = {"url", "token", "token_file", "model", "port", "host", "supervisor", "service", "args", *BUDGET_KEYS,
          *SERVING_KEYS}
 

@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from apcctl.tinymodel.language_model import language_model_from_config
 from server_patch.state.families import RESTORE_RULES
 
 PROBE_TOKENS = 16
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass
@@ -73,35 +73,6 @@ def build_from_config(config: dict[str, Any], model_path: Path | None = None) ->
     language_model = language_model_from_config(module, config)
     _placeholder_params(language_model, getattr(mx, _dtype_name(config)))
     return module, language_model
-
-
-def language_model_from_config(module: Any, config: dict[str, Any]) -> Any:
-    """``Model(config).language_model`` as ``load_model`` builds it (parameters lazy, random).
-
-    A vision family whose vision config has no defaults (a text-only config of a VLM) gets its
-    language model class built from the text config alone: the vision tower holds no cache."""
-    import inspect
-
-    from mlx_vlm.utils import update_module_configs
-
-    from server_patch.state.families import language_model_class
-
-    config.setdefault("text_config", config.pop("llm_config", {}))
-    config.setdefault("vision_config", {})
-    config.setdefault("audio_config", {})
-    try:
-        model_config = module.ModelConfig.from_dict(config)
-        model_config = update_module_configs(model_config, module, config,
-                                             ["text", "vision", "perceiver", "projector", "audio"])
-        return module.Model(model_config).language_model
-    except TypeError:
-        if not config["text_config"] or not hasattr(module, "TextConfig"):
-            raise
-    cls = language_model_class(module)
-    text_config = module.TextConfig.from_dict(config["text_config"])
-    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    required = [p for p in params if p.default is inspect.Parameter.empty]
-    return cls(text_config) if len(required) <= 1 else cls(text_config, None)
 
 
 def _dtype_name(config: dict[str, Any]) -> str:
@@ -248,22 +219,3 @@ def _template_lines(template: dict[str, Any] | None) -> list[str]:
         lines.append("  (the system text renders before the tools block: a change late in it diverges "
                      "before the tools; the restore point is the last boundary inside the system text)")
     return lines + [f"template problem: {p}" for p in template["problems"]]
-
-
-def state_sizes(report: ModelReport) -> Any:
-    """The replay simulator's ``StateSizes`` for any checked model (not only glm5_next).
-
-    The simulator needs two numbers per model: KV bytes per token (what the lineage cache
-    stores once and slices) and snapshot bytes (what each restore point holds). Here they go
-    into the latent and recurrent fields; nothing is derived (projected = 0), so a stock
-    snapshot at n tokens is KV(n) + snapshot, as stock 0.7.10 stores it.
-    """
-    from apcctl.sim.sizes import StateSizes
-
-    kv_layers = sum(1 for layer in report.layers if layer.kv_bytes_per_token)
-    snapshot_layers = sum(1 for layer in report.layers if layer.snapshot_bytes)
-    return StateSizes(
-        name=report.model_type or Path(report.model_dir).name, dtype_bytes=_DTYPE_BYTES[report.dtype],
-        attention_layers=kv_layers, full_indexer_layers=0, linear_layers=snapshot_layers,
-        latent_per_token=report.kv_bytes_per_token, index_valid_per_token=0, pooled_keys_per_token=0,
-        projected_per_token=0, recurrent_bytes=report.snapshot_bytes, conv_bytes=0)

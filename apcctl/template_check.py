@@ -26,7 +26,7 @@ _TOOL_MARK = "zq_tool_probe"
 def _probe_system() -> str:
     """A long agent system prompt (about 1.5k tokens of lines: headings, rules, an ``<env>``
     block, the date last), so the finder's thinning has room to offer points inside it."""
-    from apcctl.sim.tracegen_rendered import system_prompt
+    from apcctl.tinymodel.agent_prompts import system_prompt
 
     return f"You are {_SYSTEM_MARK}, a coding agent.\n\n" + system_prompt()
 

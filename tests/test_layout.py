@@ -1,6 +1,8 @@
 """The layout's arrows, checked on the real imports of the package files (parsed, not run).
 
-* No import cycles among ``server_patch`` modules, in two strengths. Imports that run when a
+* No import cycles in ``server_patch``, ``apcctl`` or ``tui``, among modules and among packages
+  (a package's modules taken as one part: ``admin`` <-> ``integration`` is a knot even when no
+  two of their modules import each other), in two strengths. Imports that run when a
   module is loaded (module level and class bodies, not ``if TYPE_CHECKING:``) must never form
   one: that is an import-time failure waiting for an import order. An import inside a function
   runs at call time, after every module has loaded, so it cannot fail that way; but two modules
@@ -10,6 +12,9 @@
 * ``server_patch.boundaries`` imports neither MLX nor mlx-vlm, and ``server_patch.lineage`` no
   mlx-vlm, not even through what they import (checked on the parsed graph and in a fresh
   interpreter).
+* Inside ``apcctl``, the research lab (``sim``, ``bench``, ``tinymodel``, ``template_check``,
+  ``model_check``, ``model_matrix``) and the operator CLI (``core``, ``config``, ``service``,
+  ``fleet``, the demo's traffic) meet only in the commands; the lab's layers point one way.
 * ``server_patch`` never imports the CLI (``apcctl``) or the dashboard (``tui``).
 * The dashboard (``tui``) imports nothing of ``apcctl`` but the shared core, ``apcctl.core``; the
   core imports no other ``apcctl`` module (so never ``apcctl.commands``) and never ``tui``, at
@@ -152,16 +157,90 @@ def test_the_parser_sees_the_imports_it_should():
     assert any(not i.eager for i in all_imports())
 
 
+def _unit(module: str) -> str:
+    """The part a module belongs to for the package-level check: its top-level sub-package
+    (``server_patch.admin``, ``apcctl.sim``) or, for a top-level module, itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def import_graph(package: str, lazy: bool, level: str) -> dict[str, set[str]]:
+    """``package``'s imports among its own modules (``level="module"``) or among its parts
+    (``level="package"``), module-level only or with the function-level ones (``lazy``)."""
+    name = (lambda m: m) if level == "module" else _unit
+    graph: dict[str, set[str]] = {name(m): set() for m in modules(package)}
+    for imp in all_imports(package):
+        if not (imp.eager or lazy) or _top(imp.target) != package:
+            continue
+        source, target = name(imp.source), name(imp.target)
+        if target in graph and target != source:
+            graph[source].add(target)
+    return graph
+
+
+# Cycles that are known and owned elsewhere, each as its sorted members: the check fails on any
+# other cycle, and on a listed one that is gone (so the list only shrinks). ``sim.tracegen``
+# calls ``sim.patterns``' client sessions, which build on tracegen's conversations: the two are
+# being changed by the agent-patterns work (issue 37) and get untangled there.
+KNOWN_CYCLES: dict[tuple[str, str, bool], list[list[str]]] = {
+    ("apcctl", "module", True): [["apcctl.sim.patterns", "apcctl.sim.tracegen"]],
+    # The server's package knot (issue 35): being cut, package by package.
+    **{("server_patch", "package", lazy): [[f"server_patch.{p}" for p in (
+        "admin", "boundaries", "canary", "copyfree", "disk", "drift", "integration", "lineage", "serving", "state",
+        "tenancy")]] for lazy in (False, True)},
+}
+
+
+@pytest.mark.parametrize("level", ["module", "package"])
 @pytest.mark.parametrize("lazy", [False, True], ids=["module-level", "with-function-level"])
-def test_no_import_cycles_inside_server_patch(lazy: bool):
-    graph: dict[str, set[str]] = {m: set() for m in modules()}
-    for imp in all_imports():
-        if (imp.eager or lazy) and imp.target in graph and imp.target != imp.source:
-            graph[imp.source].add(imp.target)
-    cycles = _cycles(graph)
+@pytest.mark.parametrize("package", OURS)
+def test_no_import_cycles(package: str, lazy: bool, level: str):
+    """No cycle among ``package``'s modules, nor among its parts (``server_patch.admin`` <->
+    ``server_patch.integration`` is a knot even when no two modules import each other)."""
+    cycles = _cycles(import_graph(package, lazy, level))
+    known = KNOWN_CYCLES.get((package, level, lazy), [])
     kind = "module-level and function-level" if lazy else "module-level"
-    assert not cycles, f"import cycles ({kind} imports), each as its modules: " + \
-        "; ".join(" <-> ".join(c) for c in cycles)
+    new = [c for c in cycles if c not in known]
+    assert not new, f"{level} import cycles in {package} ({kind} imports), each as its members: " + \
+        "; ".join(" <-> ".join(c) for c in new)
+    gone = [c for c in known if c not in cycles]
+    assert not gone, f"cycles no longer there: drop them from KNOWN_CYCLES: {gone}"
+
+
+# The research lab inside apcctl, in layers: a layer imports only the ones before it (and the
+# core). The tiny models are the floor (with the corpus and the agent prompts every layer above
+# writes from); the chat-template check and the model matrix read them; the model check uses the
+# template check; the simulator sizes a model through the model check; the benches drive servers.
+LAB_LAYERS = (("apcctl.tinymodel",), ("apcctl.template_check", "apcctl.model_matrix"), ("apcctl.model_check",),
+              ("apcctl.sim", "apcctl.bench"))
+LAB = tuple(part for layer in LAB_LAYERS for part in layer)
+# What of the lab the operator's side may use: the corpus (word lists, data), for the demo's
+# agent traffic. The commands (``apcctl.commands``, ``apcctl.cli``) are the surface for both.
+LAB_DATA = ("apcctl.tinymodel.corpus",)
+SURFACE = ("apcctl.commands", "apcctl.cli")
+
+
+def _lab_layer(module: str) -> int | None:
+    return next((n for n, layer in enumerate(LAB_LAYERS) if any(_within(module, p) for p in layer)), None)
+
+
+def test_the_lab_stands_apart_from_the_operator_cli():
+    """The research lab (simulator, benches, tiny models, template study and model check) and the
+    operator CLI (core, config, service, fleet, the demo's traffic) meet only in the commands:
+    the lab imports nothing of the operator's side but the core, the operator's side nothing of
+    the lab but its data, at load or call time; inside the lab, a layer never imports a later one."""
+    imports = [i for i in all_imports("apcctl") if _top(i.target) == "apcctl" and _unit(i.source) != _unit(i.target)]
+    lab_up = [i for i in imports if _lab_layer(i.source) is not None and
+              (_lab_layer(i.target) is None and not _within(i.target, CORE)
+               or (_lab_layer(i.target) or 0) > _lab_layer(i.source))]
+    assert not lab_up, lab_up
+    operator_in = [i for i in imports if _lab_layer(i.source) is None and _lab_layer(i.target) is not None
+                   and not any(_within(i.source, s) for s in SURFACE)
+                   and not any(_within(i.target, d) for d in LAB_DATA)]
+    assert not operator_in, operator_in
+    seen = {(_unit(i.source), _unit(i.target)) for i in imports}
+    # The parser sees the arrows these rules are about.
+    assert {("apcctl.sim", "apcctl.model_check"), ("apcctl.model_check", "apcctl.template_check"),
+            ("apcctl.commands", "apcctl.sim"), ("apcctl.agent_traffic", "apcctl.tinymodel")} <= seen
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import click
 
 from apcctl.commands.common import EXIT_CODES_SHORT, CommandError, json_option
-from apcctl.commands.demo_traffic import AgentTraffic
+from apcctl.agent_traffic import AgentTraffic
 from apcctl.commands.requests import format_request, header
 from apcctl.config import ServerConfig, Target
 from apcctl.core import render

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable
@@ -15,6 +14,7 @@ from apcctl.commands.common import (EXIT_CODES_HELP, EXIT_CODES_SHORT, CommandEr
 from apcctl.commands.complete import server_names
 from apcctl.config import DEFAULT_HOST, DEFAULT_PORT, ConfigError, Target, load_config, server_name
 from apcctl.core import render
+from apcctl.core.hosts import port_busy
 from apcctl.core.manage import (ENV_PREFIXES, SERVER_OWN_ENV, ManagedServer, ManageError, ServerSpec, build_spec,
                                 rebased)
 from apcctl.core.model_source import model_problem, weights_problem
@@ -283,13 +283,6 @@ def _env(pairs: tuple[str, ...]) -> dict[str, str]:
     if unknown := registry.unknown(env):
         raise click.BadParameter("; ".join(unknown), param_hint="--env")
     return env
-
-
-def port_busy(host: str, port: int) -> bool:
-    probe_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((probe_host, port)) == 0
 
 
 @click.command(epilog=EXIT_CODES_SHORT)

@@ -3,7 +3,7 @@
 ``tests/e2e/test_e2e_conversation.py`` checks one server with independent conversations that share
 no system prompt: a long multi-turn chat, a chat whose last message is edited and then
 regenerated, and two requests that share a long opening and differ only at the end (twins).
-The agent trace (``apcctl.commands.demo_traffic.AgentTraffic``) is the opposite: sessions of a
+The agent trace (``apcctl.agent_traffic.AgentTraffic``) is the opposite: sessions of a
 few agents that share system prompts. A routing policy should keep the reuse of both, so
 ``apcctl bench fleet --trace conversations`` sends this one the same way.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from apcctl.commands.demo_traffic import AgentTraffic, Messages, _text
+from apcctl.agent_traffic import AgentTraffic, Messages, corpus_text
 
 # Sentences of the synthetic corpus (about 9 words each), sized like the e2e tests' texts.
 SYSTEM, OPENING, FOLLOW_UP, SHARED = 30, 12, 6, 60
@@ -47,4 +47,4 @@ class ConversationTraffic(AgentTraffic):
             yield f"twins/{round_no}/a", "turn", first
 
     def _say(self, sentences: int) -> str:
-        return _text(self.rng, self.corpus, sentences)
+        return corpus_text(self.rng, self.corpus, sentences)

@@ -42,7 +42,7 @@ def _apcctl(env: dict[str, str], *args: str, timeout: float = 900.0) -> dict[str
 
 def _ports(count: int) -> int:
     """The first of ``count`` consecutive ports nothing listens on (a small race remains)."""
-    from apcctl.commands.serve import port_busy
+    from apcctl.core.hosts import port_busy
 
     for _ in range(50):
         first = free_port()

@@ -1,4 +1,4 @@
-"""The demo's agent trace (``apcctl.commands.demo_traffic.AgentTraffic``) sent through a gateway,
+"""The demo's agent trace (``apcctl.agent_traffic.AgentTraffic``) sent through a gateway,
 with every answer and its ``usage`` kept: the reuse a routing policy gets is
 ``cached_tokens / prompt_tokens`` summed over the trace, which smg passes through unchanged.
 
@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from apcctl.commands.demo_traffic import AgentTraffic
+from apcctl.agent_traffic import AgentTraffic
 from apcctl.core.client import AdminClient, AdminError
 from apcctl.core.gateway import ROUTING_KEY_HEADER
 from apcctl.fleet.holdout import ConversationTraffic

@@ -154,8 +154,25 @@ def load_sizes(spec: str = "full") -> StateSizes:
     config = json.loads(path.read_text())
     if config.get("model_type", "glm5_next") != "glm5_next":
         # Any other family: measure its cache layout from the config (placeholder weights).
-        from apcctl.model_check import check_config_file, state_sizes
+        from apcctl.model_check import check_config_file
 
-        return state_sizes(check_config_file(path))
+        return sizes_from_report(check_config_file(path))
     return sizes_from_config(config, name=path.stem if path.name != "config.json"
                              else path.parent.name or "config")
+
+
+def sizes_from_report(report: Any) -> StateSizes:
+    """The replay's ``StateSizes`` for any model ``apcctl.model_check`` checked (a ``ModelReport``).
+
+    The simulator needs two numbers per model: KV bytes per token (what the lineage cache
+    stores once and slices) and snapshot bytes (what each restore point holds). Here they go
+    into the latent and recurrent fields; nothing is derived (projected = 0), so a stock
+    snapshot at n tokens is KV(n) + snapshot, as stock 0.7.10 stores it.
+    """
+    kv_layers = sum(1 for layer in report.layers if layer.kv_bytes_per_token)
+    snapshot_layers = sum(1 for layer in report.layers if layer.snapshot_bytes)
+    return StateSizes(
+        name=report.model_type or Path(report.model_dir).name, dtype_bytes=_DTYPE_BYTES[report.dtype],
+        attention_layers=kv_layers, full_indexer_layers=0, linear_layers=snapshot_layers,
+        latent_per_token=report.kv_bytes_per_token, index_valid_per_token=0, pooled_keys_per_token=0,
+        projected_per_token=0, recurrent_bytes=report.snapshot_bytes, conv_bytes=0)

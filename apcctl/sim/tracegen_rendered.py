@@ -32,34 +32,11 @@ from typing import Any
 import numpy as np
 
 from apcctl.sim.trace import Request
+from apcctl.tinymodel.agent_prompts import system_prompt, tools
+from apcctl.tinymodel.agent_prompts import words as _words
 
 TEMPLATES = ("qwen3.jinja", "glm45.jinja")
 _TOOL_NAMES = ("read_file", "write_file", "list_dir", "run_tests", "search_code", "git_diff", "open_url", "ask_user")
-
-
-def _words(rng: random.Random, count: int) -> str:
-    from apcctl.tinymodel.corpus import WORDS
-
-    return " ".join(rng.choice(WORDS) for _ in range(count))
-
-
-def system_prompt(*, date: str = "2026-12-01", status: str = "clean", seed: int = 3, rules: int = 24) -> str:
-    """The agents' structured system prompt (the same text for a seed, but for its variables)."""
-    rng = random.Random(seed)
-    lines = [f"You are a coding agent. {_words(rng, 40)}", "# Rules"]
-    lines += [f"- {_words(rng, 24)}" for _ in range(rules)]
-    lines += ["# Style"] + [f"- {_words(rng, 20)}" for _ in range(16)]
-    lines += ["<env>", "Working directory: /work/project", f"Git status: {status}", "</env>",
-              f"Today's date: {date}."]
-    return "\n".join(lines)
-
-
-def tools(names: tuple[str, ...], seed: int = 5) -> list[dict[str, Any]]:
-    rng = random.Random(seed)
-    return [{"type": "function", "function": {
-        "name": name, "description": _words(rng, 60),
-        "parameters": {"type": "object", "properties": {"path": {"type": "string", "description": _words(rng, 12)}},
-                       "required": ["path"]}}} for name in names]
 
 
 class _Renderer:

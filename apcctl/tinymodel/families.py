@@ -259,7 +259,7 @@ def build_language_model(family: str, seed: int = 0, overrides: dict[str, Any] |
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
 
-    from apcctl.model_check import language_model_from_config
+    from apcctl.tinymodel.language_model import language_model_from_config
 
     module = importlib.import_module(f"mlx_vlm.models.{family}")
     mx.random.seed(seed)

@@ -149,15 +149,13 @@ def test_check_language_model_of_an_unprobeable_model_still_classifies():
 
 
 def test_replay_sizes_of_a_checked_model(tmp_path):
-    from apcctl.model_check import state_sizes
+    from apcctl.sim.sizes import load_sizes, sizes_from_report
 
     report = check_model_dir(_write_config(tmp_path, "qwen3_5"))
-    sizes = state_sizes(report)
+    sizes = sizes_from_report(report)
     assert sizes.kv_per_token == report.kv_bytes_per_token and sizes.snapshot_bytes == report.snapshot_bytes
     # A stock snapshot at n tokens holds the KV rows and the recurrent state, nothing derived.
     assert sizes.full_snapshot_bytes(1000) == 1000 * report.kv_bytes_per_token + report.snapshot_bytes
-
-    from apcctl.sim.sizes import load_sizes
 
     # What `apcctl bench replay --model-config` reads for any family, not only glm5_next.
     replay = load_sizes(str(tmp_path / "qwen3_5" / "config.json"))

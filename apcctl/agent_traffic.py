@@ -1,4 +1,5 @@
-"""Agent-like chat traffic for ``apcctl demo``: what the lineage cache is built for, in miniature.
+"""Agent-like chat traffic for ``apcctl demo`` and ``apcctl fleet`` (not a command: both send it):
+what the lineage cache is built for, in miniature.
 
 One round has: an assistant session over several turns (each turn re-sends the conversation
 with the previous reply), a second session sharing the assistant's system prompt (an anchor
@@ -21,7 +22,8 @@ from apcctl.tinymodel.corpus import training_corpus
 Messages = list[dict[str, str]]
 
 
-def _text(rng: random.Random, corpus: list[str], sentences: int) -> str:
+def corpus_text(rng: random.Random, corpus: list[str], sentences: int) -> str:
+    """``sentences`` random lines of ``corpus`` joined: a message's text, by seed."""
     return " ".join(rng.choice(corpus) for _ in range(sentences))
 
 
@@ -44,8 +46,8 @@ class AgentTraffic:
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.corpus = training_corpus(400)
-        self.assistant = "You are a helpful assistant for a small team. " + _text(self.rng, self.corpus, 12)
-        self.coder = "You are a coding agent working in a python repository. " + _text(self.rng, self.corpus, 10)
+        self.assistant = "You are a helpful assistant for a small team. " + corpus_text(self.rng, self.corpus, 12)
+        self.coder = "You are a coding agent working in a python repository. " + corpus_text(self.rng, self.corpus, 10)
         self._started = time.monotonic()
 
     def start(self) -> threading.Thread:
@@ -91,7 +93,7 @@ class AgentTraffic:
             yield f"assistant/{round_no}", "regenerate", edited[:-1]  # the edit's prompt, without its reply
 
     def _question(self) -> str:
-        return _text(self.rng, self.corpus, 2)
+        return corpus_text(self.rng, self.corpus, 2)
 
     def _send(self, messages: Messages, attempts: int = 60) -> str | None:
         """One chat request; a draining (503) or restarting (unreachable) server is retried."""
