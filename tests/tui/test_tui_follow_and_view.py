@@ -160,3 +160,14 @@ async def test_a_value_that_grows_in_place_widens_its_column() -> None:
         await pilot.pause()
         for key, value in (("state", "draining"), ("ram", "1.0 GiB / 48.0 GiB")):
             assert table.columns[key].content_width >= len(value), (key, table.columns[key].content_width)
+
+
+def test_the_fleet_counts_pinned_anchors_wherever_they_are(source: RecordedSource) -> None:
+    from tui.panes.fleet import server_columns
+    from tui.testing import recorded_fleet
+
+    server = recorded_fleet(source.recording).servers[0]
+    budgets = server.budgets
+    budgets["pinned_on_disk"] = 2  # after a restart: two anchors only on disk until a request restores them
+    anchors = next(c for c in server_columns() if c.key == "anchors")
+    assert anchors.cell(server) == f"{budgets['anchor_count'] + 2} / {budgets['anchor_count_limit']}"

@@ -17,6 +17,7 @@ from textual.app import ComposeResult
 from textual.widgets import DataTable, Static
 
 from apcctl.core import render
+from server_patch.admin.schema import Budgets
 from tui.columns import request_columns
 from tui.fleet import FleetServer, FleetSnapshot
 from tui.messages import ServerRequested
@@ -33,6 +34,11 @@ def _used(used: Any, limit: Any, human: bool = True) -> str:
         return "-"
     show = render.human_bytes if human else (lambda n: f"{int(n):,}")
     return f"{show(used)} / {show(limit)}" if limit else show(used)
+
+
+def _pinned(budgets: dict[str, Any]) -> int | None:
+    """Pinned anchors wherever they are (``Budgets.pinned``: in RAM, or only on disk), as ``status`` counts them."""
+    return Budgets.from_json(budgets, "budgets").pinned if budgets else None
 
 
 def server_columns() -> list[Column[FleetServer]]:
@@ -54,9 +60,9 @@ def server_columns() -> list[Column[FleetServer]]:
             lambda s: s.hits.token_hit_rate, numeric=True),
         Column("ram", "RAM", lambda s: _used(s.budgets.get("ram_used"), s.budgets.get("ram_limit")),
                lambda s: s.budgets.get("ram_used"), numeric=True),
-        Column("anchors", "ANCHORS", lambda s: _used(s.budgets.get("anchor_count"),
-                                                     s.budgets.get("anchor_count_limit"), human=False),
-               lambda s: s.budgets.get("anchor_count"), numeric=True),
+        Column("anchors", "ANCHORS", lambda s: _used(_pinned(s.budgets), s.budgets.get("anchor_count_limit"),
+                                                     human=False),
+               lambda s: _pinned(s.budgets), numeric=True),
         Column("disk", "DISK", lambda s: _used(s.budgets.get("disk_used"), s.budgets.get("disk_limit")),
                lambda s: s.budgets.get("disk_used"), numeric=True),
         Column("status", "PROCESS", lambda s: _says(s), lambda s: _says(s).plain),
