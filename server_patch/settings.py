@@ -131,6 +131,9 @@ _SCALARS: tuple[Setting, ...] = (
        "server_patch.drift.detector"),
     _s("APC_DRIFT_TEXT", T.BOOL, True, "Keep a short decoded text diff around each divergence; 0 keeps the "
        "cause and position without prompt text.", "journal", "server_patch.drift.detector"),
+    _s("APC_DRIFT_POINTS", T.BOOL, True, "Restore points where clients part from their earlier prompts: "
+       "each prompt's generation-prompt start (a retry that drops the reply), and where a namespace was "
+       "seen to rebuild its history on resume; 0 captures none.", "journal", "server_patch.drift.detector"),
     _s("APC_LINEAGE_DISK", T.BOOL, True, "The disk tier: entries evicted from RAM are written to disk and "
        "restored from it, across restarts too; 0 keeps RAM only.", "disk", "server_patch.disk.paths"),
     _s("APC_DISK_LOAD_WAIT_MS", T.FLOAT, 30000.0, "How long a request whose restore point is on disk waits "

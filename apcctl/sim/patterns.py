@@ -10,7 +10,10 @@ aborted turns, ``cache-pressure``'s agent and abort simulations), each a ``Step`
 * ``edit``: the last user message rewritten, keeping its first ``keep`` tokens;
 * ``regenerate``: the reply rejected, the same prompt sent again;
 * ``subagent``: a sub-agent (same system text, its own tools) runs ``turns`` turns, then the
-  parent goes on with its result as a user message.
+  parent goes on with its result as a user message;
+* ``resume``: the client restarts and resumes the session (qwen-code ``-c``): its history is
+  rebuilt with the first user message's trailing reminder block (``first_reminder`` tokens,
+  the current date) left out, then a new user message follows.
 
 A conversation with a ``reminder`` (aider's ~450-token system reminder) renders it after the
 newest user message only, so each next prompt diverges right after the previous user text.
@@ -29,7 +32,7 @@ from apcctl.sim.trace import Request
 from apcctl.sim.tracegen import ASSISTANT, USER, VOCAB, Conversation, Persona, mark_verbatim
 
 GENERATION_TAIL = 16  # ids of the generation prompt's tokens after ASSISTANT ("assistant", "\n")
-STEP_KINDS = ("turn", "abort_kept", "abort_dropped", "no_reply", "edit", "regenerate", "subagent")
+STEP_KINDS = ("turn", "abort_kept", "abort_dropped", "no_reply", "edit", "regenerate", "subagent", "resume")
 
 
 @dataclass(frozen=True)
@@ -71,12 +74,15 @@ class _Builder:
 def build(steps: Sequence[Step], *, seed: int | Sequence[int] = 0, tools: int = 600, system: int = 400,
           first_question: int = 30, reminder: int = 0, sub_tools: int = 200,
           generation: int = 3, conv_id: str = "agent", agent: str = "",
-          persona: Persona | None = None, t0: float = 0.0, step_s: float = 1.0) -> list[Request]:
+          persona: Persona | None = None, t0: float = 0.0, step_s: float = 1.0,
+          first: np.ndarray | None = None, first_reminder: int = 0) -> list[Request]:
     """The requests one agent conversation sends for ``steps`` (in order, indexed; times from
     ``t0`` every ``step_s`` seconds).
 
     ``generation``: tokens of the generation prompt (3, as Qwen's; GLM's is 1); ``persona``:
-    the system prompt and tools (default: drawn, ``tools`` + ``system`` tokens)."""
+    the system prompt and tools (default: drawn, ``tools`` + ``system`` tokens); ``first``: the
+    first user message (default: ``first_question`` drawn tokens), followed by a reminder block
+    of ``first_reminder`` drawn tokens that a ``resume`` leaves out."""
     b = _Builder(seed, t0, step_s)
     agent = agent or conv_id
     persona = persona or Persona(conv_id, b.tokens(tools), b.tokens(system))
@@ -84,7 +90,12 @@ def build(steps: Sequence[Step], *, seed: int | Sequence[int] = 0, tools: int = 
     gen = (ASSISTANT, *(GENERATION_TAIL + i for i in range(max(0, generation - 1))))
     conv = Conversation(conv_id, agent, persona, generation=gen,
                         reminder=b.tokens(reminder) if reminder > 0 else None)
-    conv.add(USER, b.tokens(first_question))
+    opening = b.tokens(first_question) if first is None else np.asarray(first, dtype=np.int32)
+    conv.add(USER, np.concatenate([opening, b.tokens(first_reminder)]) if first_reminder > 0 else opening)
+    # Where the reminder block starts: the server's finder offers it (a section line inside the
+    # first user message, ``boundaries.system_points``) while the message still holds it.
+    reminder_at = len(persona.prefix(0)[0]) + 1 + len(opening) if first_reminder > 0 else 0
+    conv.inner = (reminder_at,) if reminder_at else ()
     b.emit(conv, "new_session")
     subagents = 0
     for step in steps:
@@ -99,6 +110,13 @@ def build(steps: Sequence[Step], *, seed: int | Sequence[int] = 0, tools: int = 
             old = conv.messages.pop()[1:]
             conv.add(USER, np.concatenate([old[: min(step.keep, len(old))], b.tokens(step.question)]))
             b.emit(conv, "edit")
+            continue
+        if step.kind == "resume":
+            conv.add(ASSISTANT, b.generate(conv, step.reply))
+            conv.messages[0] = np.concatenate([[USER], opening]).astype(np.int32)  # rebuilt, no reminder
+            conv.inner = ()
+            conv.add(USER, b.tokens(step.question))
+            b.emit(conv, "resume")
             continue
         cut = max(1, min(step.cut, step.reply))
         reply = b.generate(conv, cut if step.kind.startswith("abort") else step.reply)
@@ -123,7 +141,7 @@ def build(steps: Sequence[Step], *, seed: int | Sequence[int] = 0, tools: int = 
 
 # ----------------------------------------------------------------------------- in the replay trace
 
-CLIENT_AGENTS = ("aider", "streamer")  # the trace's agents whose requests these actors make
+CLIENT_AGENTS = ("aider", "streamer", "resumer")  # the trace's agents whose requests these actors make
 # What follows a request in the abort actor's sessions (the rest are plain turns).
 _OUTCOMES = (("abort_kept", 0.08), ("abort_dropped", 0.08), ("no_reply", 0.06), ("edit", 0.04),
              ("regenerate", 0.04))
@@ -183,4 +201,30 @@ def abort_sessions(seed: int, scale: Any, horizon: float, sessions: int = 3) -> 
     return out
 
 
-__all__ = ["CLIENT_AGENTS", "STEP_KINDS", "Step", "abort_sessions", "aider_sessions", "build"]
+def resume_sessions(seed: int, scale: Any, horizon: float, sessions: int = 3) -> list[Request]:
+    """qwen-code in one project (the sixth actor): each session's first user message is the
+    project's context (2-3k tokens, the same every session) and a ~60-token date reminder; the
+    second user message is the task; midway the client restarts with ``-c`` and rebuilds that
+    first message without the reminder. Its mini-swe-agent-like sub-steps drop a reply after a
+    format error and append a user message (``no_reply``: the next prompt parts at the previous
+    one's generation prompt, three tokens as Qwen's)."""
+    rng = np.random.default_rng([seed, 6])
+    persona = Persona("resumer", rng.integers(*VOCAB, size=scale.n(rng.uniform(1500, 2500)), dtype=np.int32),
+                      rng.integers(*VOCAB, size=scale.n(rng.uniform(1000, 2000)), dtype=np.int32))
+    context = rng.integers(*VOCAB, size=scale.n(rng.uniform(2000, 3000)), dtype=np.int32)
+    out, t, session = [], float(rng.uniform(20, 80)), 0
+    while t < horizon and session < sessions:
+        steps = []
+        for turn in range(int(rng.integers(6, 10))):
+            kind = "resume" if turn == 3 else ("no_reply" if rng.uniform() < 0.2 else "turn")
+            steps.append(Step(kind, question=scale.n(rng.uniform(20, 200)), reply=scale.n(_lognormal(rng, 300, 30, 1500))))
+        got = build(steps, seed=[seed, 6, session], persona=persona, generation=3, conv_id=f"resumer/s{session}",
+                    agent="resumer", first=context, first_reminder=scale.n(60), t0=t,
+                    step_s=float(rng.uniform(15, 45)))
+        out += [r for r in got if r.t < horizon]
+        t = got[-1].t + float(rng.uniform(60, 180))
+        session += 1
+    return out
+
+
+__all__ = ["CLIENT_AGENTS", "STEP_KINDS", "Step", "abort_sessions", "aider_sessions", "build", "resume_sessions"]

@@ -10,7 +10,9 @@ A request carries a conversation id ``conv``, a time ``t`` in seconds, and its p
 
 Optional fields: ``anchor_len`` (the system+tools prefix length the server computes, slack
 included), ``segments`` (chat-template boundary lengths: tools end, system end, each message
-start), ``ns`` (cache namespace, default ""), ``kind`` (what the generator meant: turn, edit,
+start), ``gen`` (the generation prompt's length at the prompt's end), ``blocks`` (section starts
+inside the first user message, ``boundaries.Kind.BLOCK``), ``ns`` (cache namespace, default ""),
+``kind`` (what the generator meant: turn, edit,
 regenerate, retry, new_session, subagent, scheduled), ``agent``, ``reply`` (the ids the model
 generated and was fed, its sampled stop token excluded) and ``verbatim`` (whether the
 conversation's next prompt re-renders that reply token for token; see
@@ -51,6 +53,13 @@ class Request:
     index: int = 0
     reply: np.ndarray | None = None
     reply_verbatim: bool = False
+    gen: int = 0  # the generation prompt's tokens at the prompt's end (0: unknown)
+    blocks: tuple[int, ...] = ()  # section starts inside the first user message (``Kind.BLOCK``)
+
+    @property
+    def gen_start(self) -> int | None:
+        """Where the generation prompt starts (None: unknown)."""
+        return self.n - self.gen if 0 < self.gen < self.n else None
 
     @property
     def n(self) -> int:
@@ -137,6 +146,8 @@ def _request(record: dict[str, Any], earlier: list[Request]) -> Request:
         index=len(earlier),
         reply=None if reply is None else _as_ids(reply),
         reply_verbatim=bool(record.get("verbatim", False)),
+        gen=int(record.get("gen", 0)),
+        blocks=tuple(int(b) for b in record.get("blocks", ())),
     )
 
 
@@ -167,6 +178,10 @@ def encode(requests: list[Request], meta: dict[str, Any] | None = None) -> Itera
             record["anchor_len"] = req.anchor_len
         if req.segments:
             record["segments"] = list(req.segments)
+        if req.gen:
+            record["gen"] = req.gen
+        if req.blocks:
+            record["blocks"] = list(req.blocks)
         if req.reply is not None:
             record["reply"] = req.reply.tolist()
             record["verbatim"] = req.reply_verbatim

@@ -1,8 +1,9 @@
 """Deterministic agent traffic for the replay: the shapes the post's log showed, by seed.
 
-Five actors run side by side, each from its own random stream (so one actor's choices never
-shift another's): these three, and two real clients' patterns (``apcctl.sim.patterns``: aider's
-moving reminder, a streaming client's aborted and interrupted turns):
+Six actors run side by side, each from its own random stream (so one actor's choices never
+shift another's): these three, and three real clients' patterns (``apcctl.sim.patterns``: aider's
+moving reminder, a streaming client's aborted and interrupted turns, qwen-code resuming a
+session with its first user message rebuilt and dropping a reply after a format error):
 
 * ``carmen``: an assistant (9-12k-token tools + system prompt) in multi-turn sessions with
   7-50-token questions and realistic replies; new sessions reuse the same system prompt. Its
@@ -101,6 +102,8 @@ class Conversation:
     generation: tuple[int, ...] = (ASSISTANT,)
     # Rendered after the newest user message only (aider's moving system reminder).
     reminder: np.ndarray | None = None
+    # Boundaries inside its messages the server's finder offers (a reminder block's start).
+    inner: tuple[int, ...] = ()
 
     def add(self, role: int, content: np.ndarray) -> None:
         head = self.generation if role == ASSISTANT else (role,)
@@ -118,7 +121,8 @@ class Conversation:
         tokens = np.concatenate([prefix, *messages, self.generation]).astype(np.int32)
         return Request(conv=self.id, t=round(t, 3), tokens=tokens,
                        anchor_len=len(prefix) - ANCHOR_SLACK,
-                       segments=(tools_end, len(prefix), *starts), kind=kind, agent=self.agent)
+                       segments=(tools_end, len(prefix), *starts), kind=kind, agent=self.agent,
+                       gen=len(self.generation), blocks=self.inner)
 
 
 class _Actor:
@@ -284,7 +288,7 @@ def mark_verbatim(requests: list[Request]) -> None:
 
 
 def generate(seed: int = 7, scale: str = "full", minutes: float = 30.0) -> tuple[list[Request], dict[str, Any]]:
-    """Requests in time order (ties: carmen, coder, scheduled, aider, streamer) and the trace
+    """Requests in time order (ties: carmen, coder, scheduled, aider, streamer, resumer) and the trace
     header's metadata."""
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; known: {', '.join(SCALES)}")
@@ -295,9 +299,9 @@ def generate(seed: int = 7, scale: str = "full", minutes: float = 30.0) -> tuple
     carmen.run(personas["carmen"])
     coder.run(personas)
     sched.run(personas["carmen-sched"])
-    from apcctl.sim.patterns import abort_sessions, aider_sessions
+    from apcctl.sim.patterns import abort_sessions, aider_sessions, resume_sessions
 
-    clients = aider_sessions(seed, sc, horizon) + abort_sessions(seed, sc, horizon)
+    clients = aider_sessions(seed, sc, horizon) + abort_sessions(seed, sc, horizon) + resume_sessions(seed, sc, horizon)
     requests = sorted(carmen.out + coder.out + sched.out + clients, key=lambda r: r.t)
     for i, req in enumerate(requests):
         req.index = i

@@ -17,13 +17,15 @@ class Kind(StrEnum):
     HEADING = "heading"  # a markdown heading line starts inside a system message
     SECTION = "section"  # an XML-like section line (<env>, </rules>) starts inside a system message
     LINE = "line"  # any other line starts inside a system message
+    BLOCK = "block"  # a section or heading starts inside the first user message (a reminder block)
     MESSAGE = "message"  # any other message: the next one starts here
     STRIDE = "stride"  # fallback: a multiple of the periodic stride
 
 
 # Which kind names a position found twice (lower wins).
 RANK: dict[str, int] = {Kind.SYSTEM: 0, Kind.TOOLS: 1, Kind.MESSAGE: 2, Kind.CONTENT: 3, Kind.PARAGRAPH: 4,
-                        Kind.TOOL: 5, Kind.SYSTEM_TEXT: 6, Kind.HEADING: 7, Kind.SECTION: 7, Kind.LINE: 8}
+                        Kind.TOOL: 5, Kind.SYSTEM_TEXT: 6, Kind.HEADING: 7, Kind.SECTION: 7, Kind.BLOCK: 7,
+                        Kind.LINE: 8}
 UNRANKED = 9
 
 # Tokens a plain-text seam is moved earlier: BPE may merge across it, and a checkpoint must stay

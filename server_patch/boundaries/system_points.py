@@ -38,6 +38,7 @@ MIN_CHARS_APART = 256  # characters between two line points noted in one system 
 MIN_SYSTEM_CHARS = 64  # a system text shorter than this is not searched
 SEPARATOR_CHARS = 16  # a verified boundary this close after the text's end makes system_text moot
 ANCHOR_WINDOW_CHARS = 4 * POINT_GAP  # about POINT_GAP tokens of English text
+USER_BLOCKS = 2  # section or heading starts kept in the first user message, from its end
 
 _HEADING = re.compile(r"#{1,6}\s")
 _SECTION = re.compile(r"\s*<[A-Za-z][\w:.-]*(\s[^<>]*)?>")  # an opening tag: a section starts
@@ -84,26 +85,36 @@ def _tail_point(breaks: Mapping[int, str]) -> int:
 
 def add_points(messages: list[Any], full: str, offsets: dict[int, str], keep: int,
                anchor_offsets: list[int]) -> list[int]:
-    """Add the structured points of every long system message of ``messages`` to ``offsets``
-    (character offsets into the rendered prompt ``full``; existing kinds win). The last line
-    start of the last leading system message becomes an anchor candidate (when there is an
-    anchor): a trailing line shorter than the anchor tail (a date, a git status) then stays out
-    of the anchor, so every variant of it restores at its start. Returns the anchor candidates."""
+    """Add the structured points of every long system message of ``messages``, and of the first
+    user message after them, to ``offsets`` (character offsets into the rendered prompt
+    ``full``; existing kinds win). The first user message is where agents put their context
+    and reminder blocks (qwen-code's date reminder), which a client that resumes a session
+    rebuilds without (issue 37). The last line start of the last leading system message becomes
+    an anchor candidate (when there is an anchor): a trailing line shorter than the anchor tail
+    (a date, a git status) then stays out of the anchor, so every variant of it restores at its
+    start. Returns the anchor candidates."""
     if keep == 0:
         return anchor_offsets
     n_system = leading_system_count(messages)
+    first_user = n_system if n_system < len(messages) and role_of(messages[n_system]) == "user" else -1
     search = 0
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
-        if role_of(message) not in SYSTEM_ROLES or not isinstance(content, str) or len(content) < MIN_SYSTEM_CHARS:
+        system = role_of(message) in SYSTEM_ROLES
+        if not (system or i == first_user) or not isinstance(content, str) or len(content) < MIN_SYSTEM_CHARS:
             continue
         at = full.find(content, search)
         if at < 0:
             continue
         end = search = at + len(content)
-        if end < len(full) and not any(end <= o < end + SEPARATOR_CHARS for o in offsets):
+        if system and end < len(full) and not any(end <= o < end + SEPARATOR_CHARS for o in offsets):
             offsets.setdefault(end, Kind.SYSTEM_TEXT)
         breaks = structured_breaks(content)
+        if not system:  # its last few section and heading starts, as blocks (never thinned as lines)
+            blocks = sorted(rel for rel, kind in breaks.items() if kind != Kind.LINE)[-USER_BLOCKS:]
+            breaks = {}
+            for rel in blocks:
+                offsets.setdefault(at + rel, Kind.BLOCK)
         for rel, kind in breaks.items():
             offsets.setdefault(at + rel, kind)
         if i == n_system - 1 and anchor_offsets and breaks:

@@ -45,7 +45,6 @@ CONTEXT_CHARS = 40
 
 # Boundaries at the end of a whole message (or of the template's preamble).
 _MESSAGE_ENDS = {Kind.TOOLS, Kind.SYSTEM, Kind.MESSAGE}
-_SYSTEM_INSIDE = {Kind.PARAGRAPH, Kind.SYSTEM_TEXT, Kind.HEADING, Kind.SECTION, Kind.LINE}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -146,8 +145,7 @@ def segment_name(kinds: Mapping[int, str], at: int, tokens: np.ndarray, decode: 
     start, end, kind = _segment_span(kinds, at, int(tokens.shape[0]))
     if kind == Kind.TOOLS:
         return "tools"
-    inside = [k for p, k in kinds.items() if start < p < end]
-    if kind == Kind.SYSTEM or any(k in _SYSTEM_INSIDE for k in inside):
+    if kind == Kind.SYSTEM:
         return "system"
     index = 1 + sum(1 for p, k in _message_ends(kinds) if p <= at and k != Kind.TOOLS)
     role = _role(tokens[start:start + 8], decode)

@@ -52,6 +52,7 @@ class Pending:
     taken: dict[int, tuple[str, Any]] = field(default_factory=dict)
     anchor_label: str = ""
     last_start: int = 0  # where its last message starts (``Admission.last_start``), for the commit
+    drift_points: tuple[int, ...] = ()  # ``Admission.drift_points``, for the commit
 
     @property
     def key(self) -> tuple[Optional[str], int, int]:

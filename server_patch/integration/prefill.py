@@ -33,7 +33,7 @@ class Prefills:
     def flow(self, pending: Pending) -> Admission:
         """The request flow of a pending prompt, at its admitted plan."""
         return Admission(self.runtime.cache, pending.tokens, pending.namespace or "", pending.plan,
-                         last_start=pending.last_start)
+                         last_start=pending.last_start, drift_points=pending.drift_points)
 
     # ------------------------------------------------------------------ captures
 
@@ -54,8 +54,9 @@ class Prefills:
         info = self.runtime.boundaries(pending.tokens)  # anchor + chat-template segment boundaries
         pending.anchor_label = info.anchor_label
         flow = self.flow(pending)
-        captures = flow.captures(anchor_len=info.anchor_len, segments=info.segments)
-        pending.last_start = flow.last_start
+        captures = flow.captures(anchor_len=info.anchor_len, segments=info.segments,
+                                 drift_points=self.runtime.drift_points(pending.tokens, pending.namespace or ""))
+        pending.last_start, pending.drift_points = flow.last_start, flow.drift_points
         pending.wanted = {c.length: c.kind for c in captures if c.length <= pending.final}
 
     def _unlooked(self, prompt: np.ndarray) -> Pending:

@@ -124,6 +124,15 @@ class LineageRuntime:
                 self._boundaries.popitem(last=False)
         return found
 
+    def drift_points(self, prompt: Any, namespace: str) -> list[int]:
+        """Restore points absorbing what clients change (``DriftDetector.points``)."""
+        from server_patch.boundaries import Kind
+
+        template = self.finder.template if self.finder is not None else None
+        gen_start = template.gen_start(as_tokens(prompt)) if template is not None else None
+        blocks = [p for p, kind in self.boundaries(prompt).kinds.items() if kind == Kind.BLOCK]
+        return self.drift.points(as_tokens(prompt), namespace, gen_start, blocks)
+
     def drift_of(self, prompt: Any, namespace: str) -> dict[str, Any]:
         """What ``prompt`` changed against the nearest earlier sequence of ``namespace`` (the
         request record's ``drift``, ``server_patch.drift``); {} when nothing, or off."""

@@ -67,6 +67,7 @@ class Admission:
     plan: RestorePlan | None = None
     promoted: set[str] = field(default_factory=set)  # ids of entries this admission loaded from disk
     last_start: int = 0  # where the prompt's last message starts (its last segment; 0: unknown)
+    drift_points: tuple[int, ...] = ()  # where clients part from prompts like it (``captures``)
     # The live oracle (``misses``): the prompt's block hashes and match, what this admission
     # met that cost tokens (length, ``Lost``), and the request's miss once counted.
     hashes: np.ndarray | None = None
@@ -195,20 +196,24 @@ class Admission:
         self.miss = self.cache.misses.explain(self.match, plan.length, hashes, self.namespace,
                                               self.steps, residual, self.detail)
 
-    def captures(self, *, anchor_len: int | None = None, segments: Iterable[int] = ()) -> list[Capture]:
+    def captures(self, *, anchor_len: int | None = None, segments: Iterable[int] = (),
+                 drift_points: Iterable[int] = ()) -> list[Capture]:
         """Where prefill must hand over state for this plan (``segments``' last is remembered
-        as ``last_start``, for ``commit``)."""
+        as ``last_start``, for ``commit``; ``drift_points``, ``plan_captures``', are kept by
+        thinning while this is the newest turn)."""
         segments = [int(s) for s in segments]
         self.last_start = max(segments, default=0)
+        self.drift_points = tuple(int(p) for p in drift_points)
         return self.cache.plan_captures(self.prompt, self._plan, namespace=self.namespace,
-                                        anchor_len=anchor_len, segments=segments)
+                                        anchor_len=anchor_len, segments=segments,
+                                        drift_points=self.drift_points)
 
     @property
-    def _keep(self) -> tuple[int, int, int]:
+    def _keep(self) -> tuple[int, ...]:
         """The newest turn's points this request names (``LineageCache.commit``'s ``keep``):
-        where it restored, the point it would restore at without reply reuse, and where its
-        last message starts."""
-        return self._plan.length, self._plan.durable_length, self.last_start
+        where it restored, the point it would restore at without reply reuse, where its last
+        message starts, and its drift points."""
+        return self._plan.length, self._plan.durable_length, self.last_start, *self.drift_points
 
     def commit(self, *, kv: KVHandle, head: SnapshotHandle,
                captures: Mapping[int, tuple[str, SnapshotHandle]] | None = None,

@@ -298,8 +298,14 @@ class LineageCache:
         namespace: str = "",
         anchor_len: int | None = None,
         segments: Iterable[int] = (),
+        drift_points: Iterable[int] = (),
     ) -> list[Capture]:
         """Lengths inside this prompt's uncached region where prefill must hand over state.
+
+        ``drift_points`` (``server_patch.drift.DriftDetector.points``): where clients were seen
+        to part from prompts like this one (its generation prompt's start, where a retry that
+        drops the reply lands; a point where this namespace rebuilt its history on resume), each
+        captured as a segment whatever its gap to the others.
 
         Only lengths strictly between the restore point and the prefill end are returned,
         except the anchor, which is pinned wherever it falls (at the prefill end it is the head).
@@ -353,6 +359,9 @@ class LineageCache:
                         continue
                 picks[seg] = SEGMENT
                 taken = sorted({*taken, seg})
+        for point in sorted(set(int(p) for p in drift_points)):
+            if start < point < end and point > base:
+                picks.setdefault(point, SEGMENT)
         if picks.get(gain_point) == DIVERGENCE and cfg.periodic_stride > 0 and known:
             # The stride point below a divergence point inside the last message (an edit of it
             # diverged there; ``known[-1]`` is where it starts), taken after the segments so it
@@ -720,10 +729,11 @@ class LineageCache:
     def _counted(self, entry: Entry) -> list[Checkpoint]:
         """The checkpoints the cap counts: not the newest turn's prompt end, nor a reply end
         that serves one of its points (reply reuse keeps both on top of what the entry would
-        hold without it)."""
+        hold without it), nor its generation prompt's start (``_resend_point``)."""
         kept = self._kept_points(entry)
         return [c for c in entry.checkpoints
-                if c.length != entry.prompt_end and not (c.reply_end and c.length in kept)]
+                if c.length != entry.prompt_end and not (c.reply_end and c.length in kept)
+                and not _resend_point(entry, c)]
 
     @staticmethod
     def _kept_points(entry: Entry) -> set[int]:
@@ -1068,6 +1078,19 @@ class LineageCache:
                 self.on_event(event)
             except Exception as exc:  # an observer must never break the cache (but in tests)
                 fail_closed(exc, f"lineage event observer ({event.kind})", log=_log, level=logging.DEBUG)
+
+
+# Tokens below the newest turn's prompt end where its generation prompt may start.
+RESEND_WINDOW = 8
+
+
+def _resend_point(entry: Entry, cp: Checkpoint) -> bool:
+    """``cp`` is the newest turn's generation-prompt start (a drift point, ``plan_captures``):
+    where a retry that drops the reply restores. Like the prompt end it is kept on top of the
+    cap while its turn is the newest; the next turn makes it an ordinary segment, thinned first."""
+    end = entry.prompt_end
+    return bool(end) and end - RESEND_WINDOW <= cp.length < end and cp.kind == SEGMENT \
+        and cp.length in entry.turn_points
 
 
 def _latest(*times: float | None) -> float | None:

@@ -12,7 +12,11 @@ patterns (``apcctl.sim.patterns`` has them for the simulator):
 * ``aider``: aider's moving reminder, a long system reminder after the newest user message
   only, so every prompt diverges right after the previous user text;
 * ``edit``: a few turns, then the last user message rewritten twice;
-* ``partial``: streamed turns aborted after a few chunks, the partial reply kept in the history.
+* ``partial``: streamed turns aborted after a few chunks, the partial reply kept in the history;
+* ``retry``: mini-swe-agent after a format error: the reply dropped, a user message appended, so
+  the prompt parts at the previous one's generation prompt (issue 37);
+* ``resume``: qwen-code ``-c``: the first user message (context and a date reminder block)
+  rebuilt without the reminder (issue 37).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any, Callable
 
 import pytest
 
-from tests.server_harness import PatchedServer, assert_same_output, cached_tokens, reply_text, text
+from tests.server_harness import PatchedServer, assert_same_output, cached_tokens, prompt_tokens, reply_text, text
 
 STRIDE = {"APC_LINEAGE_PERIODIC_STRIDE": "256", "APC_CHECKPOINT_INTERVAL_TOKENS": "256",
           "TOP_LOGPROBS_K": "5"}
@@ -112,9 +116,27 @@ def edits_of_the_last_message(client: Client) -> None:
         client.chat(messages)
 
 
+def retry_dropping_the_reply(client: Client) -> None:
+    messages = [system(), {"role": "user", "content": text(300, 970)}]
+    client.chat(messages)
+    client.chat(messages + [{"role": "user", "content": "Format error: " + text(20, 971)}])
+
+
+def resume_with_a_rebuilt_first_message(client: Client) -> None:
+    context = text(300, 980)
+    first = context + "\n<system-reminder>\nThe current date is 2026-12-05.\n</system-reminder>"
+    history = [system(), {"role": "user", "content": first}]
+    for turn in range(2):
+        answer = client.chat(history)
+        history = history + [{"role": "assistant", "content": reply_text(answer)},
+                             {"role": "user", "content": text(20, 981 + turn)}]
+    client.chat([history[0], {"role": "user", "content": context}, *history[2:]])
+
+
 PATTERNS: dict[str, Callable[[Client], None]] = {
     "abort": abort_after_a_long_turn, "aider": aider_turns, "edit": edits_of_the_last_message,
-    "partial": aborts_with_the_partial_reply_kept}
+    "partial": aborts_with_the_partial_reply_kept, "retry": retry_dropping_the_reply,
+    "resume": resume_with_a_rebuilt_first_message}
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +180,21 @@ def test_aider_turns_restore_past_the_previous_reply(sent: list[Sent]) -> None:
     for before, turn in zip(turns, turns[1:]):
         assert cached_tokens(turn.lineage) > cached_tokens(before.lineage)
         assert cached_tokens(turn.lineage) >= cached_tokens(turn.stock)
+
+
+@pytest.mark.server
+def test_a_retry_dropping_the_reply_restores_at_the_generation_prompt(sent: list[Sent]) -> None:
+    first, retry = [s for s in sent if s.pattern == "retry"]
+    assert cached_tokens(retry.lineage) >= prompt_tokens(first.lineage) - 3  # all but the generation prompt
+    assert cached_tokens(retry.lineage) > cached_tokens(retry.stock)
+
+
+@pytest.mark.server
+def test_a_resume_restores_at_the_rebuilt_reminder_block(sent: list[Sent]) -> None:
+    turns = [s for s in sent if s.pattern == "resume"]
+    resumed = turns[-1]
+    assert cached_tokens(resumed.lineage) > cached_tokens(resumed.stock)
+    assert cached_tokens(resumed.lineage) >= 300  # the system prompt and the context, past stock's 256
 
 
 @pytest.mark.server

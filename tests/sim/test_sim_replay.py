@@ -66,7 +66,7 @@ def test_reused_plus_computed_is_the_prompt_for_every_policy(tiny_trace, tiny_ru
 
 # Policies that keep generated replies (lineage: reply reuse, on by default): bounded by the
 # seen oracle only; every other policy is bounded by the prompt oracle too.
-KEEP_REPLIES = {"seen-oracle", "lineage", "lineage-nosegments"}
+KEEP_REPLIES = {"seen-oracle", "lineage", "lineage-nosegments", "lineage-nodrift"}
 
 
 def test_no_policy_beats_the_oracle_on_any_request(tiny_runs):

@@ -18,6 +18,7 @@ from server_patch.lineage import LineageConfig
 FACTORIES: dict[str, Callable[[StateSizes, LineageConfig | None], Policy]] = {
     "lineage": lambda sizes, cfg: LineagePolicy(sizes, config=cfg),
     "lineage-nosegments": lambda sizes, cfg: LineagePolicy(sizes, segments=False, config=cfg),
+    "lineage-nodrift": lambda sizes, cfg: LineagePolicy(sizes, drift=False, config=cfg),
     "stock": lambda sizes, cfg: make_stock(sizes),
     "post-baseline": lambda sizes, cfg: make_post_baseline(sizes),
     "periodic": lambda sizes, cfg: PeriodicPolicy(sizes),

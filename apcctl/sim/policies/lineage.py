@@ -23,6 +23,8 @@ from server_patch.lineage import (
     COLD, Checkpoint, DiskRecord, Entry, Event, EventKind, LineageCache, LineageConfig, Reason, SizedKV,
     SizedSnapshot,
 )
+from server_patch.boundaries.kinds import Kind
+from server_patch.drift import DriftDetector, DriftSettings
 from server_patch.lineage.flow import Admission
 
 
@@ -59,24 +61,30 @@ class MemoryDisk:
 
 
 class LineagePolicy:
-    """``lineage`` (segments passed to ``plan_captures``) or ``lineage-nosegments``."""
+    """``lineage`` (segments passed to ``plan_captures``), ``lineage-nosegments``, or
+    ``lineage-nodrift`` (no drift points: the server with ``APC_DRIFT_POINTS=0``)."""
 
-    def __init__(self, sizes: StateSizes, *, segments: bool = True,
+    def __init__(self, sizes: StateSizes, *, segments: bool = True, drift: bool = True,
                  config: LineageConfig | None = None) -> None:
-        self.name = "lineage" if segments else "lineage-nosegments"
+        self.name = "lineage" if segments and drift else "lineage-nodrift" if segments else "lineage-nosegments"
         self.sizes = sizes
         self.use_segments = segments
+        # The server's drift detector, without a decoder: its restore points (``points``).
+        self.drift = DriftDetector(DriftSettings(text=False, absorb=drift))
         self.ledger = Ledger()
         self.now = 0.0
         self.disk = MemoryDisk(self.ledger, clock=lambda: self.now)
         self._anchor_ids: set[str] = set()
         self.cache = LineageCache(config or LineageConfig(), disk=self.disk,
                                   clock=lambda: self.now, on_event=self._on_event)
+        self.cache.misses.sequence_listeners.append(self.drift.observe_sequence)
 
     # ------------------------------------------------------------------ per request
 
     def serve(self, req: Request) -> Served:
         self._advance(req.t)
+        self.drift.observe(req.tokens, req.namespace, kinds={s: Kind.MESSAGE for s in req.segments},
+                           gen_start=req.gen_start)
         flow = Admission.admit(self.cache, req.tokens, req.namespace, disk=self)
         plan = flow.rewind()  # the server rewinds to lend the buffer: same length
         if plan.hit:
@@ -84,7 +92,9 @@ class LineagePolicy:
         else:
             flow.cold()
         captures = flow.captures(anchor_len=req.anchor_len,
-                                 segments=req.segments if self.use_segments else ())
+                                 segments=req.segments if self.use_segments else (),
+                                 drift_points=self.drift.points(req.tokens, req.namespace, req.gen_start,
+                                                                req.blocks))
         snap = self.sizes.snapshot_bytes
         taken = {c.length: (c.kind, SizedSnapshot(snap)) for c in captures}
         if self.cache.config.reply_reuse and req.reply is not None:

@@ -1,0 +1,90 @@
+"""The restore points that absorb the two measured client patterns (issue 37), in the policy
+the server and the replay share: a retry that drops the reply (mini-swe-agent after a format
+error) and a session resumed with its first user message rebuilt (qwen-code ``-c``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from apcctl.sim.patterns import Step, build
+from apcctl.sim.replay import replay_policy
+from apcctl.sim.sizes import load_sizes
+from server_patch.boundaries import Kind
+from server_patch.boundaries.system_points import add_points
+from server_patch.drift import DriftDetector, DriftSettings
+from server_patch.lineage import COLD, LineageCache, LineageConfig, RestorePlan
+from tests.drift.chat import WordTokenizer, render
+
+
+def served(steps: list[Step], **kwargs) -> tuple[list, dict[str, list[int]]]:
+    requests = build(steps, seed=3, tools=600, system=400, first_question=500, generation=3, **kwargs)
+    sizes = load_sizes("tiny")
+    return requests, {name: replay_policy(name, requests, sizes).reused for name in ("lineage-nodrift", "lineage")}
+
+
+def test_a_retry_that_drops_the_reply_restores_at_the_generation_prompt() -> None:
+    requests, reused = served([Step("turn", question=300, reply=200), Step("no_reply", question=40, reply=200)])
+    retry, before = requests[-1], requests[-2]
+    assert retry.kind == "user_after_user"
+    gen_start = before.gen_start
+    assert gen_start == before.n - 3
+    assert reused["lineage"][-1] == gen_start  # everything the two prompts share
+    assert reused["lineage-nodrift"][-1] < gen_start  # the entry at n - 1 is one token past it
+
+
+def test_a_resume_restores_at_the_rebuilt_block_start() -> None:
+    steps = [Step("turn", question=300, reply=200), Step("turn", question=300, reply=200),
+             Step("resume", question=40, reply=200)]
+    requests, reused = served(steps, first_reminder=60)
+    resumed = requests[-1]
+    assert resumed.kind == "resume"
+    block = requests[0].blocks[0]
+    assert reused["lineage"][-1] == block
+    assert reused["lineage-nodrift"][-1] < block
+
+
+def test_drift_points_are_captured_whatever_their_gap() -> None:
+    cache = LineageCache(LineageConfig())
+    tokens = np.arange(1000, 3000, dtype=np.int32)
+    plan = RestorePlan(0, COLD, prompt_len=len(tokens))
+    plain = {c.length for c in cache.plan_captures(tokens, plan, segments=[1500])}
+    with_points = {c.length for c in cache.plan_captures(tokens, plan, segments=[1500], drift_points=[1997, 1990])}
+    assert with_points - plain == {1997, 1990}
+
+
+def test_points_off_captures_none() -> None:
+    detector = DriftDetector(DriftSettings(absorb=False))
+    assert detector.points(np.arange(100), "ns", gen_start=97, blocks=[50]) == []
+    assert DriftDetector().points(np.arange(100), "ns", gen_start=97, blocks=[50]) == [97, 50]
+
+
+def test_a_rebuilt_history_point_is_offered_to_later_prompts_sharing_it() -> None:
+    tok = WordTokenizer()
+    context = "Project context: " + " ".join(f"file{i}.py" for i in range(40))
+    reminder = "\n<system-reminder>The current date is 2026-12-05.</system-reminder>"
+    detector = DriftDetector()
+
+    def send(first: str, *turns: str) -> tuple[np.ndarray, dict]:
+        msgs = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": first}]
+        msgs += [{"role": "assistant" if i % 2 == 0 else "user", "content": t} for i, t in enumerate(turns)]
+        ids, kinds, gen = render(tok, msgs)
+        return ids, detector.observe(ids, "ns", kinds=kinds, gen_start=gen, decode=tok.decode)
+
+    send(context + reminder, "ok", "go")
+    ids, found = send(context, "ok", "go", "done", "more")
+    assert found["cause"] == "history rebuilt on resume"
+    later, _ = send(context + reminder + " new task")
+    assert found["position"] in detector.points(later, "ns")
+    assert detector.points(later, "other") == []
+
+
+def test_the_first_user_messages_section_starts_are_blocks() -> None:
+    system = {"role": "system", "content": "You are an agent. " * 10}
+    user = {"role": "user", "content": "Context:\n" + "a line of project context\n" * 20
+            + "<system-reminder>\nThe current date is 2026-12-05.\n</system-reminder>\nFix the bug."}
+    full = f"<s>{system['content']}</s><u>{user['content']}</u>"
+    offsets: dict[int, str] = {}
+    add_points([system, user], full, offsets, keep=2, anchor_offsets=[])
+    blocks = [o for o, k in offsets.items() if k == Kind.BLOCK]
+    assert blocks == [full.index("<system-reminder>")]
+    assert not any(k in (Kind.LINE, Kind.SECTION) for o, k in offsets.items() if o > full.index("<u>"))
