@@ -87,6 +87,14 @@ def wait_cell(record: Mapping[str, Any]) -> str | Text:
     return Text(label, style="yellow") if label not in ("", "-") else label
 
 
+def gap_cell(record: Mapping[str, Any]) -> str | Text:
+    """Its longest inter-token gap while decoding and what most of it was ("734 join", issue 40);
+    yellow when another's work was the most of it, blank before a gap, ``-`` from an older server."""
+    label = render.gap_label(record)
+    own = label.endswith((" step", " unattributed"))
+    return Text(label, style="yellow") if label not in ("", "-") and not own else label
+
+
 def request_columns() -> list[Column[Keyed]]:
     """What it restored, what an unbounded cache would have (the live oracle) and why the rest
     was lost, then time to first token split where an operator can act on it: lookup,
@@ -115,6 +123,7 @@ def request_columns() -> list[Column[Keyed]]:
         Column("lost", "LOST", lambda r: lost_cell(r.data), lambda r: lost_total(r.data)),
         ms("lookup_ms"), ms("admission_ms"), ms("prefill_ms"), ms("commit_ms"), ms("ttft_ms"),
         Column("waited_ms", "WAIT ms", lambda r: wait_cell(r.data), field("waited_ms")),
+        Column("worst_gap", "GAP ms", lambda r: gap_cell(r.data), lambda r: (r.data.get("worst_gap") or {}).get("ms")),
     ]
 
 

@@ -23,7 +23,10 @@ side by side give its prefill-throughput cost (the event's computed tokens per s
 ``patched-unpaced`` runs only the scenarios whose event prefills (``PACED_SCENARIOS``).
 
 For each: the victim's inter-token gaps (p50, p99, max) alone and with the event, and the
-event's own duration at the client. Nothing here asserts a time.
+event's own duration at the client; patched, the server's split of the victim's worst gap
+(``bench.stall_gaps``: its own step, the event's prefill, restore, join, leave, ..., and what no
+unit timed). ``ram-restore`` and ``disk-restore`` are issue 40's scenario: a long conversation's
+next turn while a short stream decodes. Nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from apcctl.bench import pagecache, stall_canary
+from apcctl.bench import pagecache, stall_canary, stall_gaps
 from apcctl.bench.stall_session import (Gaps, Loaded, Plan, Session, ask_to_disk, disk_root,
                                         event_conversation, lineage_stats)
 from apcctl.bench.ttft import BenchServer, next_turn
@@ -146,6 +149,8 @@ def gap_row(session: Session, name: str) -> dict[str, Any]:
         row["event_stats"] = value
     if "report" in prepared:
         row.update(prepared["report"](loaded))
+    if (server_gaps := stall_gaps.victim_gaps(session.server, max(1, len(loaded.with_event) - 3))) is not None:
+        row["server_gaps"] = server_gaps  # where the worst gap went, by the server's own split
     return row
 
 
@@ -251,6 +256,8 @@ def notes(row: dict[str, Any]) -> str:
         if commit:
             parts.append(f"reply appended {commit.get('reply_appends', 0)}, "
                          f"row copied {commit.get('reply_row_copies', 0)}")
+    if (worst := (row.get("server_gaps") or {}).get("worst_gap")):
+        parts.append(f"server's worst gap {stall_gaps.parts_text(worst)}")
     stats = row.get("event_stats") or {}
     if stats:
         parts.append(f"evictions {stats.get('evictions', 0)} (unwritten {stats.get('evicted_unwritten', 0)})")

@@ -125,7 +125,7 @@ def prefetch(generator: Any) -> None:
     try:
         decoding, prefilling = len(generator._generation_batch), generator._prompt_batch is not None
         full = generator.completion_batch_size - decoding < generator.prefill_batch_size
-        with _staging(lineage):
+        with _staging(lineage, bool(generator._unprocessed_sequences)):
             lineage.prefetch(generator._unprocessed_sequences, generator._apc_extra_hash,
                              generator.prefill_batch_size, busy=decoding > 0 or prefilling,
                              blocked=prefilling or full)
@@ -171,12 +171,13 @@ def _waits_of(coordinator: Any) -> Optional[waits.Waits]:
     return cache.book.waits if cache is not None else None
 
 
-def _staging(lineage: "LineageCoordinator") -> Any:
+def _staging(lineage: "LineageCoordinator", queued: bool = True) -> Any:
     """The queue's turn on the generation thread (its loads and staged copies started or
-    checked) as one ``stage`` unit, charged to every live row."""
+    checked) as one ``stage`` unit, charged to every live row; untimed with nothing queued (a
+    step's bookkeeping, not another's work: a gap holds none of it)."""
     import contextlib
 
-    book = _waits_of(lineage)
+    book = _waits_of(lineage) if queued else None
     return book.timed(waits.Work.STAGE, waits.Owners()) if book is not None else contextlib.nullcontext()
 
 

@@ -124,3 +124,23 @@ def test_a_page_cache_drop_says_how_much_of_the_files_stayed_resident(tmp_path: 
     assert dropped.dropped == (dropped.label == "cold")
     nothing = pagecache.drop(tmp_path / "missing")
     assert (nothing.files, nothing.dropped, nothing.label) == (0, False, "warm (no files)")
+
+
+def test_the_patched_rows_say_where_the_victims_worst_gap_went(result: dict) -> None:
+    """Issue 40: patched, the victim's record splits its worst gap into parts that add up to it
+    (within the record's rounding); a restored next turn joined the victim's batch and left it."""
+    rows = {(r["scenario"], r["mode"]): r for r in result["rows"] if r["scenario"] in GAP_SCENARIOS}
+    for (scenario, mode), row in rows.items():
+        if mode == "stock":
+            assert "server_gaps" not in row
+            continue
+        gaps = row["server_gaps"]
+        worst = gaps["worst_gap"]
+        tolerance = 0.001 * (len(worst["parts"]) + 1)
+        assert gaps["ended"] and gaps["gap_count"] >= row["with_event"]["tokens"] - 3, (scenario, mode, gaps)
+        assert sum(worst["parts"].values()) == pytest.approx(worst["ms"], abs=tolerance)
+        assert worst["parts"]["unattributed"] >= -tolerance and worst["parts"]["step"] > 0
+        assert all(g["ms"] <= worst["ms"] for g in gaps["gaps"])
+    for mode in ("patched", "patched-unpaced"):
+        held = {part for g in rows[("ram-restore", mode)]["server_gaps"]["gaps"] for part in g["parts"]}
+        assert {"restore", "join", "leave"} <= held, held
