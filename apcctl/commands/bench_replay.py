@@ -88,12 +88,22 @@ def _lineage_config(settings: tuple[str, ...]) -> LineageConfig | None:
                    "default: the synthetic GLM-layout trace.")
 @click.option("--no-system-points", is_flag=True,
               help="With --template: the finder without points inside the system text (the before).")
+@click.option("--drift", is_flag=True,
+              help="The drift actor (apcctl.sim.drift_actor): per client change of issue 37 a first request and "
+                   "the changed one (kind drift:NAME), rendered with --template (default qwen3.jinja).")
 def trace_gen_cmd(out: Path, seed: int, scale: str, minutes: float, template: str | None,
-                  no_system_points: bool) -> None:
+                  no_system_points: bool, drift: bool) -> None:
     """Write a deterministic agent trace to OUT (JSONL, prompts stored as deltas)."""
     from apcctl.sim.trace import write_trace
 
-    if template is not None:
+    if drift:
+        from apcctl.sim import drift_actor
+        from apcctl.sim.tracegen_rendered import TEMPLATES
+
+        if (template or "qwen3.jinja") not in TEMPLATES:
+            raise click.BadParameter(f"unknown {template}; known: {', '.join(TEMPLATES)}", param_hint="--template")
+        requests, meta = drift_actor.generate(seed=seed, template=template or "qwen3.jinja")
+    elif template is not None:
         from apcctl.sim.tracegen_rendered import TEMPLATES
         from apcctl.sim.tracegen_rendered import generate as generate_rendered
 

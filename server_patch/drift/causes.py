@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from server_patch.boundaries.kinds import Kind
+from server_patch.boundaries.kinds import BPE_SLACK, Kind
 from server_patch.drift.ring import Seen
 
 Decode = Callable[[np.ndarray], str]
@@ -100,9 +100,19 @@ def align(earlier: np.ndarray, prompt: np.ndarray, at: int, window: int = WINDOW
     equal tokens up to the earlier one's end), within ``window`` tokens of each."""
     a, b = earlier[at:at + window], prompt[at:at + window]
     matcher = difflib.SequenceMatcher(None, a.tolist(), b.tolist(), autojunk=False)
-    for i, j, size in matcher.get_matching_blocks():
-        # equal up to the earlier one's end counts for a pure removal or insertion, or a short swap
-        if size >= sync or (size and i + size == len(earlier) - at and (not (i and j) or size > max(i, j))):
+    blocks = matcher.get_matching_blocks()
+    for k, (i, j, size) in enumerate(blocks):
+        # a pure removal or insertion, back in step at once but for a few tokens the template
+        # renders otherwise after it (a reply re-rendered with empty thinking tags)
+        after = blocks[k + 1] if k + 1 < len(blocks) else None
+        if size and not (i and j) and after is not None and after.size >= sync \
+                and after.a - (i + size) <= sync and after.b - (j + size) <= sync:
+            return _Aligned(a[:i], b[:j], True)
+        # equal up to the earlier one's end (within the BPE slack: its generation prompt's last
+        # token may merge with what the new prompt renders after it) counts for a pure removal
+        # or insertion, or a short swap
+        reaches_end = i + size >= len(earlier) - at - BPE_SLACK
+        if size >= sync or (size and reaches_end and (not (i and j) or size > max(i, j))):
             return _Aligned(a[:i], b[:j], True)
     return _Aligned(a, b, False)
 
@@ -243,7 +253,10 @@ def _cause(earlier: Seen, prompt: np.ndarray, at: int, kinds: Mapping[int, str],
         return Cause.REPLY_OTHER, "reply"
     if earlier.gen_start is not None and at >= earlier.gen_start:
         return Cause.RETRY, "generation prompt"
-    segment = segment_name(kinds, at, prompt, decode)
+    # Named where the earlier prompt had it (a change at the end of a message parts at the next
+    # message's start in the new prompt, but inside that message in the earlier one).
+    segment = segment_name(earlier.kinds, at, earlier.tokens, decode) if earlier.kinds else \
+        segment_name(kinds, at, prompt, decode)
     if decode is not None and _date_changed(earlier, prompt, at, aligned, decode):
         return Cause.DATE, segment
     moved = _reordered(earlier, prompt, at, kinds)

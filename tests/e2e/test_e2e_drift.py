@@ -1,7 +1,8 @@
 """End to end, real HTTP on the tiny model: the server names what the client changed (issue 37).
 
-Each case is one tenant (drift is found only within a namespace) sending a turn, then a prompt
-changed the way a real client changes it; the second request's record in ``/admin/requests``
+Each case of the drift actor (``apcctl.sim.drift_actor``) is one tenant (drift is found only
+within a namespace) sending a turn, then a prompt changed the way a real client changes it; the
+second request's record in ``/admin/requests``
 must name the cause and the segment, carry a decoded diff without control characters, and the
 Prometheus counter must count it. ``APC_DRIFT_TEXT=0`` keeps the cause without the text.
 """
@@ -16,6 +17,7 @@ from click.testing import CliRunner, Result
 from prometheus_client.parser import text_string_to_metric_families
 
 from apcctl.cli import main
+from apcctl.sim import drift_actor
 from apcctl.commands.codes import ExitStatus
 from tests.server_harness import ADMIN_TOKEN, PatchedServer, reply_text, text
 
@@ -39,8 +41,9 @@ def record_of(server: PatchedServer, answer: dict[str, Any]) -> dict[str, Any]:
     return max(body["requests"], key=lambda r: r["seq"])
 
 
-def send(server: PatchedServer, tenant: str, messages: list[dict[str, Any]]) -> tuple[dict, dict]:
-    answer = server.chat(messages, tenant=tenant, **PARAMS)
+def send(server: PatchedServer, tenant: str, messages: list[dict[str, Any]],
+         tools: list[dict[str, Any]] | None = None) -> tuple[dict, dict]:
+    answer = server.chat(messages, tenant=tenant, **PARAMS, **({"tools": tools} if tools else {}))
     return answer, record_of(server, answer)
 
 
@@ -51,47 +54,21 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_each_cause_named_from_admin_requests(server: PatchedServer) -> None:
+    """The drift actor's cases (``apcctl.sim.drift_actor``), each in its own namespace."""
     cases: dict[str, tuple[str, str]] = {}
-
-    # A date in the system prompt, changed in place (the next day's turn).
-    _, first = send(server, "date", msgs(("user", TASK), system=SYSTEM + " Today is 2026-12-05 17:15."))
-    assert first["drift"] == {}
-    _, later = send(server, "date", msgs(("user", TASK), ("assistant", "ok"), ("user", "more"),
-                                         system=SYSTEM + " Today is 2026-12-06 09:02."))
-    cases["date"] = (later["drift"].get("cause"), "date/time changed")
-    date_seq = later["seq"]
-    assert later["drift"].get("segment") == "system"
-    assert "5" in later["drift"]["removed"] and "6" in later["drift"]["added"]
-
-    # mini-swe-agent after a format error: the reply dropped, a user message appended.
-    send(server, "retry", msgs(("user", TASK)))
-    _, later = send(server, "retry", msgs(("user", TASK), ("user", "Format error: " + text(20, seed=5))))
-    cases["retry"] = (later["drift"].get("cause"), "reply dropped on retry")
-    assert later["drift"].get("segment") == "generation prompt"
-
-    # qwen-code -c: the first user message rebuilt without its date reminder.
-    reminder = "<system-reminder>The current date is 2026-12-05.</system-reminder>\n"
-    history = [("user", reminder + TASK), ("assistant", text(30, seed=6)), ("user", text(20, seed=7))]
-    send(server, "resume", msgs(*history))
-    _, later = send(server, "resume", msgs(("user", TASK), *history[1:], ("assistant", "ok"), ("user", "go on")))
-    cases["resume"] = (later["drift"].get("cause"), "history rebuilt on resume")
-    assert later["drift"].get("segment", "").startswith("message 2")
-
-    # A system prompt edit.
-    send(server, "system", msgs(("user", TASK)))
-    _, later = send(server, "system", msgs(("user", TASK), ("assistant", "ok"), ("user", "more"),
-                                           system=SYSTEM.replace("assistant.", "reviewer, strict and brief.")))
-    cases["system"] = (later["drift"].get("cause"), "system prompt edited")
-
-    # A reply sent back otherwise than generated (its middle re-written; the tiny model's word-level
-    # tokenizer does not see whitespace): the ring holds the fed reply.
-    answer, _ = send(server, "reply", msgs(("user", TASK)))
-    generated = reply_text(answer).split()
-    assert len(generated) >= 3, generated
-    changed = " ".join([generated[0], "rewritten", *generated[2:]])
-    _, later = send(server, "reply", msgs(("user", TASK), ("assistant", changed), ("user", "more")))
-    cases["reply"] = (later["drift"].get("cause", ""), "reply re-rendered")
-    assert later["drift"].get("segment") == "reply"
+    drifts: dict[str, dict[str, Any]] = {}
+    for case in drift_actor.cases():
+        answer, first = send(server, case.name, case.first, tools=case.tools)
+        assert first["drift"] == {}, (case.name, first["drift"])
+        _, later = send(server, case.name, case.then(reply_text(answer)), tools=case.then_tools or case.tools)
+        drifts[case.name] = later["drift"]
+        cases[case.name] = (later["drift"].get("cause", ""), case.cause)
+        assert later["drift"].get("segment", "").startswith(case.segment), (case.name, later["drift"])
+    date = drifts["date"]
+    assert "5" in date["removed"] and "6" in date["added"]
+    assert "current date" in drifts["resume"]["removed"].replace(" ", " ")
+    date_seq = max(r["seq"] for r in server.admin("GET", "/requests?limit=5000")[1]["requests"]
+                   if r["drift"].get("cause") == "date/time changed")
 
     for name, (found, expected) in cases.items():
         assert found is not None and found.startswith(expected), f"{name}: {found!r}, expected {expected!r}"
