@@ -110,11 +110,11 @@ _SCALARS: tuple[Setting, ...] = (
        "(not the disk tier's files); `apcctl serve` gives each managed server its own.", "state", _STATE,
        default_text="the per-user state dir (platformdirs)", derive="server_patch.paths:state_dir"),
     _s("APC_ADMIN_TOKEN", T.TEXT, None, "The admin bearer token. A blank value stops the server: an empty "
-       "token would let anyone in. Unset: the token file.", "admin", "server_patch.admin.auth", "apcctl.config",
+       "token would let anyone in. Unset: the token file.", "admin", "server_patch.infra.auth", "apcctl.config",
        default_text="unset: the token file", secret=True),
     _s("APC_ADMIN_TOKEN_FILE", T.PATH, None, "The token file, created once (0600) with a random token when "
-       "missing or blank.", "admin", "server_patch.admin.auth", default_text="<state dir>/admin-token",
-       derive="server_patch.admin.auth:default_token_path"),
+       "missing or blank.", "admin", "server_patch.infra.auth", default_text="<state dir>/admin-token",
+       derive="server_patch.infra.auth:default_token_path"),
     _s("APC_JOURNAL", T.BOOL, True, "The on-disk journal of every request record and cache event that "
        "`apcctl report` reads; 0 turns it off.", "journal", "server_patch.integration.journal"),
     _s("APC_JOURNAL_DIR", T.PATH, None, "Where the journal's rotating files are.", "journal",
@@ -227,11 +227,11 @@ _SCALARS: tuple[Setting, ...] = (
     _s("APC_DRAIN_STREAM_DEADLINE_S", T.FLOAT, 60.0, "A request still in flight this many seconds after a "
        "drain began (`apcctl restart`) is ended: a stream gets a final SSE error (`drain_deadline`), a "
        "request with no answer yet a 503, a client that cannot take it a closed connection; 0 waits for "
-       "every request.", "admin", "server_patch.admin.drain_deadline"),
+       "every request.", "admin", "server_patch.infra.drain_deadline"),
     _s("APC_DRAIN_STREAM_DEADLINE_S", T.FLOAT, 60.0, "A request still in flight this many seconds after a "
        "drain began (`apcctl restart`) is ended: a stream gets a final SSE error (`drain_deadline`), a "
        "request with no answer yet a 503, a client that cannot take it a closed connection; 0 waits for "
-       "every request.", "admin", "server_patch.admin.drain_deadline"),
+       "every request.", "admin", "server_patch.infra.drain_deadline"),
     _s("APC_CANARY_INTERVAL_S", T.FLOAT, 0.0, "Seconds between scheduled restore checks while idle "
        "(0: only `apcctl verify`).", "canary", "server_patch.canary.runner"),
     _s("APC_CANARY_IDLE_S", T.FLOAT, 1.0, "Idle time after the last request before a check may run.",
@@ -370,7 +370,7 @@ _GROUPS: tuple[_Group, ...] = (
         "max_body_bytes": "The largest inference request body (413 above); OpenAI's own payload cap.",
         "max_json_depth": "How deep a request's JSON may nest (400 deeper): stock's parser fails past ~1000.",
     }),
-    _Group("admin", "server_patch.admin.guard:AdminLimits", _admin_names, {
+    _Group("admin", "server_patch.infra.guard:AdminLimits", _admin_names, {
         "max_event_streams": "Concurrent `/admin/events` streams; more get 429.",
         "max_body_bytes": "The largest request body on `/admin` and the management routes (413 above).",
     }),

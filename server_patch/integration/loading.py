@@ -277,6 +277,7 @@ class DiskLoads:
                 self.stagings.drop(stage)
             return False
         stage.started, row.stage = load.started, stage  # its wait counts from the load's start
+        self._staged(row)
         return True
 
     def _look_ahead(self, prompt: np.ndarray, namespace: str, busy: bool, uid: Any) -> Optional[RowLife]:
@@ -290,7 +291,16 @@ class DiskLoads:
             load = Load(plan.record, plan.length, clock.steady(), self.book.decode_steps)
             return self.book.loading(pending, load, uid)
         stage = self._stage(plan, self.book.decode_steps) if busy and self.stagings is not None else None
-        return self.book.staging(pending, stage, uid) if stage is not None else None
+        return self._staged(self.book.staging(pending, stage, uid)) if stage is not None else None
+
+    def _staged(self, row: RowLife) -> RowLife:
+        """Row's staged copy is counted in the RAM budget until its lookup takes it (or it
+        leaves the queue): its request holds the copy's bytes (``LineageCache.reserve``)."""
+        stage = row.stage
+        entry = stage.entry
+        nbytes = entry.kv.nbytes * stage.capacity // max(1, entry.length)  # the rows it copies, with room
+        self.runtime.cache.reserve(row, f"staged:{entry.id}", nbytes)
+        return row
 
     def _stage(self, plan: Any, steps: int) -> Optional[staging.Stage]:
         """``plan``'s merge copy started on the stager thread if the merge would make it

@@ -10,6 +10,11 @@ turn (``LineageCache.hold`` answers False); the first hold is always granted, so
 entry alone fits the budget always restores (issue 34 item 5: 8 concurrent continuations'
 promotions evicted each other before admission, 6 of them then prefilled cold).
 
+A staged copy of an entry's rows made for a queued request (``integration.staging``) is
+reserved the same way (``LineageCache.reserve``, a key of its own, never pinned): its bytes count
+in the RAM budget until the lookup takes it, so nothing loaded or staged for a waiting request
+sits outside the budget.
+
 Everything an owner holds is let go at once, ``LineageCache.release(owner)``. The owner is
 whatever names the request (its row). This is the ownership primitive issue 35 asks for; loans
 (``Loan``), loan receipts, staged receipts and deferrals still have their own counts (see

@@ -563,6 +563,14 @@ class LineageCache:
             self._holds.take(owner, entry_id, nbytes, resident=entry_id in self._entries)
             return True
 
+    def reserve(self, owner: Hashable, key: str, nbytes: int) -> None:
+        """``owner`` holds ``nbytes`` of RAM outside the entries (a staged copy of an entry's
+        rows, ``key`` naming it) until ``release(owner)``: counted in the RAM budget, which
+        makes room for it now (the copy exists whether or not it fits)."""
+        with self.lock:
+            self._holds.take(owner, key, nbytes, resident=False)
+            self._enforce_budgets(lossless=not self._writes_in_background())
+
     def release(self, owner: Hashable) -> int:
         """Everything ``owner`` holds is let go (admitted, or gone from the queue); what the
         budget cannot keep now may leave RAM. Returns how many holds it had."""

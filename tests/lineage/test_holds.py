@@ -80,3 +80,17 @@ def test_an_operators_evict_of_a_held_entry_leaves_it_reserved_not_pinned(disk_o
     cache.evict(entries[0].id)  # the invariants (checked after each verb) hold
     assert cache.get(entries[0].id) is None and cache.ram_used == records[0].nbytes
     assert cache.release("a") == 1 and cache.ram_used == 0
+
+
+def test_a_staged_copy_is_counted_until_its_holder_lets_go(disk_only):
+    cache, entries, records = disk_only
+    cache.promote(records[0], entries[0])
+    cache.promote(records[1], entries[1])
+    cache.reserve("a", f"staged:{entries[0].id}", entries[0].nbytes)  # rows copied for two queued requests
+    cache.reserve("c", f"staged:{entries[1].id}", entries[1].nbytes)
+    assert cache.ram_used <= cache.config.ram_budget_bytes  # room was made: the copies exist
+    assert cache.get(entries[0].id) is None or cache.get(entries[1].id) is None
+    assert cache.budgets()["loading_bytes"] == entries[0].nbytes + entries[1].nbytes
+    assert not cache.hold("b", records[2].id, records[2].nbytes)  # a load waits behind the copies
+    cache.release("a")
+    assert cache.budgets()["loading_bytes"] == entries[1].nbytes and cache.hold("b", records[2].id, records[2].nbytes)
