@@ -27,21 +27,29 @@ def register(main: click.Group, bench: click.Group) -> None:
 @click.option("--slice", "slice_rows", type=click.IntRange(1), default=2048, show_default=True,
               help="Rows per slice of the sliced merge (what one decode step would wait for).")
 @click.option("--repeat", type=click.IntRange(1), default=5, show_default=True, help="Timed runs of each copy.")
+@click.option("--victim", type=click.IntRange(1), default=200, show_default=True,
+              help="Tokens of the decoding row a --context-token row joins and leaves (issue 40).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-def copies(context: int, reply: int, slice_rows: int, repeat: int, as_json: bool) -> None:
+def copies(context: int, reply: int, slice_rows: int, repeat: int, victim: int, as_json: bool) -> None:
     """The bytes and milliseconds of each copy on the generation thread: the whole row, only
-    the reply's rows, the merge in one piece and per slice."""
-    from apcctl.bench import reply_copy
+    the reply's rows, the merge in one piece and per slice; a row joining a decoding batch and
+    leaving it (mlx-vlm's extend and filter), and a join into a buffer with room."""
+    from apcctl.bench import batch_copies, reply_copy
 
-    with click.progressbar(length=1, label="timing the copies", file=sys.stderr) as bar:
+    with click.progressbar(length=2, label="timing the copies", file=sys.stderr) as bar:
         out = reply_copy.run(context, reply, slice_rows, repeat)
+        bar.update(1)
+        out["batch"] = batch_copies.run(context, victim, repeat)
         bar.update(1)
     if as_json:
         render.emit_json(out)
         return
-    rows = [(name, render.human_bytes(out[f"{key}_bytes"]), *(f"{out[f'{key}_ms'][s]:.1f}" for s in ("min", "median", "max")))
-            for name, key in (("whole row (before)", "row_copy"), ("reply rows only (now)", "append"),
-                              ("merge, one piece", "merge"))]
+    rows = [(name, render.human_bytes(of[f"{key}_bytes"]), *(f"{of[f'{key}_ms'][s]:.1f}" for s in ("min", "median", "max")))
+            for name, key, of in (("whole row (before)", "row_copy", out), ("reply rows only (now)", "append", out),
+                                  ("merge, one piece", "merge", out),
+                                  (f"join a {victim:,}-token decoding row (extend)", "join", out["batch"]),
+                                  ("leave it again (filter)", "leave", out["batch"]),
+                                  ("join into a buffer with room", "headroom_join", out["batch"]))]
     render.console().print(render.table(("COPY", "BYTES", "MIN ms", "MEDIAN ms", "MAX ms"), rows,
                                         title=f"{context:,}-token context, {reply:,}-token reply"))
     if "merge_slice_ms" in out:

@@ -1,0 +1,32 @@
+"""``apcctl bench copies``' batch rows (issue 40): what mlx-vlm's join (``BatchKVCache.extend``)
+and leave (``filter``) move, against a join into a buffer with room. Bytes are checked, times
+never: the join copies both rows at the long row's width, the leave the kept row at that width,
+the headroom join only the new row's tokens."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from apcctl.bench import batch_copies
+from apcctl.cli import main
+
+
+def test_the_join_and_the_leave_move_every_row_at_the_long_rows_width() -> None:
+    out = batch_copies.run(context=300, victim=20, repeat=1)
+    per_token, width = out["kv_bytes_per_token"], 512  # 300 tokens in 256-token steps
+    assert per_token > 30_000  # the bench preset: ~32 KiB of KV per token
+    assert out["join_bytes"] == 2 * width * per_token  # the 20-token row grew to the joiner's width
+    assert out["leave_bytes"] == width * per_token
+    assert out["headroom_join_bytes"] == 300 * per_token
+    assert all(out[k]["min"] <= out[k]["median"] <= out[k]["max"] for k in ("join_ms", "leave_ms", "headroom_join_ms"))
+
+
+def test_bench_copies_prints_the_batch_rows_too() -> None:
+    done = CliRunner().invoke(main, ["bench", "copies", "--context", "300", "--reply", "20", "--slice", "128",
+                                     "--repeat", "1", "--victim", "20", "--json"])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["batch"]["victim"] == 20
+    table = CliRunner().invoke(main, ["bench", "copies", "--context", "300", "--reply", "20", "--repeat", "1"])
+    assert "join a 200-token decoding row (extend)" in table.output and "join into a buffer with room" in table.output
