@@ -78,8 +78,8 @@ def test_status_carries_the_hit_summary_before_the_cache_starts(served: dict[str
     rebuilds an empty one; ``apcctl status --json`` passes it through."""
     body = client.status()
     assert body["lineage"] is None  # no request yet: the cache does not exist
-    assert body["hits"] == {"requests": 0, "hits": 0, "hit_rate": None, "by_kind": {}, "cancelled_queued": 0,
-                            "reused_tokens": 0, "prefill_tokens": 0, "token_hit_rate": None}
+    assert body["hits"] == {"requests": 0, "hits": 0, "hit_rate": None, "by_kind": {}, "disk_by_point": {},
+                            "cancelled_queued": 0, "reused_tokens": 0, "prefill_tokens": 0, "token_hit_rate": None}
     assert run_json("status", "--server", NAME)["hits"] == body["hits"]
 
 
