@@ -39,7 +39,7 @@ import psutil
 from apcctl.core.client import AdminClient, AdminError
 from apcctl.core.hosts import free_port
 from apcctl.core.manage import file_tail, terminate
-from server_patch.copyfree import ledger
+from server_patch.observe import ledger
 
 QUESTION = "Which word follows item {n}?"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()

@@ -23,15 +23,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server_patch import MLX_VLM_VERSION, PATCH_VERSION, clock, settings
 from server_patch.admin import schema, views
-from server_patch.admin.auth import TokenError, load_or_create_token, token_matches
+from server_patch.infra.auth import TokenError, load_or_create_token, token_matches
 from server_patch.admin.flush import flush_report
-from server_patch.admin.guard import STREAMS, AdminLimits, install_outermost
-from server_patch.admin.internal import internal_chat
+from server_patch.infra.guard import STREAMS, AdminLimits, install_outermost
+from server_patch.infra.internal import internal_chat
 from server_patch.admin.metrics import exposition
-from server_patch.admin.traffic import TrafficMiddleware
+from server_patch.infra.traffic import TrafficMiddleware
 from server_patch.admin.model_switch import model_router
 from server_patch.canary.admin import verify_router
-from server_patch.admin.deps import PartsDep, lineage_of as _lineage
+from server_patch.infra.deps import PartsDep, lineage_of as _lineage
 from server_patch.lineage.summary import hit_summary
 from server_patch.boundaries.anchors import anchor_label
 from server_patch.lineage import CacheError, LineageConfig
@@ -321,7 +321,7 @@ def openapi(request: Request) -> dict[str, Any]:
 
 def install(app: FastAPI, parts: Parts) -> None:
     """Mount /admin, the traffic middleware, the guard and the token on mlx-vlm's app; the
-    routes reach ``parts`` (the server's, ``integration.parts``) through ``admin.deps``.
+    routes reach ``parts`` (the server's, ``integration.parts``) through ``infra.deps``.
 
     Runs while mlx-vlm's app module is imported, before uvicorn serves anything: a blank or
     unusable token, or a bad limit, stops the server here with a message.

@@ -18,7 +18,7 @@ from typing import Any, Optional
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
-from server_patch.admin.deps import PartsDep
+from server_patch.infra.deps import PartsDep
 from server_patch.serving.served import SERVED, TEXT
 
 model_router = APIRouter()

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
-from server_patch.admin.deps import PartsDep
+from server_patch.infra.deps import PartsDep
 from server_patch.canary import points as P
 from server_patch.canary.check import FAIL, PASS, SKIP
 from server_patch.disk.loader import LOADS

@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from server_patch import clock, settings
 
-from server_patch.admin.traffic import Traffic
+from server_patch.infra.traffic import Traffic
 from server_patch.canary import faults, points as P
 from server_patch.canary.book import Book
 from server_patch.canary.check import ERROR, SKIP, Abandoned, Result, Settings, check_entry, compute_dtype

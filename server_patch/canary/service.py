@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from server_patch.admin.traffic import Traffic
+from server_patch.infra.traffic import Traffic
 from server_patch.canary.book import Book, on_fail_from_env
 from server_patch.canary.runner import Runner
 

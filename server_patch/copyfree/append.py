@@ -39,7 +39,7 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
-from server_patch.copyfree import ledger
+from server_patch.observe import ledger
 from server_patch.copyfree import merge as copyfree_merge
 from server_patch.copyfree.settings import CopyFreeSettings
 from server_patch.state import rows

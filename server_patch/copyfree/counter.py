@@ -19,7 +19,7 @@ Each op is split into ``kv`` (append-only rows: latent, index, pooled keys, proj
 evaluates the cache before and after every write and reads buffer addresses, so it is slow
 and for measurement only; it needs a backend whose arrays expose host memory (CPU, Metal).
 
-Totals go to the ledger (``server_patch.copyfree.ledger``, which the serving path calls and
+Totals go to the ledger (``server_patch.observe.ledger``, which the serving path calls and
 which imports no mlx): ``ledger.snapshot()`` in process; with ``APC_COPY_COUNTER_FILE`` set, a
 JSON file rewritten after every counted copy. The launcher installs this counter with
 ``--copy-counter[=FILE]`` or ``APC_COPY_COUNTER=1`` (``requested()``), stock or patched, for
@@ -35,8 +35,8 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from server_patch.copyfree import ledger
-from server_patch.copyfree.ledger import add
+from server_patch.observe import ledger
+from server_patch.observe.ledger import add
 
 log = logging.getLogger("server_patch.copyfree")
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_vlm.apc_adapters import merge_cache_entries
 from mlx_vlm.models.cache import BatchKVCache, CacheList, KVCache
 
-from server_patch.copyfree import ledger
+from server_patch.observe import ledger
 from server_patch.state.rows import leaf_caches
 
 MIN_BUCKET = 256

@@ -20,7 +20,7 @@ import json
 import logging
 from typing import Callable
 
-from server_patch.admin.guard import (BODY_METHODS, Receive, Scope, Send, classify, header, read_capped, replaying,
+from server_patch.infra.guard import (BODY_METHODS, Receive, Scope, Send, classify, header, read_capped, replaying,
                                       reply, route_path)
 from server_patch.intake import checks, data_images, media
 from server_patch.intake.limits import IntakeLimits

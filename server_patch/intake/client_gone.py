@@ -19,8 +19,8 @@ import contextvars
 import threading
 from typing import Callable, TypeVar
 
-from server_patch.admin.guard import Receive, Scope, Send, classify, route_path
-from server_patch.admin.internal import INTERNAL
+from server_patch.infra.guard import Receive, Scope, Send, classify, route_path
+from server_patch.infra.internal import INTERNAL
 
 ENV = "APC_CANCEL_ON_DISCONNECT"
 T = TypeVar("T")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from server_patch.admin.guard import drain_bytes_for, limits_from_env
+from server_patch.infra.guard import drain_bytes_for, limits_from_env
 
 PREFIX = "APC_INFERENCE_"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server_patch.admin.auth import token_matches
+from server_patch.infra.auth import token_matches
 
 ENV = "APC_METRICS_PUBLIC"
 PER_REQUEST = ("latest", "recent")

@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from server_patch.admin.traffic import Traffic
+from server_patch.infra.traffic import Traffic
 from server_patch.boundaries import SegmentFinder, SegmentSettings
 from server_patch.canary.service import Canary
 

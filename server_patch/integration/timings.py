@@ -17,8 +17,8 @@ from enum import StrEnum
 from typing import Any, Callable, Iterable, Optional
 
 from server_patch import clock
-from server_patch.admin.metrics import RequestMetrics
-from server_patch.copyfree import ledger
+from server_patch.integration.request_metrics import RequestMetrics
+from server_patch.observe import ledger
 from server_patch.integration.waits import GAPS_KEPT, OWN_STEP, UNATTRIBUTED
 from server_patch.lineage import COLD
 

@@ -2,7 +2,7 @@
 
 mlx-vlm 0.7.10 installs a CORS middleware that lets every origin read every answer, with
 credentials, so any web page a local user opened could drive the inference routes and read
-them. ``/admin`` and the management routes have their own gate (``admin/guard.py``); this ASGI
+them. ``/admin`` and the management routes have their own gate (``infra/guard.py``); this ASGI
 middleware sits outside mlx-vlm's CORS middleware too, and:
 
 * refuses (403 JSON, no ``Access-Control-Allow-*`` headers) an inference request, preflight
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from server_patch import settings
-from server_patch.admin.guard import Receive, Scope, Send, classify, header, reply, route_path
+from server_patch.infra.guard import Receive, Scope, Send, classify, header, reply, route_path
 
 ANY = "*"
 LOCAL_SUFFIXES = (".localhost", ".local", ".internal")  # never handed out by public DNS
@@ -139,6 +139,6 @@ def policy_from_env() -> OriginPolicy:
 
 def install(app: Any) -> None:
     """Put the guard outside mlx-vlm's CORS middleware (``guard.install_outermost``)."""
-    from server_patch.admin.guard import install_outermost
+    from server_patch.infra.guard import install_outermost
 
     install_outermost(app, OriginGuard, policy=policy_from_env())

@@ -24,7 +24,7 @@ from mlx_vlm.models.cache import (
     QuantizedKVCache,
 )
 
-from server_patch.copyfree import ledger
+from server_patch.observe import ledger
 from server_patch.state import quantized
 from server_patch.state.layout import CacheLayout, MlxKV, MlxSnapshot
 from server_patch.state.registry import DERIVED, ref

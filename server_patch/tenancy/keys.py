@@ -4,7 +4,7 @@ As vLLM's ``--api-key`` and llama-server's ``--api-key``/``--api-key-file``: wit
 configured, a request must carry one as ``Authorization: Bearer <key>`` (or Anthropic's
 ``x-api-key: <key>``), and each key is its own cache namespace, so two keys never share an
 entry. A configured but empty key list (a blank variable, a file with no key) stops the server:
-it would let anyone in. Keys are compared in constant time (``admin.auth.token_matches``) and
+it would let anyone in. Keys are compared in constant time (``infra.auth.token_matches``) and
 never logged or stored; a namespace holds :func:`namespace.key_identity` of the key.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Mapping
 
 from server_patch import settings
-from server_patch.admin.auth import ASCII_WHITESPACE, TokenError, tighten, token_matches, validated
+from server_patch.infra.auth import ASCII_WHITESPACE, TokenError, tighten, token_matches, validated
 from server_patch.tenancy.namespace import key_identity
 
 KEYS_ENV = "APC_API_KEYS"

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server_harness import PatchedServer, text
-from server_patch.admin.metrics import REQUEST_KINDS, SECONDS_BUCKETS, STAGES, RequestMetrics
+from server_patch.integration.request_metrics import REQUEST_KINDS, SECONDS_BUCKETS, STAGES, RequestMetrics
 from server_patch.integration.timings import RequestTiming
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"

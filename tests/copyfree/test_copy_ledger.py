@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from server_patch.copyfree.ledger import CopyLedger, delta
+from server_patch.observe.ledger import CopyLedger, delta
 
 
 def test_the_ledger_counts_by_op_and_kind_only_while_on(tmp_path):
@@ -42,7 +42,7 @@ def test_delta_keeps_only_what_changed():
 def test_the_serving_path_imports_the_ledger_not_the_instrumentation():
     code = (
         "import sys\n"
-        "import server_patch.copyfree.ledger\n"
+        "import server_patch.observe.ledger\n"
         "bad = sorted(m for m in sys.modules if m == 'mlx' or m.startswith(('mlx.', 'mlx_vlm')))\n"
         "assert not bad, bad\n"
         "import server_patch.state.rows, server_patch.integration.timings\n"

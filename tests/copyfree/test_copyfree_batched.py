@@ -25,7 +25,8 @@ SCRIPT = textwrap.dedent(r"""
     from queue import Queue
     from server_patch.overlay import install
     install()
-    from server_patch.copyfree import counter, ledger, pool
+    from server_patch.copyfree import counter, pool
+    from server_patch.observe import ledger
     counter.install()
     import mlx.core as mx
     import numpy as np

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.fake_model import prefill, random_tokens
-from server_patch.copyfree import ledger
+from server_patch.observe import ledger
 from server_patch.copyfree import merge as copyfree_merge
 from server_patch.copyfree.counter import _address
 from server_patch.integration.rowlife import RowState

@@ -17,7 +17,8 @@ import pytest
 from tests.copyfree.test_reply_append import counted, latent_keys, per_token_kv_bytes  # noqa: F401 (fixture)
 from tests.fake_model import prefill, random_tokens
 from tests.integration.test_row_machine import Batch, admit, meta, prefill_and_store, server  # noqa: F401
-from server_patch.copyfree import ledger, pool
+from server_patch.copyfree import pool
+from server_patch.observe import ledger
 from server_patch.copyfree import merge as copyfree_merge
 from server_patch.copyfree.append import reply_capacity
 from server_patch.copyfree.counter import _address

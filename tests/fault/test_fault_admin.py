@@ -56,7 +56,7 @@ class umask:
     (b"Bearer tok", True), (b"Bearer tok\xc2\xa0", False), ("Basic dG9r", False),
 ])
 def test_token_matches_exact_bytes_only(header: Any, ok: bool) -> None:
-    from server_patch.admin.auth import token_matches
+    from server_patch.infra.auth import token_matches
 
     assert token_matches("tok", header) is ok
     assert token_matches("", "Bearer ") is False and token_matches("", "Bearer \xa0") is False
@@ -64,7 +64,7 @@ def test_token_matches_exact_bytes_only(header: Any, ok: bool) -> None:
 
 @pytest.mark.parametrize("content", [b"", b"\n", b"  \t\n"])
 def test_a_blank_token_file_gets_a_fresh_private_token(tmp_path: Path, content: bytes) -> None:
-    from server_patch.admin.auth import load_or_create_token
+    from server_patch.infra.auth import load_or_create_token
 
     path = tmp_path / "admin-token"
     path.write_bytes(content)
@@ -77,7 +77,7 @@ def test_a_blank_token_file_gets_a_fresh_private_token(tmp_path: Path, content: 
 
 
 def test_a_missing_token_file_is_created_0600_in_0700_directories(tmp_path: Path) -> None:
-    from server_patch.admin.auth import load_or_create_token
+    from server_patch.infra.auth import load_or_create_token
 
     path = tmp_path / "a" / "b" / "admin-token"
     with umask(0):
@@ -88,7 +88,7 @@ def test_a_missing_token_file_is_created_0600_in_0700_directories(tmp_path: Path
 
 
 def test_servers_starting_together_on_a_blank_file_agree_on_one_token(tmp_path: Path) -> None:
-    from server_patch.admin.auth import load_or_create_token
+    from server_patch.infra.auth import load_or_create_token
 
     path = tmp_path / "admin-token"
     path.write_bytes(b"")
@@ -105,7 +105,7 @@ def test_servers_starting_together_on_a_blank_file_agree_on_one_token(tmp_path: 
 
 @pytest.mark.parametrize("env", ["", "  ", "\t\n"])
 def test_a_blank_token_variable_is_refused(monkeypatch: pytest.MonkeyPatch, env: str) -> None:
-    from server_patch.admin.auth import TokenError, load_or_create_token
+    from server_patch.infra.auth import TokenError, load_or_create_token
 
     monkeypatch.setenv("APC_ADMIN_TOKEN", env)
     with pytest.raises(TokenError, match="APC_ADMIN_TOKEN is blank"):
@@ -114,7 +114,7 @@ def test_a_blank_token_variable_is_refused(monkeypatch: pytest.MonkeyPatch, env:
 
 @pytest.mark.parametrize("content", ["t\u00f6ken\n".encode(), b"to\x01ken", "\u00a0\n".encode()])
 def test_a_token_file_that_cannot_be_sent_is_refused_and_left_alone(tmp_path: Path, content: bytes) -> None:
-    from server_patch.admin.auth import TokenError, load_or_create_token
+    from server_patch.infra.auth import TokenError, load_or_create_token
 
     path = tmp_path / "admin-token"
     path.write_bytes(content)
@@ -146,7 +146,7 @@ def test_journal_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
 
 def _asgi(guard_kwargs: dict[str, Any], scope: dict[str, Any], chunks: Iterable[bytes]) -> tuple[int, dict, list]:
     """Drive an :class:`AdminGuard` over a recording inner app; returns (status, body, inner calls)."""
-    from server_patch.admin.guard import AdminGuard, AdminLimits, StreamCount
+    from server_patch.infra.guard import AdminGuard, AdminLimits, StreamCount
 
     seen: list[dict[str, Any]] = []
 

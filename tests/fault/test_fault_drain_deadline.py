@@ -131,7 +131,7 @@ def test_a_connection_that_cannot_take_the_final_words_is_aborted(monkeypatch: p
     complete; either way the connection is aborted, found by the client's address."""
     import asyncio
 
-    from server_patch.admin import drain_deadline
+    from server_patch.infra import drain_deadline
 
     monkeypatch.setattr(drain_deadline, "FINAL_WRITE_S", 0.2)
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pytest
 
-from server_patch.copyfree import ledger
+from server_patch.observe import ledger
 from server_patch.disk import store as disk_store
 from server_patch.lineage import DiskRecord, Entry, LineageCache, LineageConfig, SizedKV, SizedSnapshot
 from server_patch.state.layout import CacheLayout

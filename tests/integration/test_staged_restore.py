@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from server_patch.copyfree import ledger
+from server_patch.observe import ledger
 from server_patch.integration import staging
 from server_patch.integration.pending import request_key
 from server_patch.integration.rowlife import RowState

@@ -31,10 +31,10 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
-from server_patch.admin.auth import token_matches
-from server_patch.admin.guard import (READ_METHODS, Receive, Scope, Send, classify, header, replaying, reply,
+from server_patch.infra.auth import token_matches
+from server_patch.infra.guard import (READ_METHODS, Receive, Scope, Send, classify, header, replaying, reply,
                                       route_path, with_headers)
-from server_patch.admin.internal import INTERNAL
+from server_patch.infra.internal import INTERNAL
 from server_patch.overlay.edits import Edit
 from server_patch.overlay.pristine import patch_of
 from server_patch.tenancy import responses

@@ -1,0 +1,6 @@
+"""What the server counts about itself, below the code that does the counted work (issue 35).
+
+``ledger``: the process's copy ledger (bytes copied, by site), which ``state`` and ``copyfree``
+both add to; it lived in ``copyfree``, so ``state`` imported ``copyfree`` and ``copyfree``
+``state``. Imports nothing of ``server_patch``.
+"""
