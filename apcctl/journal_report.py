@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from apcctl.core.drift_view import drift_summary
 from server_patch.integration.journal import journal_files
 from server_patch.lineage.model import EventKind
 
@@ -91,6 +92,7 @@ def summarize(records: Iterable[dict[str, Any]], *, since: float, until: float) 
         "latency_ms": {phase: percentiles([float(r.get(f"{phase}_ms", 0.0)) for r in requests if not _no_first_token(r)])
                        for phase in PHASES},
         "oracle": _oracle(requests),
+        "drift": drift_summary(requests),  # what clients changed in their prompts (issue 37)
         "evictions": _evictions(cache),
         "disk": _disk(cache),
         "anchors": _anchors(cache, budgets),

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from rich.text import Text
 
 from apcctl.core import render
+from apcctl.core.drift_view import drift_label
 from apcctl.core.render import LOST_SHORT, largest_first
 from tui.state import Keyed, reuse_fraction
 from tui.widgets.keyed_table import Column
@@ -80,6 +81,13 @@ def _share(part: int, whole: int) -> str:
     return f"{share:.0f}%" if share >= 1 else "<1%"
 
 
+def drift_cell(record: Mapping[str, Any]) -> str | Text:
+    """What the client changed against its earlier prompt and where ("date @1,204", issue 37;
+    ``apcctl requests ID`` shows the diff); blank when nothing, ``-`` from an older server."""
+    label = drift_label(record)
+    return Text(label, style="magenta") if label not in ("", "-") else label
+
+
 def wait_cell(record: Mapping[str, Any]) -> str | Text:
     """The time it waited for other requests' work and what most of it was ("2,914 prefill+");
     blank when nothing held it up, ``-`` from a server before issue 29's waits."""
@@ -121,6 +129,7 @@ def request_columns() -> list[Column[Keyed]]:
                field("restore_kind")),
         Column("oracle", "ORACLE", lambda r: oracle_cell(r.data), field("oracle"), numeric=True),
         Column("lost", "LOST", lambda r: lost_cell(r.data), lambda r: lost_total(r.data)),
+        Column("drift", "DRIFT", lambda r: drift_cell(r.data), lambda r: (r.data.get("drift") or {}).get("tokens")),
         ms("lookup_ms"), ms("admission_ms"), ms("prefill_ms"), ms("commit_ms"), ms("ttft_ms"),
         Column("waited_ms", "WAIT ms", lambda r: wait_cell(r.data), field("waited_ms")),
         Column("worst_gap", "GAP ms", lambda r: gap_cell(r.data), lambda r: (r.data.get("worst_gap") or {}).get("ms")),

@@ -90,6 +90,10 @@ def _show(s: dict[str, Any]) -> None:
         from server_patch.lineage.misses import describe
 
         out.print(f"oracle: {describe(s['oracle'])}")
+    if s.get("drift"):
+        from apcctl.core.drift_view import describe_drift
+
+        out.print(f"client drift: {describe_drift(s['drift'])}")
     cancelled = {phase: req.get(f"cancelled_in_{phase}", 0) for phase in CANCEL_PHASES}
     if any(cancelled.values()):
         out.print(f"cancelled by their client: {_counts({f'in {k}': v for k, v in cancelled.items()})}")

@@ -1,5 +1,6 @@
 """What the client changed in a request's prompt (its record's ``drift``, issue 37), for people:
-the DRIFT cell of ``apcctl requests`` and the dashboard, and the lines of ``apcctl requests ID``.
+the DRIFT cell of ``apcctl requests`` and the dashboard, the lines of ``apcctl requests ID``, and
+``apcctl report``'s top causes of client drift.
 
 Light (no numpy): the short names are strings, kept equal to ``server_patch.drift.Cause`` by
 tests/cli/test_drift_view.py. Every piece of prompt text goes through ``sanitize.printable``.
@@ -7,7 +8,7 @@ tests/cli/test_drift_view.py. Every piece of prompt text goes through ``sanitize
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from apcctl.core.sanitize import printable
 
@@ -61,4 +62,28 @@ def detail_lines(record: Mapping[str, Any]) -> list[str]:
     return lines + drift_lines(record.get("drift"))
 
 
-__all__ = ["SHORT", "detail_lines", "drift_label", "drift_lines"]
+def drift_summary(requests: Iterable[Mapping[str, Any]], top: int = 5) -> dict[str, Any]:
+    """What clients changed over a report's requests (``apcctl report``): how many requests
+    parted from an earlier prompt, and the top causes by the tokens they put out of reach."""
+    counts: dict[str, list[int]] = {}
+    for record in requests:
+        drift = record.get("drift") or {}
+        if drift.get("cause"):
+            row = counts.setdefault(str(drift["cause"]), [0, 0])
+            row[0] += 1
+            row[1] += int(drift.get("tokens", 0))
+    causes = sorted(counts.items(), key=lambda item: (-item[1][1], -item[1][0], item[0]))
+    return {"requests": sum(n for n, _ in counts.values()), "tokens": sum(t for _, t in counts.values()),
+            "top_causes": [{"cause": c, "requests": n, "tokens": t} for c, (n, t) in causes[:top]]}
+
+
+def describe_drift(summary: Mapping[str, Any]) -> str:
+    """One line: "12 requests (48,210 tokens): date/time changed 8 (40,000 tokens), ...";
+    "none" when no client changed an earlier prompt."""
+    if not summary.get("requests"):
+        return "none"
+    top = ", ".join(f"{printable(c['cause'])} {c['requests']:,} ({c['tokens']:,} tokens)" for c in summary["top_causes"])
+    return f"{summary['requests']:,} requests ({summary['tokens']:,} tokens): {top}"
+
+
+__all__ = ["SHORT", "describe_drift", "detail_lines", "drift_label", "drift_lines", "drift_summary"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from apcctl.core.drift_view import SHORT, detail_lines, drift_label, drift_lines
+from apcctl.core.drift_view import SHORT, describe_drift, detail_lines, drift_label, drift_lines, drift_summary
 from server_patch.drift import Cause
 
 
@@ -26,3 +26,15 @@ def test_the_detail_has_no_escape_and_says_when_text_is_off() -> None:
     assert "  - date block" in lines
     quiet = drift_lines({k: v for k, v in drift.items() if k not in ("context", "removed", "added")})
     assert quiet[-1] == "  (text diff off: APC_DRIFT_TEXT=0)"
+
+
+def test_the_reports_top_causes() -> None:
+    requests = [{"drift": {"cause": "date/time changed", "tokens": 900}}, {"drift": {}},
+                {"drift": {"cause": "date/time changed", "tokens": 100}}, {"seq": 4},
+                {"drift": {"cause": "reply dropped on retry", "tokens": 3}}]
+    summary = drift_summary(requests)
+    assert summary["requests"] == 3 and summary["tokens"] == 1003
+    assert [c["cause"] for c in summary["top_causes"]] == ["date/time changed", "reply dropped on retry"]
+    assert describe_drift(summary) == ("3 requests (1,003 tokens): date/time changed 2 (1,000 tokens), "
+                                       "reply dropped on retry 1 (3 tokens)")
+    assert describe_drift(drift_summary([])) == "none"

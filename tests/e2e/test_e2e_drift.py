@@ -9,6 +9,7 @@ Prometheus counter must count it. ``APC_DRIFT_TEXT=0`` keeps the cause without t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,16 @@ def test_each_cause_named_from_admin_requests(server: PatchedServer) -> None:
     table = apcctl(server, "requests", "-n", "50")
     assert table.exit_code == 0 and "DRIFT" in table.output and "retry @" in table.output, table.output
     assert apcctl(server, "requests", "99999").exit_code == ExitStatus.NOT_FOUND
+    journal = Path(server.env["APC_STATE_DIR"]) / "journal"
+    lines = [json.loads(line) for line in (journal / "journal.jsonl").read_text().splitlines()]
+    journaled = {line["seq"]: line for line in lines if line["type"] == "request"}
+    assert journaled[date_seq]["drift"]["cause"] == "date/time changed"
+    made = CliRunner().invoke(main, ["report", "--journal", str(journal), "--json"])
+    assert made.exit_code == 0, made.output
+    top = {c["cause"]: c for c in json.loads(made.stdout)["drift"]["top_causes"]}
+    assert top and all(c["requests"] >= 1 for c in top.values())
+    worded = CliRunner().invoke(main, ["report", "--journal", str(journal)])
+    assert "client drift:" in worded.output and "requests (" in worded.output
     counts = {s.labels["cause"]: s.value for family in text_string_to_metric_families(exposition)
               for s in family.samples if s.name == "apc_client_drift_total"}
     assert counts["date/time changed"] >= 1 and counts["reply dropped on retry"] >= 1
