@@ -23,7 +23,9 @@ def model() -> None:
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--preset", type=click.Choice(["tiny", "bench"]), default="tiny", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def build(out: Path, preset: str, seed: int) -> None:
+@click.option("--drafter", is_flag=True,
+              help="Also fit an MTP drafter into OUT/mtp (serve with --draft-model OUT/mtp --draft-kind mtp).")
+def build(out: Path, preset: str, seed: int, drafter: bool) -> None:
     """Build a model into OUT (reused when OUT already holds this preset and seed)."""
     from apcctl.tinymodel.build import build_model
     from apcctl.tinymodel.config import cache_bytes
@@ -42,6 +44,12 @@ def build(out: Path, preset: str, seed: int) -> None:
         f"({at_16k.latent_and_index / 1e6:,.0f} MB at 16k), projected "
         f"{at_16k.projected / 16384:,.0f} B/token"
     )
+    if drafter:
+        from apcctl.tinymodel.drafter import build_drafter, fit_report
+
+        report = fit_report(build_drafter(path).parent) or {}
+        click.echo(f"drafter {path / 'mtp'}  glm5_next_mtp, held-out greedy agreement "
+                   f"{report.get('greedy_agreement', 0):.0%}")
 
 
 @model.command("fingerprint")
