@@ -99,6 +99,13 @@ def check_config(args: list[str] | None = None) -> None:
         raise SystemExit(
             "server_patch.launch: APC_LINEAGE_ENTRY_OFFSET must be 1 with mlx-vlm 0.7.10, which "
             "prefills tokens [:n-1] and has no state at n (other values are for the simulator)")
+    from server_patch.speculative.support import check_drafter, draft_options, UnservedDrafter
+    from server_patch.state.weights_hash import model_argument
+
+    try:  # a drafter the lineage has not been proved with is refused (issue 39)
+        check_drafter(model_argument(list(args or [])), draft_options(list(args or []), os.environ))
+    except UnservedDrafter as exc:
+        raise SystemExit(f"server_patch.launch: {exc}") from None
 
 
 def warn_split_dependent(args: list[str]) -> None:

@@ -72,13 +72,17 @@ def fingerprint(model_dir: Path, as_json: bool) -> None:
 @model.command("check")
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
-def check(model_dir: Path, as_json: bool) -> None:
+@click.option("--draft-model", type=click.Path(), default=None,
+              help="The drafter to check (default: MODEL_DIR/mtp, or MTP tensors in the checkpoint).")
+@click.option("--draft-kind", default=None, help="The --draft-kind the server would get.")
+def check(model_dir: Path, as_json: bool, draft_model: str | None, draft_kind: str | None) -> None:
     """Before serving: is MODEL_DIR's cache layout one the lineage cache restores exactly?
 
     Reads only config.json: the model is built with placeholder weights (none are read, no
     memory is spent on them) and one 16-token forward fills its real caches. Prints every
-    layer's cache class, restore rule, KV bytes per token and snapshot bytes. Exit code 1 when
-    the layout is not supported (the server would refuse it at start).
+    layer's cache class, restore rule, KV bytes per token and snapshot bytes, and the drafter
+    (found or given) with whether the lineage serves it. Exit code 1 when the layout is not
+    supported or a given drafter is not served (the server would refuse either at start).
     """
     from apcctl.model_check import check_model_dir, format_report
 
@@ -87,8 +91,15 @@ def check(model_dir: Path, as_json: bool) -> None:
     except (FileNotFoundError, ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
         raise click.ClickException(f"cannot build {model_dir} from its config.json: "
                                    f"{type(exc).__name__}: {exc}") from exc
-    click.echo(json.dumps(report.as_dict(), indent=2) if as_json else format_report(report))
-    if not report.supported:
+    from apcctl.drafter_check import drafter_report, format_drafter
+
+    drafter = drafter_report(model_dir, draft_model, draft_kind)
+    if as_json:
+        click.echo(json.dumps({**report.as_dict(), "drafter": drafter}, indent=2))
+    else:
+        click.echo(format_report(report))
+        click.echo(format_drafter(drafter))
+    if not report.supported or (drafter["given"] and not drafter["served"]):
         raise SystemExit(1)
 
 
