@@ -2,8 +2,9 @@
 
 A real fleet (``apcctl fleet up``: N servers, smg ``cache_aware`` behind the guard) in a private
 state directory; the agent trace goes through the gateway three times, each run its own tenant:
-undisturbed; with ``apcctl fleet restart`` started once half of its requests are answered; with
-one server taken out of the gateway and stopped half-way (a server removed from the fleet). Per
+undisturbed; with ``apcctl fleet restart`` started once a quarter of its requests are answered (the
+roll, one server after the other, then sits in the middle of the run); with one server taken out
+of the gateway and stopped half-way (a server removed from the fleet). Per
 run: the prompt tokens the servers prefilled (``prompt - cached`` from each answer's ``usage``)
 against the undisturbed run, client errors, and whether every answer equals a cold server's (the
 same messages sent straight to a server under a fresh tenant). ``shared=False`` starts the fleet
@@ -136,7 +137,10 @@ def run_roll_bench(model: str, *, servers: int = 3, requests: int = 24, agents: 
             disrupt = {"fleet restart": fleet.restart, "one server removed": fleet.remove_last}.get(label)
             errors: list[str] = []
             began, window = time.monotonic(), []
-            watcher = threading.Thread(target=_half_way, args=(fleet, requests, disrupt, errors, window), daemon=True)
+            # the roll (one server after the other) starts at a quarter so that it sits in the middle
+            share = 4 if label == "fleet restart" else 2
+            watcher = threading.Thread(target=_part_way, args=(fleet, requests // share, disrupt, errors, window),
+                                       daemon=True)
             if disrupt is not None:
                 watcher.start()
             result = replay(fleet.url, model=model, requests=requests, max_tokens=max_tokens,
@@ -160,12 +164,12 @@ def run_roll_bench(model: str, *, servers: int = 3, requests: int = 24, agents: 
     return rows
 
 
-def _half_way(fleet: Fleet, requests: int, disrupt: Callable[[], None], errors: list[str],
+def _part_way(fleet: Fleet, answered: int, disrupt: Callable[[], None], errors: list[str],
               window: list[float]) -> None:
-    """Run ``disrupt`` once half of the run's requests are answered; ``window``: when it began and ended."""
+    """Run ``disrupt`` once ``answered`` of the run's requests are answered; ``window``: when it began and ended."""
     start = fleet.answered()
     deadline = time.monotonic() + 900
-    while fleet.answered() - start < requests // 2 and time.monotonic() < deadline:
+    while fleet.answered() - start < answered and time.monotonic() < deadline:
         time.sleep(0.2)
     window.append(time.monotonic())
     try:
