@@ -91,7 +91,8 @@ def build(steps: Sequence[Step], *, seed: int | Sequence[int] = 0, tools: int = 
     conv = Conversation(conv_id, agent, persona, generation=gen,
                         reminder=b.tokens(reminder) if reminder > 0 else None)
     opening = b.tokens(first_question) if first is None else np.asarray(first, dtype=np.int32)
-    conv.add(USER, np.concatenate([opening, b.tokens(first_reminder)]) if first_reminder > 0 else opening)
+    reminder_block = b.tokens(first_reminder) if first_reminder > 0 else np.zeros(0, np.int32)
+    conv.add(USER, np.concatenate([opening, reminder_block]).astype(np.int32))
     # Where the reminder block starts: the server's finder offers it (a section line inside the
     # first user message, ``boundaries.system_points``) while the message still holds it.
     reminder_at = len(persona.prefix(0)[0]) + 1 + len(opening) if first_reminder > 0 else 0
@@ -113,7 +114,9 @@ def build(steps: Sequence[Step], *, seed: int | Sequence[int] = 0, tools: int = 
             continue
         if step.kind == "resume":
             conv.add(ASSISTANT, b.generate(conv, step.reply))
-            conv.messages[0] = np.concatenate([[USER], opening]).astype(np.int32)  # rebuilt, no reminder
+            first_message, k = conv.messages[0], len(reminder_block)
+            if k and len(first_message) > k and np.array_equal(first_message[-k:], reminder_block):
+                conv.messages[0] = first_message[:-k]  # rebuilt without its reminder block
             conv.inner = ()
             conv.add(USER, b.tokens(step.question))
             b.emit(conv, "resume")

@@ -5,6 +5,8 @@ error) and a session resumed with its first user message rebuilt (qwen-code ``-c
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from apcctl.sim.patterns import Step, build
 from apcctl.sim.replay import replay_policy
@@ -14,6 +16,7 @@ from server_patch.boundaries.system_points import add_points
 from server_patch.drift import DriftDetector, DriftSettings
 from server_patch.lineage import COLD, LineageCache, LineageConfig, RestorePlan
 from tests.drift.chat import WordTokenizer, render
+from tests.lineage.test_agent_patterns import below_stock, reuse
 
 
 def served(steps: list[Step], **kwargs) -> tuple[list, dict[str, list[int]]]:
@@ -88,3 +91,17 @@ def test_the_first_user_messages_section_starts_are_blocks() -> None:
     blocks = [o for o, k in offsets.items() if k == Kind.BLOCK]
     assert blocks == [full.index("<system-reminder>")]
     assert not any(k in (Kind.LINE, Kind.SECTION) for o, k in offsets.items() if o > full.index("<u>"))
+
+
+RESUME_STEP = st.builds(Step, kind=st.sampled_from(["turn", "resume", "no_reply", "edit", "regenerate"]),
+                        question=st.integers(3, 400), reply=st.integers(5, 400), keep=st.integers(0, 400))
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(RESUME_STEP, min_size=2, max_size=10), seed=st.integers(0, 2**16),
+       generation=st.sampled_from([1, 3]), first=st.integers(3, 3000), first_reminder=st.sampled_from([0, 60]))
+def test_resumes_and_retries_never_restore_fewer_tokens_than_stock(steps, seed, generation, first, first_reminder):
+    requests = build(steps, seed=seed, generation=generation, tools=300, system=200, first_question=first,
+                     first_reminder=first_reminder)
+    got = reuse(requests)
+    assert below_stock(requests, got) == []

@@ -95,7 +95,8 @@ def light_server(model, layout, monkeypatch, **env: str) -> SimpleNamespace:
     finder = SegmentFinder()  # a finder of its own: it has noted no rendered request
     runtime = SimpleNamespace(config=config, layout=layout, cache=LineageCache(config, disk=disk),
                               timings=TimingBook(), disk=None, refuses=lambda kind: False,
-                              finder=finder, boundaries=finder.boundaries)
+                              finder=finder, boundaries=finder.boundaries,
+                              drift_of=lambda prompt, namespace: {}, drift_points=lambda prompt, namespace: [])
     coordinator = LineageCoordinator(Manager(), model, runtime=runtime)
     generator = Generator()
     coordinator.attach_generator(generator)
