@@ -141,7 +141,9 @@ def render_markdown(rows: list[MatrixRow] | None = None) -> str:
         lineage=len(lineage), tested=sum(r.tested.startswith("tiny model") for r in lineage),
         stock=sum(r.path == STOCK for r in rows), refused=sum(r.path.startswith("refused") for r in rows),
         other=sum(r.path.startswith("-") for r in rows))
-    return text
+    from apcctl.drafter_check import DOCS_SECTION
+
+    return text + DOCS_SECTION
 
 
 def rows_as_dicts(rows: list[MatrixRow]) -> list[dict[str, Any]]:
