@@ -419,8 +419,9 @@ def test_the_canary_package_and_its_runner_do_not_import_each_other():
 
 
 # Test files that check the whole house (the import graph, the settings registry, the overlay's
-# edits against pristine mlx-vlm, the tiny model every other test builds) stay at the top.
-HOUSE_WIDE = {"test_layout.py", "test_settings.py", "test_overlay.py", "test_tiny_model.py"}
+# edits against pristine mlx-vlm, the tiny model every other test builds, the type checker and
+# the linter) stay at the top.
+HOUSE_WIDE = {"test_layout.py", "test_settings.py", "test_overlay.py", "test_tiny_model.py", "test_typecheck.py"}
 # Rooms that are not one package: the CLI, the dashboard, the simulator, injected faults, and
 # whole-server conversations.
 CROSS_CUTTING = {"cli", "tui", "sim", "fault", "e2e"}

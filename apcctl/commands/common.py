@@ -17,7 +17,9 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from apcctl.commands.codes import EXIT_CODES_HELP, EXIT_CODES_SHORT, ExitStatus
+from apcctl.commands.codes import EXIT_CODES_HELP as EXIT_CODES_HELP  # re-exported: the commands import them from here
+from apcctl.commands.codes import EXIT_CODES_SHORT as EXIT_CODES_SHORT
+from apcctl.commands.codes import ExitStatus
 from apcctl.commands.complete import server_names
 from apcctl.config import ConfigError, Target, select
 from apcctl.core.client import AdminClient, AdminError

@@ -9,7 +9,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from apcctl.commands.common import EXIT_CODES_SHORT, ExitStatus, Targets, server_options
 from apcctl.commands.serve import _env, spec_sizing
-from apcctl.config import ConfigError, Target, load_config
+from apcctl.config import ConfigError, load_config
 from apcctl.core import render
 from apcctl.core.manage import GRACE_MARGIN_S, ManagedServer
 from apcctl.core.model_source import model_problem, weights_problem

@@ -33,8 +33,10 @@ def over_cap(anchors: Iterable[Entry], *, size: Callable[[Entry], int], evictabl
     victims: list[Entry] = []
     while count > max_entries or nbytes > max_bytes:
         measure = 0 if count > max_entries else 1
-        movable = {h: next((a for a in group if evictable(a)), None) for h, group in held.items()}
-        movable = {h: a for h, a in movable.items() if a is not None}
+        movable: dict[str, Entry] = {}
+        for h, group in held.items():
+            if (first := next((a for a in group if evictable(a)), None)) is not None:
+                movable[h] = first
         if not movable:
             break
         holder = max(movable, key=lambda h: (usage[h][measure], usage[h][1 - measure], -movable[h].last_used))

@@ -100,14 +100,17 @@ class Admission:
         for _ in range(PLANS_MAX):
             if settle is not None and settle(plan):
                 pass  # a deferred entry was committed or an entry dropped: plan again
-            elif plan.tier == DISK and (disk is None or plan.record.id in loaded or disk_refused()):
+            elif plan.tier == DISK and (disk is None or plan.record is None or plan.record.id in loaded
+                                        or disk_refused()):
                 # loaded once already and gone again (no room in RAM), or a suspect tier: cold
-                unused = disk is None or plan.record.id in loaded
+                unused = disk is None or plan.record is None or plan.record.id in loaded
                 self.steps.append((plan.length, Lost.DISK_UNUSED if unused else Lost.CANARY))
                 break
             elif plan.tier == DISK:
-                loaded.add(plan.record.id)
-                entry, why = disk.load_checked(plan.record)
+                record = plan.record
+                assert disk is not None and record is not None  # the branch above took the others
+                loaded.add(record.id)
+                entry, why = disk.load_checked(record)
                 if entry is None and why == NOT_LOADED:  # its load ran past the bound: cold, file kept
                     self.steps.append((plan.length, Lost.DISK_UNUSED))
                     self.detail = why
@@ -120,8 +123,8 @@ class Admission:
                 if entry is None:
                     self.steps.append((plan.length, Lost.DISK_REJECTED))
                     self.detail = why or "failed validation"
-                if self.cache.promote(plan.record, entry, reason=why) is not None:
-                    self.promoted.add(plan.record.id)
+                if self.cache.promote(record, entry, reason=why) is not None:
+                    self.promoted.add(record.id)
             else:
                 return plan
             plan = self.cache.lookup(self.prompt, self.namespace, ram_only=ram_only)
@@ -153,7 +156,7 @@ class Admission:
         one is that very head."""
         plan = self._plan
         entry = plan.entry
-        if not at_protected_prompt_end(plan):
+        if entry is None or not at_protected_prompt_end(plan):
             return plan
         if not allowed(plan) or not self.cache.rewind(entry):
             return plan

@@ -10,7 +10,7 @@ _BLOCK = 4096
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     """Number of leading positions where ``a`` and ``b`` agree."""
-    limit = min(a.shape[0], b.shape[0])
+    limit = min(int(a.shape[0]), int(b.shape[0]))
     start = 0
     while start < limit:
         stop = min(limit, start + _BLOCK if start == 0 else start * 4)

@@ -119,7 +119,7 @@ class GoneLog:
         with self._lock:
             if not self._points:
                 return []
-            found = []
+            found: list[tuple[int, str]] = []
             for blocks in range(first, min(last, len(hashes)) + 1):
                 reason = self._points.get((namespace, int(hashes[blocks - 1])))
                 if reason is not None:

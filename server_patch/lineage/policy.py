@@ -1024,8 +1024,10 @@ class LineageCache:
                 for old_id in entry.supersedes:
                     self._delete_record(old_id, reason)
             self.stats["operator_evictions" if reason == Reason.OPERATOR else "probe_evictions"] += 1
-            self._emit(Event(EventKind.EVICT, entry_id, (entry or record).length, freed, reason))
-            self.misses.went(entry or record, reason)
+            gone = entry if entry is not None else record
+            assert gone is not None  # raised CacheError above when both are None
+            self._emit(Event(EventKind.EVICT, entry_id, gone.length, freed, reason))
+            self.misses.went(gone, reason)
             return freed
 
     def drop(self, entry_id: str, reason: str) -> bool:

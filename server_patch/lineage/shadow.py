@@ -23,7 +23,7 @@ import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -47,7 +47,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
     x = x * _MIX1
     x = x ^ (x >> np.uint64(27))
     x = x * _MIX2
-    return x ^ (x >> np.uint64(31))
+    mixed: np.ndarray = x ^ (x >> np.uint64(31))
+    return mixed
 
 
 def _weights(block: int) -> np.ndarray:
@@ -118,7 +119,7 @@ class ShadowIndex:
             anyone = self._longest(usable, lambda tags: True)
         return Match(own * self.block, elsewhere=anyone > own)
 
-    def _longest(self, hashes: list[int], accept) -> int:
+    def _longest(self, hashes: list[int], accept: Callable[[str | frozenset[str]], bool]) -> int:
         """Blocks matched: the largest ``k`` with ``hashes[k - 1]`` held and accepted (the
         held blocks are prefix-closed, so a binary search finds it)."""
         lo, hi = 0, len(hashes)

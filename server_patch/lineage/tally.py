@@ -61,7 +61,7 @@ class SizedMap(MutableMapping[str, T], Generic[T]):
     def get(self, key: str, default: T | None = None) -> T | None:  # type: ignore[override]
         return self._items.get(key, default)
 
-    def values(self) -> ValuesView[T]:  # type: ignore[override]
+    def values(self) -> ValuesView[T]:
         return self._items.values()
 
     def clear(self) -> None:

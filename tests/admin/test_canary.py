@@ -33,7 +33,7 @@ from server_patch.canary import check as C
 from server_patch.canary import points as P
 from server_patch.canary.compare import compare, tolerance_for
 from server_patch.lineage import CacheError, LineageCache, LineageConfig, SizedKV, SizedSnapshot
-from tests.e2e.test_e2e_correctness import PARAMS, SCENARIOS, _send
+from tests.e2e.test_e2e_correctness import SCENARIOS, _send
 
 # ---------------------------------------------------------------------------- the comparison
 

@@ -13,7 +13,6 @@ import json
 import os
 import stat
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

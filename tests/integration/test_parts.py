@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from server_patch.admin.api import install
 from server_patch.integration import hooks as door
-from server_patch.integration.parts import Parts, Runtimes
+from server_patch.integration.parts import Parts
 
 TOKEN = "parts-test-token-0123456789abcdef"
 

@@ -100,7 +100,8 @@ def test_decoding_rows_count_each_delayed_step_once_and_ended_rows_nothing(book:
 def test_the_row_end_makes_the_record_final_for_the_event_stream_and_the_histogram(book: RowBook,
                                                                                    clock: Clock) -> None:
     timings = book.timings
-    a, b = admitted(book, 1, uid="a"), admitted(book, 2, uid="b")
+    admitted(book, 1, uid="a")  # another row open while b finishes
+    b = admitted(book, 2, uid="b")
     b.move(RowState.DECODING, "prefill end")
     book.first_token("b", "req-b", 0.01)  # finished at its first token: in the ring, still waiting
     assert timings.since(0)[0]["ended"] is False and timings.ended_since(0) == []

@@ -14,7 +14,7 @@ from apcctl.sim.policies.lineage import LineagePolicy
 from apcctl.sim.policies.seen import SeenOraclePolicy
 from apcctl.sim.sizes import load_sizes
 from apcctl.sim.trace import read_trace
-from server_patch.lineage import SEGMENT, DiskRecord, Entry, LineageCache, LineageConfig, SizedKV, SizedSnapshot
+from server_patch.lineage import DiskRecord, Entry, LineageCache, LineageConfig, SizedKV, SizedSnapshot
 from server_patch.lineage.flow import Admission
 from server_patch.lineage.misses import Lost, ladder
 from tests.lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
