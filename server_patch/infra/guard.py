@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol, TypeVar
 
-from server_patch.admin.auth import token_matches
+from server_patch.infra.auth import token_matches
 from server_patch.envconfig import env_values
 
 Scope = dict[str, Any]

@@ -17,7 +17,7 @@ import threading
 from typing import Any, Awaitable, Callable
 
 from server_patch import clock
-from server_patch.admin import drain_deadline
+from server_patch.infra import drain_deadline
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
