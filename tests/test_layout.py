@@ -13,7 +13,7 @@
   mlx-vlm, not even through what they import (checked on the parsed graph and in a fresh
   interpreter).
 * Inside ``apcctl``, the research lab (``sim``, ``bench``, ``tinymodel``, ``template_check``,
-  ``model_check``, ``model_matrix``) and the operator CLI (``core``, ``config``, ``service``,
+  ``drafter_check``, ``model_check``, ``model_matrix``) and the operator CLI (``core``, ``config``, ``service``,
   ``fleet``, the demo's traffic) meet only in the commands; the lab's layers point one way.
 * ``server_patch`` never imports the CLI (``apcctl``) or the dashboard (``tui``).
 * The dashboard (``tui``) imports nothing of ``apcctl`` but the shared core, ``apcctl.core``; the
@@ -230,9 +230,10 @@ def test_the_neutral_packages_import_only_the_leaves():
 
 # The research lab inside apcctl, in layers: a layer imports only the ones before it (and the
 # core). The tiny models are the floor (with the corpus and the agent prompts every layer above
-# writes from); the chat-template check and the model matrix read them; the model check uses the
+# writes from); the chat-template and drafter checks and the model matrix read them; the model check uses the
 # template check; the simulator sizes a model through the model check; the benches drive servers.
-LAB_LAYERS = (("apcctl.tinymodel",), ("apcctl.template_check", "apcctl.model_matrix"), ("apcctl.model_check",),
+LAB_LAYERS = (("apcctl.tinymodel",), ("apcctl.template_check", "apcctl.drafter_check", "apcctl.model_matrix"),
+              ("apcctl.model_check",),
               ("apcctl.sim", "apcctl.bench"))
 LAB = tuple(part for layer in LAB_LAYERS for part in layer)
 # What of the lab the operator's side may use: the corpus (word lists, data), for the demo's
