@@ -99,7 +99,9 @@ def align(earlier: np.ndarray, prompt: np.ndarray, at: int, window: int = WINDOW
     """What each side has from ``at`` until they are back in step (``sync`` equal tokens, or
     equal tokens up to the earlier one's end), within ``window`` tokens of each."""
     a, b = earlier[at:at + window], prompt[at:at + window]
-    matcher = difflib.SequenceMatcher(None, a.tolist(), b.tolist(), autojunk=False)
+    # autojunk: a token making up over 1 % of the window is no anchor for a match, which bounds
+    # the cost on repetitive text (without it 1k repeated tokens took seconds)
+    matcher = difflib.SequenceMatcher(None, a.tolist(), b.tolist(), autojunk=True)
     blocks = matcher.get_matching_blocks()
     for k, (i, j, size) in enumerate(blocks):
         # a pure removal or insertion, back in step at once but for a few tokens the template

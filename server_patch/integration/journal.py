@@ -5,7 +5,8 @@ journal does not. It is a size-capped set of rotating files in the server's stat
 (``journal.jsonl`` is the newest, ``journal.jsonl.1`` the one before, ...), read back by
 ``apcctl report``. Each line is flushed to the OS as it is written, so a restart (even a
 SIGKILL) loses at most a torn last line, which the reader skips. Lines hold users' token
-ids, so the files are 0600 in a 0700 directory whatever the umask.
+ids, and a request line's ``drift`` a short decoded text diff (``server_patch.drift``;
+``APC_DRIFT_TEXT=0``: none), so the files are 0600 in a 0700 directory whatever the umask.
 
 Lines by ``type``: ``start`` (a server start), ``request`` (a request's record, once: at its
 first token, or when it was cancelled before one), ``request_outcome`` (the final outcome of a

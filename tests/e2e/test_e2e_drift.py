@@ -61,7 +61,8 @@ def test_each_cause_named_from_admin_requests(server: PatchedServer) -> None:
     for case in drift_actor.cases():
         answer, first = send(server, case.name, case.first, tools=case.tools)
         assert first["drift"] == {}, (case.name, first["drift"])
-        _, later = send(server, case.name, case.then(reply_text(answer)), tools=case.then_tools or case.tools)
+        changed, later = send(server, case.name, case.then(reply_text(answer)), tools=case.then_tools or case.tools)
+        assert "drift" not in json.dumps(changed)  # /admin only, never in the client's response
         drifts[case.name] = later["drift"]
         cases[case.name] = (later["drift"].get("cause", ""), case.cause)
         assert later["drift"].get("segment", "").startswith(case.segment), (case.name, later["drift"])
