@@ -131,11 +131,12 @@ class LineageCoordinator(APCCoordinator):
         prompt, namespace = as_tokens(token_ids), namespace_of(extra_hash)
         key = request_key(namespace, prompt)
         record = lineage.runtime.timings.open(int(prompt.shape[0]))
-        record.drift = lineage.runtime.drift_of(prompt, namespace)  # what the client changed (/admin only)
         rows = lineage.rows
         rows.sweep()
         reclaimed: set[str] = set()  # entries whose loans this lookup ended: never lent again now
         mine = lineage.book.queued(uid, key)  # its row, if it waited in the queue (or looked up before)
+        earlier = mine.record if mine is not None else None  # a second lookup keeps the first's drift
+        record.drift = earlier.drift if earlier is not None else lineage.runtime.drift_of(prompt, namespace)
         disk = lineage.loads.for_request(mine, record)  # None without a disk tier
         admission = Admission.admit(lineage.runtime.cache, prompt, namespace, disk=disk,
                                     settle=lambda plan: rows.settle(prompt, namespace, plan, reclaimed),
