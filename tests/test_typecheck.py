@@ -1,8 +1,9 @@
 """The type checker and the linter, run on the tree as CI runs the suite (issue 35).
 
 mypy (pinned in the test extra) checks what ``[tool.mypy]`` in pyproject.toml names: strict on
-the lineage policy (``server_patch.lineage``) and the copy ledger (``server_patch.observe``),
-the packages whose params and results every other part builds on. ruff checks the whole tree
+the lineage policy (``server_patch.lineage``), the copy ledger (``server_patch.observe``) and
+the HTTP plumbing (``server_patch.infra``: token, ASGI gate, traffic gate), the packages whose
+params and results every other part builds on. ruff checks the whole tree
 with a small rule set (syntax errors and pyflakes: unused imports, undefined names). Both read
 their settings from pyproject.toml, so running ``mypy`` or ``ruff check`` by hand gives the
 same answer as this test.
@@ -17,7 +18,7 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STRICT = ("server_patch.lineage.*", "server_patch.observe.*")
+STRICT = ("server_patch.lineage.*", "server_patch.observe.*", "server_patch.infra.*")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:

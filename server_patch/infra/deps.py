@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 def parts_of(request: Request) -> "Parts":
     """The parts ``install`` put on this app."""
-    return request.app.state.apc_parts
+    parts: Parts = request.app.state.apc_parts
+    return parts
 
 
 PartsDep = Annotated[Any, Depends(parts_of)]

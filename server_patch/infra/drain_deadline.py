@@ -19,16 +19,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from server_patch import clock, settings
+from server_patch.infra.asgi import Message, Scope, Send
 
 ENV = "APC_DRAIN_STREAM_DEADLINE_S"
 POLL_S = 0.5  # how often an in-flight request looks at the drain (only while it is in flight)
 FINAL_WRITE_S = 2.0  # how long the final words may take to reach a client's socket
 CUT_MESSAGE = "server is restarting: this reply was ended at the drain deadline ({:.0f} s); retry"
 
-Send = Callable[[dict], Awaitable[None]]
 log = logging.getLogger("server_patch.drain")
 
 
@@ -48,8 +48,8 @@ async def passed(cut_at: Callable[[], float | None]) -> None:
         await asyncio.sleep(POLL_S if at is None else min(POLL_S, at - now))
 
 
-def _sse(message: dict) -> bool:
-    headers = dict(message.get("headers") or [])
+def _sse(message: Message) -> bool:
+    headers: dict[bytes, bytes] = dict(message.get("headers") or [])
     return headers.get(b"content-type", b"").split(b";")[0].strip().lower() == b"text/event-stream"
 
 
@@ -61,14 +61,14 @@ class ResponseState:
         self.event_stream = False
         self.finished = False
 
-    def saw(self, message: dict) -> None:
+    def saw(self, message: Message) -> None:
         if message.get("type") == "http.response.start":
             self.started, self.event_stream = True, _sse(message)
         elif message.get("type") == "http.response.body" and not message.get("more_body", False):
             self.finished = True
 
 
-async def end(scope: dict, send: Send, state: ResponseState, deadline: float) -> None:
+async def end(scope: Scope, send: Send, state: ResponseState, deadline: float) -> None:
     """Send the final words (bounded by ``FINAL_WRITE_S``), then abort a connection that cannot
     take them or still holds unsent bytes."""
     text = CUT_MESSAGE.format(deadline)
@@ -92,7 +92,7 @@ async def end(scope: dict, send: Send, state: ResponseState, deadline: float) ->
     abort_if_backed_up(scope, force=not delivered)
 
 
-def abort_if_backed_up(scope: dict, *, force: bool) -> None:
+def abort_if_backed_up(scope: Scope, *, force: bool) -> None:
     """Abort the request's connection when ``force``, or when bytes wait in its write buffer.
 
     ASGI offers no abort, so the transport is found by the client's address among the event

@@ -20,14 +20,15 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, TypeVar, cast
 
 from server_patch.infra.auth import token_matches
 from server_patch.envconfig import env_values
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
+from server_patch.infra.asgi import ASGIApp, Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 ADMIN_PREFIX = "/admin"
 EVENTS_PATH = "/admin/events"
@@ -66,7 +67,7 @@ class BodyLimits(Protocol):
     def drain_bytes(self) -> int: ...
 
 
-L = TypeVar("L")
+L = TypeVar("L", bound="DataclassInstance")
 
 
 def limits_from_env(cls: type[L], prefix: str, env: Mapping[str, str] | None = None) -> L:
@@ -115,7 +116,7 @@ def classify(path: str) -> str | None:
 def header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope.get("headers", ()):
         if key.lower() == name:
-            return value
+            return cast(bytes, value)
     return None
 
 
@@ -178,7 +179,7 @@ def replaying(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that hands the app the body already read, then the client's later messages."""
     pending = True
 
-    async def replay() -> dict:
+    async def replay() -> Message:
         nonlocal pending
         if pending:
             pending = False
@@ -191,7 +192,7 @@ def replaying(body: bytes, receive: Receive) -> Receive:
 class AdminGuard:
     """Token, CORS, body and stream limits for ``/admin`` and the management routes."""
 
-    def __init__(self, app: Callable, *, token: str, limits: AdminLimits,
+    def __init__(self, app: ASGIApp, *, token: str, limits: AdminLimits,
                  streams: StreamCount = STREAMS) -> None:
         self.app = app
         self.token = token
@@ -260,7 +261,7 @@ class AdminGuard:
             self.streams.open -= 1
 
 
-def install_outermost(app: Any, middleware: type = AdminGuard, **options: Any) -> None:
+def install_outermost(app: Any, middleware: Callable[..., ASGIApp] = AdminGuard, **options: Any) -> None:
     """Put ``middleware`` (:class:`AdminGuard`) outside every middleware mlx-vlm adds (its CORS
     one included).
 

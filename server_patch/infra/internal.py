@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any
+
+from server_patch.infra.asgi import ASGIApp
 
 INTERNAL = "apc.internal"  # the scope key that marks this server's own in-process requests
 
 
-async def internal_chat(app: Callable, payload: dict[str, Any], headers: dict[str, str]) -> tuple[int, Any]:
+async def internal_chat(app: ASGIApp, payload: dict[str, Any], headers: dict[str, str]) -> tuple[int, Any]:
     """POST /v1/chat/completions to ``app`` over ASGI; returns (status, parsed body or text)."""
     body = json.dumps(payload).encode()
     scope = {

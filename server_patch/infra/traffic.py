@@ -14,14 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from server_patch import clock
 from server_patch.infra import drain_deadline
+from server_patch.infra.asgi import ASGIApp, Message, Receive, Scope, Send
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
 
 DRAINING_MESSAGE = "server is draining for a restart; retry shortly"
 _ALWAYS_OPEN = ("/admin", "/health", "/metrics", "/v1/metrics", "/docs", "/openapi.json", "/redoc")
@@ -87,7 +85,7 @@ def counted(path: str) -> bool:
 class TrafficMiddleware:
     """Counts in-flight inference requests and turns them away while draining."""
 
-    def __init__(self, app: Callable, traffic: Traffic) -> None:
+    def __init__(self, app: ASGIApp, traffic: Traffic) -> None:
         self.app = app
         self.traffic = traffic
 
@@ -105,7 +103,7 @@ class TrafficMiddleware:
         self.traffic.start()
         finished = False
 
-        async def tracking_send(message: dict) -> None:
+        async def tracking_send(message: Message) -> None:
             nonlocal finished
             await send(message)
             if message.get("type") == "http.response.body" and not message.get("more_body", False):
@@ -127,13 +125,13 @@ class TrafficMiddleware:
         state = drain_deadline.ResponseState()
         cut = asyncio.Event()
 
-        async def app_send(message: dict) -> None:
+        async def app_send(message: Message) -> None:
             if cut.is_set():
                 return  # ended: the final words are the middleware's
             state.saw(message)
             await send(message)
 
-        async def app_receive() -> dict:
+        async def app_receive() -> Message:
             """The client's messages, and ``http.disconnect`` once the request is ended."""
             if cut.is_set():
                 return {"type": "http.disconnect"}
