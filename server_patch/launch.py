@@ -103,9 +103,13 @@ def check_config(args: list[str] | None = None) -> None:
     from server_patch.state.weights_hash import model_argument
 
     try:  # a drafter the lineage has not been proved with is refused (issue 39)
-        check_drafter(model_argument(list(args or [])), draft_options(list(args or []), os.environ))
+        served = check_drafter(model_argument(list(args or [])), draft_options(list(args or []), os.environ))
     except UnservedDrafter as exc:
         raise SystemExit(f"server_patch.launch: {exc}") from None
+    if served is not None:
+        from server_patch.speculative.support import SPECULATING_ENV
+
+        os.environ[SPECULATING_ENV] = served  # the intake refuses logprobs it would get as 0.0
 
 
 def warn_split_dependent(args: list[str]) -> None:

@@ -6,6 +6,7 @@ it. Only what stock cannot handle is refused: everything else stays mlx-vlm's to
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -57,4 +58,6 @@ def refusal(path: str, data: Any, max_depth: int) -> str | None:
         return "request JSON holds a lone UTF-16 surrogate (\\ud800-\\udfff outside a pair): not valid text"
     if path in MESSAGE_ROUTES and isinstance(data, dict) and data.get("messages") == []:
         return "messages must hold at least one message"
-    return None
+    from server_patch.speculative.support import logprobs_refusal
+
+    return logprobs_refusal(path, data, os.environ)  # mlx-vlm's speculation reports them as 0.0

@@ -103,3 +103,22 @@ def drafter_support(target_dir: str | None, drafter_dir: str | None, kind: str |
     except UnservedDrafter as exc:
         return {"drafter": drafter_dir, "served": False, "reason": str(exc)}
     return {"drafter": drafter_dir, "served": served is not None, "reason": served or "no drafter"}
+
+
+#: Set by the launcher when it starts a served drafter; the intake reads it (same process).
+SPECULATING_ENV = "APC_SPECULATIVE_DRAFTER"
+_LOGPROB_ROUTES = frozenset({"/chat/completions", "/v1/chat/completions", "/completions", "/v1/completions"})
+
+
+def logprobs_refusal(path: str, data: object, environ: Mapping[str, str]) -> str | None:
+    """A 400's reason for a request asking for logprobs while a drafter speculates, else None.
+
+    mlx-vlm 0.7.10's speculative batches compute no logprobs: such a request got every token's
+    logprob as 0.0 and no top_logprobs (found by tests/speculative/test_spec_server.py), numbers
+    that look real and are not. Refused, never served wrong."""
+    if not environ.get(SPECULATING_ENV) or path not in _LOGPROB_ROUTES or not isinstance(data, dict):
+        return None
+    if data.get("logprobs") or data.get("top_logprobs"):
+        return ("logprobs are not computed under speculative decoding (this server runs a "
+                "--draft-model): leave logprobs/top_logprobs out, or ask a server without a drafter")
+    return None

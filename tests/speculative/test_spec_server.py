@@ -1,9 +1,10 @@
 """A real server with the tiny model's MTP drafter and the lineage cache on: every restore kind
 answers what a cold prefill answers with the same drafter, and what the model answers without one.
 
-Greedy tokens are compared, 24 of them (mlx-vlm 0.7.10's speculative path reports every
-logprob as 0.0 with no top_logprobs, so the logprob half of ``assert_same_output`` has nothing
-to compare); the scenarios that produce each kind are test_e2e_correctness's. ``disk``: the drafter server is stopped (its shutdown flushes RAM to
+Greedy replies are compared, 24 tokens each, as text and token count: mlx-vlm 0.7.10's
+speculative path computes no logprobs (it reported every one as 0.0), so a drafter server
+refuses requests that ask for them (400) and the comparison cannot use them. The scenarios that
+produce each kind are test_e2e_correctness's, sent without logprobs. ``disk``: the drafter server is stopped (its shutdown flushes RAM to
 disk) and a second drafter server on the same disk directory continues the conversation.
 Each warm answer also says speculation ran (``timings.draft_kind`` mtp, drafts proposed).
 """
@@ -16,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_e2e_correctness import PARAMS as WARMUP_PARAMS, SCENARIOS
-from tests.server_harness import PatchedServer, reply_text, reply_tokens, text
+from tests.e2e import test_e2e_correctness as correctness
+from tests.e2e.test_e2e_correctness import SCENARIOS
+from tests.server_harness import PatchedServer, reply_text, text
 
-PARAMS = {**WARMUP_PARAMS, "max_tokens": 24}
+PARAMS = {"max_tokens": 24}
 
 KINDS = ("entry", "final", "anchor", "divergence")
 
@@ -55,8 +57,10 @@ def _assert_speculated(answer: dict[str, Any]) -> None:
 
 
 def assert_same_tokens(warm: dict[str, Any], cold: dict[str, Any]) -> None:
-    tokens = reply_tokens(warm)
-    assert tokens and tokens == reply_tokens(cold), (warm["choices"][0]["message"], cold["choices"][0]["message"])
+    def reply(answer: dict[str, Any]) -> tuple[str, int]:
+        return answer["choices"][0]["message"]["content"], int(answer["usage"]["completion_tokens"])
+
+    assert reply(warm)[1] > 0 and reply(warm) == reply(cold), (reply(warm), reply(cold))
 
 
 def _cold(server: PatchedServer, messages: list[dict], **extra: Any) -> dict:
@@ -67,7 +71,9 @@ def _cold(server: PatchedServer, messages: list[dict], **extra: Any) -> dict:
 
 @pytest.mark.server
 @pytest.mark.parametrize("kind", KINDS)
-def test_warm_turn_with_a_drafter_equals_cold_and_no_drafter(kind: str, servers: dict[str, PatchedServer]) -> None:
+def test_warm_turn_with_a_drafter_equals_cold_and_no_drafter(kind: str, servers: dict[str, PatchedServer],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(correctness, "PARAMS", PARAMS)  # the scenarios' warm-up turns, no logprobs
     tenant = f"spec-{kind}"
     _, messages, extra = SCENARIOS[kind](servers, tenant)
     server = servers["default"]
@@ -106,3 +112,51 @@ def test_disk_restore_with_a_drafter_equals_no_drafter(tiny_model_dir: Path, tin
     finally:
         second.stop()
         plain.stop()
+
+
+@pytest.mark.server
+def test_a_drafter_server_refuses_logprobs_it_cannot_compute(servers: dict[str, PatchedServer]) -> None:
+    messages = [{"role": "user", "content": text(20, 399)}]
+    for extra in ({"logprobs": True}, {"logprobs": True, "top_logprobs": 5}):
+        status, body = servers["default"].request(
+            "POST", "/v1/chat/completions",
+            {"model": str(servers["default"].model_dir), "messages": messages, "max_tokens": 4, **extra})
+        assert status == 400 and "speculative decoding" in str(body), (status, body)
+    assert servers["plain"].chat(messages, max_tokens=4, logprobs=True, top_logprobs=5)["choices"][0]["logprobs"]
+
+
+@pytest.mark.server
+def test_two_warm_turns_speculating_together_each_equal_cold(servers: dict[str, PatchedServer]) -> None:
+    """Two restored rows sent at once (mlx-vlm coalesces speculative requests into one left-padded
+    batch when they arrive together; this test does not prove they shared one)."""
+    import threading
+
+    server = servers["default"]
+    second_turns = []
+    for seed in (401, 411):
+        turn0 = [{"role": "system", "content": text(250, seed)}, {"role": "user", "content": text(150, seed + 1)}]
+        first, _ = server.chat_restore(turn0, tenant=f"pair-{seed}", **PARAMS)
+        second_turns.append((f"pair-{seed}", turn0 + [{"role": "assistant", "content": reply_text(first)},
+                                                      {"role": "user", "content": text(60 + seed % 7, seed + 2)}]))
+    before = len(server.lineage_lines("restore"))
+    answers: dict[str, dict] = {}
+    errors: list[BaseException] = []
+
+    def send(tenant: str, messages: list[dict]) -> None:
+        try:
+            answers[tenant] = server.chat(messages, tenant=tenant, **PARAMS)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=send, args=turn) for turn in second_turns]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    kinds = sorted(line["kind"] for line in server.lineage_lines("restore")[before:])
+    assert kinds == ["entry", "entry"], kinds
+    for tenant, messages in second_turns:
+        _assert_speculated(answers[tenant])
+        assert_same_tokens(answers[tenant], _cold(server, messages))
+        assert_same_tokens(answers[tenant], _cold(servers["plain"], messages))

@@ -72,3 +72,13 @@ def test_model_check_says_the_drafter_and_whether_it_is_served(tiny_model_dir: P
     refused = CliRunner().invoke(main, ["model", "check", str(tiny_model_dir), "--draft-model",
                                         str(tiny_drafter_dir), "--draft-kind", "eagle3"])
     assert refused.exit_code == 1 and "refused at start" in refused.output
+
+
+def test_logprobs_are_refused_only_while_a_drafter_speculates() -> None:
+    from server_patch.speculative.support import logprobs_refusal, SPECULATING_ENV
+
+    on = {SPECULATING_ENV: "glm5_next + glm5_next_mtp (mtp)"}
+    assert logprobs_refusal("/v1/chat/completions", {"logprobs": True}, on)
+    assert logprobs_refusal("/v1/completions", {"logprobs": 3}, on)
+    assert logprobs_refusal("/v1/chat/completions", {"logprobs": False}, on) is None
+    assert logprobs_refusal("/v1/chat/completions", {"logprobs": True}, {}) is None
