@@ -228,10 +228,6 @@ _SCALARS: tuple[Setting, ...] = (
        "drain began (`apcctl restart`) is ended: a stream gets a final SSE error (`drain_deadline`), a "
        "request with no answer yet a 503, a client that cannot take it a closed connection; 0 waits for "
        "every request.", "admin", "server_patch.infra.drain_deadline"),
-    _s("APC_DRAIN_STREAM_DEADLINE_S", T.FLOAT, 60.0, "A request still in flight this many seconds after a "
-       "drain began (`apcctl restart`) is ended: a stream gets a final SSE error (`drain_deadline`), a "
-       "request with no answer yet a 503, a client that cannot take it a closed connection; 0 waits for "
-       "every request.", "admin", "server_patch.infra.drain_deadline"),
     _s("APC_CANARY_INTERVAL_S", T.FLOAT, 0.0, "Seconds between scheduled restore checks while idle "
        "(0: only `apcctl verify`).", "canary", "server_patch.canary.runner"),
     _s("APC_CANARY_IDLE_S", T.FLOAT, 1.0, "Idle time after the last request before a check may run.",
