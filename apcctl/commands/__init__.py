@@ -17,7 +17,7 @@ import click
 MODULES: tuple[str, ...] = ("bench_lookup", "model", "patch", "bench_replay", "profile", "bench_attention",
                            "serve", "status", "entries", "anchors", "requests", "ops", "restart", "report", "demo",
                            "bench_ttft", "top", "check", "service", "verify", "fleet", "bench_templates", "bench_splits",
-                           "config_show", "forget", "bench_stall", "bench_copies", "bench_fleet_roll")
+                           "config_show", "forget", "bench_stall", "bench_copies", "bench_fleet_roll", "bench_spec")
 # Top-level command -> the module that registers it.
 COMMANDS: dict[str, str] = {
     "model": "model", "patch": "patch", "profile": "profile", "serve": "serve", "stop": "serve", "logs": "ops",
@@ -31,6 +31,7 @@ BENCH_COMMANDS: dict[str, str] = {
     "lookup": "bench_lookup", "replay": "bench_replay", "trace-gen": "bench_replay", "attention": "bench_attention",
     "ttft": "bench_ttft", "fleet": "fleet", "templates": "bench_templates", "splits": "bench_splits",
     "stall": "bench_stall", "copies": "bench_copies", "fleet-roll": "bench_fleet_roll",
+    "spec": "bench_spec",
 }
 
 _GROUPS: list[click.Group] = []  # main and bench, once register_all has run

@@ -1,0 +1,24 @@
+"""``apcctl bench spec`` runs both sides on real servers and their replies agree."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from apcctl.cli import main
+
+
+@pytest.mark.server
+def test_bench_spec_side_by_side(tiny_model_dir: Path, tiny_drafter_dir: Path, tmp_path: Path) -> None:
+    done = CliRunner().invoke(main, ["bench", "spec", "--model", str(tiny_model_dir), "--preset", "tiny",
+                                     "--context", "300", "--questions", "1", "--max-tokens", "8",
+                                     "--workdir", str(tmp_path), "--json"])
+    assert done.exit_code == 0, done.output
+    result = json.loads(done.output.strip().splitlines()[-1])
+    assert result["replies_equal"] == [True, True]
+    off, mtp = (result["sides"][side]["turns"] for side in ("off", "mtp"))
+    assert [t["kind"] for t in off] == [t["kind"] for t in mtp] == ["cold", "entry"]
+    assert all(t["drafted"] > 0 for t in mtp) and not any(t["drafted"] for t in off)
