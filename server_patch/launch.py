@@ -92,7 +92,7 @@ def check_config(args: list[str] | None = None) -> None:
 
     try:
         config = LineageConfig.from_env()
-        kv_quant_of(list(args or []), os.environ)  # TurboQuant is refused; uniform --kv-bits is served
+        kv_quant = kv_quant_of(list(args or []), os.environ)  # TurboQuant is refused; uniform --kv-bits is served
     except (ValueError, UnsupportedCacheError) as exc:
         raise SystemExit(f"server_patch.launch: {exc}") from None
     if config.entry_offset != 1:
@@ -103,7 +103,8 @@ def check_config(args: list[str] | None = None) -> None:
     from server_patch.state.weights_hash import model_argument
 
     try:  # a drafter the lineage has not been proved with is refused (issue 39)
-        served = check_drafter(model_argument(list(args or [])), draft_options(list(args or []), os.environ))
+        served = check_drafter(model_argument(list(args or [])), draft_options(list(args or []), os.environ),
+                               kv_bits=None if kv_quant is None else kv_quant.bits)
     except UnservedDrafter as exc:
         raise SystemExit(f"server_patch.launch: {exc}") from None
     if served is not None:

@@ -66,13 +66,18 @@ def _model_type(directory: str | Path) -> str:
     return str(config.get("model_type", "")) if isinstance(config, dict) else ""
 
 
-def check_drafter(target_dir: str | None, options: DraftOptions) -> str | None:
+def check_drafter(target_dir: str | None, options: DraftOptions, kv_bits: int | None = None) -> str | None:
     """None when no drafter is asked for; the served triple's description when it is served;
-    raises ``UnservedDrafter`` with the reason otherwise."""
+    raises ``UnservedDrafter`` with the reason otherwise. ``kv_bits``: the uniform KV
+    quantization the server runs (None: float KV); quantized KV with a drafter is not proved."""
     if options.model is None:
         if options.kind is not None:
             raise UnservedDrafter(f"--draft-kind {options.kind} without --draft-model")
         return None
+    if kv_bits is not None:
+        raise UnservedDrafter(
+            f"--draft-model with --kv-bits {kv_bits}: speculative decoding over quantized KV is not "
+            "proved correct with the lineage cache; drop one of them")
     drafter = Path(options.model).expanduser()
     if not drafter.is_dir():
         raise UnservedDrafter(

@@ -26,6 +26,11 @@ def test_the_tiny_mtp_drafter_is_served(tiny_model_dir: Path, tiny_drafter_dir: 
     assert check_drafter(str(tiny_model_dir), draft_options([], env)) is not None
 
 
+def test_quantized_kv_with_a_drafter_is_refused(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
+    with pytest.raises(UnservedDrafter, match="--kv-bits 8"):
+        check_drafter(str(tiny_model_dir), DraftOptions(str(tiny_drafter_dir), "mtp"), kv_bits=8)
+
+
 @pytest.mark.parametrize("case", ["other-kind", "hub-id", "native-layout", "kind-only"])
 def test_unproved_combinations_are_refused_with_a_reason(case: str, tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
     options = {
