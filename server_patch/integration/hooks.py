@@ -167,7 +167,8 @@ def cache_cleared(manager: Any) -> None:
 def _waits_of(coordinator: Any) -> Optional[waits.Waits]:
     """The waits book of ``coordinator``'s rows (``integration.waits``; None for stock's, or a
     lineage coordinator with no cache of its own)."""
-    cache = getattr(_lineage(coordinator), "lineage", None)
+    lineage = _lineage(coordinator)
+    cache = lineage.lineage if lineage is not None else None
     return cache.book.waits if cache is not None else None
 
 
@@ -276,7 +277,7 @@ def decode_step(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def timed(batch: Any, *args: Any, **kwargs: Any) -> Any:
-        book = _waits_of(getattr(batch, "apc_coordinator", None)) if batch.uids else None
+        book = _waits_of(batch.apc_coordinator) if batch.uids else None
         if book is None:
             return method(batch, *args, **kwargs)
         with book.timed(waits.OWN_STEP, waits.Owners()):
@@ -291,7 +292,7 @@ def rows_leave(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def timed(batch: Any, keep: Sequence[int]) -> Any:
-        book = _waits_of(getattr(batch, "apc_coordinator", None))
+        book = _waits_of(batch.apc_coordinator)
         if book is None or len(keep) >= len(batch.uids):
             return method(batch, keep)
         kept = set(keep)
@@ -334,7 +335,7 @@ def prompt_generation(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def timed(prompt_batch: Any, *args: Any, **kwargs: Any) -> Any:
-        book = _waits_of(getattr(prompt_batch, "_apc_coordinator", None))
+        book = _waits_of(prompt_batch._apc_coordinator)
         if book is None:
             return method(prompt_batch, *args, **kwargs)
         with book.timed(waits.Work.PREFILL, waits.Owners(uids=tuple(prompt_batch.uids))):
