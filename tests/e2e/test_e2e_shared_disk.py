@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_e2e_disk import _cold, _env, _files, _send, _stop_gracefully
+from tests.e2e.test_e2e_disk import TENANT, _cold, _env, _files, _send, _stop_gracefully
 from tests.e2e.test_e2e_disk_loading import Chat, _wait_held
 from tests.server_harness import PatchedServer, assert_same_output, reply_text, text
 
@@ -103,6 +103,33 @@ def test_a_file_its_server_deletes_while_a_peer_loads_it_fails_closed(tiny_model
         assert "Traceback" not in b.log_text()
     finally:
         hold.unlink(missing_ok=True)
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+@pytest.mark.server
+def test_a_server_joining_the_fleet_restores_the_anchor_a_peer_pinned(tiny_model_dir: Path, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    system = text(400, 4001)
+    a = _member(tiny_model_dir, shared, "a", tmp_path)
+    b = None
+    try:
+        status, body = a.admin("POST", "/anchors", {"system": system, "tenant": TENANT})
+        assert status == 200, body
+        status, body = a.admin("POST", "/flush")
+        assert status == 200, body
+        b = _member(tiny_model_dir, shared, "b", tmp_path)  # joins the fleet after the pin
+        _cold(b, [{"role": "user", "content": text(20, 4002)}])  # its first request loads the model
+        _wait_peer_files(b, "a", len(_files(shared / "a")))
+        session = [{"role": "system", "content": system}, {"role": "user", "content": text(80, 4003)}]
+        answer, line = _send(b, session)
+        assert line["kind"] == "disk", (line, b.log_tail())  # a's pinned anchor, read from a's file
+        assert_same_output(answer, _cold(b, session))
+        status, anchors = b.admin("GET", "/anchors")
+        assert status == 200, anchors
+        assert any(x["pinned"] for x in anchors["anchors"]), anchors  # pinned here too, as on its peer
+    finally:
         a.stop()
         if b is not None:
             b.stop()
