@@ -190,6 +190,9 @@ _SCALARS: tuple[Setting, ...] = (
     _s("APC_LOAD_REQUESTED_MODEL", T.BOOL, False, "mlx-vlm's own behaviour: a request naming another model "
        "loads it, unloading the served one and its cache. 0: such a request gets 404 `model_not_found`; "
        "switching is `POST /admin/model` (admin token).", "serving", "server_patch.serving.served"),
+    _s("APC_SPECULATIVE_DRAFTER", T.TEXT, None, "Set by the launcher, not by hand: the `--draft-model` it "
+       "serves, so the intake refuses `logprobs` (mlx-vlm 0.7.10's speculative batches compute none).",
+       "serving", "server_patch.speculative.support"),
     _s("APC_ALLOWED_ORIGINS", T.LIST, (), "Web origins (`http://host:port`) allowed to call the inference "
        "routes cross-origin, with CORS; `*`: every origin, as stock mlx-vlm. Unset: none (403). Same as "
        "the launcher's `--allowed-origins`.", "serving", "server_patch.serving.origins", "server_patch.launch"),

@@ -247,6 +247,8 @@ class Budgets(Answer):
     ram_limit: int
     conversation_bytes: int
     disk_queue_bytes: int = 0  # (newer than the others)
+    held_bytes: int = 0  # entries a queued request holds until its admission (``lineage.holds``); newer
+    loading_bytes: int = 0  # disk loads in flight, counted in the RAM budget; newer
     anchor_bytes: int
     anchor_bytes_limit: int
     anchor_count: int  # pinned anchors in RAM: what the anchor caps bound
