@@ -15,6 +15,7 @@ import json
 import socket
 import threading
 import time
+import types
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -414,6 +415,9 @@ def test_tenant_from_user_is_opt_in_and_a_bad_value_stops_the_server(monkeypatch
 
     class App:
         added: list[Any] = []
+
+        def __init__(self) -> None:
+            self.state = types.SimpleNamespace()  # starlette's app.state: install records the key switch there
 
         def add_middleware(self, cls: Any, **options: Any) -> None:
             self.added.append((cls, options["from_user"]))
