@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from server_patch import settings
+from server_patch import clock, settings
 from server_patch.disk import retention
 from server_patch.disk.integrity import IO, SUFFIX, Expected, InvalidFile, is_temp
 from server_patch.disk.paths import SHARED_BITS
@@ -209,7 +209,7 @@ class PeerIndex:
 
     def refresh(self) -> None:
         began = time.perf_counter()
-        now = time.time()
+        now = clock.wall()
         seen: dict[str, PeerStore] = {}
         refused: dict[str, str] = {}
         try:
