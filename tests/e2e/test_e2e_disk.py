@@ -108,8 +108,9 @@ def _fed(answer: dict) -> int:
 @pytest.mark.server
 def test_entry_evicted_from_ram_is_restored_from_disk(tiny_model_dir: Path, tmp_path: Path) -> None:
     disk = tmp_path / "lineage-disk"
-    # A ~600-token conversation entry weighs ~200 KB on the tiny model: one fits, two do not.
-    server = PatchedServer(tiny_model_dir, env=_env(disk, APC_LINEAGE_RAM_BUDGET_BYTES="300K"),
+    # A ~600-token conversation entry weighs ~330 KB on the tiny model (a 200 KB KV buffer, 44 KB
+    # checkpoints at its prompt end and its generation prompt's start): one fits, two do not.
+    server = PatchedServer(tiny_model_dir, env=_env(disk, APC_LINEAGE_RAM_BUDGET_BYTES="450K"),
                            log_dir=tmp_path)
     try:
         server.start()
