@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -138,10 +138,20 @@ def build_model(out_dir: Path, preset: str = "tiny", seed: int = 0) -> Path:
         if not ours and (not out_dir.is_dir() or any(out_dir.iterdir())):
             raise FileExistsError(f"{out_dir} exists and is not a model built by apcctl")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         _write_model(tmp, preset, seed)
         _make_readable(tmp)
+
+    return replace_dir(out_dir, write)
+
+
+def replace_dir(out_dir: Path, write: Callable[[Path], object]) -> Path:
+    """``write`` a directory in a temporary sibling of ``out_dir``, then rename it into place
+    (replacing what was there): a crash never leaves a half-written directory."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        write(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -178,17 +176,13 @@ def build_drafter(model_dir: Path, prompts: int = 24, tokens: int = 32) -> Path:
     out = drafter_dir(model_dir)
     if is_drafter_built(model_dir):
         return out
-    tmp = Path(tempfile.mkdtemp(prefix=".mtp.", dir=model_dir))
-    try:
+    from apcctl.tinymodel.build import replace_dir
+
+    def write(tmp: Path) -> None:
         _write_drafter(tmp, model_dir, prompts, tokens)
         os.chmod(tmp, 0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return replace_dir(out, write)
 
 
 def fit_report(model_dir: Path) -> dict[str, Any] | None:
