@@ -560,7 +560,9 @@ class LineageCache:
                 held = self._holds.reserved() + self._holds.pinned(self._entries.counted)
                 if held + int(nbytes) > self.config.ram_budget_bytes:
                     return False
-            self._holds.take(owner, entry_id, nbytes, resident=entry_id in self._entries)
+            hold = self._holds.take(owner, entry_id, nbytes, resident=entry_id in self._entries)
+            if not hold.resident:  # its bytes now count: what nobody holds makes room at once
+                self._enforce_budgets(lossless=not self._writes_in_background())
             return True
 
     def reserve(self, owner: Hashable, key: str, nbytes: int) -> None:

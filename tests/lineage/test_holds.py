@@ -44,6 +44,17 @@ def test_loads_beyond_what_the_budget_holds_wait_their_turn(disk_only):
     assert cache.hold("c", records[2].id, records[2].nbytes)  # its turn came
 
 
+def test_a_load_makes_room_at_once_what_nobody_holds_leaves_ram(disk_only):
+    """The RAM budget bounds RAM entries and loads in flight together at every moment, not only
+    once the load is promoted (a parallel-load budget test saw 605,646 of 600,000 bytes)."""
+    cache, entries, records = disk_only
+    assert cache.promote(records[0], entries[0]) is entries[0]
+    assert cache.promote(records[1], entries[1]) is entries[1]  # two in RAM, nobody holds them
+    assert cache.hold("a", records[2].id, records[2].nbytes)
+    assert cache.ram_used <= cache.config.ram_budget_bytes
+    assert cache.get(entries[0].id) is None and cache.get(entries[1].id) is entries[1]  # the LRU left
+
+
 def test_the_first_hold_is_granted_even_over_the_budget(disk_only):
     cache, _, records = disk_only
     cache.config = replace(cache.config, ram_budget_bytes=records[0].nbytes // 2)
