@@ -16,10 +16,24 @@ from tests.integration.test_pacing import Stream
 from tests.server_harness import ADMIN_TOKEN, PatchedServer, text, wait_for
 
 
-def _records(server: PatchedServer) -> list[RequestRecord]:
+def records(server: PatchedServer) -> list[RequestRecord]:
     status, body = server.admin("GET", "/requests")
     assert status == 200, body
     return [RequestRecord.from_json(r) for r in body["requests"]]
+
+
+def decoded_beside(server: PatchedServer, other: list[dict], tenant: str, *, max_tokens: int) -> Stream:
+    """A stream of ``max_tokens`` that decodes while ``other`` (4 tokens, ``tenant``) is served,
+    both rows ended on the server: the stream's record then holds what it waited for."""
+    stream = Stream(server, max_tokens=max_tokens)
+    stream.start()
+    assert stream.decoding.wait(120)
+    server.chat(other, tenant=tenant, max_tokens=4)
+    stream.join(300)
+    assert not stream.is_alive() and stream.tokens > 3
+    wait_for(lambda: len(records(server)) == 2 and all(r.ended for r in records(server)),
+             "both rows ended", server)
+    return stream
 
 
 def _ended_events(server: PatchedServer, seq: int) -> RequestRecord:
@@ -41,17 +55,9 @@ def _waited_sum(server: PatchedServer, work: str) -> float:
 @pytest.mark.server
 def test_a_decoding_stream_waits_for_another_requests_cold_prefill(tiny_model_dir: Path, tmp_path: Path) -> None:
     with PatchedServer(tiny_model_dir, log_dir=tmp_path) as server:
-        stream = Stream(server, max_tokens=600)
-        stream.start()
-        assert stream.decoding.wait(120)
         cold = [{"role": "system", "content": text(40, 2911)}, {"role": "user", "content": text(1500, 2912)}]
-        server.chat(cold, tenant="cold", max_tokens=4)
-        stream.join(300)
-        assert not stream.is_alive() and stream.tokens > 3
-
-        wait_for(lambda: len(_records(server)) == 2 and all(r.ended for r in _records(server)),
-                 "both rows ended", server)
-        streaming, prefilled = sorted(_records(server), key=lambda r: r.prompt_tokens)
+        decoded_beside(server, cold, "cold", max_tokens=600)
+        streaming, prefilled = sorted(records(server), key=lambda r: r.prompt_tokens)
         # The stream was decoding through the other's prefill chunks: charged to it, as prefill,
         # and its decode steps were pushed back.
         assert streaming.waited.get("prefill", 0) > 0, streaming

@@ -10,17 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from server_patch.admin.schema import RequestRecord
-from tests.integration.test_pacing import Stream
-from tests.server_harness import PatchedServer, text, wait_for
+from tests.integration.test_request_waits import decoded_beside, records
+from tests.server_harness import PatchedServer, text
 
 ROUNDING_MS = 0.001  # each part and the gap are rounded to the microsecond
-
-
-def _records(server: PatchedServer) -> list[RequestRecord]:
-    status, body = server.admin("GET", "/requests")
-    assert status == 200, body
-    return [RequestRecord.from_json(r) for r in body["requests"]]
 
 
 def _adds_up(gap: dict) -> None:
@@ -37,17 +30,9 @@ def _adds_up(gap: dict) -> None:
 @pytest.mark.server
 def test_a_join_and_a_leave_are_parts_of_the_decoding_streams_gaps(tiny_model_dir: Path, tmp_path: Path) -> None:
     with PatchedServer(tiny_model_dir, log_dir=tmp_path) as server:
-        stream = Stream(server, max_tokens=400)
-        stream.start()
-        assert stream.decoding.wait(120)
         other = [{"role": "system", "content": text(30, 4011)}, {"role": "user", "content": text(200, 4012)}]
-        server.chat(other, tenant="other", max_tokens=4)
-        stream.join(300)
-        assert not stream.is_alive() and stream.tokens > 3
-
-        wait_for(lambda: len(_records(server)) == 2 and all(r.ended for r in _records(server)),
-                 "both rows ended", server)
-        streaming = max(_records(server), key=lambda r: r.gap_count)
+        stream = decoded_beside(server, other, "other", max_tokens=400)
+        streaming = max(records(server), key=lambda r: r.gap_count)
         assert streaming.gap_count >= stream.tokens - 3, streaming  # a gap per token of a decode step
         joined = [g for g in streaming.gaps if "join" in g["parts"]]
         left = [g for g in streaming.gaps if "leave" in g["parts"]]
