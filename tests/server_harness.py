@@ -20,6 +20,7 @@ if it is turned on, pointed at a private directory (never ``~/.cache``), Hub acc
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -34,7 +35,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from apcctl.core.hosts import free_port  # the one picker; tests import it from here too
 
@@ -254,6 +255,18 @@ class PatchedServer:
 
 
 _LINEAGE_LINE = re.compile(r"apc_lineage (restore|timing) (.*)$")
+
+
+@contextlib.contextmanager
+def all_running(servers: dict[str, "PatchedServer"]) -> Iterator[dict[str, "PatchedServer"]]:
+    """Start ``servers`` in order and stop every one of them at the end, whatever failed."""
+    try:
+        for server in servers.values():
+            server.start()
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 def wait_for(predicate, what: str, server: "PatchedServer", timeout: float = 60.0) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import pytest
 
-from tests.server_harness import assert_same_output, PatchedServer, reply_text, text, words
+from tests.server_harness import all_running, assert_same_output, PatchedServer, reply_text, text, words
 
 MAX_TOKENS = 8
 PARAMS = {"max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 5}
@@ -48,13 +48,8 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         "apc_off": PatchedServer(tiny_model_dir, log_dir=log_dir / "apc_off", env={
             **base, "APC_LINEAGE": "0", "APC_ENABLED": "0"}),
     }
-    try:
-        for server in started.values():
-            server.start()
+    with all_running(started):
         yield started
-    finally:
-        for server in started.values():
-            server.stop()
 
 
 def _send(server: PatchedServer, messages: list[dict], tenant: str, **extra: Any) -> tuple[dict, dict]:

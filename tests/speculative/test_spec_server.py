@@ -19,7 +19,7 @@ import pytest
 
 from tests.e2e import test_e2e_correctness as correctness
 from tests.e2e.test_e2e_correctness import SCENARIOS
-from tests.server_harness import PatchedServer, reply_text, text
+from tests.server_harness import all_running, PatchedServer, reply_text, text
 
 PARAMS = {"max_tokens": 24}
 
@@ -42,13 +42,8 @@ def servers(tiny_model_dir: Path, tiny_drafter_dir: Path, tmp_path_factory: pyte
                                  args=_drafter_args(tiny_drafter_dir)),
         "plain": PatchedServer(tiny_model_dir, env=_env(root / "disk-plain"), log_dir=root / "plain"),
     }
-    try:
-        for server in started.values():
-            server.start()
+    with all_running(started):
         yield started
-    finally:
-        for server in started.values():
-            server.stop()
 
 
 def _assert_speculated(answer: dict[str, Any]) -> None:
