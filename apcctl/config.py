@@ -16,6 +16,7 @@ then ``http://127.0.0.1:8080``. Example file::
     disk_budget = "200G"         # APC_LINEAGE_DISK_MAX_BYTES (default 1T)
     served_model_name = ["glm"]  # APC_SERVED_MODEL_NAME: what clients may send as "model"
     allowed_origins = ["http://127.0.0.1:3000"]  # APC_ALLOWED_ORIGINS: web UIs allowed in (CORS)
+    shared_disk_path = "~/apc-shared"  # APC_SHARED_DISK_PATH: a disk tier shared with other servers
 
 Sizes are read as the server reads them (``server_patch.settings``): bytes, or ``64M``,
 ``1.5G``, ``48GiB``; ``SIZE`` is the same parser as a click parameter type.
@@ -40,7 +41,7 @@ from typing import Any
 import click
 
 from apcctl.core.client import AdminClient
-from apcctl.core.config_keys import BUDGET_KEYS, SERVING_KEYS
+from apcctl.core.config_keys import BUDGET_KEYS, PATH_KEYS, SERVING_KEYS
 from apcctl.core.manage import ManagedServer, managed_names
 from server_patch import settings as registry
 from server_patch.envconfig import parse_size
@@ -49,7 +50,7 @@ DEFAULT_PORT = 8080
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_NAME = "default"
 _KEYS = {"url", "token", "token_file", "model", "port", "host", "supervisor", "service", "args", *BUDGET_KEYS,
-         *SERVING_KEYS}
+         *SERVING_KEYS, *PATH_KEYS}
 
 
 class ConfigError(ValueError):
@@ -151,10 +152,10 @@ def _server(name: str, table: Any, path: Path) -> ServerConfig:
 def _server_env(table: dict[str, Any], name: str, path: Path) -> tuple[tuple[str, str], ...]:
     """The budget and serving keys -> the variables the server reads, checked now (exit 2 if bad)."""
     out = []
-    for key, variable in {**BUDGET_KEYS, **SERVING_KEYS}.items():
+    for key, variable in {**BUDGET_KEYS, **SERVING_KEYS, **PATH_KEYS}.items():
         if key not in table:
             continue
-        convert = _budget_text if key in BUDGET_KEYS else _names_text
+        convert = _budget_text if key in BUDGET_KEYS else _path_text if key in PATH_KEYS else _names_text
         try:
             out.append((variable, convert(key, variable, table[key])))
         except ValueError as exc:
@@ -182,6 +183,15 @@ def _names_text(key: str, variable: str, value: Any) -> str:
     if not isinstance(values, list) or not all(isinstance(v, str) and v.strip() and "," not in v for v in values):
         raise ValueError(f"{key} must be a string or a list of strings (none blank, none with a comma)")
     return ",".join(v.strip() for v in values)
+
+
+def _path_text(key: str, variable: str, value: Any) -> str:
+    """``shared_disk_path = "~/fleet"``: the path, ``~`` expanded ("" stays "": the feature off);
+    whether the directory may be used is checked by ``apcctl serve``."""
+    del variable
+    if not isinstance(value, str):
+        raise ValueError(f"{key} must be a string (a directory)")
+    return str(Path(value).expanduser()) if value.strip() else ""
 
 
 def _int(value: Any, name: str, path: Path) -> int | None:

@@ -59,7 +59,8 @@ def layout(model):
 # Variables from the developer's shell that would point the CLI at a real server, token or cache.
 CLI_ENV_CLEARED = ("APCCTL_SERVER", "APCCTL_TOKEN", "APCCTL_CONFIG", "APC_ADMIN_TOKEN", "APC_ADMIN_TOKEN_FILE",
                    "APC_LINEAGE_DISK_PATH", "APC_JOURNAL_DIR", "APC_LOG_FILE", "APC_LINEAGE_RAM_BUDGET_BYTES",
-                   "APC_LINEAGE_DISK_MAX_BYTES", "APC_API_KEYS", "APC_API_KEY_FILE", "MLX_VLM_SERVER_API_KEY")
+                   "APC_LINEAGE_DISK_MAX_BYTES", "APC_API_KEYS", "APC_API_KEY_FILE", "MLX_VLM_SERVER_API_KEY",
+                   "APC_SHARED_DISK_PATH")
 
 
 def isolate_cli(patch: pytest.MonkeyPatch, root: Path) -> Path:

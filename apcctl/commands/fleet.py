@@ -7,6 +7,7 @@ PID file and log), so ``apcctl status --all`` and ``apcctl restart`` see them; t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,10 @@ def fleet() -> None:
 @boundaries_option
 @click.option("--env", "-e", "env_pairs", multiple=True, metavar="KEY=VALUE",
               help="Extra environment for every server started, as for apcctl serve -e.")
+@click.option("--shared-disk-path", metavar="DIR",
+              help="The servers' shared disk tier (default: the config's [fleet] shared_disk_path, else "
+                   "<state dir>/fleets/NAME/shared-disk): each writes DIR/SERVER and restores from the others'. "
+                   "DIR must be yours, writable by you only; '' keeps each server's tier private.")
 @click.option("--gateway-arg", "gateway_args", multiple=True, metavar="ARG",
               help="Passed to 'smg launch' unchanged (repeat it), e.g. --gateway-arg=--health-check-interval-secs "
                    "--gateway-arg=5.")
@@ -92,8 +97,8 @@ def fleet() -> None:
 @json_option
 def fleet_up(fleet_name: str | None, count: int | None, model: str | None, port: int | None,
              first_server_port: int | None, policy: str | None, cache_boundaries: list[int],
-             env_pairs: tuple[str, ...], gateway_args: tuple[str, ...], timeout: float, config_path: Path | None,
-             as_json: bool) -> None:
+             env_pairs: tuple[str, ...], shared_disk_path: str | None, gateway_args: tuple[str, ...], timeout: float,
+             config_path: Path | None, as_json: bool) -> None:
     """Start the servers (those not running yet), then smg in front of them on PORT.
 
     \b
@@ -102,7 +107,7 @@ def fleet_up(fleet_name: str | None, count: int | None, model: str | None, port:
     Without: the [fleet] table of the config (its servers are [servers.*] tables).
     """
     spec, server_specs = plan(fleet_name, count, model, port, first_server_port, policy, cache_boundaries,
-                              gateway_args, config_path, env_pairs)
+                              gateway_args, config_path, env_pairs, shared_disk_path)
     try:
         state = FleetState(spec.name)
     except ValueError as exc:
@@ -133,7 +138,8 @@ def fleet_up(fleet_name: str | None, count: int | None, model: str | None, port:
 def plan(fleet_name: str | None, count: int | None, model: str | None, port: int | None,
          first_server_port: int | None, policy: str | None, cache_boundaries: list[int],
          gateway_args: tuple[str, ...], config_path: Path | None,
-         env_pairs: tuple[str, ...] = ()) -> tuple[FleetSpec, dict[str, ServerSpec]]:
+         env_pairs: tuple[str, ...] = (),
+         shared_disk_path: str | None = None) -> tuple[FleetSpec, dict[str, ServerSpec]]:
     """The fleet to start: from the flags (``--servers N``) or the config's ``[fleet]``; flags win."""
     try:
         table = load_fleet(config_path)
@@ -153,12 +159,27 @@ def plan(fleet_name: str | None, count: int | None, model: str | None, port: int
         members, server_specs = _started(name, count, model, first, config_path, env_pairs)
     else:
         members, server_specs = _configured(table, config_path, env_pairs)
-    server_specs = shared_disk.share_for(name, server_specs)  # one disk tier the servers share (issue 38)
+    server_specs = _shared(name, server_specs, shared_disk_path, table.shared_disk_path)
     urls = [m.url for m in members]
     gateway = GatewaySpec(port=gateway_port, worker_urls=urls, host=table.host, policy=policy or table.policy,
                           cache_boundaries=cache_boundaries or list(table.cache_boundaries),
                           args=[*table.gateway_args, *gateway_args], metrics_port=table.metrics_port or free_port())
     return FleetSpec(name=name, members=members, gateway=gateway), server_specs
+
+
+def _shared(name: str, specs: dict[str, ServerSpec], flag: str | None,
+            table: str | None) -> dict[str, ServerSpec]:
+    """One disk tier the servers share (issue 38): ``--shared-disk-path``, else the ``[fleet]`` table's,
+    else the fleet's own directory (where a server's own setting does not say otherwise); "" keeps
+    each server's tier private."""
+    chosen = flag if flag is not None else table
+    if chosen == "":
+        return {n: replace(s, env={**s.env, shared_disk.SHARED_ENV: ""}) for n, s in specs.items()}
+    try:
+        directory = shared_disk.checked(chosen) if chosen is not None else None
+    except shared_disk.SharedDiskError as exc:
+        raise click.UsageError(str(exc)) from None
+    return shared_disk.share_for(name, specs, directory)
 
 
 def _started(fleet_name: str, count: int, model: str, first_port: int, config_path: Path | None,

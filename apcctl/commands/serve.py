@@ -69,6 +69,11 @@ def server_args_given() -> tuple[str, ...] | None:
 @click.option("--host", help=f"Interface to bind (default {DEFAULT_HOST}).")
 @click.option("--disk-path", type=click.Path(file_okay=False, path_type=Path),
               help="Lineage disk tier directory (default: <server state dir>/lineage-disk).")
+@click.option("--shared-disk-path", metavar="DIR",
+              help="Join a shared disk tier (APC_SHARED_DISK_PATH; config key shared_disk_path): restore "
+                   "the entries other servers of the same model wrote under DIR, and write to DIR/NAME "
+                   "(unless --disk-path). DIR must be yours, writable by you only; created 0700 if missing. "
+                   "'' turns it off.")
 @click.option("--env", "-e", "env_pairs", multiple=True, metavar="KEY=VALUE",
               help="Extra environment for the server, e.g. -e APC_LINEAGE_RAM_BUDGET_BYTES=8000000000.")
 @click.option("--api-key", "api_keys", multiple=True, metavar="KEY",
@@ -91,7 +96,7 @@ def server_args_given() -> tuple[str, ...] | None:
               help="TOML config file. [env: APCCTL_CONFIG]")
 @json_option
 def serve(name: str | None, model: str | None, port: int | None, host: str | None, disk_path: Path | None,
-          env_pairs: tuple[str, ...], api_keys: tuple[str, ...], api_key_file: Path | None,
+          shared_disk_path: str | None, env_pairs: tuple[str, ...], api_keys: tuple[str, ...], api_key_file: Path | None,
           served_names: tuple[str, ...], allowed_origins: tuple[str, ...], foreground: bool,
           wait: bool, timeout: float, config_path: Path | None, as_json: bool) -> None:
     """Start the patched server in the background: PID file, log file and state under the state dir.
@@ -111,7 +116,8 @@ def serve(name: str | None, model: str | None, port: int | None, host: str | Non
       apcctl serve --server b --model DIR --port 8081 -- --max-kv-size 65536
       apcctl serve --server b            # again, after apcctl stop: the recorded command
     """
-    env_pairs = (*env_pairs, *api_key_env(api_keys, api_key_file), *serving_env(served_names, allowed_origins))
+    env_pairs = (*env_pairs, *api_key_env(api_keys, api_key_file), *serving_env(served_names, allowed_origins),
+                 *shared_disk_env(shared_disk_path))
     server_args = server_args_given()
     recorded = None if foreground else recorded_start(name, model, port, host, disk_path, env_pairs, config_path,
                                                        server_args)
@@ -186,7 +192,24 @@ def server_spec(name: str | None, model: str | None, port: int | None, host: str
     pairs = _env(env_pairs)
     spec = build_spec(name, model=model, port=port, host=host, extra_args=extra, env={**budgets, **pairs},
                       disk_path=disk_path, config_env={k: v for k, v in budgets.items() if k not in pairs})
-    return spec, server
+    return with_shared_disk(spec), server
+
+
+def with_shared_disk(spec: ServerSpec, previous: ServerSpec | None = None) -> ServerSpec:
+    """``spec`` with its shared disk tier (``--shared-disk-path``, else ``APC_SHARED_DISK_PATH``, else
+    the config's ``shared_disk_path``) checked and made absolute, and its default disk path moved
+    into it (``DIR/NAME``) so that its peers read what it writes; a bad directory is a usage error."""
+    from dataclasses import replace
+
+    from apcctl.fleet.shared_disk import SHARED_ENV, SharedDiskError, checked, joined
+
+    value = spec.env.get(SHARED_ENV)
+    if value:
+        try:
+            spec = replace(spec, env={**spec.env, SHARED_ENV: str(checked(value))})
+        except SharedDiskError as exc:
+            raise click.UsageError(str(exc)) from None
+    return joined(spec, previous.env.get(SHARED_ENV) if previous else None)
 
 
 def recorded_start(name: str | None, model: str | None, port: int | None, host: str | None,
@@ -210,7 +233,8 @@ def recorded_start(name: str | None, model: str | None, port: int | None, host: 
     shell = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) and k not in SERVER_OWN_ENV}
     changes = Changes(config_env=table.budget_environment() if table else {},
                       env={**{k: v for k, v in shell.items() if k not in old.env}, **asked}, model=model)
-    new = rebased(respec(old, changes), port=port, host=host, disk_path=disk_path, extra_args=server_args)
+    new = with_shared_disk(rebased(respec(old, changes), port=port, host=host, disk_path=disk_path,
+                                   extra_args=server_args), old)
     if (problem := model_problem(new.model)) is not None:
         raise click.UsageError(problem)
     notes = [f"note: {note}".replace("restart -e", "serve -e") for note in override_notes(new, changes, config.path)]
@@ -218,6 +242,13 @@ def recorded_start(name: str | None, model: str | None, port: int | None, host: 
               f"{shown(k, new.env[k])} (serve -e {k}=... to change it)"
               for k, v in sorted(shell.items()) if k in new.env and new.env[k] != v and k not in asked]
     return new, server, difference(old, new) + notes
+
+
+def shared_disk_env(path: str | None) -> list[str]:
+    """``--shared-disk-path`` as a ``KEY=VALUE`` pair (none without the flag; a blank one turns sharing off)."""
+    from apcctl.fleet.shared_disk import SHARED_ENV
+
+    return [] if path is None else [f"{SHARED_ENV}={path}"]
 
 
 def spec_sizing(spec: ServerSpec) -> Sizing:

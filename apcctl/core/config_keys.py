@@ -12,3 +12,5 @@ BUDGET_KEYS = {"ram_budget": "APC_LINEAGE_RAM_BUDGET_BYTES", "disk_budget": "APC
 # Serving keys (a string or a list of strings) -> the server's environment at ``apcctl serve``.
 SERVING_KEYS = {"served_model_name": "APC_SERVED_MODEL_NAME", "allowed_origins": "APC_ALLOWED_ORIGINS",
                 "allowed_hosts": "APC_ALLOWED_HOSTS"}
+# Directory keys (a path; ``~`` expanded, "" turns the feature off) -> the server's environment.
+PATH_KEYS = {"shared_disk_path": "APC_SHARED_DISK_PATH"}

@@ -65,9 +65,9 @@ def overridden(new: ServerSpec, changes: Changes) -> dict[str, tuple[str, str]]:
 
 def override_notes(new: ServerSpec, changes: Changes, config_path: Path | None) -> list[str]:
     """``ram_budget = 1G in config.toml is overridden by ...``: one line per ``overridden`` key."""
-    from apcctl.core.config_keys import BUDGET_KEYS, SERVING_KEYS
+    from apcctl.core.config_keys import BUDGET_KEYS, PATH_KEYS, SERVING_KEYS
 
-    keys = {v: k for k, v in {**BUDGET_KEYS, **SERVING_KEYS}.items()}
+    keys = {v: k for k, v in {**BUDGET_KEYS, **SERVING_KEYS, **PATH_KEYS}.items()}
     where = config_path.name if config_path else "the config file"
     return [f"{keys.get(variable, variable)} = {shown(variable, wanted)} in {where} is overridden by "
             f"{variable}={shown(variable, in_force)} from the last serve (-e or its shell); restart -e "

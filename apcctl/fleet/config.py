@@ -9,6 +9,7 @@
     gateway_args = ["--health-check-interval-secs", "5"]   # to `smg launch` unchanged
     metrics_port = 30001         # smg's Prometheus metrics, on 127.0.0.1 (default: a free port)
     name = "fleet"               # its state: <state dir>/fleets/NAME
+    shared_disk_path = "~/apc-shared"   # the servers' shared disk tier (default: <fleet dir>/shared-disk)
 
 A server table with a ``url`` on another machine and no ``model`` is fronted but not started.
 """
@@ -26,7 +27,8 @@ from apcctl.core.gateway import DEFAULT_POLICY, POLICIES
 from apcctl.core.manage import plain_name
 
 DEFAULT_GATEWAY_PORT = 30000
-_KEYS = {"name", "servers", "port", "host", "policy", "cache_boundaries", "gateway_args", "metrics_port"}
+_KEYS = {"name", "servers", "port", "host", "policy", "cache_boundaries", "gateway_args", "metrics_port",
+         "shared_disk_path"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class FleetConfig:
     cache_boundaries: tuple[int, ...] = ()
     gateway_args: tuple[str, ...] = ()
     metrics_port: int = 0
+    shared_disk_path: str | None = None  # None: <fleet dir>/shared-disk; "": each server's tier private
 
 
 def load_fleet(path: Path | None = None) -> FleetConfig | None:
@@ -81,10 +84,14 @@ def parse_fleet(table: Any, path: Path | str, known: set[str]) -> FleetConfig:
     args = table.get("gateway_args", [])
     if not isinstance(args, list):
         raise ConfigError(f"{where} gateway_args must be a list of strings")
+    shared = table.get("shared_disk_path")
+    if shared is not None and not isinstance(shared, str):
+        raise ConfigError(f"{where} shared_disk_path must be a string (a directory)")
     name = table.get("name", DEFAULT_FLEET)
     if not plain_name(name):
         raise ConfigError(f"{where} name must be a plain name")
     return FleetConfig(servers=tuple(servers), name=name, port=port, host=str(table.get("host", "127.0.0.1")),
                        policy=policy, cache_boundaries=tuple(sorted(boundaries)),
-                       gateway_args=tuple(str(a) for a in args), metrics_port=metrics_port)
+                       gateway_args=tuple(str(a) for a in args), metrics_port=metrics_port,
+                       shared_disk_path=shared)
 
