@@ -42,9 +42,8 @@ def _tool(name: str, rng: random.Random) -> dict[str, Any]:
 @dataclass(frozen=True)
 class DriftCase:
     """One injected change: ``first``, then ``then(reply_text)``; the second must be named
-    ``cause`` in a segment starting with ``segment`` (a message's number counts the boundaries
-    the server's finder noted: one it skipped, where an earlier request's entry sits, is not
-    counted, so the cases name the kind of segment only)."""
+    ``cause`` in ``segment`` (a message's number and role as the server names it: "message 4
+    (user)" is the fourth message, the system message first)."""
 
     name: str
     cause: str
@@ -72,23 +71,23 @@ def cases(seed: int = 37) -> list[DriftCase]:
     return [
         DriftCase("date", "date/time changed", "system", conv(("user", task), sys_text=f"{system} {DATE}"),
                   lambda r: conv(("user", task), ("assistant", r), ("user", more), sys_text=f"{system} {TOMORROW}")),
-        DriftCase("moved", "block moved", "message", conv(("user", REMINDER + task), ("assistant", reply), ("user", more)),
+        DriftCase("moved", "block moved", "message 2 (user)", conv(("user", REMINDER + task), ("assistant", reply), ("user", more)),
                   lambda r: conv(("user", task), ("assistant", reply), ("user", more + "\n" + REMINDER))),
-        DriftCase("removed", "block removed", "message", conv(("user", task), ("assistant", reply), ("user", more + NOTE)),
+        DriftCase("removed", "block removed", "message 4 (user)", conv(("user", task), ("assistant", reply), ("user", more + NOTE)),
                   lambda r: conv(("user", task), ("assistant", reply), ("user", more), ("assistant", r), ("user", "go on"))),
-        DriftCase("tools", "tools re-ordered", "", conv(("user", task)),
+        DriftCase("tools", "tools re-ordered", "tools", conv(("user", task)),
                   lambda r: conv(("user", task), ("assistant", r), ("user", more)), tools=tools,
                   then_tools=[tools[2], tools[0], tools[1]]),
         DriftCase("system", "system prompt edited", "system", conv(("user", task)),
                   lambda r: conv(("user", task), ("assistant", r), ("user", more),
                                  sys_text=system.replace("assistant.", "reviewer, strict and brief."))),
-        DriftCase("resume", "history rebuilt on resume", "message", conv(*history),
+        DriftCase("resume", "history rebuilt on resume", "message 2 (user)", conv(*history),
                   lambda r: conv(("user", task), *history[1:], ("assistant", r), ("user", "go on"))),
         DriftCase("retry", "reply dropped on retry", "generation prompt", conv(("user", task)),
                   lambda r: conv(("user", task), ("user", "Format error: " + _words(rng, 20)))),
         DriftCase("reply", "reply re-rendered", "reply", conv(("user", task)),
                   lambda r: conv(("user", task), ("assistant", _rewritten(r)), ("user", more))),
-        DriftCase("edit", "message edited", "message", conv(("user", task), ("assistant", reply), ("user", more)),
+        DriftCase("edit", "message edited", "message 4 (user)", conv(("user", task), ("assistant", reply), ("user", more)),
                   lambda r: conv(("user", task), ("assistant", reply), ("user", more.replace(" ", " edited ", 1)),
                                  ("assistant", r), ("user", "go on"))),
     ]

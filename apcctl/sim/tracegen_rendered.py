@@ -64,6 +64,7 @@ class _Renderer:
     def request(self, messages: list[dict[str, Any]], tool_list: list[dict[str, Any]]) -> tuple[np.ndarray, Any]:
         kwargs = {"tools": tool_list, "add_generation_prompt": True}
         rendered = self.apply(self.tokenizer, "qwen3", messages, **kwargs)
+        self.finder.template.note(self.apply, self.tokenizer, "qwen3", kwargs)
         self.finder.registry.note_request(self.apply, self.tokenizer, "qwen3", messages, kwargs,
                                           self.finder.hard_ids(self.tokenizer))
         self.finder.note(self.apply, self.tokenizer, "qwen3", messages, kwargs, rendered)

@@ -103,7 +103,8 @@ class SegmentFinder:
             return text
 
         request = Request(render, self.added_tokens(tokenizer).parting, rendered, base,
-                          RenderBudget(self.settings.max_new_renders or _UNLIMITED_RENDERS))
+                          RenderBudget(self.settings.max_new_renders or _UNLIMITED_RENDERS),
+                          whole_point(rendered, self.template.generation_text(processor, prefix_kwargs)))
         candidates, anchor_offsets = self._candidates(request, messages, prefix_kwargs)
         offsets = verify(candidates.items, rendered)
         if offsets is None:
@@ -143,10 +144,12 @@ class SegmentFinder:
                                        lambda: self._probe(request, [dict(first, content=c) for c in _PROBES])),
                           Kind.CONTENT)
 
-        points = self._prefix_points(request, messages)
+        points, sent = self._prefix_points(request, messages)
         for i in sorted(points):
             kind = Kind.SYSTEM if role_of(messages[i - 1]) in SYSTEM_ROLES else Kind.MESSAGE
             out.add_point(points[i], kind, witness=i < len(messages))
+        for point in sent:  # verified like the others, never a witness
+            out.add(point.length, Kind.SENT, point.digest)
 
         tools = kwargs.get("tools")
         if self.settings.tool_boundaries and isinstance(tools, list) and len(tools) > 1:
@@ -166,20 +169,23 @@ class SegmentFinder:
             anchor = [role_probe.length]
         return out, anchor
 
-    def _prefix_points(self, request: Request, messages: list[Any]) -> dict[int, Point | None]:
-        """Renders of ``messages[:i]``, by ``i``.
+    def _prefix_points(self, request: Request, messages: list[Any]) -> tuple[dict[int, Point | None], list[Point]]:
+        """Renders of ``messages[:i]``, by ``i``; and the ends of the skipped conversations
+        earlier requests sent whole, where known (``Kind.SENT``).
 
         Every message prefix but two kinds whose end is a few tokens from a restore point, where
         the policy never captures: the whole conversation (the generation prompt follows), and
         a conversation an earlier request sent whole (its entry sits there). Newest first: older
         ones are cached from earlier turns, so a turn renders one new prefix, its question's
-        start. The anchor's (the end of the leading system messages) is never skipped.
+        start. The anchor's (the end of the leading system messages) is never skipped. A skipped
+        one's end is still a message's end (the drift finder numbers messages by them): the
+        earlier request's text less its generation prompt (``Request.whole``) gives it, no render.
         """
         chain, keys = request.base, []
         for message in messages:
             chain = chain_digest(chain, canonical(message))
             keys.append(chain)
-        sent = self._sent.seen_then_add(keys, keys[-1])
+        sent = self._sent.seen_then_add(keys, keys[-1], request.whole)
         order = [i for i in range(len(messages) - 1, 0, -1) if i not in sent]
         n_system = leading_system_count(messages)
         if n_system:
@@ -191,7 +197,8 @@ class SegmentFinder:
             prefix = messages[:i]
             points[i] = self._cached(request, keys[i - 1],
                                      lambda p=prefix: self._point(request, lambda: request.render(p)))
-        return points
+        ends = [end for i, end in sorted(sent.items()) if end is not None and i not in points]
+        return points, ends
 
     def _cached(self, request: Request, key: bytes, make: Callable[[], Any]) -> Any:
         return self._renders.get(key, make, request.budget,
@@ -304,14 +311,16 @@ class SegmentFinder:
         for p, k in best.positions:
             if 0 < p < n and (p not in kinds or outranks(k, kinds[p])):
                 kinds[p] = k
-        kinds = system_points.thin(kinds, self.settings.system_paragraphs)
+        sent = {p: k for p, k in kinds.items() if k == Kind.SENT}
+        kinds = system_points.thin({p: k for p, k in kinds.items() if k != Kind.SENT},
+                                   self.settings.system_paragraphs)
         if best.covered < n - 1:  # the rest of the prompt is unknown to the template: stride
             for p in self._stride(n, best.covered):
                 kinds.setdefault(p, Kind.STRIDE)
         anchor = self._anchor(best, n)
         match = AnchorMatch(anchor, best.note.label) if anchor is not None else self.registry.boundary(prompt)
         return SegmentInfo(match.length if match else None, match.label if match else "", sorted(kinds),
-                           "template", kinds)
+                           "template", {**sent, **kinds})
 
     def _anchor(self, found: Walk, n: int) -> int | None:
         """The end of the leading system messages, less a trailing part shorter than the anchor tail.
@@ -343,3 +352,13 @@ class SegmentFinder:
 
     def __len__(self) -> int:
         return len(self._notes)
+
+
+def whole_point(rendered: str, generation: str | None) -> Point | None:
+    """Where all of a request's messages end in its ``rendered`` text: before the generation
+    prompt it ends with (None: not known, or not at the end)."""
+    if not generation or not rendered.endswith(generation) or len(rendered) <= len(generation):
+        return None
+    length = len(rendered) - len(generation)
+    digest = text_digest(rendered[:length])
+    return Point(length, digest, length, digest)

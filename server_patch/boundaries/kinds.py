@@ -20,6 +20,10 @@ class Kind(StrEnum):
     BLOCK = "block"  # a section or heading starts inside the first user message (a reminder block)
     MESSAGE = "message"  # any other message: the next one starts here
     STRIDE = "stride"  # fallback: a multiple of the periodic stride
+    # A conversation an earlier request sent whole ends here (the next message starts): no
+    # restore point (that request's entry is a few tokens on, past its generation prompt), so
+    # it is not among the segments; the drift finder counts it to number the messages.
+    SENT = "sent"
 
 
 # Which kind names a position found twice (lower wins).

@@ -61,6 +61,7 @@ class Request:
     full: str
     base: bytes
     budget: RenderBudget
+    whole: Point | None = None  # the render of all its messages (its text less the generation prompt)
 
 
 @dataclass
@@ -153,18 +154,20 @@ class RenderCache:
 
 
 class RecentKeys:
-    """A bounded set of recent keys (the message chains earlier requests sent whole). Thread-safe."""
+    """A bounded map of recent keys (the message chains earlier requests sent whole) to where
+    each one's render ends (None: unknown). Thread-safe."""
 
     def __init__(self, entries: int) -> None:
         self.entries = entries
         self._lock = threading.Lock()
-        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        self._keys: OrderedDict[bytes, Point | None] = OrderedDict()
 
-    def seen_then_add(self, keys: list[bytes], new: bytes) -> set[int]:
-        """Indices ``i`` (1 ..) whose ``keys[i - 1]`` was added before; then add ``new``."""
+    def seen_then_add(self, keys: list[bytes], new: bytes, end: Point | None = None) -> dict[int, Point | None]:
+        """Indices ``i`` (1 ..) whose ``keys[i - 1]`` was added before, with the end added for
+        it; then add ``new`` (a known ``end`` is kept over an unknown one)."""
         with self._lock:
-            seen = {i for i in range(1, len(keys)) if keys[i - 1] in self._keys}
-            self._keys[new] = None
+            seen = {i: self._keys[keys[i - 1]] for i in range(1, len(keys)) if keys[i - 1] in self._keys}
+            self._keys[new] = end if end is not None else self._keys.get(new)
             self._keys.move_to_end(new)
             while len(self._keys) > self.entries:
                 self._keys.popitem(last=False)

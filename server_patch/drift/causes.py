@@ -43,8 +43,9 @@ MIN_SHARED = 16  # an unsynced system edit sharing fewer tokens is another clien
 DIFF_CHARS = 80  # each side of the text diff, at most
 CONTEXT_CHARS = 40
 
-# Boundaries at the end of a whole message (or of the template's preamble).
-_MESSAGE_ENDS = {Kind.TOOLS, Kind.SYSTEM, Kind.MESSAGE}
+# Boundaries at the end of a whole message (or of the template's preamble); ``SENT``: a message
+# end the finder places no restore point at (an earlier request sent the conversation whole).
+_MESSAGE_ENDS = {Kind.TOOLS, Kind.SYSTEM, Kind.MESSAGE, Kind.SENT}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 

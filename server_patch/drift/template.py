@@ -31,33 +31,43 @@ class TemplateFacts:
         self._lock = threading.Lock()
         self.tokenizer: Any = None
         self._variants: OrderedDict[str, np.ndarray | None] = OrderedDict()  # option set -> ids
+        self._texts: dict[str, str] = {}  # option set -> the generation prompt's text
 
     def note(self, apply: Callable[..., Any], processor: Any, config: Any, kwargs: Mapping[str, Any]) -> None:
         """A chat request was rendered with ``kwargs``: learn its generation prompt (once)."""
         tokenizer = getattr(processor, "tokenizer", processor)
         options = {k: v for k, v in kwargs.items() if k not in _TEMPLATE_ONLY}
-        key = f"{id(processor)}:{sorted(options.items(), key=lambda kv: kv[0])!r}"
+        key = _key(processor, options)
         with self._lock:
             if tokenizer is not self.tokenizer:
                 self.tokenizer = tokenizer
                 self._variants.clear()
+                self._texts.clear()
             if key in self._variants:
                 self._variants.move_to_end(key)
                 return
             self._variants[key] = None  # one try per option set, even if it fails
             while len(self._variants) > MAX_VARIANTS:
-                self._variants.popitem(last=False)
+                self._texts.pop(self._variants.popitem(last=False)[0], None)
         try:
             with_gen = apply(processor, config, _PROBE, add_generation_prompt=True, **options)
             without = apply(processor, config, _PROBE, add_generation_prompt=False, **options)
             if isinstance(with_gen, str) and isinstance(without, str) and with_gen.startswith(without) \
                     and len(with_gen) > len(without):
-                ids = np.asarray(tokenizer.encode(with_gen[len(without):], add_special_tokens=False))
+                text = with_gen[len(without):]
+                ids = np.asarray(tokenizer.encode(text, add_special_tokens=False))
                 with self._lock:
                     if key in self._variants:
-                        self._variants[key] = ids
+                        self._variants[key], self._texts[key] = ids, text
         except Exception as exc:  # a hint only: no generation prompt known
             log.debug("generation prompt probe failed: %s", exc)
+
+    def generation_text(self, processor: Any, kwargs: Mapping[str, Any]) -> str | None:
+        """The generation prompt's text of ``processor``'s template with these options (None:
+        not learnt): what a rendered request ends with after its last message."""
+        options = {k: v for k, v in kwargs.items() if k not in _TEMPLATE_ONLY}
+        with self._lock:
+            return self._texts.get(_key(processor, options))
 
     def gen_start(self, prompt: np.ndarray) -> int | None:
         """Where ``prompt``'s generation prompt starts (the longest known one it ends with)."""
@@ -76,6 +86,10 @@ class TemplateFacts:
         if tokenizer is None or not hasattr(tokenizer, "decode"):
             return None
         return lambda ids: tokenizer.decode([int(i) for i in ids])
+
+
+def _key(processor: Any, options: Mapping[str, Any]) -> str:
+    return f"{id(processor)}:{sorted(options.items(), key=lambda kv: kv[0])!r}"
 
 
 __all__ = ["TemplateFacts"]
