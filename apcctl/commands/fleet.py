@@ -22,7 +22,7 @@ from apcctl.core.hosts import free_port
 from apcctl.core.manage import ServerSpec
 from apcctl.fleet.config import DEFAULT_GATEWAY_PORT, FleetConfig, load_fleet
 from apcctl.fleet import shared_disk
-from apcctl.fleet.lifecycle import STOP_GRACE_S, FleetError, down, up
+from apcctl.fleet.lifecycle import STOP_GRACE_S, FleetError, down, remove, up
 from apcctl.fleet.status import fleet_status
 from apcctl.fleet.traffic import TRACES
 
@@ -225,12 +225,28 @@ def _check_ports(gateway: GatewaySpec, server_specs: dict[str, ServerSpec]) -> N
 
 @fleet.command("down", epilog=EXIT_CODES_SHORT)
 @name_option
+@click.option("--server", "-s", "only", multiple=True, metavar="NAME",
+              help="Remove only this server from the fleet (repeat it): flushed, out of the gateway, stopped; "
+                   "the gateway and the other servers keep serving, and its files stay readable to them.")
 @click.option("--grace", type=click.FloatRange(min=0), default=STOP_GRACE_S, show_default=True,
               help="Seconds between SIGTERM (each server flushes its cache) and SIGKILL.")
+@click.option("--timeout", type=float, default=300.0, show_default=True,
+              help="With --server: seconds to wait for the flush and for the gateway to let the server go.")
 @config_option
 @json_option
-def fleet_down(fleet_name: str | None, grace: float, config_path: Path | None, as_json: bool) -> None:
-    """Stop the gateway, then the fleet's servers (those the fleet started; remote ones are left alone)."""
+def fleet_down(fleet_name: str | None, only: tuple[str, ...], grace: float, timeout: float,
+               config_path: Path | None, as_json: bool) -> None:
+    """Stop the gateway, then the fleet's servers (those the fleet started; remote ones are left alone).
+
+    \b
+    With --server NAME: only that server leaves the fleet, as 'fleet restart' takes one out (its
+    RAM flushed to the shared disk tier first, then out of smg, which finishes what it sent there),
+    then it is stopped and dropped from the fleet's list. Its sessions restore on the other servers
+    from its files until APC_SHARED_DISK_RETENTION_S (7 days) after its newest. docs/fleet.md.
+    """
+    if only:
+        _remove_servers(fleet_name, only, grace, timeout, config_path, as_json)
+        return
     state = _existing(fleet_name, config_path)
     stopped = down(state, grace)
     results = [{"part": s.part, "pid": s.result.pid, "how": s.result.how} for s in stopped]
@@ -239,6 +255,35 @@ def fleet_down(fleet_name: str | None, grace: float, config_path: Path | None, a
         return
     for r in results:
         click.echo(f"{r['part']}: " + ("not running" if r["pid"] is None else f"stopped pid {r['pid']} ({r['how']})"))
+
+
+def _remove_servers(fleet_name: str | None, names: tuple[str, ...], grace: float, timeout: float,
+                    config_path: Path | None, as_json: bool) -> None:
+    """``fleet down --server``: each named server out of the fleet, in order; the first failure stops."""
+    from apcctl.core.client import AdminError
+
+    state, spec, targets = _members(fleet_name, config_path, names)
+    if len(set(names)) >= len(spec.members):
+        raise click.UsageError(f"that is every server of fleet {state.name!r}: apcctl fleet down --name "
+                               f"{state.name} stops the whole fleet")
+    results = []
+    for target in targets:
+        try:
+            removed = remove(state, target, grace=grace, timeout=timeout,
+                             on_progress=lambda line, name=target.name: click.echo(f"{name}: {line}", err=True))
+        except (FleetError, GatewayError, AdminError) as exc:
+            raise CommandError(f"{target.name}: not removed: {exc}") from None
+        results.append({"server": removed.server, "left_gateway": removed.left_gateway,
+                        "pid": removed.result.pid if removed.result else None,
+                        "how": removed.result.how if removed.result else "not ours: left running"})
+    if as_json:
+        render.emit_json({"fleet": state.name, "removed": results})
+        return
+    for r in results:
+        stop = "not started by the fleet, left running" if r["how"].startswith("not ours") else (
+            "was not running" if r["pid"] is None else f"stopped pid {r['pid']} ({r['how']})")
+        click.echo(f"{r['server']}: " + ("out of the gateway, " if r["left_gateway"] else "")
+                   + f"{stop}; its files stay readable to the other servers until the retention")
 
 
 @fleet.command("status", epilog=EXIT_CODES_SHORT)

@@ -29,9 +29,8 @@ def fleet_restart(gateway: GatewayClient, targets: Sequence[Target], *, on_progr
     """Restart ``targets`` (servers behind ``gateway``) one at a time; see the module docstring."""
     done: list[ServerRestart] = []
     for n, target in enumerate(targets):
-        _flush_before_leaving(target, on_progress, timeout)
         try:
-            _out_of_rotation(gateway, target, on_progress, timeout)
+            leave_gateway(gateway, target, on_progress=on_progress, timeout=timeout)
         except (GatewayError, AdminError) as exc:
             failed = ServerRestart(target.name, phase=Phase.FAILED, message=f"gateway: {exc}")
             on_progress(RestartStep(target.name, Phase.FAILED, message=failed.message))
@@ -71,6 +70,13 @@ def restart_targets(targets: Sequence[Target], *, on_progress: Progress, timeout
         if not result.ok:
             return RestartResult(False, False, done + _untouched(targets[n + 1:]))
     return RestartResult(True, False, done)
+
+
+def leave_gateway(gateway: GatewayClient, target: Target, *, on_progress: Progress, timeout: float = 300.0) -> None:
+    """Flush ``target`` while it still serves, then take it out of the gateway and wait until smg
+    no longer lists it: a roll's first steps, and ``fleet down --server``'s before the stop."""
+    _flush_before_leaving(target, on_progress, timeout)
+    _out_of_rotation(gateway, target, on_progress, timeout)
 
 
 def _untouched(targets: Sequence[Target]) -> list[ServerRestart]:

@@ -27,7 +27,7 @@ import pytest
 
 from apcctl.commands.common import ExitStatus
 from apcctl.config import ConfigError
-from apcctl.core.client import AdminError
+from apcctl.core.client import AdminClient, AdminError
 from apcctl.core.fleet_state import FleetState
 from apcctl.core.gateway import GatewayClient, worker_state
 from apcctl.core.hosts import free_port
@@ -42,6 +42,7 @@ AGENTS = 3  # agents at once, each with its own system prompts, as several users
 REQUESTS = 24  # 8 per agent: 3 turns, a second session (the anchor), a coder and its sub-agent, an edit, a regenerate
 MAX_TOKENS = 4
 LOGPROBS = {"logprobs": True, "top_logprobs": 5}
+SHARED_TIER = "fleet-tier"  # fleet up --shared-disk-path, under the module's directory
 
 
 def free_ports(count: int) -> int:
@@ -68,7 +69,8 @@ def _free(port: int) -> bool:
 def fleet(cli_env: Path, tiny_model_dir: Path) -> Iterator[dict[str, Any]]:
     port = free_ports(4)
     info = run_json("fleet", "up", "--servers", "3", "--model", str(tiny_model_dir), "--port", str(port),
-                    "-e", "TOP_LOGPROBS_K=5", "-e", "APC_TENANT_FROM_USER=1", "--gateway-arg=--disable-retries")
+                    "-e", "TOP_LOGPROBS_K=5", "-e", "APC_TENANT_FROM_USER=1", "--gateway-arg=--disable-retries",
+                    "--shared-disk-path", str(cli_env / SHARED_TIER))
     try:
         yield info
     finally:
@@ -273,13 +275,65 @@ def test_a_failed_restart_rolls_back_rejoins_the_gateway_and_stops_the_roll(flee
 
 
 @pytest.mark.server
+def test_down_server_removes_one_and_its_sessions_continue_from_its_files(fleet: dict[str, Any], cli_env: Path,
+                                                                         tiny_model_dir: Path) -> None:
+    """``fleet down --server NAME``: flushed, out of the gateway, stopped, off the fleet's list; the
+    gateway keeps serving with the others, which restore its sessions from its files (the shared
+    tier given by ``fleet up --shared-disk-path``), with a cold prefill's answer."""
+    model = str(tiny_model_dir)
+    client = RecordingClient(fleet["url"], timeout=300.0, extra=LOGPROBS)
+    client.tenant = f"removal-{uuid.uuid4().hex[:8]}"
+    counts = {r["server"]: r["status"]["requests"] for r in run_json("fleet", "status")["workers"]}
+    turn = [{"role": "system", "content": "You review pull requests for a storage team. " * 12},
+            {"role": "user", "content": "Is a rename after fsync enough to publish a file atomically?"}]
+    first = client.chat(turn, model=model, max_tokens=MAX_TOKENS, temperature=0.0)
+    served = next(r["server"] for r in run_json("fleet", "status")["workers"]
+                  if r["status"]["requests"] != counts[r["server"]])
+    others = sorted(set(counts) - {served})
+    # An unknown name, or every server (that is `fleet down`): usage errors that change nothing.
+    unknown = run("fleet", "down", "--server", "fleet-9", code=int(ExitStatus.USAGE))
+    assert "not servers of fleet 'fleet': fleet-9" in unknown.output and "Traceback" not in unknown.output
+    every = run("fleet", "down", *[a for n in counts for a in ("--server", n)], code=int(ExitStatus.USAGE))
+    assert "every server" in every.output
+    process = psutil.Process(ManagedServer(served).pid())
+    removed = run_json("fleet", "down", "--server", served, "--grace", "10")
+    [gone] = removed["removed"]
+    assert (gone["server"], gone["left_gateway"], gone["pid"]) == (served, True, process.pid), gone
+    assert gone["how"] in ("SIGTERM", "SIGKILL"), gone
+    assert not _alive(process)
+    view = run_json("fleet", "status")
+    assert sorted(r["server"] for r in view["workers"]) == others
+    assert all(r["state"] == "healthy" for r in view["workers"]), view["workers"]
+    assert [m.name for m in FleetState("fleet").spec().members] == others
+    files = list((cli_env / SHARED_TIER / served).rglob("*.safetensors"))
+    assert files, "the removed server's files stay for its peers"
+    for name in others:  # each remaining server lists the removed one's files (its own scan thread)
+        admin = AdminClient(ManagedServer(name).spec().url, ManagedServer(name).token())
+        deadline = time.monotonic() + 120
+        while (lineage := admin.status()["lineage"]) is not None and not lineage["disk"]["peers"]["files"].get(served):
+            assert time.monotonic() < deadline, lineage["disk"]["peers"]
+            time.sleep(0.05)
+    after = turn + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": "And on NFS?"}]
+    warm = client.chat(after, model=model, max_tokens=MAX_TOKENS, temperature=0.0)
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, warm["usage"]  # from the removed one's file
+    cold = RecordingClient(ManagedServer(others[0]).spec().url, timeout=300.0, extra=LOGPROBS)
+    cold.tenant = f"cold-{uuid.uuid4().hex[:8]}"
+    reference = cold.chat(after, model=model, max_tokens=MAX_TOKENS, temperature=0.0)
+    assert reference["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert_same_output(warm, reference)
+    assert all(f.exists() for f in files)  # its peers never remove its files (retention does, much later)
+
+
+@pytest.mark.server
 def test_down_leaves_no_process(fleet: dict[str, Any]) -> None:
     """Last of the fleet tests: it takes the module's fleet down."""
     view = run_json("fleet", "status")
     processes = [psutil.Process(fleet["gateway_pid"])] + [psutil.Process(r["status"]["pid"]) for r in view["workers"]]
-    assert len(processes) == 4 and all(_alive(p) for p in processes)
+    members = [m.name for m in FleetState("fleet").spec().members]  # less one, after fleet down --server
+    assert len(processes) == 1 + len(members) and all(_alive(p) for p in processes)
     stopped = run_json("fleet", "down", "--grace", "10")
-    assert [s["part"] for s in stopped["stopped"]] == ["gateway", "fleet-1", "fleet-2", "fleet-3"]
+    assert [s["part"] for s in stopped["stopped"]] == ["gateway", *members]
     assert all(s["how"] in ("SIGTERM", "SIGKILL") for s in stopped["stopped"]), stopped
     assert not any(_alive(p) for p in processes)
     result = run("fleet", "status", "--json", code=int(ExitStatus.UNREACHABLE))
