@@ -52,26 +52,54 @@ def _step_capacity(tokens: int) -> int:
     return -(-tokens // 256) * 256
 
 
+def _token(children: list[Any]) -> list[tuple[mx.array, mx.array]]:
+    """One decode step's new token for every row of each child (what ``update_and_fetch`` writes)."""
+    return [(mx.zeros((c.keys.shape[0], c.keys.shape[1], 1, c.keys.shape[3]), c.keys.dtype),
+             mx.zeros((c.values.shape[0], c.values.shape[1], 1, c.values.shape[3]), c.values.dtype))
+            for c in children]
+
+
+def _next_write(rows: list[Any]) -> list[mx.array]:
+    """The next decode step's cache write after a join or leave, evaluated: where MLX copies a
+    buffer that is a view of another (it cannot write a view in place), this is that copy."""
+    tokens = _token(rows)
+    mx.eval([x for pair_ in tokens for x in pair_])
+    return [x for r, (k, v) in zip(rows, tokens) for x in r.update_and_fetch(k, v)]
+
+
+def _join_leave(children: list[Any], context: int, victim: int, repeat: int,
+                join: Any, leave: Any) -> dict[str, Any]:
+    """``repeat`` rounds of: a ``context``-token row joins a ``victim``-token decoding row
+    (``join(row, joining)``), one decode write, the long row leaves (``leave(row, keep)``),
+    one decode write; each timed to the end of its compute."""
+    out: dict[str, Any] = {"join": [], "join_next": [], "leave": [], "leave_next": []}
+    for _ in range(repeat):
+        rows = [_row(c, victim, _step_capacity(victim)) for c in children]
+        joining = [_row(c, context, _step_capacity(context)) for c in children]
+        mx.eval(_arrays(rows) + _arrays(joining))
+        out["join"] += timed(lambda: [join(r, j) for r, j in zip(rows, joining)] and _arrays(rows), 1)
+        out["joint_bytes"] = sum(int(x.nbytes) for x in _arrays(rows))
+        del joining
+        out["join_next"] += timed(lambda: _next_write(rows), 1)
+        keep = mx.array([0], mx.int32)
+        out["leave"] += timed(lambda: [leave(r, keep) for r in rows] and _arrays(rows), 1)
+        out["kept_bytes"] = sum(int(x.nbytes) for x in _arrays(rows))
+        out["leave_next"] += timed(lambda: _next_write(rows), 1)
+        del rows
+    return out
+
+
 def run(context: int, victim: int, repeat: int) -> dict[str, Any]:
+    from server_patch.copyfree import batch
+
     _, probe, _ = bench_layout(context)
     children = _kv_children(probe)
     per_token = sum(int(c.keys.nbytes + c.values.nbytes) // int(c.keys.shape[2]) for c in children)
 
-    def pair() -> tuple[list[Any], list[Any]]:
-        rows = [_row(c, victim, _step_capacity(victim)) for c in children]
-        joining = [_row(c, context, _step_capacity(context)) for c in children]
-        mx.eval(_arrays(rows) + _arrays(joining))
-        return rows, joining
-
-    join_ms, leave_ms, join_bytes, leave_bytes = [], [], 0, 0
-    for _ in range(repeat):
-        rows, joining = pair()
-        join_ms += timed(lambda: [r.extend(j) for r, j in zip(rows, joining)] and _arrays(rows), 1)
-        join_bytes = sum(int(x.nbytes) for x in _arrays(rows))
-        keep = mx.array([0], mx.int32)
-        leave_bytes = join_bytes // 2  # the kept row gathered at the joined width (the padding dropped after)
-        leave_ms += timed(lambda: [r.filter(keep) for r in rows] and _arrays(rows), 1)
-        del rows, joining
+    stock = _join_leave(children, context, victim, repeat, lambda r, j: r.extend(j), lambda r, k: r.filter(k))
+    copyfree = _join_leave(children, context, victim, repeat, batch.extend_kv, batch.filter_kv)
+    as_view = _join_leave(children, context, victim, repeat, batch.extend_kv,
+                          lambda r, k: batch.filter_kv(r, k, view=True))
 
     headroom_ms, headroom_bytes = [], 0
     for _ in range(repeat):
@@ -94,9 +122,20 @@ def run(context: int, victim: int, repeat: int) -> dict[str, Any]:
         headroom_bytes = per_token * context
         del rows, joining, buffers
 
+    # Stock: the joint buffer is written twice over (pad, then concatenate); the kept row is
+    # gathered at the joint width, then narrowed. Copy-free: one zero-filled joint buffer and
+    # each row's tokens written once; the kept row copied from its first used column.
     return {"context": context, "victim": victim, "kv_bytes_per_token": per_token,
-            "join_ms": _stats(join_ms), "join_bytes": join_bytes,
-            "leave_ms": _stats(leave_ms), "leave_bytes": leave_bytes,
+            "join_ms": _stats(stock["join"]), "join_bytes": stock["joint_bytes"],
+            "join_next_ms": _stats(stock["join_next"]),
+            "leave_ms": _stats(stock["leave"]), "leave_bytes": stock["joint_bytes"] // 2,
+            "leave_next_ms": _stats(stock["leave_next"]),
+            "copyfree_join_ms": _stats(copyfree["join"]), "copyfree_join_bytes": copyfree["joint_bytes"],
+            "copyfree_join_rows_bytes": per_token * (context + victim),
+            "copyfree_join_next_ms": _stats(copyfree["join_next"]),
+            "copyfree_leave_ms": _stats(copyfree["leave"]), "copyfree_leave_bytes": copyfree["kept_bytes"],
+            "copyfree_leave_next_ms": _stats(copyfree["leave_next"]),
+            "view_leave_ms": _stats(as_view["leave"]), "view_leave_next_ms": _stats(as_view["leave_next"]),
             "headroom_join_ms": _stats(headroom_ms), "headroom_join_bytes": headroom_bytes}
 
 

@@ -43,9 +43,11 @@ from apcctl.bench.ttft import BenchServer, next_turn
 SCENARIOS = ("cold-prefill", "ram-restore", "disk-restore", "shared-row-end", "full-budget", "full-budget-normal",
              "canary-load")
 # Mode -> (the bench server's mode, extra settings): ``patched-unpaced`` is patched with
-# decode-aware prefill off (``APC_DECODE_STALL_MS=0``), for its throughput cost side by side.
+# decode-aware prefill off (``APC_DECODE_STALL_MS=0``), for its throughput cost side by side;
+# ``patched-stock-join`` with mlx-vlm's own join and leave (``APC_COPYFREE_JOIN=0``, issue 40).
 MODES: dict[str, tuple[str, dict[str, str]]] = {
     "stock": ("stock", {}), "patched": ("patched", {}), "patched-unpaced": ("patched", {"APC_DECODE_STALL_MS": "0"}),
+    "patched-stock-join": ("patched", {"APC_COPYFREE_JOIN": "0"}),
 }
 # What ``patched-unpaced`` runs: the scenarios whose event prefills (its only difference from
 # ``patched`` is the prefill's pacing); a shared row's end and the canary's load have none to pace.

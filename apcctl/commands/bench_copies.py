@@ -33,7 +33,8 @@ def register(main: click.Group, bench: click.Group) -> None:
 def copies(context: int, reply: int, slice_rows: int, repeat: int, victim: int, as_json: bool) -> None:
     """The bytes and milliseconds of each copy on the generation thread: the whole row, only
     the reply's rows, the merge in one piece and per slice; a row joining a decoding batch and
-    leaving it (mlx-vlm's extend and filter), and a join into a buffer with room."""
+    leaving it (mlx-vlm's extend and filter, and the copy-free join and leave), the next decode
+    write after each, and a join into a buffer with room."""
     from apcctl.bench import batch_copies, reply_copy
 
     with click.progressbar(length=2, label="timing the copies", file=sys.stderr) as bar:
@@ -49,9 +50,17 @@ def copies(context: int, reply: int, slice_rows: int, repeat: int, victim: int, 
                                   ("merge, one piece", "merge", out),
                                   (f"join a {victim:,}-token decoding row (extend)", "join", out["batch"]),
                                   ("leave it again (filter)", "leave", out["batch"]),
+                                  ("join, copy-free (each row once)", "copyfree_join", out["batch"]),
+                                  ("leave, copy-free (kept row at its width)", "copyfree_leave", out["batch"]),
                                   ("join into a buffer with room", "headroom_join", out["batch"]))]
     render.console().print(render.table(("COPY", "BYTES", "MIN ms", "MEDIAN ms", "MAX ms"), rows,
                                         title=f"{context:,}-token context, {reply:,}-token reply"))
+    batch = out["batch"]
+    click.echo("the next decode write after each (ms median; a view or a full buffer is copied there): "
+               + ", ".join(f"{name} {batch[f'{key}_ms']['median']:.1f}" for name, key in (
+                   ("after extend", "join_next"), ("after filter", "leave_next"),
+                   ("after the copy-free join", "copyfree_join_next"), ("after the copy-free leave", "copyfree_leave_next"),
+                   ("after a leave kept as a view", "view_leave_next"))))
     if "merge_slice_ms" in out:
         click.echo(f"merge in {out['merge_slices']} slices of {slice_rows:,} rows: "
                    f"{out['merge_slice_ms']['median']:.1f} ms median each")

@@ -13,6 +13,7 @@ ENV = {
     "enabled": "APC_COPYFREE",
     "adopt": "APC_COPYFREE_ADOPT",
     "lend": "APC_COPYFREE_LEND",
+    "join": "APC_COPYFREE_JOIN",
     "lend_headroom": "APC_COPYFREE_LEND_HEADROOM",
     "decode_reserve": "APC_COPYFREE_DECODE_RESERVE",
     "adopt_dead_fraction": "APC_COPYFREE_ADOPT_DEAD_FRACTION",
@@ -36,6 +37,9 @@ class CopyFreeSettings:
     # place and the warm turn copies no KV at all (needs ``adopt``: only adopted buffers have
     # room past the entry).
     lend: bool = True
+    # A row joining or leaving the decoding batch moves each KV row once, at its own width
+    # (``copyfree.batch``); 0 (or ``enabled`` 0): mlx-vlm's ``BatchKVCache.extend``/``filter``.
+    join: bool = True
     # Tokens of decode headroom the merge allocates past prompt end (stock regrows in 256 steps).
     decode_reserve: int = 256
     # Extra rows a lone request's merge allocates, so the next turns of its conversation fit

@@ -35,6 +35,12 @@ PRISTINE: dict[str, tuple[str, str]] = {
         "mlx_vlm/server/responses_state.py", "27cbf1414b31d2c044c639d620b280539d0ba0411f0f6b6b2897c86c5e35ed18"),
     "mlx_vlm.server.openai": (
         "mlx_vlm/server/openai.py", "260c92eb24fdb54edd243b4687a150c587d23d1d36bd8eace783c688499c0ae1"),
+    "mlx_vlm.speculative.mtp": (
+        "mlx_vlm/speculative/mtp.py", "4ed467918bd24e26c60730d6d3529c6a9e633448b2fc6028829965bb1f4daad1"),
+    "mlx_vlm.speculative.utils": (
+        "mlx_vlm/speculative/utils.py", "15cfd7e3627659829e49769d522da66fac93174185a7128a0b1209ee819c39b2"),
+    "mlx_vlm.models.cache": (
+        "mlx_vlm/models/cache.py", "4c7526c6b17b97827cc810ea0e66bb3a364b4100d6aedf4878a1e15703a95031"),
     "mlx_vlm.models.glm5_next.language": (
         "mlx_vlm/models/glm5_next/language.py", "478b285c862e09a6c2c9289af702e5644f50445a2aea3a1c5de086455f1c0d9c"),
 }

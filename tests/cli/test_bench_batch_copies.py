@@ -21,6 +21,11 @@ def test_the_join_and_the_leave_move_every_row_at_the_long_rows_width() -> None:
     assert out["leave_bytes"] == width * per_token
     assert out["headroom_join_bytes"] == 300 * per_token
     assert all(out[k]["min"] <= out[k]["median"] <= out[k]["max"] for k in ("join_ms", "leave_ms", "headroom_join_ms"))
+    # Copy-free (copyfree.batch): one joint buffer with a decode step of room past the long row,
+    # each row's tokens written once; the kept 20-token row copied from its first column on.
+    assert out["copyfree_join_rows_bytes"] == (300 + 20) * per_token
+    assert out["copyfree_join_bytes"] == 2 * (300 + 256) * per_token
+    assert out["copyfree_leave_bytes"] == (300 + 256 - (300 - 20)) * per_token
 
 
 def test_bench_copies_prints_the_batch_rows_too() -> None:
@@ -30,3 +35,4 @@ def test_bench_copies_prints_the_batch_rows_too() -> None:
     assert json.loads(done.stdout)["batch"]["victim"] == 20
     table = CliRunner().invoke(main, ["bench", "copies", "--context", "300", "--reply", "20", "--repeat", "1"])
     assert "join a 200-token decoding row (extend)" in table.output and "join into a buffer with room" in table.output
+    assert "join, copy-free (each row once)" in table.output and "after the copy-free leave" in table.output

@@ -17,6 +17,10 @@ topic's ``lineage.door_import`` imports it into ar.py), and hands it the coordin
   later, and needs no attribute set from outside the class.
 * server/openai.py: the clear after every non-streaming chat completion and response goes
   through the same opt-in (error paths keep their clears).
+* models/cache.py: ``BatchKVCache.extend`` and ``filter`` (a row joining or leaving the decoding
+  batch) hand a plain ``BatchKVCache`` to ``server_patch.copyfree.batch``, which moves each row
+  once at its own width (issue 40); ``APC_COPYFREE=0`` keeps mlx-vlm's methods. These call the
+  copy-free module directly: cache.py is below the integration layer and has no coordinator.
 """
 
 from __future__ import annotations
@@ -30,6 +34,16 @@ _OPENAI_CLEAR = (
     "\n"
     "                _apc_door.clear({site!r})\n"
     "                gc.collect()\n"
+)
+
+# A plain BatchKVCache's join or leave, when APC_COPYFREE is on (imported at the call: cache.py
+# is imported before server_patch.copyfree can be).
+_BATCH_DOOR = (
+    "        from server_patch.copyfree import batch as _apc_batch\n"
+    "\n"
+    "        if _apc_batch.takes_over(self){also}:\n"
+    "            return _apc_batch.{call}\n"
+    "\n"
 )
 
 FILE_PATCHES = (
@@ -216,6 +230,57 @@ FILE_PATCHES = (
             ),
             new=_OPENAI_CLEAR.format(site="request")
             + "\n                output_items, content, reasoning, output_finish_reason = (\n",
+        ),
+    ),
+    patch_of(
+        "mlx_vlm.models.cache",
+        Edit(
+            name="copyfree.batch_rows_leave",
+            old=(
+                "        In-place filter to keep just the given indices in the cache.\n"
+                "        \"\"\"\n"
+                "        if self.keys is not None:\n"
+                "            self.keys = self.keys[batch_indices]\n"
+                "            self.values = self.values[batch_indices]\n"
+                "        self.offset = self.offset[batch_indices]\n"
+                "        self.left_padding = self.left_padding[batch_indices]\n"
+                "        if self._right_padding is not None:\n"
+            ),
+            new=(
+                "        In-place filter to keep just the given indices in the cache.\n"
+                "        \"\"\"\n"
+                + _BATCH_DOOR.format(call="filter_kv(self, batch_indices)", also="")
+                + "        if self.keys is not None:\n"
+                "            self.keys = self.keys[batch_indices]\n"
+                "            self.values = self.values[batch_indices]\n"
+                "        self.offset = self.offset[batch_indices]\n"
+                "        self.left_padding = self.left_padding[batch_indices]\n"
+                "        if self._right_padding is not None:\n"
+            ),
+        ),
+        Edit(
+            name="copyfree.batch_rows_join",
+            old=(
+                "        In-place extend this cache with the other cache.\n"
+                "        \"\"\"\n"
+                "        if self.keys is None and other.keys is None:\n"
+                "            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])\n"
+                "            self.offset = mx.concatenate([self.offset, other.offset])\n"
+                "            return\n"
+                "\n"
+                "        max_idx = max(self._idx, other._idx)\n"
+            ),
+            new=(
+                "        In-place extend this cache with the other cache.\n"
+                "        \"\"\"\n"
+                + _BATCH_DOOR.format(call="extend_kv(self, other)", also=" and _apc_batch.takes_over(other)")
+                + "        if self.keys is None and other.keys is None:\n"
+                "            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])\n"
+                "            self.offset = mx.concatenate([self.offset, other.offset])\n"
+                "            return\n"
+                "\n"
+                "        max_idx = max(self._idx, other._idx)\n"
+            ),
         ),
     ),
 )

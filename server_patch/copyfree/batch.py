@@ -1,0 +1,127 @@
+"""A row joining or leaving the decoding batch: each KV row moved once, at its own width (issue 40).
+
+mlx-vlm's ``BatchKVCache.extend`` pads both batches to the longer one's buffer (a fresh
+allocation for the short batch, its rows copied) and then concatenates them (a second fresh
+allocation, every row copied again): a 200-token stream that a 16k-token turn joins is copied
+to 16k width and then copied again, with the long row. ``BatchKVCache.filter`` gathers the kept
+rows at the full width *before* it drops the left padding that no kept row needs, so the short
+row that stays behind is gathered at the long row's width; the narrowed view is then copied
+once more by the next ``update_and_fetch`` (MLX writes a view by copying it first).
+
+Here, with ``APC_COPYFREE`` and ``APC_COPYFREE_JOIN`` on (either ``=0``: mlx-vlm's own methods):
+
+* ``extend_kv``: one zero-filled buffer of the joint batch, each side's rows written once into
+  it, right-aligned at the longer side's write index (the layout ``extend`` builds), with at
+  least one allocation step of room past it so the first joint decode step does not regrow it.
+* ``filter_kv``: the padding no kept row needs is dropped first; the kept rows are then copied
+  once into their own buffer (a batch-axis slice when they are a contiguous range, a gather
+  otherwise). A view would not spare the copy, only move it into the next decode step.
+
+The arrays over ``[:_idx]`` and the offsets, left padding and write index are exactly mlx-vlm's,
+so the masks and the logits are unchanged. Only ``BatchKVCache`` itself takes this path
+(quantized and rotating caches keep mlx-vlm's methods); the patched ``models/cache.py`` calls
+``takes_over`` and then these functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+
+from server_patch.copyfree import pool
+
+
+def takes_over(cache: Any) -> bool:
+    """Whether ``cache``'s join and leave go through this module: ``APC_COPYFREE`` and
+    ``APC_COPYFREE_JOIN`` on and a plain ``BatchKVCache`` (not a subclass with buffers of its
+    own)."""
+    from mlx_vlm.models.cache import BatchKVCache
+
+    if type(cache) is not BatchKVCache:
+        return False
+    settings = pool.settings()
+    return settings.enabled and settings.join
+
+
+def extend_kv(cache: Any, other: Any) -> None:
+    """``cache.extend(other)``: ``other``'s rows after ``cache``'s, each copied once."""
+    if cache.keys is None and other.keys is None:
+        cache.left_padding = mx.concatenate([cache.left_padding, other.left_padding])
+        cache.offset = mx.concatenate([cache.offset, other.offset])
+        return
+    sides = (cache, other)
+    template = next(c for c in sides if c.keys is not None)
+    heads, dk, dv = int(template.keys.shape[1]), int(template.keys.shape[3]), int(template.values.shape[3])
+    write_index = max(int(c._idx) for c in sides)
+    width = max(max(_width(c) for c in sides), write_index + int(type(cache).step))
+    counts = [_rows(c) for c in sides]
+    keys = mx.zeros((sum(counts), heads, width, dk), dtype=template.keys.dtype)
+    values = mx.zeros((sum(counts), heads, width, dv), dtype=template.values.dtype)
+    first = 0
+    for side, count in zip(sides, counts):
+        held = int(side._idx)
+        if side.keys is not None and held > 0:
+            start = write_index - held
+            keys[first: first + count, :, start:write_index, :] = side.keys[..., :held, :]
+            values[first: first + count, :, start:write_index, :] = side.values[..., :held, :]
+        first += count
+    cache.keys, cache.values = keys, values
+    cache.offset = mx.concatenate([c.offset for c in sides])
+    cache.left_padding = mx.concatenate([c.left_padding + (write_index - int(c._idx)) for c in sides])
+    cache._idx = write_index
+
+
+def filter_kv(cache: Any, batch_indices: Any, *, view: bool = False) -> None:
+    """``cache.filter(batch_indices)``: the kept rows, from the first column a kept row uses.
+
+    ``view``: a contiguous range of kept rows stays a view of the old buffer (``bench copies``
+    measures it: the next ``update_and_fetch`` then copies it)."""
+    kept = _as_list(batch_indices)
+    index = mx.array(kept, dtype=mx.int32)
+    cache.offset = cache.offset[index]
+    cache.left_padding = cache.left_padding[index]
+    if cache._right_padding is not None:
+        cache._right_padding = cache._right_padding[index]
+    shift = min(int(cache.left_padding.min().item()), int(cache._idx)) if kept else 0
+    if cache.keys is not None:
+        span = contiguous_range(kept)
+        cache.keys = _kept(cache.keys, index, span, shift, view)
+        cache.values = _kept(cache.values, index, span, shift, view)
+    if shift > 0:
+        cache._idx -= shift
+        cache.left_padding = cache.left_padding - shift
+
+
+def contiguous_range(kept: Sequence[int]) -> Optional[tuple[int, int]]:
+    """``(first, last + 1)`` when ``kept`` is consecutive ascending rows, else None."""
+    if kept and list(kept) == list(range(kept[0], kept[0] + len(kept))):
+        return kept[0], kept[0] + len(kept)
+    return None
+
+
+def _kept(buffer: mx.array, index: mx.array, span: Optional[tuple[int, int]], shift: int,
+          view: bool) -> mx.array:
+    """The kept rows of ``buffer`` from column ``shift`` on, in a buffer of their own."""
+    narrowed = buffer[..., shift:, :] if shift > 0 else buffer
+    if span is None:
+        return mx.take(narrowed, index, axis=0)  # a gather writes a new buffer
+    first, end = span
+    if first == 0 and end == int(buffer.shape[0]) and shift == 0:
+        return buffer  # nothing leaves and no column is dropped: nothing to move
+    rows = narrowed[first:end]
+    return rows if view else mx.take(narrowed, mx.arange(first, end), axis=0)
+
+
+def _as_list(batch_indices: Any) -> list[int]:
+    if isinstance(batch_indices, mx.array):
+        return [int(i) for i in batch_indices.tolist()]
+    return [int(i) for i in batch_indices]
+
+
+def _rows(cache: Any) -> int:
+    return int(cache.keys.shape[0]) if cache.keys is not None else int(cache.offset.shape[0])
+
+
+def _width(cache: Any) -> int:
+    return int(cache.keys.shape[2]) if cache.keys is not None else 0
