@@ -5,7 +5,8 @@ request of a popular agent went unseen (issue 34: qwen-code's JSON-Schema union 
 parameters). This test runs qwen-code itself, at the version pinned in ``tests/e2e/agents/package.json``
 (installed by ``tests/e2e/agents/install``, which ``.ci/run`` calls; the test runs it too when the
 CLI is missing), headless (``qwen -o json PROMPT``) against the patched server on the tiny model,
-once over Chat Completions and once over the Responses API (``--auth-type openai-responses``):
+once over Chat Completions and once over the Responses API (``--auth-type openai-responses``), both
+against one server (the routes differ in the agent's configuration, not the server's):
 
 * turn 1 starts a session with a fixed id, turn 2 resumes it (``--resume``), so turn 2 re-sends
   turn 1's system prompt, tools and history, as an agent does every turn;
@@ -155,24 +156,32 @@ class Session:
     sent: list[dict[str, Any]]
 
 
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PatchedServer]:
+    """One server for both routes: they differ in the agent's configuration, not the server's."""
+    with PatchedServer(tiny_model_dir, log_dir=tmp_path_factory.mktemp("qwen-server")) as running:
+        yield running
+
+
 @pytest.fixture(scope="module", params=["openai", "openai-responses"])
-def session(request: pytest.FixtureRequest, qwen_cli: Path, tiny_model_dir: Path,
+def session(request: pytest.FixtureRequest, qwen_cli: Path, server: PatchedServer,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
+    """Two turns of the agent over one route, and what the server logged and recorded for them
+    only (the other route's session may have run on the same server before)."""
     root = tmp_path_factory.mktemp(f"qwen-{request.param}")
-    server = PatchedServer(tiny_model_dir, log_dir=root / "server")
-    try:
-        server.start()
-        agent = QwenCode(qwen_cli, server, root, request.param)
-        turns, records, seen = [], [], 0
-        for k, prompt in enumerate(PROMPTS):
-            turns.append(agent.turn(prompt, first=k == 0))
-            status, body = server.admin("GET", f"/requests?since={seen}")
-            assert status == 200, body
-            records.append(body["requests"])
-            seen = max([seen] + [r["seq"] for r in body["requests"]])
-        yield Session(turns, records, server.log_text(), agent.sent())
-    finally:
-        server.stop()
+    log_start = len(server.log_text())
+    status, body = server.admin("GET", "/requests")
+    assert status == 200, body
+    seen = max([0] + [r["seq"] for r in body["requests"]])
+    agent = QwenCode(qwen_cli, server, root, request.param)
+    turns, records = [], []
+    for k, prompt in enumerate(PROMPTS):
+        turns.append(agent.turn(prompt, first=k == 0))
+        status, body = server.admin("GET", f"/requests?since={seen}")
+        assert status == 200, body
+        records.append(body["requests"])
+        seen = max([seen] + [r["seq"] for r in body["requests"]])
+    yield Session(turns, records, server.log_text()[log_start:], agent.sent())
 
 
 def model_calls(log: str) -> list[tuple[str, str, int]]:
@@ -216,5 +225,8 @@ def test_the_second_turn_restores_the_first_turns_prefix(session: Session) -> No
     assert first and second, session.records_per_turn
     last = second[-1]
     assert last["restore_kind"] != "cold" and last["restored_tokens"] > 0, last
+    # Past whatever turn 1 itself restored (a prefix the other route's session may have left on
+    # the shared server): what turn 2 restored is turn 1's own prompt.
+    assert last["restored_tokens"] > max(r["restored_tokens"] for r in first), (first, last)
     usage = session.turns[1].last_usage
     assert usage.get("cache_read_input_tokens") == last["restored_tokens"], (usage, last)
