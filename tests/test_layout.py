@@ -395,12 +395,16 @@ def test_the_door_dispatches_by_no_name():
     assert not calls & {"getattr", "hasattr", "setattr"}, calls & {"getattr", "hasattr", "setattr"}
 
 
-SINGLETONS = ("RUNTIMES", "FINDER", "BOOK", "RUNNER", "TRAFFIC")
+SINGLETONS = ("RUNTIMES", "FINDER", "BOOK", "RUNNER", "TRAFFIC",
+              # a runtime's workers are its own (``infra.workers``): no process-wide disk writer,
+              # no switch lock beside the parts, no overlay finder beside ``sys.meta_path``
+              "WRITER", "_SWITCH", "_finder")
 
 
 def test_the_parts_are_no_module_singletons():
     """The server's parts live on one object (``integration.parts.Parts``) that is handed on;
-    no module holds a runtime registry, the finder, the canary's book or runner, or the gate."""
+    no module holds a runtime registry, the finder, the canary's book or runner, the gate, a
+    disk writer or the model switch's lock."""
     wrong = []
     for name, path in modules().items():
         for node in ast.parse(path.read_text(encoding="utf-8")).body:

@@ -19,10 +19,10 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from server_patch.infra.deps import PartsDep
+from server_patch.infra.workers import PARK
 from server_patch.serving.served import SERVED, TEXT
 
 model_router = APIRouter()
-_SWITCH = threading.Lock()  # one switch at a time
 THREAD_PREFIX = "apc-lineage-"  # the runtime's ticker and disk writer
 
 
@@ -42,8 +42,9 @@ def _app_module() -> Any:
 
 
 def model_view(parts: Any) -> dict[str, Any]:
-    """What is served and loaded, and the lineage runtimes and threads open (one of each kind
-    after any number of switches)."""
+    """What is served and loaded, the lineage runtimes and their worker threads open (one of each
+    kind after any number of switches), and the threads the workers borrow (``infra.workers``:
+    a replaced runtime's threads serve the next one, so their number stays flat)."""
     module = sys.modules.get("mlx_vlm.server.app")
     try:
         loaded = module.runtime.model_cache.get("model_path") if module is not None else None
@@ -53,12 +54,14 @@ def model_view(parts: Any) -> dict[str, Any]:
     current = parts.runtimes.current
     return {"served": SERVED.as_dict(), "loaded_model": loaded,
             "lineage": {"open_runtimes": parts.runtimes.count(), "threads": threads,
-                        "runtime_started": current.started if current is not None else None}}
+                        "runtime_started": current.started if current is not None else None,
+                        "worker_threads": PARK.counts()}}
 
 
-def _load(module: Any, body: SwitchBody) -> None:
-    """Serve and load ``body``'s model; on failure serve (and reload) the previous one."""
-    with _SWITCH:
+def _load(module: Any, body: SwitchBody, parts: Any) -> None:
+    """Serve and load ``body``'s model; on failure serve (and reload) the previous one. One
+    switch at a time per server (``parts.switching``)."""
+    with parts.switching:
         before = SERVED.serve(TEXT, body.model, body.adapter_path, body.served_model_name)
         try:
             module.get_cached_model(body.model, body.adapter_path, model_kind=TEXT)
@@ -82,5 +85,5 @@ def served_model(parts: PartsDep) -> dict[str, Any]:
 @model_router.post("/model", summary="Switch the served model: unload the old one (its cache written), load this")
 async def switch_model(body: SwitchBody, parts: PartsDep) -> dict[str, Any]:
     module = _app_module()
-    await asyncio.to_thread(_load, module, body)
+    await asyncio.to_thread(_load, module, body, parts)
     return model_view(parts)

@@ -606,6 +606,7 @@ class ModelRuntimes(Answer):
     open_runtimes: int
     threads: list[str]
     runtime_started: float | None = None
+    worker_threads: dict[str, int] = field(default_factory=dict)  # the park's threads, and the idle ones
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

@@ -38,6 +38,7 @@ from server_patch.disk.integrity import (
     stream_tensors, temp_name, temp_pid,
 )
 from server_patch.disk.space import DiskUnavailable, WriteGuard, min_free_from_env
+from server_patch.infra.workers import Worker
 from server_patch.lineage.model import Checkpoint, DiskRecord, Entry
 from server_patch.state.fingerprint import software_identity
 from server_patch.state.layout import CacheLayout, MlxKV, MlxSnapshot
@@ -104,15 +105,32 @@ def _as_mlx(raw: mx.array | np.ndarray) -> mx.array:
     return raw if isinstance(raw, mx.array) else mx.array(raw)
 
 
+WRITER_THREAD = "apc-lineage-disk"
+
+
+def own_stream() -> None:
+    """A worker thread's MLX stream, its own, on the CPU (MLX streams are per thread; made once
+    per thread by ``infra.workers``, which reuses the thread for the next runtime's writer)."""
+    mx.set_default_stream(mx.new_stream(mx.cpu))
+
+
+def new_writer(workers: Any = None) -> Worker:
+    """A disk writer: one worker thread that runs a store's queued writes, built by ``workers``
+    (a runtime's ``infra.workers.Workers``, which closes it with the runtime) or on its own."""
+    return workers.worker(WRITER_THREAD, setup=own_stream) if workers is not None else \
+        Worker(WRITER_THREAD, setup=own_stream)
+
+
 class DiskStore:
-    """The policy's ``DiskTier`` over a directory, written by the process's one writer thread."""
+    """The policy's ``DiskTier`` over a directory, written by its writer (``new_writer``): the
+    runtime's, handed in, or one of its own that ``close`` closes."""
 
     # ``write`` only queues: the policy never waits for a file, it frees RAM at once (``budget``).
     writes_in_background = True
     peers: Any = None  # the shared tier's ``peers.PeerIndex`` (issue 38), when configured
 
     def __init__(self, root: Path | str, *, fingerprint: str, layout: CacheLayout,
-                 min_free: float | None = None) -> None:
+                 min_free: float | None = None, writer: Any = None) -> None:
         self.root = private_dir(Path(root))
         mark(self.root.parent)  # the tier: ``apcctl check --fix`` removes files only under a marked one
         self.fingerprint = fingerprint
@@ -122,7 +140,9 @@ class DiskStore:
         self.guard = WriteGuard(self.root, min_free_from_env() if min_free is None else min_free)
         # Files removed because they could not be trusted, by reason (integrity.* constants).
         self.rejects: Counter[str] = Counter()
-        self._queue: queue.Queue = queue.Queue()  # this store's writes; WRITER runs them
+        self._queue: queue.Queue = queue.Queue()  # this store's writes; its writer runs them
+        self._owns_writer = writer is None
+        self._writer = new_writer() if writer is None else writer  # ``submit(job)``, ``close(timeout)``
         self._closed = False
 
     # ------------------------------------------------------------------ index
@@ -183,7 +203,10 @@ class DiskStore:
         # unevaluated array could only be computed on its creator's thread, and this may be
         # called from the idle ticker or an admin request.
         self._queue.put((entry, entry.kv, entry.head, list(entry.checkpoints), done))
-        WRITER.submit(self)
+        if not self._writer.submit(self.write_next):  # its runtime closed its workers first
+            self._queue.get_nowait()
+            self._queue.task_done()
+            raise DiskUnavailable(f"the disk store {self.root} has no writer (its runtime was closed)")
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write finished; False on timeout."""
@@ -215,7 +238,7 @@ class DiskStore:
                 **({"peers": self.peers.health()} if self.peers is not None else {})}
 
     def write_next(self) -> None:
-        """Run this store's oldest queued write (on ``WRITER``'s thread); none left (dropped at
+        """Run this store's oldest queued write (on its writer's thread); none left (dropped at
         close): nothing."""
         try:
             entry, kv, head, checkpoints, done = self._queue.get_nowait()
@@ -377,40 +400,13 @@ class DiskStore:
             dropped += 1
         if dropped:
             log.warning("lineage disk: %d queued writes dropped at close of %s", dropped, self.root)
+        if self._owns_writer:
+            self._writer.close(timeout)  # its thread goes back to the park (``infra.workers``)
         return complete and not dropped
 
     @property
     def closed(self) -> bool:
         return self._closed
-
-
-class DiskWriter:
-    """The one thread that writes for every store of the process, started at the first write.
-
-    MLX 0.32 gives each thread that runs MLX work a native stream thread it never frees (streams
-    are per thread), so a writer thread per store leaked one native thread per model switch.
-    ``submit`` queues one turn per queued write; a turn runs the store's oldest write.
-    """
-
-    def __init__(self) -> None:
-        self._turns: queue.Queue[DiskStore] = queue.Queue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, store: DiskStore) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="apc-lineage-disk", daemon=True)
-                self._thread.start()
-        self._turns.put(store)
-
-    def _run(self) -> None:
-        mx.set_default_stream(mx.new_stream(mx.cpu))  # MLX streams are per thread: its own, on the CPU
-        while True:
-            self._turns.get().write_next()
-
-
-WRITER = DiskWriter()
 
 
 def _unlink(path: Path, reason: str | None) -> None:

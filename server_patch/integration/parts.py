@@ -102,6 +102,7 @@ class Parts:
     traffic: Traffic
     canary: Canary
     runtimes: Runtimes = field(default_factory=Runtimes)
+    switching: threading.Lock = field(default_factory=threading.Lock)  # one model switch at a time (admin.model_switch)
 
     @classmethod
     def from_env(cls) -> "Parts":

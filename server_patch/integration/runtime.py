@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any, Callable
 from server_patch import clock, pacing
 from server_patch.disk.paths import default_disk_root, disk_enabled
 from server_patch.disk import peers
-from server_patch.disk.store import DiskStore
+from server_patch.disk.store import DiskStore, new_writer
 from server_patch.drift import DriftDetector, DriftSettings
 from server_patch.integration import journal
+from server_patch.infra.workers import Workers
 from server_patch.integration.timings import TimingBook
 from server_patch.lineage import Event, LineageCache, LineageConfig, as_tokens
 from server_patch.state import weights_hash
@@ -59,20 +60,22 @@ class LineageRuntime:
         self._boundaries: OrderedDict[tuple[int, int], SegmentInfo] = OrderedDict()  # the last few prompts'
         self.canary: Canary | None = None
         self.disk: DiskStore | None = None
+        self.workers = Workers()  # its disk writer and ticker, closed with it (``infra.workers``)
         if disk_enabled() and why_no_disk:
             log.warning("apc_lineage: disk tier off for this run: %s", why_no_disk)
         elif disk_enabled():
             label = self.layout.kv_quant_label  # --kv-bits: its own directory, the float one kept
             root = default_disk_root() / (self.fingerprint[:16] + (f"-{label}" if label else ""))
-            self.disk = DiskStore(root, fingerprint=self.fingerprint, layout=self.layout)
+            self.disk = DiskStore(root, fingerprint=self.fingerprint, layout=self.layout,
+                                  writer=new_writer(self.workers).start())
             self.disk.peers = peers.attach(self.disk)  # the shared tier (issue 38), if configured
         self.cache = LineageCache(self.config, disk=self.disk, on_event=self._record_event, clock=clock.steady)
         self.cache.misses.sequence_listeners.append(self.drift.observe_sequence)
         # Request records and cache events also go to the on-disk journal (apcctl report).
         self.journal = journal.attach(self)
         self._closed = threading.Event()
-        self._ticker = threading.Thread(target=self._tick_loop, name="apc-lineage-tick", daemon=True)
-        self._ticker.start()
+        self._ticker = self.workers.worker("apc-lineage-tick")
+        self._ticker.submit(self._tick_loop)
         log.info("apc_lineage enabled layout=%s fingerprint=%s disk=%s entries_on_disk=%d",
                  self.layout.describe(), self.fingerprint[:16],
                  self.disk.root if self.disk else "off", len(self.cache.records()))
@@ -162,8 +165,9 @@ class LineageRuntime:
             log.warning("apc_lineage flush at close failed: %s", exc)
         self.cache.close()
         self._closed.set()
-        self._ticker.join(timeout)
+        self._ticker.close(timeout)
         complete = self.disk.close(timeout) if self.disk is not None else True
+        self.workers.close(timeout)  # their threads go back to the park, for the next runtime
         if self.journal is not None:
             self.journal.close()
         log.info("apc_lineage runtime %s closed (its model was unloaded); unwritten entries %s",

@@ -82,7 +82,10 @@ class OverlayFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
-_finder: OverlayFinder | None = None
+def _active() -> OverlayFinder | None:
+    """The finder on ``sys.meta_path``, if any: the import system is where it lives (a module
+    variable beside it could disagree with it, and would be one more piece of process state)."""
+    return next((f for f in sys.meta_path if isinstance(f, OverlayFinder)), None)
 
 
 def install(registry: Mapping[str, FilePatch] | None = None) -> OverlayFinder:
@@ -91,13 +94,13 @@ def install(registry: Mapping[str, FilePatch] | None = None) -> OverlayFinder:
     Raises PatchError, with nothing installed, when an edit does not match or when a module
     it patches was already imported (that copy would stay unpatched).
     """
-    global _finder
     from server_patch.overlay.verify import verify_all
 
-    if _finder is not None and _finder in sys.meta_path:
-        if registry is not None and dict(registry) != _finder.registry:
+    finder = _active()
+    if finder is not None:
+        if registry is not None and dict(registry) != finder.registry:
             raise PatchError("the overlay is already installed with a different set of patches")
-        return _finder
+        return finder
     if registry is None:
         from server_patch.overlay.patches import load_topics
 
@@ -109,19 +112,17 @@ def install(registry: Mapping[str, FilePatch] | None = None) -> OverlayFinder:
             "install the overlay before importing mlx-vlm: already imported unpatched: "
             + ", ".join(early)
         )
-    _finder = OverlayFinder(registry)
-    sys.meta_path.insert(0, _finder)
-    return _finder
+    finder = OverlayFinder(registry)
+    sys.meta_path.insert(0, finder)
+    return finder
 
 
 def installed() -> bool:
     """Whether the overlay's finder is active in this process."""
-    return _finder is not None and _finder in sys.meta_path
+    return _active() is not None
 
 
 def uninstall() -> None:
     """Remove the finder (modules already loaded stay patched); for tests and tools."""
-    global _finder
-    if _finder is not None and _finder in sys.meta_path:
-        sys.meta_path.remove(_finder)
-    _finder = None
+    while (finder := _active()) is not None:
+        sys.meta_path.remove(finder)

@@ -24,14 +24,13 @@ import atexit
 import json
 import logging
 import os
-import queue
 import stat
-import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from server_patch import clock, settings
+from server_patch.infra.workers import Worker
 from server_patch.private_files import FILE_MODE, open_private, private_dir
 
 ENV_FLAG = "APC_PROFILE_FLAG"
@@ -99,7 +98,7 @@ def is_enabled(path: Optional[os.PathLike] = None) -> bool:
 def read_records(limit: int = 10, path: Optional[os.PathLike] = None) -> list[dict]:
     """The last ``limit`` records from the log file (empty if there is none), after this
     process's queued ones are written."""
-    WRITER.drain()
+    PROFILE_LOG.drain()
     try:
         fd = open_regular(log_path(path), os.O_RDONLY)
     except FileNotFoundError:
@@ -126,39 +125,25 @@ def open_regular(path: Path, flags: int) -> int:
 
 
 class LogWriter:
-    """Appends records to the log on its own thread: the generation thread only queues."""
+    """Appends records to the log on a worker thread (``infra.workers``): the generation thread
+    only queues, and a full queue drops the record (never a wait)."""
 
     def __init__(self) -> None:
-        self._lines: queue.Queue[str] = queue.Queue(QUEUED_LINES)
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
+        self._worker = Worker("apc-profile-log", capacity=QUEUED_LINES)
+        self._exit_hook = False
         self.dropped = 0
 
     def submit(self, line: str) -> None:
-        try:
-            self._lines.put_nowait(line)
-        except queue.Full:
+        if not self._worker.submit(lambda: self._append(line)):
             self.dropped += 1
             return
-        with self._start_lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="apc-profile-log", daemon=True)
-                self._thread.start()
-                atexit.register(self.drain)
+        if not self._exit_hook:
+            self._exit_hook = True
+            atexit.register(self.drain)
 
     def drain(self, timeout: float = 2.0) -> None:
         """Wait (up to ``timeout``) for the queued records to be written: at exit."""
-        done = threading.Event()
-        threading.Thread(target=lambda: (self._lines.join(), done.set()), daemon=True).start()
-        done.wait(timeout)
-
-    def _run(self) -> None:
-        while True:
-            line = self._lines.get()
-            try:
-                self._append(line)
-            finally:
-                self._lines.task_done()
+        self._worker.drain(timeout)
 
     @staticmethod
     def _append(line: str) -> None:
@@ -174,7 +159,10 @@ class LogWriter:
             logger.warning("layer profile not written: %s", error)
 
 
-WRITER = LogWriter()
+# The process's one profile log, on purpose (a registered process-level object, ``tests/test_layout.py``):
+# the flag file and the log belong to the process, not to a model (a switch keeps profiling on),
+# and what it holds is lines of the process's forwards, no runtime's state.
+PROFILE_LOG = LogWriter()
 
 
 class ForwardTimer:
@@ -252,5 +240,5 @@ def end_forward(hidden: Any) -> Optional[dict]:
     record = timer.record()
     line = json.dumps(record, sort_keys=True)
     logger.info("layer profile %s", line)
-    WRITER.submit(line)  # never open() on the generation thread: the log could be a FIFO
+    PROFILE_LOG.submit(line)  # never open() on the generation thread: the log could be a FIFO
     return record

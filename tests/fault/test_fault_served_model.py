@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import threading
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -140,27 +139,30 @@ def test_serve_flags_and_config_keys_reach_the_server_environment(tmp_path: Path
 
 def test_a_closed_cache_and_store_write_nothing_more(tmp_path: Path, model: Any, layout: Any) -> None:
     """What a replaced runtime's close leaves: a draining generation's commit is refused and a
-    write is refused at once (the entry stays unwritten); stores share the one writer thread."""
+    write is refused at once (the entry stays unwritten); the next store's writer runs on the
+    closed one's thread (``infra.workers``: MLX never frees a thread's stream)."""
     from tests.fake_model import random_tokens
     from server_patch.disk.space import DiskUnavailable
+    from server_patch.infra.workers import PARK
     from tests.disk.test_disk_store import make_cache, serve
 
     cache, store = make_cache(tmp_path, layout)
     _, entry, _ = serve(cache, model, layout, random_tokens(120, 1))
     cache.flush()
     assert store.close(timeout=60) is True and store.closed
+    started = PARK.counts()["threads"]
     assert [f.name for f in tmp_path.glob("*.safetensors")] == [f"{entry.id}.safetensors"]
     cache.close()
     _, late, _ = serve(cache, model, layout, random_tokens(120, 2))  # committed after the close
     assert late is None and cache.stats["refused_closed"] == 1 and [e.id for e in cache.entries()] == [entry.id]
     with pytest.raises(DiskUnavailable, match="closed"):
         store.write(entry, lambda *_: None)
-    # Another store on the directory (the next runtime) writes through the same thread.
+    # Another store on the directory (the next runtime) writes on the same thread, lent again.
     again, second = make_cache(tmp_path, layout)
     serve(again, model, layout, random_tokens(120, 3))
     assert again.flush() == 1 and second.flush(timeout=60)
     assert len(list(tmp_path.glob("*.safetensors"))) == 2
-    assert [t.name for t in threading.enumerate()].count("apc-lineage-disk") == 1
+    assert PARK.counts()["threads"] == started  # no thread started for it
 
 
 # --- the real server ---------------------------------------------------------------------------------
@@ -302,6 +304,7 @@ def test_each_switch_closes_the_runtime_it_replaces(server: PatchedServer, copy_
     models = [str(server.model_dir), str(copy_dir)]
     conversation = chat_body(models[0], seed=77, words=60)
     threads: list[int] = []
+    parked: list[dict[str, int]] = []
     for round_ in range(6):
         model = models[round_ % 2]
         status, _, state = call(server, "POST", "/admin/model", {"model": model}, token=server.token)
@@ -316,13 +319,16 @@ def test_each_switch_closes_the_runtime_it_replaces(server: PatchedServer, copy_
         else:
             assert call(server, "POST", "/v1/chat/completions", chat_body(model, round_), token=None)[0] == 200
         lineage = model_state(server)["lineage"]
-        # One runtime, one ticker, the process's one disk writer; the journal open once.
+        # One runtime, its ticker and disk writer (the replaced runtime's closed); the journal open once.
         assert lineage["open_runtimes"] == 1 and lineage["threads"] == ["apc-lineage-disk", "apc-lineage-tick"]
         assert journal_opens(server.pid) == 1
         threads.append(psutil.Process(server.pid).num_threads())
+        parked.append(lineage["worker_threads"])
+    # The workers' threads are the closed runtime's, lent again (infra.workers): none started per switch.
+    assert parked[0]["threads"] >= 2 and all(p == parked[0] for p in parked), parked
     # Native threads: mlx-vlm starts a generation thread per load, and MLX never frees the stream
-    # thread of a thread that ran MLX work: one per switch is left (before: four, two of them
-    # ours); the bound leaves one more per switch for a thread pool that grows.
+    # thread of a thread that ran MLX work: one per switch is left, mlx-vlm's (before: four, two
+    # of them ours); the bound leaves one more per switch for a thread pool that grows.
     assert threads[-1] - threads[1] <= 2 * (len(threads) - 2), threads
     # ... was written by the close, so the same model restores it from disk after the switches.
     assert model_state(server)["loaded_model"] == models[1]

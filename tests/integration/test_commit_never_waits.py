@@ -193,17 +193,16 @@ class StalledThread:
     def __init__(self) -> None:
         self.turns: list[Any] = []
 
-    def submit(self, store: Any) -> None:
-        self.turns.append(store)
+    def submit(self, job: Any) -> bool:
+        self.turns.append(job)
+        return True
 
 
 def test_the_real_disk_stores_write_reads_no_free_space_and_opens_no_file_on_the_commit_path(
-        tmp_path, monkeypatch: pytest.MonkeyPatch, commit_path: CommitPath) -> None:
+        tmp_path, commit_path: CommitPath) -> None:
     commit_path.armed = False
     writer = StalledThread()
-    monkeypatch.setattr(disk_store, "WRITER", writer)
-
-    store = disk_store.DiskStore(tmp_path, fingerprint="fp", layout=CacheLayout([]))
+    store = disk_store.DiskStore(tmp_path, fingerprint="fp", layout=CacheLayout([]), writer=writer)
     cache = LineageCache(LineageConfig(ram_budget_bytes=int(2.5 * ENTRY_BYTES), periodic_stride=0,
                                        guard_min_suffix=10_000), disk=store, clock=Clock())
     with commit_path.watching():
