@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ class Sent:
     kind: str
     messages: list[dict[str, Any]]
     answer: dict[str, Any]
+    at: float = field(default_factory=time.monotonic)  # when the answer came (monotonic seconds)
 
     @property
     def prompt_tokens(self) -> int:
@@ -100,20 +102,22 @@ class TraceResult:
 
 
 def replay(url: str, *, model: str | None, requests: int, max_tokens: int, tenant: str, routing_key: str = "",
-           agents: int = 1, seed: int = 0, extra: dict[str, Any] | None = None, trace: str = "agents") -> TraceResult:
+           agents: int = 1, seed: int = 0, extra: dict[str, Any] | None = None, trace: str = "agents",
+           gate: Callable[[], None] | None = None) -> TraceResult:
     """Send ``trace`` (one of ``TRACES``) to ``url`` from ``agents`` clients at once and keep the answers.
 
     Each client is the trace with its own seed (its own system prompts and questions), sends one
     request at a time as an agent does, and gets ``requests // agents`` of the requests. The
     clients run side by side, as several users of one fleet do. ``tenant`` keeps the run's cache
-    entries its own (see the module docstring for how it crosses the gateway).
+    entries its own (see the module docstring for how it crosses the gateway). ``gate`` is called
+    by each client before each request (it may hold the client: ``roll_bench.Schedule``).
     """
     kind = TRACES[trace]
     runs = []
     for agent in range(agents):
         client = RecordingClient(url, timeout=300.0, tenant=tenant, routing_key=routing_key, extra=dict(extra or {}))
         traffic = kind(client, seed=seed + agent, model=model, max_requests=requests // agents,
-                       max_tokens=max_tokens, on_request=_tracker(client, agent))
+                       max_tokens=max_tokens, on_request=_tracker(client, agent, gate))
         runs.append((client, traffic))
     threads = [traffic.start() for _, traffic in runs]
     for thread in threads:
@@ -130,10 +134,12 @@ def system_prompts(agents: int, seed: int = 0) -> list[str]:
     return prompts
 
 
-def _tracker(client: RecordingClient, agent: int) -> Callable[[str, str], None]:
+def _tracker(client: RecordingClient, agent: int, gate: Callable[[], None] | None = None) -> Callable[[str, str], None]:
     """Keeps the conversation of the next request on the client (its routing key, when sent)."""
 
     def on_request(conversation: str, kind: str) -> None:
+        if gate is not None:
+            gate()
         client.conversation = (f"agent{agent}/{conversation}", kind)
 
     return on_request
