@@ -13,7 +13,9 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 # mlx_vlm/models/glm5_next/language.py: _MAX_PROJECTED_PREFILL_TOKENS
 PROJECTED_MAX_TOKENS = 32768
@@ -176,3 +178,29 @@ def sizes_from_report(report: Any) -> StateSizes:
         attention_layers=kv_layers, full_indexer_layers=0, linear_layers=snapshot_layers,
         latent_per_token=report.kv_bytes_per_token, index_valid_per_token=0, pooled_keys_per_token=0,
         projected_per_token=0, recurrent_bytes=report.snapshot_bytes, conv_bytes=0)
+
+
+# Snapshots an entry may hold beyond its checkpoint cap: its head, its prompt end (reply reuse)
+# and the newest turn's generation-prompt start (a drift point, kept on top of the cap).
+SNAPSHOTS_PAST_CAP = 3
+
+
+def ram_to_hold(requests: Sequence[Any], sizes: StateSizes, max_checkpoints: int, anchor_bytes: int) -> int:
+    """RAM that holds every branch of a trace at once, so a lineage cache with this budget never
+    has to evict one: per branch (a request whose prompt extends no earlier request's prompt and
+    reply starts one), its longest sequence's KV and a full set of snapshots; and the anchors'
+    own cap. ``requests`` in time order (``apcctl.sim.trace.Request``)."""
+    heads: list[Any] = []  # each branch's newest sequence (prompt and reply)
+    longest: list[int] = []
+    for req in requests:
+        extends = [i for i, head in enumerate(heads)
+                   if req.n >= head.shape[0] and np.array_equal(req.tokens[:head.shape[0]], head)]
+        seen = req.seen
+        if extends:
+            i = max(extends, key=lambda k: heads[k].shape[0])
+            heads[i], longest[i] = seen, max(longest[i], int(seen.shape[0]))
+        else:
+            heads.append(seen)
+            longest.append(int(seen.shape[0]))
+    per_branch = (max_checkpoints + SNAPSHOTS_PAST_CAP) * sizes.snapshot_bytes
+    return sizes.kv_bytes(sum(longest)) + len(heads) * per_branch + anchor_bytes

@@ -70,6 +70,41 @@ def test_bundled_trace_is_small_and_full_scale():
                if r.agent != "coder-sub" and not r.agent.startswith(CLIENT_AGENTS))
 
 
+def test_the_bundled_trace_is_the_generators_seed_7_trace():
+    """``apcctl bench trace-gen agents.jsonl --seed 7 --scale full --minutes 30`` (docs/benchmarks.md):
+    every actor, the generation prompts and the reminder blocks included."""
+    from apcctl.sim.tracegen import generate
+
+    bundled = read_trace(bundled_trace_path())
+    made, meta = generate(seed=7, scale="full", minutes=30)
+    assert {k: bundled.meta[k] for k in ("seed", "scale", "minutes")} == {"seed": 7, "scale": "full", "minutes": 30}
+    assert [(r.conv, r.kind, r.tokens.tolist(), r.segments, r.gen, r.blocks) for r in bundled.requests] == \
+        [(r.conv, r.kind, r.tokens.tolist(), r.segments, r.gen, r.blocks) for r in made]
+
+
+def test_the_bundled_trace_resumes_with_a_rebuilt_first_message_and_drops_replies_on_retry():
+    """Issue 37's two patterns (the resumer actor): a resume parts from the session's previous
+    prompt at its first user message's reminder block; a retry that drops the reply parts at
+    the previous prompt's generation prompt."""
+    from server_patch.lineage.lookup import common_prefix_len
+
+    previous: dict[str, Request] = {}
+    resumes, retries = 0, 0
+    for req in read_trace(bundled_trace_path()).in_time_order():
+        before = previous.get(req.conv)
+        previous[req.conv] = req
+        if before is None or req.agent != "resumer":
+            continue
+        shared = common_prefix_len(before.tokens, req.tokens)
+        if req.kind == "resume":
+            assert before.blocks and shared == before.blocks[0], (req.index, shared, before.blocks)
+            resumes += 1
+        elif req.kind == "user_after_user":
+            assert before.gen and shared == before.n - before.gen, (req.index, shared, before.n, before.gen)
+            retries += 1
+    assert resumes >= 2 and retries >= 2
+
+
 def test_replies_round_trip_and_later_prompts_are_stored_as_deltas_into_them():
     reply = arr(7, 8, 9)
     reqs = [Request("a", 0.0, arr(1, 2, 3), reply=reply, reply_verbatim=True),
