@@ -203,10 +203,10 @@ _SCALARS: tuple[Setting, ...] = (
     _s("APC_TENANT_FROM_USER", T.BOOL, False, "Take the cache tenant from a request's `user` (OpenAI) or "
        "`metadata.user_id` (Anthropic) field when it sends no (or a blank) tenant header. The field is only as "
        "trustworthy as the client that sends it: with API keys each key stays its own namespace anyway.",
-       "tenant", "server_patch.overlay.patches.tenant"),
+       "tenant", "server_patch.tenancy.middleware"),
     _s("APC_DEFAULT_TENANT", T.TEXT, None, "mlx-vlm's tenant for a request without one (stock 0.7.10 reads it); "
        "a request with an API key or a `cache_salt` keeps it as the tenant part of its namespace.", "tenant",
-       "server_patch.overlay.patches.tenant", default_text="unset: one shared tenant"),
+       "server_patch.tenancy.middleware", default_text="unset: one shared tenant"),
     _s("APC_API_KEYS", T.LIST, (), "Inference API keys, comma-separated (`--api-key`): every route but "
        "`/health`, `/admin` and mlx-vlm's management writes (admin token) then needs `Authorization: Bearer <key>`, and each key is its own cache "
        "namespace. Set but blank stops the server.", "tenant", "server_patch.tenancy.keys", secret=True,

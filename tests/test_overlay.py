@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import json
+import re
 import sys
 import traceback
 import uuid
@@ -383,3 +385,115 @@ def test_apc_lineage_0_is_stock_mlx_vlm(start_server) -> None:
     assert "running stock mlx-vlm" in server.log_text()
     assert health["status"] == "healthy"
     assert _listening_hosts(server.pid, server.port) == {"127.0.0.1"}
+
+
+# --- what the overlay sets on mlx-vlm's objects (issue 35: an honest overlay) -----------------
+
+_ASSIGNED = re.compile(r"^[ \t]*(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)[ \t]*(?::[^=\n]+)?=(?!=)", re.M)
+# a name annotated and assigned on a line of its own, not a parameter (those end in a comma):
+# a dataclass field, or a class attribute
+_FIELD = re.compile(r"^[ \t]+([A-Za-z_]\w*)[ \t]*:[^=\n]+=(?!=)[^\n]*[^,\n]$", re.M)
+
+
+def _set_by_edits() -> dict[str, list[str]]:
+    """Attribute names each edit's new text assigns (``x.name = ...``) or adds as a class field,
+    where the pristine text it replaces did not, by name: the edits that do."""
+    found: dict[str, list[str]] = {}
+    for file_patch in load_topics().values():
+        for edit in file_patch.edits:
+            before = set(_ASSIGNED.findall(edit.old)) | set(_FIELD.findall(edit.old))
+            for name in (set(_ASSIGNED.findall(edit.new)) | set(_FIELD.findall(edit.new))) - before:
+                found.setdefault(name, []).append(edit.name)
+    return found
+
+
+def test_every_attribute_an_edit_sets_on_mlx_vlm_is_registered_and_explained() -> None:
+    from server_patch.infra import attributes
+
+    found = _set_by_edits()
+    unregistered = {name: edits for name, edits in found.items() if name not in attributes.NAMES}
+    assert not unregistered, f"register these in server_patch/infra/attributes.py: {unregistered}"
+    # every registered attribute of an mlx-vlm object is still set by an edit (no stale entry)
+    on_objects = {a.name for a in attributes.ATTRIBUTES if a.owner != attributes.APP}
+    assert on_objects <= set(found), on_objects - set(found)
+    assert all(a.why and a.set_by and a.read_by for a in attributes.ATTRIBUTES)
+
+
+def _app_state_writes(tree: ast.AST) -> list[int]:
+    """Lines that write ``<x>.state.<name>`` (assignment, ``setattr(<x>.state, ...)``, ``del``)."""
+    lines = []
+    for node in ast.walk(tree):
+        targets: list[ast.AST] = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            first = node.args[0] if node.args else None
+            if isinstance(first, ast.Attribute) and first.attr == "state":
+                lines.append(node.lineno)
+        for target in targets:
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute) \
+                    and target.value.attr == "state":
+                lines.append(target.lineno)
+    return lines
+
+
+def test_app_state_is_written_and_read_only_through_the_registry() -> None:
+    from server_patch.infra import attributes
+
+    root = Path(attributes.__file__).resolve().parents[2]
+    registry = Path(attributes.__file__).resolve()
+    wrong, reads, put = [], [], set()
+    for path in sorted((root / "server_patch").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if path.resolve() != registry:
+            wrong += [f"{path.relative_to(root)}:{line}" for line in _app_state_writes(tree)]
+            reads += [f"{path.relative_to(root)}:{n.lineno}" for n in ast.walk(tree)
+                      if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+                      and n.value.attr == "state" and n.attr.startswith("apc_")]
+        for call in ast.walk(tree):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "put_state":
+                put |= {k.arg for k in call.keywords if k.arg}
+    assert not wrong, f"app.state written outside server_patch/infra/attributes.py: {wrong}"
+    assert not reads, f"read app.state through attributes.state_of: {reads}"
+    assert put == attributes.APP_STATE, (put, attributes.APP_STATE)  # each registered value is set
+
+
+def test_the_registry_refuses_an_unregistered_app_state_name() -> None:
+    from types import SimpleNamespace
+
+    from server_patch.infra.attributes import put_state, state_of
+
+    app = SimpleNamespace(state=SimpleNamespace())
+    put_state(app, apc_admin_token="t")
+    assert state_of(app, "apc_admin_token") == "t" and state_of(app, "apc_parts") is None
+    with pytest.raises(KeyError, match="apc_token"):
+        put_state(app, apc_token="t")
+    with pytest.raises(KeyError, match="apc_token"):
+        state_of(app, "apc_token")
+    assert not hasattr(app.state, "apc_token")
+
+
+def test_topics_hold_edit_lists_only_and_edits_call_their_packages() -> None:
+    """A topic module (``overlay/patches/*.py``) is an edit list: what its edits call lives in
+    the package the topic patches in (the tenant middleware in ``tenancy``, the intake checks in
+    ``intake``, the 404 and ``/health`` fields in ``serving``), never in the overlay. Private
+    helpers that build edit text are allowed (``lineage._door_after``)."""
+    import server_patch.overlay.patches as topics
+
+    defined = {}
+    for path in sorted(Path(topics.__file__).parent.glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        public = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                  and not n.name.startswith("_")]
+        if public:
+            defined[path.name] = public
+    assert not defined, f"runtime code in topic modules: {defined}"
+    into_overlay = [(fp.module, e.name) for fp in load_topics().values() for e in fp.edits
+                    if "server_patch.overlay" in e.new]
+    assert not into_overlay, into_overlay
+    tenant = next(e for fp in load_topics().values() for e in fp.edits if e.name == "tenant.namespace")
+    assert "from server_patch.tenancy.middleware import install" in tenant.new

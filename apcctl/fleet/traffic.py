@@ -6,7 +6,7 @@ Several runs on the same servers must not reuse each other's entries: each run i
 smg 1.13 drops ``X-APC-Tenant`` (it forwards only ``authorization``, ``x-request-id``(``-*``),
 ``x-correlation-id``, ``traceparent``/``tracestate`` and ``x-smg-routing-key``) but forwards the body,
 so the tenant also goes as the OpenAI ``user`` field, which servers started with
-``APC_TENANT_FROM_USER=1`` take as the tenant (``server_patch/overlay/patches/tenant.py``).
+``APC_TENANT_FROM_USER=1`` take as the tenant (``server_patch/tenancy/middleware.py``).
 ``routing_key`` adds ``x-smg-routing-key``: ``"conversation"`` sends one key per conversation
 (what a client that knows its conversations would send), ``"agent"`` one key per agent (all the
 sessions that share its system prompts).

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server_patch import MLX_VLM_VERSION, PATCH_VERSION, clock, settings
 from server_patch.admin import schema, views
+from server_patch.infra.attributes import put_state, state_of
 from server_patch.infra.auth import TokenError, load_or_create_token, token_matches
 from server_patch.admin.flush import flush_report
 from server_patch.infra.guard import STREAMS, AdminLimits, install_outermost
@@ -76,7 +77,7 @@ def _mlx_runtime() -> Any:
 
 
 def _require_token(request: Request) -> None:
-    expected = request.app.state.apc_admin_token
+    expected = state_of(request.app, "apc_admin_token")
     if not token_matches(expected, request.headers.get("authorization")):
         raise HTTPException(401, detail="missing or wrong admin token (Authorization: Bearer <token>)",
                             headers={"WWW-Authenticate": "Bearer"})
@@ -234,7 +235,7 @@ async def new_anchor(body: NewAnchorBody, request: Request, parts: PartsDep) -> 
         payload["tools"] = body.tools
     headers = {"x-apc-tenant": body.tenant} if body.tenant else {}
     before = {e.id for e in _lineage(parts).cache.entries()} if parts.runtimes.current else set()
-    status_code, answer = await internal_chat(request.app.state.apc_inner_app, payload, headers)
+    status_code, answer = await internal_chat(state_of(request.app, "apc_inner_app"), payload, headers)
     if status_code != 200:
         raise HTTPException(422, detail=f"prefill failed: {answer}")
     anchors_now = [e for e in _lineage(parts).cache.entries() if e.is_anchor]
@@ -333,9 +334,8 @@ def install(app: FastAPI, parts: Parts) -> None:
         raise SystemExit(f"server_patch: cannot start the admin endpoint: {exc}") from None
     router.started, router.started_monotonic = clock.wall(), clock.monotonic()
     router.limits = limits
-    app.state.apc_admin_token = token
-    app.state.apc_parts = parts
-    app.state.apc_inner_app = app  # pinning prefills through the real route, counted like any request
+    # pinning prefills go through the real route (``apc_inner_app``), counted like any request
+    put_state(app, apc_admin_token=token, apc_parts=parts, apc_inner_app=app)
     app.include_router(router)
     app.add_middleware(TrafficMiddleware, traffic=parts.traffic)
     install_outermost(app, token=token, limits=limits)

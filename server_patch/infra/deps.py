@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
 
+from server_patch.infra.attributes import state_of
+
 if TYPE_CHECKING:
     from server_patch.integration.parts import Parts
     from server_patch.integration.runtime import LineageRuntime
@@ -18,7 +20,7 @@ if TYPE_CHECKING:
 
 def parts_of(request: Request) -> "Parts":
     """The parts ``install`` put on this app."""
-    parts: Parts = request.app.state.apc_parts
+    parts: Parts = state_of(request.app, "apc_parts")
     return parts
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from server_patch.infra.attributes import state_of
 from server_patch.infra.auth import token_matches
 
 ENV = "APC_METRICS_PUBLIC"
@@ -31,10 +32,10 @@ def public() -> bool:
 
 def metrics_view(request: Any, payload: dict[str, Any]) -> dict[str, Any]:
     """``payload`` (``ServerMetricsStore.snapshot()``) as this caller may see it."""
-    token = getattr(request.app.state, "apc_admin_token", None)
+    token = state_of(request.app, "apc_admin_token")
     if public() or (token and token_matches(token, request.headers.get("authorization"))):
         return payload
-    if getattr(request.app.state, "apc_api_keys_on", False):
+    if state_of(request.app, "apc_api_keys_on", False):
         from fastapi import HTTPException
 
         raise HTTPException(403, detail=KEYED_MESSAGE)

@@ -5,5 +5,6 @@ someone sent before. That is only safe between clients that may see each other's
 the namespace a request's cache entries live in is derived from what separates users: the API
 key it authenticated with, its tenant, and vLLM's per-request ``cache_salt``
 (``server_patch.tenancy.namespace``). The middleware that applies it to every inference route is
-``server_patch.overlay.patches.tenant``; docs/reliability.md has the threat model.
+``server_patch.tenancy.middleware`` (the overlay's ``tenant`` topic adds it to mlx-vlm's app);
+docs/reliability.md has the threat model.
 """

@@ -422,7 +422,7 @@ def _through_tenant_middleware(path: str, body: bytes, headers: list[tuple[bytes
     header and the body it reads."""
     import asyncio
 
-    from server_patch.overlay.patches.tenant import RequestNamespace
+    from server_patch.tenancy.middleware import RequestNamespace
 
     seen: dict[str, Any] = {}
 
@@ -465,7 +465,7 @@ def test_the_user_field_becomes_the_tenant_header_and_the_body_is_unchanged() ->
 
 
 def test_tenant_from_user_is_opt_in_and_a_bad_value_stops_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    from server_patch.overlay.patches import tenant
+    from server_patch.tenancy import middleware as tenant
 
     class App:
         added: list[Any] = []

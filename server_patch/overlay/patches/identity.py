@@ -1,6 +1,7 @@
 """Proof that the overlay is live: ``/health`` reports the patch version.
 
 Harmless on purpose: it is how a test or an operator tells a patched server from a stock one.
+The fields are ``server_patch.serving.app.health_fields``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ FILE_PATCHES = (
             name="identity.import",
             old='@app.get("/health")\nasync def health_check(request: Request):\n',
             new=(
-                "from server_patch.overlay.patches.identity import health_fields as _apc_health_fields\n"
+                "from server_patch.serving.app import health_fields as _apc_health_fields\n"
                 "\n\n"
                 '@app.get("/health")\nasync def health_check(request: Request):\n'
             ),
@@ -32,10 +33,3 @@ FILE_PATCHES = (
         ),
     ),
 )
-
-
-def health_fields() -> dict[str, str]:
-    """Extra ``/health`` keys added by the patch."""
-    from server_patch import PATCH_VERSION
-
-    return {"apc_lineage_patch": PATCH_VERSION}

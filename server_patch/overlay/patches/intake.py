@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from server_patch.overlay.edits import Edit
 from server_patch.overlay.pristine import patch_of
 
@@ -25,7 +23,7 @@ FILE_PATCHES = (
             old="app.include_router(inference_router)\n\n\n# MLX_VLM API endpoints\n",
             new=(
                 "app.include_router(inference_router)\n"
-                "from server_patch.overlay.patches.intake import install as _apc_intake_install\n"
+                "from server_patch.intake.app import install as _apc_intake_install\n"
                 "\n"
                 "_apc_intake_install(app)\n"
                 "\n\n# MLX_VLM API endpoints\n"
@@ -106,21 +104,3 @@ FILE_PATCHES = (
         ),
     ),
 )
-
-
-def install(app: Any) -> None:
-    """The watcher outside the body guard, both outside what mlx-vlm added so far; a bad limit stops here."""
-    from server_patch import settings
-    from server_patch.intake import media
-    from server_patch.intake.body import InferenceBodyGuard
-    from server_patch.intake.client_gone import ENV as CANCEL_ENV
-    from server_patch.intake.client_gone import ClientGoneWatcher
-    from server_patch.intake.limits import IntakeLimits
-
-    try:
-        limits, policy, cancel = IntakeLimits.from_env(), media.current(), bool(settings.value(CANCEL_ENV))
-    except ValueError as exc:
-        raise SystemExit(f"server_patch: {exc}") from None
-    app.add_middleware(InferenceBodyGuard, limits=limits, policy=policy)
-    if cancel:
-        app.add_middleware(ClientGoneWatcher)

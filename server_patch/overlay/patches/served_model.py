@@ -18,8 +18,6 @@ This module must not import mlx-vlm (topics load before the import hook).
 
 from __future__ import annotations
 
-from typing import Any
-
 from server_patch.overlay.edits import Edit
 from server_patch.overlay.pristine import patch_of
 
@@ -40,7 +38,7 @@ FILE_PATCHES = (
             name="served_model.install",
             old="inference_router = APIRouter(\n    dependencies=[Depends(_require_management_api_key)],\n)\n",
             new=("inference_router = APIRouter(\n    dependencies=[Depends(_require_management_api_key)],\n)\n"
-                 "from server_patch.overlay.patches.served_model import install as _apc_served_install\n"
+                 "from server_patch.serving.app import install as _apc_served_install\n"
                  "\n"
                  "_apc_served_install(app)\n"),
         ),
@@ -102,12 +100,3 @@ FILE_PATCHES = (
         ),
     ),
 )
-
-
-def install(app: Any) -> None:
-    """The 404's error shape and the origin guard; a bad setting stops the server here."""
-    from server_patch.serving import origins
-    from server_patch.serving.served import ModelNotServed, not_served_response
-
-    app.add_exception_handler(ModelNotServed, not_served_response)
-    origins.install(app)
