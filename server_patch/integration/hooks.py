@@ -102,6 +102,27 @@ def clear(site: str) -> None:
         fail_closed(exc, f"apc_copyfree pool clear at {site}", log=copyfree_log)
 
 
+def kv_rows_join(cache: Any, other: Any) -> bool:
+    """``BatchKVCache.extend``: True when ``server_patch.copyfree.batch`` joined the rows (each
+    moved once); False leaves it to mlx-vlm (``APC_COPYFREE_JOIN=0``, another cache type)."""
+    from server_patch.copyfree import batch
+
+    if not (batch.takes_over(cache) and batch.takes_over(other)):
+        return False
+    batch.extend_kv(cache, other)
+    return True
+
+
+def kv_rows_leave(cache: Any, batch_indices: Any) -> bool:
+    """``BatchKVCache.filter``: True when ``copyfree.batch`` kept the rows (each moved once)."""
+    from server_patch.copyfree import batch
+
+    if not batch.takes_over(cache):
+        return False
+    batch.filter_kv(cache, batch_indices)
+    return True
+
+
 def admissible(coordinator: Any, queue: list, extra_hash_of: Callable[[dict], int], limit: int,
                decoding: int = 0) -> int:
     """How many of the generator's queued sequences, from the first, it admits now (at most

@@ -18,9 +18,9 @@ topic's ``lineage.door_import`` imports it into ar.py), and hands it the coordin
 * server/openai.py: the clear after every non-streaming chat completion and response goes
   through the same opt-in (error paths keep their clears).
 * models/cache.py: ``BatchKVCache.extend`` and ``filter`` (a row joining or leaving the decoding
-  batch) hand a plain ``BatchKVCache`` to ``server_patch.copyfree.batch``, which moves each row
-  once at its own width (issue 40); ``APC_COPYFREE=0`` keeps mlx-vlm's methods. These call the
-  copy-free module directly: cache.py is below the integration layer and has no coordinator.
+  batch) ask the door (``kv_rows_join``, ``kv_rows_leave``) to hand a plain ``BatchKVCache`` to
+  ``server_patch.copyfree.batch``, which moves each row once at its own width (issue 40);
+  ``APC_COPYFREE=0`` or ``APC_COPYFREE_JOIN=0`` keeps mlx-vlm's methods.
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ _OPENAI_CLEAR = (
     "                gc.collect()\n"
 )
 
-# A plain BatchKVCache's join or leave, when APC_COPYFREE is on (imported at the call: cache.py
-# is imported before server_patch.copyfree can be).
+# A plain BatchKVCache's join or leave, through the door when APC_COPYFREE is on (imported at
+# the call: cache.py is imported before server_patch can be).
 _BATCH_DOOR = (
-    "        from server_patch.copyfree import batch as _apc_batch\n"
+    "        from server_patch.integration import hooks as _apc_door\n"
     "\n"
-    "        if _apc_batch.takes_over(self){also}:\n"
-    "            return _apc_batch.{call}\n"
+    "        if _apc_door.{call}:\n"
+    "            return\n"
     "\n"
 )
 
@@ -249,7 +249,7 @@ FILE_PATCHES = (
             new=(
                 "        In-place filter to keep just the given indices in the cache.\n"
                 "        \"\"\"\n"
-                + _BATCH_DOOR.format(call="filter_kv(self, batch_indices)", also="")
+                + _BATCH_DOOR.format(call="kv_rows_leave(self, batch_indices)")
                 + "        if self.keys is not None:\n"
                 "            self.keys = self.keys[batch_indices]\n"
                 "            self.values = self.values[batch_indices]\n"
@@ -273,7 +273,7 @@ FILE_PATCHES = (
             new=(
                 "        In-place extend this cache with the other cache.\n"
                 "        \"\"\"\n"
-                + _BATCH_DOOR.format(call="extend_kv(self, other)", also=" and _apc_batch.takes_over(other)")
+                + _BATCH_DOOR.format(call="kv_rows_join(self, other)")
                 + "        if self.keys is None and other.keys is None:\n"
                 "            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])\n"
                 "            self.offset = mx.concatenate([self.offset, other.offset])\n"

@@ -1,0 +1,45 @@
+"""Rows joining and leaving a decoding batch the copy-free way (``copyfree.batch``, issue 40), on
+the real patched server: a long reply decodes while a conversation's restored next turn and a
+new short request join its batch and leave it again, at different widths; every answer equals
+the same request served cold and alone, and the decoding reply's record shows the joins and
+leaves it went through. Answers and records, never a time.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_request_waits import records
+from tests.server_harness import PatchedServer, assert_same_output, reply_text, text, wait_for
+
+LOGPROBS = {"logprobs": True, "top_logprobs": 5}
+
+
+@pytest.mark.server
+def test_rows_joining_and_leaving_a_decoding_batch_answer_as_cold(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with PatchedServer(tiny_model_dir, env={"TOP_LOGPROBS_K": "5"}, log_dir=tmp_path) as server:
+        conversation = [{"role": "system", "content": text(30, 4101)}, {"role": "user", "content": text(600, 4102)}]
+        first = server.chat(conversation, tenant="conv", max_tokens=8, **LOGPROBS)
+        next_turn = [*conversation, {"role": "assistant", "content": reply_text(first)},
+                     {"role": "user", "content": text(20, 4103)}]
+        short = [{"role": "user", "content": text(60, 4104)}]
+        long_reply = [{"role": "user", "content": text(40, 4105)}]
+
+        with ThreadPoolExecutor(3) as pool:
+            decoding = pool.submit(server.chat, long_reply, tenant="long", max_tokens=240, **LOGPROBS)
+            wait_for(lambda: any(r.ttft_ms > 0 and not r.ended for r in records(server)), "a row decoding", server)
+            warm = pool.submit(server.chat, next_turn, tenant="conv", max_tokens=24, **LOGPROBS)
+            beside = pool.submit(server.chat, short, tenant="short", max_tokens=40, **LOGPROBS)
+            answers = {"long": decoding.result(300), "warm": warm.result(300), "short": beside.result(300)}
+
+        streaming = max(records(server), key=lambda r: r.reply_tokens)
+        assert streaming.waited.get("join", 0) > 0 and streaming.waited.get("leave", 0) > 0, streaming
+        warm_record = next(r for r in records(server) if r.prompt_tokens > 600 and r.restored_tokens > 0)
+        assert warm_record.restored_tokens > 600  # the next turn joined restored, at its own width
+
+        for name, messages, tokens in (("long", long_reply, 240), ("warm", next_turn, 24), ("short", short, 40)):
+            cold = server.chat(messages, tenant=f"cold-{name}", max_tokens=tokens, **LOGPROBS)  # alone
+            assert_same_output(answers[name], cold)
