@@ -15,17 +15,18 @@ from apcctl.cli import main
 
 def test_the_join_and_the_leave_move_every_row_at_the_long_rows_width() -> None:
     out = batch_copies.run(context=300, victim=20, repeat=1)
-    per_token, width = out["kv_bytes_per_token"], 512  # 300 tokens in 256-token steps
+    per_token, width = out["kv_bytes_per_token"], 512 + 256  # 300 tokens in 256-token steps, and a decode reserve
     assert per_token > 30_000  # the bench preset: ~32 KiB of KV per token
     assert out["join_bytes"] == 2 * width * per_token  # the 20-token row grew to the joiner's width
     assert out["leave_bytes"] == width * per_token
     assert out["headroom_join_bytes"] == 300 * per_token
     assert all(out[k]["min"] <= out[k]["median"] <= out[k]["max"] for k in ("join_ms", "leave_ms", "headroom_join_ms"))
-    # Copy-free (copyfree.batch): one joint buffer with a decode step of room past the long row,
-    # each row's tokens written once; the kept 20-token row copied from its first column on.
+    # Copy-free (copyfree.batch): one joint buffer at the joiner's width (a zero buffer made
+    # ahead, or a new one), each row's tokens written once; the kept 20-token row copied from
+    # its first column on.
     assert out["copyfree_join_rows_bytes"] == (300 + 20) * per_token
-    assert out["copyfree_join_bytes"] == 2 * (300 + 256) * per_token
-    assert out["copyfree_leave_bytes"] == (300 + 256 - (300 - 20)) * per_token
+    assert out["copyfree_join_bytes"] == out["spare_join_bytes"] == 2 * width * per_token
+    assert out["copyfree_leave_bytes"] == (width - (300 - 20)) * per_token
 
 
 def test_bench_copies_prints_the_batch_rows_too() -> None:
@@ -36,3 +37,4 @@ def test_bench_copies_prints_the_batch_rows_too() -> None:
     table = CliRunner().invoke(main, ["bench", "copies", "--context", "300", "--reply", "20", "--repeat", "1"])
     assert "join a 200-token decoding row (extend)" in table.output and "join into a buffer with room" in table.output
     assert "join, copy-free (each row once)" in table.output and "after the copy-free leave" in table.output
+    assert "join, copy-free, buffer made ahead" in table.output

@@ -174,3 +174,35 @@ def test_hybrid_model_logits_equal_through_joins_and_leaves(model: Any) -> None:
     assert len(ours) == len(stock) == 11
     for step, (a, b) in enumerate(zip(stock, ours)):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=f"decode step {step}")
+
+
+# --- a joint buffer made ahead (a staged turn's join) ---------------------------------------
+
+def test_a_join_takes_the_zero_buffer_made_ahead_for_its_shape_and_gives_the_same_rows() -> None:
+    def pair() -> tuple[BatchKVCache, BatchKVCache]:
+        return (_cache(1, 2, 256, 20, [0], 16, 16, mx.bfloat16, 1),
+                _cache(1, 2, 768, 300, [0], 16, 16, mx.bfloat16, 2))
+
+    stock, other = pair()
+    stock.extend(other)
+    ours, other = pair()
+    try:
+        batch.reserve_joint([other.keys, other.values])
+        assert batch.spare_count() == 2
+        batch.extend_kv(ours, other)
+        assert batch.spare_count() == 0  # both taken: the join wrote into them
+    finally:
+        batch.drop_spares()
+    _same(stock, ours)
+    assert ours.keys.shape == (2, 2, 768, 16)
+
+
+def test_a_join_of_another_shape_leaves_the_buffer_made_ahead_alone() -> None:
+    three, other = _cache(2, 2, 256, 20, [0, 5], 16, 16, mx.bfloat16, 1), _cache(1, 2, 768, 300, [0], 16, 16, mx.bfloat16, 2)
+    try:
+        batch.reserve_joint([other.keys, other.values])  # for a 2-row joint batch
+        batch.extend_kv(three, other)  # 3 rows
+        assert batch.spare_count() == 2
+    finally:
+        batch.drop_spares()
+    assert three.keys.shape[0] == 3
