@@ -14,9 +14,12 @@ patterns (``apcctl.sim.patterns`` has them for the simulator):
 * ``edit``: a few turns, then the last user message rewritten twice;
 * ``partial``: streamed turns aborted after a few chunks, the partial reply kept in the history;
 * ``retry``: mini-swe-agent after a format error: the reply dropped, a user message appended, so
-  the prompt parts at the previous one's generation prompt (issue 37);
+  the prompt parts at the previous one's generation prompt, where it restores exactly (issue 37);
 * ``resume``: qwen-code ``-c``: the first user message (context and a date reminder block)
-  rebuilt without the reminder (issue 37).
+  rebuilt without the reminder; it restores exactly at the reminder block's start (issue 37).
+
+The exact positions come from the model's own tokenizer and template (``transformers``), the
+restored tokens from ``/admin/requests``.
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ from typing import Any, Callable
 
 import pytest
 
+from server_patch.boundaries import BPE_SLACK
 from tests.server_harness import PatchedServer, assert_same_output, cached_tokens, prompt_tokens, reply_text, text
 
 STRIDE = {"APC_LINEAGE_PERIODIC_STRIDE": "256", "APC_CHECKPOINT_INTERVAL_TOKENS": "256",
           "TOP_LOGPROBS_K": "5"}
 PARAMS = {"max_tokens": 4, "logprobs": True, "top_logprobs": 5}
 REMINDER = "\n\nSYSTEM REMINDER: " + text(300, 901)  # longer than the 256-token segment gap, as aider's
+DATE_BLOCK = "<system-reminder>\nThe current date is 2026-12-05.\n</system-reminder>"
 
 
 @dataclass
@@ -43,6 +48,8 @@ class Sent:
     lineage: dict[str, Any]
     stock: dict[str, Any]
     cold: dict[str, Any]
+    messages: list[dict[str, Any]]
+    record: dict[str, Any]  # the lineage server's /admin/requests record of it
 
 
 class Client:
@@ -55,9 +62,12 @@ class Client:
     def chat(self, messages: list[dict]) -> dict[str, Any]:
         tenant = f"agent-{self.pattern}"
         answer = self.lineage.chat(messages, tenant=tenant, **PARAMS)
+        status, body = self.lineage.admin("GET", "/requests?limit=5")
+        assert status == 200, body
+        record = max(body["requests"], key=lambda r: r["seq"])
         reference = self.stock.chat(messages, tenant=tenant, **PARAMS)
         cold = self.lineage.chat(messages, tenant=f"cold-{self.pattern}-{len(self.sent)}", **PARAMS)
-        self.sent.append(Sent(self.pattern, len(self.sent), answer, reference, cold))
+        self.sent.append(Sent(self.pattern, len(self.sent), answer, reference, cold, messages, record))
         return answer
 
     def abort(self, messages: list[dict], chunks: int = 2) -> str:
@@ -124,7 +134,7 @@ def retry_dropping_the_reply(client: Client) -> None:
 
 def resume_with_a_rebuilt_first_message(client: Client) -> None:
     context = text(300, 980)
-    first = context + "\n<system-reminder>\nThe current date is 2026-12-05.\n</system-reminder>"
+    first = context + "\n" + DATE_BLOCK
     history = [system(), {"role": "user", "content": first}]
     for turn in range(2):
         answer = client.chat(history)
@@ -182,19 +192,48 @@ def test_aider_turns_restore_past_the_previous_reply(sent: list[Sent]) -> None:
         assert cached_tokens(turn.lineage) >= cached_tokens(turn.stock)
 
 
+def tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def rendered(tok: Any, messages: list[dict[str, Any]], generation: bool) -> str:
+    """As mlx-vlm's server renders it (thinking off: the generation prompt is 3 tokens)."""
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, enable_thinking=False)
+
+
+def token_count(tok: Any, text_: str) -> int:
+    return len(tok.encode(text_, add_special_tokens=False))
+
+
 @pytest.mark.server
-def test_a_retry_dropping_the_reply_restores_at_the_generation_prompt(sent: list[Sent]) -> None:
+def test_a_retry_dropping_the_reply_restores_at_the_generation_prompt(sent: list[Sent], tiny_model_dir: Path) -> None:
+    """Exactly where the first prompt's generation prompt starts: its messages' tokens."""
     first, retry = [s for s in sent if s.pattern == "retry"]
-    assert cached_tokens(retry.lineage) >= prompt_tokens(first.lineage) - 3  # all but the generation prompt
+    tok = tokenizer(tiny_model_dir)
+    gen_start = token_count(tok, rendered(tok, first.messages, generation=False))
+    assert token_count(tok, rendered(tok, first.messages, generation=True)) == prompt_tokens(first.lineage)
+    assert gen_start < prompt_tokens(first.lineage)
+    assert retry.record["restored_tokens"] == cached_tokens(retry.lineage) == gen_start, retry.record
+    assert retry.record["drift"]["cause"] == "reply dropped on retry" and retry.record["drift"]["position"] == gen_start
     assert cached_tokens(retry.lineage) > cached_tokens(retry.stock)
 
 
 @pytest.mark.server
-def test_a_resume_restores_at_the_rebuilt_reminder_block(sent: list[Sent]) -> None:
+def test_a_resume_restores_at_the_rebuilt_reminder_block(sent: list[Sent], tiny_model_dir: Path) -> None:
+    """Exactly at the start of the first user message's reminder block (a plain-text seam: the
+    finder places it ``BPE_SLACK`` tokens early), past stock's 256-token snapshot."""
     turns = [s for s in sent if s.pattern == "resume"]
-    resumed = turns[-1]
+    earlier, resumed = turns[-2], turns[-1]
+    tok = tokenizer(tiny_model_dir)
+    before = rendered(tok, earlier.messages, generation=True)
+    block = token_count(tok, before[:before.index(DATE_BLOCK)]) - BPE_SLACK
+    assert block > 256
+    assert resumed.record["restored_tokens"] == cached_tokens(resumed.lineage) == block, resumed.record
+    assert resumed.record["drift"]["cause"] == "history rebuilt on resume", resumed.record["drift"]
+    assert resumed.record["drift"]["segment"] == "message 2 (user)"
     assert cached_tokens(resumed.lineage) > cached_tokens(resumed.stock)
-    assert cached_tokens(resumed.lineage) >= 300  # the system prompt and the context, past stock's 256
 
 
 @pytest.mark.server
