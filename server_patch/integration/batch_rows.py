@@ -44,6 +44,7 @@ from server_patch.integration.pending import Pending, RequestKey
 from server_patch.integration.rowlife import RowBook, RowLife, RowState
 from server_patch.integration.runtime import LineageRuntime
 from server_patch.lineage import DISK, KVAdmission, RestorePlan, flow
+from server_patch.speculative.rounds import RoundBook
 from server_patch.state import rows
 
 log = logging.getLogger("server_patch.lineage")
@@ -72,6 +73,7 @@ class BatchRows:
                  commits: Commits, book: RowBook) -> None:
         self.runtime, self.settings, self.generator, self.commits = runtime, settings, generator, commits
         self.book = book
+        self.rounds = RoundBook()  # a speculative batch's committed rounds (reply reuse)
 
     # ------------------------------------------------------------------ admission
 
@@ -141,7 +143,7 @@ class BatchRows:
         (give up the reply's state, ``LineageCache.rewind``) so the turn appends in place as it
         would without reply reuse instead of copying the entry."""
         entry = plan.entry
-        if not self._lendable_layout() or entry is None or entry.is_anchor or not self.generator.plain():
+        if not self._lendable_layout() or entry is None or entry.is_anchor or not self.generator.verified():
             return False
         return lending.has_room(entry.kv, plan.prompt_len + self.settings.decode_reserve)
 
@@ -151,7 +153,7 @@ class BatchRows:
         entry = plan.entry
         if not self._lendable_layout() or plan.checkpoint is not None or entry is None:
             return False
-        if entry.is_anchor or plan.length != entry.length or not self.generator.plain():
+        if entry.is_anchor or plan.length != entry.length or not self.generator.verified():
             return False
         return lending.lendable(entry.kv, plan.length, plan.prompt_len + self.settings.decode_reserve)
 
@@ -168,7 +170,7 @@ class BatchRows:
         entry = plan.entry
         if min_tokens <= 0 or not plan.hit or entry is None or plan.tier == DISK or plan.length < min_tokens:
             return False
-        if not self.settings.enabled or self.runtime.layout.packed or not self.generator.plain():
+        if not self.settings.enabled or self.runtime.layout.packed or not self.generator.verified():
             return False
         return not self.may_lend(plan) and not (flow.at_protected_prompt_end(plan) and self.may_rewind(plan))
 
@@ -247,7 +249,7 @@ class BatchRows:
         lone = self._deferrable(prompt_cache, uid)
         reuse = self.settings.enabled and self.reply_reuse(pending, uid)
         base = None
-        if lone or (reuse and self._base_has_room(pending, uid)):
+        if lone or (reuse and self.generator.plain() and self._base_has_room(pending, uid)):
             head = rows.capture(layout, prompt_cache, batch_idx, pending.final)
             row.deferral = Deferred(pending, head, list(prompt_cache) if lone else [], uid,
                                     time.monotonic(), shared=not lone)
@@ -288,8 +290,9 @@ class BatchRows:
         return committed
 
     def _deferrable(self, prompt_cache: Sequence[Any], uid: Any) -> bool:
-        """A lone row of a plain (non-speculative) batch: its buffer is its own to hand over."""
-        if not (self.settings.enabled and self.settings.adopt) or uid is None or not self.generator.plain():
+        """A lone row whose cache holds only verified rows when read (``GeneratorView.verified``):
+        its buffer is its own to hand over."""
+        if not (self.settings.enabled and self.settings.adopt) or uid is None or not self.generator.verified():
             return False
         return rows.batch_size(prompt_cache) == 1
 
@@ -321,10 +324,11 @@ class BatchRows:
     def reply_reuse(self, pending: Pending, uid: Any) -> bool:
         """Whether this row's entry may move past its reply when it ends. Off, explicitly:
         ``APC_LINEAGE_REPLY_REUSE=0``; the single-sequence path (no uid: its loop has no
-        decode hook); draft-model batches (``SpeculativeGenerationBatch`` reports no fed ids,
-        and its caches hold draft rows it may roll back); a prompt end moved off n - 1."""
+        decode hook); a draft model whose committed rounds are not reported
+        (``GeneratorView.verified``: its caches hold draft rows it may roll back, and mlx-vlm
+        keeps no fed ids); a prompt end moved off n - 1."""
         config = self.runtime.config
-        if not config.reply_reuse or uid is None or not self.generator.plain():
+        if not config.reply_reuse or uid is None or not self.generator.verified():
             return False
         return pending.final == int(pending.tokens.shape[0]) - config.entry_offset
 
@@ -332,6 +336,15 @@ class BatchRows:
         """Record the ids row ``uid`` is fed from now on (``head``: its prompt-end state)."""
         if self.reply_reuse(row.pending, uid):
             row.reply = Reply(row.pending, head, row.record)
+
+    def verified_round(self, batch: Any, verify_input: Any, accepted: Sequence[int], active: Sequence[int]) -> None:
+        """A speculative batch committed a round (``speculative.rounds``): each tracked reply
+        grows by the ids its row's cache kept."""
+        self.rounds.committed(batch, verify_input, accepted, active, self._fed)
+
+    def _fed(self, uid: Any, ids: list[int]) -> None:
+        if (row := self.book.by_uid(uid)) is not None and row.reply is not None:
+            row.reply.fed.extend(ids)
 
     def _base_has_room(self, pending: Pending, uid: Any) -> bool:
         """A row that restored at an entry's head whose buffer has room for its whole reply
@@ -385,6 +398,28 @@ class BatchRows:
             if row.loan is not None:
                 self._end_loan(row, batch.prompt_cache if alone else None, reason="end")
             self.book.end(row, "leaving")
+
+    def verified_leaving(self, batch: Any, uids: Sequence[Any]) -> None:
+        """Rows ``uids`` of a speculative batch finished: ``leaving`` over its rows as the last
+        committed round left them (``RoundBook.view``). A row that view does not hold (no round
+        yet, or bookkeeping that does not match the cache) keeps its prompt-end entry: its
+        reply is not stored."""
+        view = self.rounds.view(batch)
+        held = view.uids if view is not None else []
+        for uid in uids:
+            if uid not in held and (row := self.book.by_uid(uid)) is not None:
+                if row.reply is not None:
+                    log.info("apc_lineage reply of uid=%s not kept: its speculative rounds do not "
+                             "account for its cache (entry stays at the prompt end)", uid)
+                row.reply = None
+                if row.deferral is not None and not row.deferral.shared:  # a lone row: nothing writes it now
+                    self.commit(row, row.deferral.caches, 0, adopt=True, reason="end")
+                if row.loan is not None:
+                    self._end_loan(row, None, reason="end")
+                self.book.end(row, "leaving")
+        if view is not None:
+            going = set(uids)
+            self.leaving(view, [i for i, uid in enumerate(view.uids) if uid not in going])
 
     def joining(self, existing: Any, incoming: Any) -> None:
         """Before ``existing.extend(incoming)``: a lone row's buffer is about to be replaced by

@@ -261,6 +261,17 @@ class LineageCoordinator(APCCoordinator):
         if self.lineage is not None:
             self.lineage.rows.leaving(batch, keep)
 
+    def speculative_round(self, batch: Any, verify_input: Any, accepted: Sequence[int],
+                          active: Sequence[int]) -> None:
+        """A speculative batch committed a round: what each row's cache kept."""
+        if self.lineage is not None:
+            self.lineage.rows.verified_round(batch, verify_input, accepted, active)
+
+    def speculative_rows_leaving(self, batch: Any, uids: Sequence[Any]) -> None:
+        """Rows of a speculative batch finished: they stop writing their caches now."""
+        if self.lineage is not None:
+            self.lineage.rows.verified_leaving(batch, uids)
+
     def batches_joining(self, existing: Any, incoming: Any) -> None:
         """Before ``existing.extend(incoming)``: lone rows' buffers are about to be replaced."""
         if self.lineage is not None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional
 
+from server_patch.speculative.rounds import reports_rounds
+
 _BATCHES = ("_generation_batch", "_prompt_batch")
 
 
@@ -31,14 +33,22 @@ class GeneratorView:
         """Where row ``uid`` is now: (its batch's caches, its index) in the decoding batch or
         the prompt batch; None if neither holds it."""
         found = self._find(uid)
-        return None if found is None else (list(found[0].prompt_cache), found[1])
+        if found is None or getattr(found[0], "is_speculative", False):
+            return None  # its cache rows follow its rounds, not its uids (``BatchRows.rounds``)
+        return list(found[0].prompt_cache), found[1]
 
     def max_tokens_of(self, uid: Any) -> Optional[int]:
         """The ``max_tokens`` row ``uid`` was admitted with (mlx-vlm's prompt and generation
         batches keep one per row); None if no batch holds it or it has none."""
         found = self._find(uid)
-        limits = getattr(found[0], "max_tokens", None) if found is not None else None
-        return int(limits[found[1]]) if isinstance(limits, list) and found[1] < len(limits) else None
+        if found is None:
+            return None
+        batch, idx = found
+        every = getattr(batch, "_all_uids", None)  # a speculative batch keeps one per row it began with
+        if isinstance(every, list) and uid in every:
+            idx = every.index(uid)
+        limits = getattr(batch, "max_tokens", None)
+        return int(limits[idx]) if isinstance(limits, list) and idx < len(limits) else None
 
     def _find(self, uid: Any) -> Optional[tuple[Any, int]]:
         """(the batch, the row's index) of row ``uid``: decoding first, then prefilling."""
@@ -51,10 +61,19 @@ class GeneratorView:
         return None
 
     def plain(self) -> bool:
-        """A generator is attached and it has no draft model (``SpeculativeGenerationBatch``
-        reports no fed ids, and its caches hold draft rows it may roll back)."""
+        """A generator is attached and it has no draft model."""
         generator = self.generator
         return generator is not None and getattr(generator, "draft_model", None) is None
+
+    def verified(self) -> bool:
+        """A generator is attached and every row's cache holds only verified tokens whenever
+        the coordinator reads it: it has no draft model, or it speculates with a draft kind
+        whose committed rounds are reported (``speculative.rounds``: mlx-vlm's
+        ``SpeculativeGenerationBatch`` reports no fed ids, and writes draft rows it trims and
+        rolls back within a round, between the coordinator's reads)."""
+        generator = self.generator
+        return generator is not None and (getattr(generator, "draft_model", None) is None
+                                          or reports_rounds(generator))
 
     def active_uids(self) -> set[Any] | None:
         """Every row in either batch; None if no generator is attached (nothing is known)."""

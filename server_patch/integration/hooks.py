@@ -16,7 +16,8 @@ None of these raises into mlx-vlm: a failure is logged (and re-raised under
   whose merge copy stages, waits), ``prefetch`` (every step: their loads and copies start);
 * the batch generator's prefill: ``prefill_step`` (decode-aware chunks, ``server_patch.pacing``);
 * the batch generator's rows: ``lookup`` (with the row's uid), ``generator_started``, ``rows_bound``, ``rows_decoded``,
-  ``rows_leaving``, ``batches_joining``, ``request_removed``; the buffer pool: ``clear``;
+  ``rows_leaving``, ``batches_joining``, ``request_removed``; a speculative batch's
+  ``speculative_round`` and ``speculative_rows_leaving``; the buffer pool: ``clear``;
 * the server's request events: ``prefill_completed``, ``first_token``, ``queued_tokens``,
   ``cancelled``; the idle loop: ``idle``; a cache reset: ``cache_cleared``; stock's figures:
   ``stock_stats``; the model's end:
@@ -286,6 +287,22 @@ def rows_decoded(coordinator: Any, batch: Any, tokens: Sequence[int]) -> None:
             book.close_gaps(list(batch.uids))
     except Exception as exc:  # a timing record must never fail the generation thread
         log.debug("apc_lineage gaps not closed: %s", exc)
+
+
+def speculative_round(coordinator: Any, batch: Any, verify_input: Any, accepted: Sequence[int],
+                      active: Sequence[int]) -> None:
+    """After ``_mtp_rounds_batch`` committed a round of ``SpeculativeGenerationBatch`` ``batch``:
+    cache row ``j`` kept ``verify_input[j, :accepted[j] + 1]`` and is ``batch._all_uids[active[j]]``."""
+    _tell(coordinator, "apc_speculative round hook",
+          lambda lineage: lineage.speculative_round(batch, verify_input, accepted, active))
+
+
+def speculative_rows_leaving(coordinator: Any, batch: Any, uids: Sequence[Any]) -> None:
+    """Rows ``uids`` of a ``SpeculativeGenerationBatch`` finished (before it filters or releases
+    its cache)."""
+    if uids:
+        pool.touch()
+        _tell(coordinator, "apc_speculative leave hook", lambda lineage: lineage.speculative_rows_leaving(batch, uids))
 
 
 # Decorators the overlay puts on mlx-vlm's batch methods (``overlay/patches/copyfree.py``): each

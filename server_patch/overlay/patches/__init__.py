@@ -13,7 +13,7 @@ import importlib
 from server_patch.overlay.edits import FilePatch, register
 
 TOPICS = ("canary", "copyfree", "identity", "intake", "lineage", "loading", "pacing", "served_model",
-          "sparse_attention", "stock_stats", "tenant", "weights_path")
+          "sparse_attention", "speculative", "stock_stats", "tenant", "weights_path")
 
 
 def load_topics() -> dict[str, FilePatch]:

@@ -1,0 +1,83 @@
+"""Reply reuse and copy-free admission under speculation, on a real server with the tiny model's
+MTP drafter: a conversation that re-sends its replies restores past each reply, prefills no more
+than the same conversation without a drafter, and every answer equals a cold drafter server's
+and the no-drafter server's.
+
+The conversation is test_e2e_reply_reuse's (the tiny template re-renders a reply verbatim), sent
+without logprobs (a drafter server refuses them). Restored tokens are read from each request's
+``/admin/requests`` record, with the reply the request stored (``reply_tokens``) and how its KV
+reached the batch (``admission``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e import test_e2e_reply_reuse as reuse
+from tests.e2e.test_e2e_reply_reuse import converse, tokenizer  # noqa: F401 (the fixture)
+from tests.server_harness import PatchedServer, all_running, cached_tokens
+from tests.speculative.test_spec_server import PARAMS, _cold, _drafter_args, assert_same_tokens
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir: Path, tiny_drafter_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("spec-replies")
+    started = {
+        "draft": PatchedServer(tiny_model_dir, log_dir=root / "draft", args=_drafter_args(tiny_drafter_dir)),
+        "plain": PatchedServer(tiny_model_dir, log_dir=root / "plain"),
+    }
+    with all_running(started):
+        yield started
+
+
+def _records(server: PatchedServer, since: int) -> list[dict[str, Any]]:
+    status, body = server.admin("GET", f"/requests?since={since}")
+    assert status == 200, body
+    return sorted(body["requests"], key=lambda record: record["seq"])
+
+
+def _last_seq(server: PatchedServer) -> int:
+    status, body = server.admin("GET", "/requests")
+    assert status == 200, body
+    return max((record["seq"] for record in body["requests"]), default=0)
+
+
+def _conversation(server: PatchedServer, tokenizer: Any, tenant: str) -> tuple[list[Any], list[dict[str, Any]]]:
+    """The conversation's turns and their request records, oldest first."""
+    since = _last_seq(server)
+    turns = converse(server, tokenizer, tenant)
+    records = _records(server, since)
+    assert len(records) == len(turns), records
+    return turns, records
+
+
+@pytest.mark.server
+def test_replies_under_speculation_are_reused_and_answer_as_cold_and_without(
+        servers: dict[str, PatchedServer], tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    monkeypatch.setattr(reuse, "PARAMS", PARAMS)  # test_spec_server's: no logprobs, 24 tokens
+    monkeypatch.setattr(reuse, "MAX_TOKENS", PARAMS["max_tokens"])
+    draft, plain = servers["draft"], servers["plain"]
+    spec, spec_records = _conversation(draft, tokenizer, "spec-replies")
+    without, without_records = _conversation(plain, tokenizer, "plain-replies")
+    assert [t.reply for t in spec] == [t.reply for t in without]  # the same conversation
+    summary = [[(r["prompt_tokens"], r["restored_tokens"], r["reply_tokens"], r["kv_admission"]) for r in records]
+               for records in (spec_records, without_records)]
+    # Copy-free admission as without a drafter: each warm turn is lent its entry's buffer.
+    admissions = [[r["kv_admission"] for r in records[1:]] for records in (spec_records, without_records)]
+    assert admissions[0] == admissions[1] and "lent" in admissions[1], summary
+    for k in range(1, len(spec)):
+        previous, record, same = spec[k - 1], spec_records[k], without_records[k]
+        fed = spec_records[k - 1]["reply_tokens"]  # the reply ids its row's cache verified
+        # Every emitted id but the last is verified into the cache (the target's own last token
+        # is emitted, never fed); the entry's head is prompt + those, and the next turn
+        # restores there: past the reply, at most the one unfed token short of a plain server
+        # (whose pipelined step feeds its last id too). docs/models.md, "Reply reuse".
+        assert 0 <= int(previous.answer["usage"]["completion_tokens"]) - fed <= 1, summary
+        assert record["restored_tokens"] == cached_tokens(spec[k].answer) == len(previous.prompt) + fed, summary
+        assert record["restored_tokens"] >= same["restored_tokens"] - 1, summary
+    for k, turn in enumerate(spec):
+        assert_same_tokens(turn.answer, _cold(draft, turn.messages))
+        assert_same_tokens(turn.answer, without[k].answer)
