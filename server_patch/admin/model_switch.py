@@ -4,7 +4,8 @@ A request naming another model gets 404 ``model_not_found`` (``server_patch.serv
 an operator switches here instead. The switch loads the new model as mlx-vlm's request path
 would (``get_cached_model``): the old model is unloaded first, requests in flight on it end,
 and its lineage runtime is closed (unwritten entries written for at most
-``APC_LINEAGE_SHUTDOWN_FLUSH_S``, then its threads and journal end). A load that fails serves
+``APC_LINEAGE_SHUTDOWN_FLUSH_S``, then its journal ends and its workers close, their threads
+going back to the process's park for the next runtime: ``infra.workers``). A load that fails serves
 the old model again. Mounted inside the admin router, so the token and the guard apply.
 """
 
