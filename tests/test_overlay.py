@@ -414,8 +414,7 @@ def test_every_attribute_an_edit_sets_on_mlx_vlm_is_registered_and_explained() -
     unregistered = {name: edits for name, edits in found.items() if name not in attributes.NAMES}
     assert not unregistered, f"register these in server_patch/infra/attributes.py: {unregistered}"
     # every registered attribute of an mlx-vlm object is still set by an edit (no stale entry)
-    on_objects = {a.name for a in attributes.ATTRIBUTES if a.owner != attributes.APP}
-    assert on_objects <= set(found), on_objects - set(found)
+    assert attributes.NAMES <= set(found), attributes.NAMES - set(found)
     assert all(a.why and a.set_by and a.read_by for a in attributes.ATTRIBUTES)
 
 
@@ -458,6 +457,47 @@ def test_app_state_is_written_and_read_only_through_the_registry() -> None:
     assert not wrong, f"app.state written outside server_patch/infra/attributes.py: {wrong}"
     assert not reads, f"read app.state through attributes.state_of: {reads}"
     assert put == attributes.APP_STATE, (put, attributes.APP_STATE)  # each registered value is set
+
+
+def _mlx_vlm_attributes_assigned(tree: ast.AST) -> set[str]:
+    """``Class.attr`` (or ``module.attr``) for each assignment to something a module imported from
+    mlx-vlm (``import mlx_vlm.models.cache as c``: ``c.KVCache.extract = ...``)."""
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {(a.asname or a.name.split(".")[0]): a.name for a in node.names if a.name.startswith("mlx_vlm")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlx_vlm"):
+            aliases |= {(a.asname or a.name): f"{node.module}.{a.name}" for a in node.names}
+    found = set()
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+            targets = [ast.Attribute(value=node.args[0], attr=str(node.args[1].value))]
+        for target in targets:
+            chain = []
+            while isinstance(target, ast.Attribute):
+                chain.insert(0, target.attr)
+                target = target.value
+            if chain and isinstance(target, ast.Name) and target.id in aliases:
+                owner = chain[-2] if len(chain) > 1 else aliases[target.id].rsplit(".", 1)[-1]
+                found.add(f"{owner}.{chain[-1]}")
+    return found
+
+
+def test_modules_set_on_mlx_vlm_only_what_the_registry_lists() -> None:
+    """Outside the edits, only the copy counter (measurement) replaces anything of mlx-vlm's, and
+    exactly the methods ``attributes.COUNTER_WRAPS`` lists."""
+    from server_patch.infra import attributes
+
+    root = Path(attributes.__file__).resolve().parents[2]
+    found = {}
+    for path in sorted((root / "server_patch").rglob("*.py")):
+        for name in _mlx_vlm_attributes_assigned(ast.parse(path.read_text(encoding="utf-8"))):
+            found[name] = path.relative_to(root).as_posix()
+    assert set(found) == attributes.COUNTER_WRAPS, (set(found) ^ attributes.COUNTER_WRAPS)
+    assert set(found.values()) == {"server_patch/copyfree/counter.py"}
 
 
 def test_the_registry_refuses_an_unregistered_app_state_name() -> None:
