@@ -18,7 +18,7 @@ import pytest
 
 from tests.e2e import test_e2e_reply_reuse as reuse
 from tests.e2e.test_e2e_reply_reuse import converse, tokenizer  # noqa: F401 (the fixture)
-from tests.server_harness import PatchedServer, all_running, cached_tokens
+from tests.server_harness import PatchedServer, all_running, cached_tokens, text
 from tests.speculative.test_spec_server import PARAMS, _cold, _drafter_args, assert_same_tokens
 
 
@@ -81,3 +81,55 @@ def test_replies_under_speculation_are_reused_and_answer_as_cold_and_without(
     for k, turn in enumerate(spec):
         assert_same_tokens(turn.answer, _cold(draft, turn.messages))
         assert_same_tokens(turn.answer, without[k].answer)
+
+
+@pytest.mark.server
+def test_rows_speculating_in_one_batch_each_keep_their_own_reply(
+        servers: dict[str, PatchedServer], tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Two second turns queued together share one speculative batch (its cache rows follow its
+    rounds, not its uids: the rows' replies are read back by the rounds' row order); each
+    third turn restores past its own second reply and answers as cold and as without a drafter.
+    They queue behind a long stream: a decoding speculative batch admits nothing, so both wait
+    and are admitted into one prompt batch when it ends."""
+    import threading
+
+    from tests.integration.test_pacing import Stream
+
+    monkeypatch.setattr(reuse, "PARAMS", PARAMS)
+    monkeypatch.setattr(reuse, "MAX_TOKENS", PARAMS["max_tokens"])
+    draft, plain = servers["draft"], servers["plain"]
+    tenants = ("pair-a", "pair-b")
+    firsts = [reuse.ask(draft, tokenizer, [{"role": "system", "content": text(50 + 9 * k, 501 + k)},
+                                           {"role": "user", "content": text(14, 511 + k)}], tenant)
+              for k, tenant in enumerate(tenants)]
+    shared_before = draft.log_text().count("apc_lineage reply kept")
+    seconds: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def send(tenant: str, first: Any, k: int) -> None:
+        try:
+            seconds[tenant] = reuse.ask(draft, tokenizer, reuse.follow_up(first, text(12, 521 + k)), tenant)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    blocker = Stream(draft, max_tokens=600, seed=541)
+    blocker.start()
+    assert blocker.decoding.wait(300)
+    threads = [threading.Thread(target=send, args=(t, f, k)) for k, (t, f) in enumerate(zip(tenants, firsts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    blocker.join()
+    assert not errors, errors
+    # Both rows ended in a shared batch and kept their replies there (a lone row's is adopted,
+    # logged as a commit): the rounds' row order was used, not each row alone.
+    assert draft.log_text().count("apc_lineage reply kept") - shared_before == 2, draft.log_tail()
+    for k, tenant in enumerate(tenants):
+        second = seconds[tenant]
+        since = _last_seq(draft)
+        third = reuse.ask(draft, tokenizer, reuse.follow_up(second, text(12, 531 + k)), tenant)
+        (record,) = _records(draft, since)
+        assert record["restored_tokens"] > len(second.prompt), record  # past its own second reply
+        assert_same_tokens(third.answer, _cold(draft, third.messages))
+        assert_same_tokens(third.answer, _cold(plain, third.messages))
