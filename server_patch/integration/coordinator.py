@@ -156,7 +156,8 @@ class LineageCoordinator(APCCoordinator):
                 fail_closed(exc, f"apc_lineage restore of {plan.entry.id} at {plan.length}", log=log)
         if warm is None:  # a lent entry's rows are a loan in the way; media, a failed build: other
             admission.refuse(Lost.LOAN if plan.entry is not None and plan.entry.lent else Lost.OTHER)
-        row = lineage.book.admit(Pending(prompt, namespace, admission.plan), record, lease, uid=uid)
+        row = lineage.book.admit(Pending(prompt, namespace, admission.plan, admission=admission), record,
+                                 lease, uid=uid)
         lineage.loads.release(mine)  # admitted: the entry its file became is held no more
         record.lookup_ms = (time.perf_counter() - start) * 1000
         if warm is None:

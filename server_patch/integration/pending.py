@@ -22,6 +22,7 @@ from typing import Any, Optional
 import numpy as np
 
 from server_patch.lineage import RestorePlan
+from server_patch.lineage.flow import Admission
 
 RequestKey = tuple[str, int, int]  # (namespace, prompt length, hash of the token bytes)
 
@@ -41,7 +42,9 @@ def namespace_of(extra_hash: Any) -> str:
 
 @dataclass
 class Pending:
-    """A prompt between lookup and commit: its plan, captures asked for, captures taken.
+    """A prompt between lookup and commit: its plan, captures asked for, captures taken, and
+    its one ``admission`` (the request flow: built once, by its lookup, or at its first use
+    where it had none; its captures, prompt-end and reply commits all go through it).
     ``namespace`` is None until a store names it (a prompt that skipped lookup)."""
 
     tokens: np.ndarray
@@ -51,12 +54,24 @@ class Pending:
     wanted: dict[int, str] = field(default_factory=dict)
     taken: dict[int, tuple[str, Any]] = field(default_factory=dict)
     anchor_label: str = ""
-    last_start: int = 0  # where its last message starts (``Admission.last_start``), for the commit
-    drift_points: tuple[int, ...] = ()  # ``Admission.drift_points``, for the commit
+    admission: Optional[Admission] = None  # the request flow (``flow``), kept from the lookup on
 
     @property
     def key(self) -> tuple[Optional[str], int, int]:
         return (self.namespace, *prompt_key(self.tokens))
+
+    def flow(self, cache: Any) -> Admission:
+        """Its one admission: the lookup's, or (a prompt planned without a lookup) one built
+        here, once, at its plan in ``cache``."""
+        if self.admission is None:
+            self.admission = Admission(cache, self.tokens, self.namespace or "", self.plan)
+        return self.admission
+
+    def named(self, namespace: str) -> None:
+        """A prompt that skipped lookup is named by its first store (its admission too)."""
+        self.namespace = namespace
+        if self.admission is not None:
+            self.admission.namespace = namespace
 
 
 __all__ = ["Pending", "RequestKey", "namespace_of", "prompt_key", "request_key"]

@@ -4,7 +4,8 @@ Between lookup and the prefill end a prompt is ``Pending`` (``integration.pendin
 asks for the lengths where prefill must stop (``lengths``) and hands over the state at each
 (``take``); what is captured and what becomes the entry is the request flow's
 (``lineage.flow.Admission``: captures, commit, commit_reply), so the simulator makes the same
-choices. The boundaries a capture may use (the anchor, chat-template segments) come from the
+choices. A request has one admission, built by its lookup and kept in its pending prompt
+(``Pending.flow``): its captures, its prompt-end commit and its reply commit all use it. The boundaries a capture may use (the anchor, chat-template segments) come from the
 ``apply_chat_template`` wrapper (``integration.segments``).
 """
 
@@ -31,9 +32,8 @@ class Prefills:
         self.book = book
 
     def flow(self, pending: Pending) -> Admission:
-        """The request flow of a pending prompt, at its admitted plan."""
-        return Admission(self.runtime.cache, pending.tokens, pending.namespace or "", pending.plan,
-                         last_start=pending.last_start, drift_points=pending.drift_points)
+        """The request flow of a pending prompt, at its admitted plan: its one admission."""
+        return pending.flow(self.runtime.cache)
 
     # ------------------------------------------------------------------ captures
 
@@ -56,7 +56,6 @@ class Prefills:
         flow = self.flow(pending)
         captures = flow.captures(anchor_len=info.anchor_len, segments=info.segments,
                                  drift_points=self.runtime.drift_points(pending.tokens, pending.namespace or ""))
-        pending.last_start, pending.drift_points = flow.last_start, flow.drift_points
         pending.wanted = {c.length: c.kind for c in captures if c.length <= pending.final}
 
     def _unlooked(self, prompt: np.ndarray) -> Pending:

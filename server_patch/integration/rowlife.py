@@ -273,7 +273,7 @@ class RowBook:
                      and r.pending.tokens.shape[0] >= length and np.array_equal(r.pending.tokens[:length], prefix)]
             for row in found:
                 if row.pending.namespace is None:
-                    row.pending.namespace = namespace
+                    row.pending.named(namespace)
             return found
 
     # ------------------------------------------------------------------ endings

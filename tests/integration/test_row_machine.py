@@ -32,6 +32,7 @@ from server_patch.integration.pending import Pending
 from server_patch.integration.rowlife import RowBook, RowState, RowStateError
 from server_patch.integration.timings import CANCELLED, PREFILL, TimingBook
 from server_patch.lineage import COLD, LineageCache, LineageConfig, RestorePlan
+from server_patch.lineage.flow import Admission
 from tests.lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
 from tests.lineage.test_lineage_policy import QueuedDisk
 
@@ -187,6 +188,24 @@ def test_a_lone_cold_request_lives_admitted_prefilling_decoding_ended_and_keeps_
     assert row.record.reply_tokens == len(reply) and row.record.commit_ms > 0
     assert len(server.book) == 0  # ended and timed: forgotten
     assert [r.seq for r in server.book.timings.all()] == [row.record.seq]
+
+
+def test_a_request_has_one_admission_from_its_lookup_to_its_reply_commit(server, monkeypatch):
+    """Issue 35: the request flow is built once, by the lookup, and kept in the row: its
+    captures, its prompt-end commit and its reply commit use it (it was rebuilt for each)."""
+    built: list[Admission] = []
+    init = Admission.__init__
+
+    def counted(self, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(Admission, "__init__", counted)
+    prompt, reply = random_tokens(40, seed=41), random_tokens(5, seed=42)
+    row = serve_turn(server, 1, prompt, reply)
+    (entry,) = server.cache.entries()
+    assert entry.length == len(prompt) + len(reply)  # captured, committed and moved past its reply
+    assert built == [row.pending.admission] and row.pending.admission.plan is row.pending.plan
 
 
 def test_the_next_turn_is_lent_the_entry_and_a_removal_mid_prefill_gives_the_rows_back(server):
