@@ -83,7 +83,7 @@ class LineageCoordinator(APCCoordinator):
                 language_model = getattr(model, "language_model", model)
                 model_dir = getattr(model, "model_path", None) or getattr(language_model, "_apc_model_path", None)
                 runtime = runtime_for(manager, language_model, model_dir)
-            book = RowBook(runtime.timings)
+            book = RowBook(runtime.timings, release=runtime.cache.release)
             prefills = Prefills(runtime, book)
             rows = BatchRows(runtime, self.copyfree, self.generator, prefills, book)
             self.lineage = _Lineage(runtime, book, prefills, rows, DiskLoads(runtime, book, rows=rows))
@@ -158,6 +158,8 @@ class LineageCoordinator(APCCoordinator):
             admission.refuse(Lost.LOAN if plan.entry is not None and plan.entry.lent else Lost.OTHER)
         row = lineage.book.admit(Pending(prompt, namespace, admission.plan, admission=admission), record,
                                  lease, uid=uid)
+        if lease is not None:  # lent before its row was named: the row's hold from now on
+            lineage.runtime.cache.own(lease.loan, row)
         lineage.loads.release(mine)  # admitted: the entry its file became is held no more
         record.lookup_ms = (time.perf_counter() - start) * 1000
         if warm is None:

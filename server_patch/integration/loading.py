@@ -57,6 +57,7 @@ from server_patch.integration.pending import Pending, RequestKey, request_key
 from server_patch.integration.rowlife import WAITING, RowBook, RowLife, RowState
 from server_patch.integration.staging import Stagings
 from server_patch.lineage import DISK
+from server_patch.lineage.holds import LOAD, RESERVED
 from server_patch.lineage.flow import NOT_AHEAD, NOT_LOADED
 from server_patch.lineage.misses import Lost
 
@@ -251,10 +252,11 @@ class DiskLoads:
         return True
 
     def release(self, row: Optional[RowLife]) -> None:
-        """What ``row``'s request holds of the cache is let go: it was admitted (its lookup
-        restored, or not), left the queue, or its load was abandoned."""
+        """What ``row``'s request holds of the cache for its wait in the queue (its load, its
+        staged copy's bytes) is let go: it was admitted (its lookup restored, or not), left the
+        queue, or its load was abandoned. A loan it was lent at its lookup stays its own."""
         if row is not None:
-            self.runtime.cache.release(row)
+            self.runtime.cache.release(row, (LOAD, RESERVED))
 
     def _stage_loaded(self, row: RowLife, prompt: np.ndarray, namespace: str) -> bool:
         """Its file loaded while others decode: the entry is promoted into RAM now, and if the
@@ -295,11 +297,15 @@ class DiskLoads:
 
     def _staged(self, row: RowLife) -> RowLife:
         """Row's staged copy is counted in the RAM budget until its lookup takes it (or it
-        leaves the queue): its request holds the copy's bytes (``LineageCache.reserve``)."""
+        leaves the queue): its request holds the copy's bytes (``LineageCache.reserve``), and
+        the entry's rows while the stager reads them (the copy's receipt, a ``LENT`` hold that
+        ends with the copy, ``staging.Stagings``)."""
         stage = row.stage
         entry = stage.entry
         nbytes = entry.kv.nbytes * stage.capacity // max(1, entry.length)  # the rows it copies, with room
         self.runtime.cache.reserve(row, f"staged:{entry.id}", nbytes)
+        if stage.receipt is not None:
+            self.runtime.cache.own(stage.receipt, row)
         return row
 
     def _stage(self, plan: Any, steps: int) -> Optional[staging.Stage]:

@@ -38,7 +38,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -136,8 +136,14 @@ class RowBook:
     store or a bind names one). Thread-safe: the generation thread moves rows, the server's
     threads finish their records."""
 
-    def __init__(self, timings: TimingBook, limit: int = ROWS_MAX) -> None:
+    def __init__(self, timings: TimingBook, limit: int = ROWS_MAX,
+                 release: Optional[Callable[[Any], Any]] = None) -> None:
+        """``release``: the cache's ``LineageCache.release``, called with a row once it is
+        forgotten (everything its request still holds of the cache is let go: the one sweep at
+        a request's end)."""
         self.timings = timings
+        self._release = release
+        self._forgotten: list[RowLife] = []  # forgotten under the lock, released after it (``_let_go``)
         self._rows: OrderedDict[int, RowLife] = OrderedDict()
         self._by_uid: dict[Any, RowLife] = {}
         self._lock = threading.Lock()
@@ -162,7 +168,9 @@ class RowBook:
     def waiting(self, pending: Pending, state: RowState, uid: Any = None, **work: Any) -> RowLife:
         """A queued prompt that waits (``WAITING``) for work done off the generation thread."""
         with self._lock:
-            return self._add(RowLife(pending, state=state, uid=uid, seq=next(self._seq), **work))
+            row = self._add(RowLife(pending, state=state, uid=uid, seq=next(self._seq), **work))
+        self._let_go()
+        return row
 
     def admit(self, pending: Pending, record: Optional[RequestTiming] = None, loan: Any = None,
               uid: Any = None) -> RowLife:
@@ -182,7 +190,8 @@ class RowBook:
                 row = self._add(RowLife(pending, record, uid=uid, loan=loan, seq=next(self._seq)))
             if record is not None and uid is not None:
                 record.uid = uid
-            return row
+        self._let_go()
+        return row
 
     def _add(self, row: RowLife) -> RowLife:
         self._rows[row.seq] = row
@@ -297,11 +306,24 @@ class RowBook:
     def forget(self, row: RowLife) -> None:
         with self._lock:
             self._drop(row)
+        self._let_go()
 
     def _drop(self, row: RowLife) -> None:
         self._rows.pop(row.seq, None)
         if row.uid is not None and self._by_uid.get(row.uid) is row:
             del self._by_uid[row.uid]
+        if self._release is not None:
+            self._forgotten.append(row)
+
+    def _let_go(self) -> None:
+        """What the rows forgotten meanwhile hold of the cache is let go, outside the book's
+        lock (the cache takes its own)."""
+        if self._release is None or not self._forgotten:
+            return
+        with self._lock:
+            rows, self._forgotten = self._forgotten, []
+        for row in rows:
+            self._release(row)
 
     def decoded(self, uids: Sequence[Any], tokens: Sequence[int]) -> None:
         """One decode step: ``tokens[i]`` was fed to row ``uids[i]`` (its tracked reply grows).

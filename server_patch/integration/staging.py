@@ -9,7 +9,8 @@ other rows decode, a queued prompt whose look-ahead plan is such a RAM restore o
 queue, while that very copy is made on the stager thread (``STAGES``): rows ``[:length]`` of
 each float KV child into fresh buffers with the capacity the merge would give it as a lone row
 (``copyfree.merge.stage_rows``). Meanwhile the entry holds a loan receipt
-(``LineageCache.lend``), so it is not evicted, written, rewound nor lent, and nothing writes the
+(``LineageCache.lend``: a hold of kind ``LENT``, ``lineage.holds``, the queued request's row's
+once it is named), so it is not evicted, written, rewound nor lent, and nothing writes the
 rows being read; the receipt ends as soon as the copy has.
 
 At a later step the prompt is admitted alone in its prompt batch (``integration.loading``), and

@@ -1,68 +1,111 @@
-"""What requests hold of the cache: one count per entry, checked in one place for eviction.
+"""What requests hold of the cache: one record per hold, checked in one place.
 
-A request waiting in mlx-vlm's queue for its restore point's disk file (``integration.loading``)
-holds that entry from the moment its load may start until its lookup admits it (or it leaves
-the queue): the hold is taken before the load starts and reserves the file's bytes in the RAM
-budget while it loads (a load in flight is counted, ``LineageCache.ram_used``); once the file is
-promoted into RAM the hold pins the entry, which no other load, commit or promotion may evict
-(``LineageCache._evictable`` is the one check). Loads beyond what the budget can hold wait their
-turn (``LineageCache.hold`` answers False); the first hold is always granted, so a request whose
-entry alone fits the budget always restores (issue 34 item 5: 8 concurrent continuations'
-promotions evicted each other before admission, 6 of them then prefilled cold).
+A hold is taken by an owner (whatever names the request: its row, or a piece of work the row
+owns: its staged copy) on one entry, and is of one kind:
 
-A staged copy of an entry's rows made for a queued request (``integration.staging``) is
-reserved the same way (``LineageCache.reserve``, a key of its own, never pinned): its bytes count
-in the RAM budget until the lookup takes it, so nothing loaded or staged for a waiting request
-sits outside the budget.
+* ``LOAD``: a request waiting in mlx-vlm's queue for its restore point's disk file
+  (``integration.loading``) holds that entry from the moment its load may start until its
+  lookup admits it (or it leaves the queue). The hold reserves the file's bytes in the RAM
+  budget while it loads (``LineageCache.ram_used``); once the file is promoted into RAM the
+  hold pins the entry, which no other load, commit or promotion may evict. Loads beyond what
+  the budget can hold wait their turn (``LineageCache.hold`` answers False); the first is
+  always granted, so a request whose entry alone fits the budget always restores (issue 34
+  item 5: 8 concurrent continuations' promotions evicted each other before admission).
+* ``RESERVED``: bytes outside the entries that a request holds (a staged copy of an entry's
+  rows, ``integration.staging``; ``LineageCache.reserve``, a key of its own, never pinned):
+  counted in the RAM budget until the lookup takes the copy.
+* ``LENT``: an entry's KV rows are out to a request (a lone row's loan, ``copyfree.lease``;
+  the stager thread reading them, ``integration.staging``; a reply appended into the buffer,
+  ``copyfree.append``). The hold *is* the loan's receipt (``Loan``, ``LineageCache.lend``):
+  while one is out the entry is not evictable, writable, rewindable nor lent again (the
+  entry's ``loans`` mirrors the count for its readers). It names the entry object, not its
+  id: a loan outlives an entry its borrower's own commit absorbed.
 
-Everything an owner holds is let go at once, ``LineageCache.release(owner)``. The owner is
-whatever names the request (its row). This is the ownership primitive issue 35 asks for; loans
-(``Loan``), loan receipts, staged receipts and deferrals still have their own counts (see
-docs/architecture.md for what is left to move onto it).
+The cache checks the holds in one place, ``LineageCache._evictable`` (with the write queue),
+and its write and rewind checks ask ``Entry.lent``. Everything an owner holds is let go at once,
+``LineageCache.release(owner)`` (``kinds`` to let go of some only: a request's admission lets go
+of its load and its reservation, its loan lives on); one hold at once by ``LineageCache.end``.
+docs/architecture.md says what is left to move onto holds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Collection, Hashable, Optional
+
+from server_patch.lineage.model import Loan
+
+LOAD = "load"  # a restore point loading, then loaded and waiting for the admission: reserved, then pinned
+RESERVED = "reserved"  # bytes outside the entries (a staged copy): reserved, never pinned
+LENT = "lent"  # the entry's KV rows out to a request: a loan's receipt
+KINDS = (LOAD, RESERVED, LENT)
 
 
 @dataclass(eq=False)
 class Hold:
-    """One owner's hold on one entry (by id): its bytes reserved while not in RAM."""
+    """One owner's hold on one entry (by id)."""
 
     owner: Hashable
     entry_id: str
-    nbytes: int  # the file's bytes, counted as reserved until the entry is in RAM
-    resident: bool = False  # the entry is in RAM now: counted as an entry, pinned
+    nbytes: int  # LOAD, RESERVED: the bytes counted as reserved until the entry is in RAM
+    resident: bool = False  # LOAD: the entry is in RAM now, counted as an entry, pinned
+    kind: str = LOAD
+    loan: Optional[Loan] = None  # LENT: the receipt the borrower holds
 
 
 class Holds:
-    """The holds of one cache, by owner and by entry. Not thread-safe: the cache's lock guards it."""
+    """The holds of one cache, by owner and (the budget's: LOAD, RESERVED) by entry. Not
+    thread-safe: the cache's lock guards it."""
 
     def __init__(self) -> None:
         self._by_owner: dict[Hashable, list[Hold]] = {}
-        self._by_entry: dict[str, list[Hold]] = {}
+        self._by_entry: dict[str, list[Hold]] = {}  # LOAD and RESERVED holds only
 
     def __len__(self) -> int:
-        return sum(len(h) for h in self._by_owner.values())
+        """The budget's holds (LOAD, RESERVED): what ``LineageCache.hold`` weighs."""
+        return sum(len(h) for h in self._by_entry.values())
 
-    def take(self, owner: Hashable, entry_id: str, nbytes: int, *, resident: bool) -> Hold:
-        """``owner`` holds ``entry_id`` (once: a second take of the same pair is the first)."""
+    def take(self, owner: Hashable, entry_id: str, nbytes: int, *, resident: bool, kind: str = LOAD,
+             loan: Optional[Loan] = None) -> Hold:
+        """``owner`` holds ``entry_id`` (a second take of the same owner, entry and kind is the
+        first; a loan's receipt is a hold of its own each)."""
         mine = self._by_owner.setdefault(owner, [])
-        found = next((h for h in mine if h.entry_id == entry_id), None)
+        found = next((h for h in mine if h.entry_id == entry_id and h.kind == kind and h.loan is loan), None)
         if found is not None:
             return found
-        hold = Hold(owner, entry_id, int(nbytes), resident)
+        hold = Hold(owner, entry_id, int(nbytes), resident, kind, loan)
         mine.append(hold)
-        self._by_entry.setdefault(entry_id, []).append(hold)
+        if kind != LENT:
+            self._by_entry.setdefault(entry_id, []).append(hold)
         return hold
 
     def held(self, entry_id: str) -> bool:
+        """A request's load holds ``entry_id`` (or a reservation names it)."""
         return bool(self._by_entry.get(entry_id))
 
     def of(self, owner: Hashable) -> list[Hold]:
         return list(self._by_owner.get(owner, ()))
+
+    def loans(self) -> list[Loan]:
+        """Every loan receipt out."""
+        return [h.loan for holds in self._by_owner.values() for h in holds if h.loan is not None]
+
+    def of_loan(self, loan: Loan) -> Optional[Hold]:
+        return next((h for h in self._by_owner.get(loan.owner, ()) if h.loan is loan), None)
+
+    def own(self, hold: Hold, owner: Hashable) -> None:
+        """``hold`` is ``owner``'s from now on (a loan taken before its request's row was named)."""
+        if hold.owner == owner:
+            return
+        mine = [h for h in self._by_owner.get(hold.owner, ()) if h is not hold]
+        if mine:
+            self._by_owner[hold.owner] = mine
+        else:
+            self._by_owner.pop(hold.owner, None)
+        hold.owner = owner
+        if hold.loan is not None:
+            hold.loan.owner = owner
+        self._by_owner.setdefault(owner, []).append(hold)
 
     def settle(self, entry_id: str) -> None:
         """``entry_id`` is in RAM now: its holds pin it (its bytes are the entry's)."""
@@ -74,16 +117,34 @@ class Holds:
         for hold in self._by_entry.get(entry_id, ()):
             hold.resident = False
 
-    def release(self, owner: Hashable) -> list[Hold]:
-        """Everything ``owner`` holds, let go."""
+    def release(self, owner: Hashable, kinds: Optional[Collection[str]] = None) -> list[Hold]:
+        """What ``owner`` holds (of ``kinds``; default: everything), let go."""
         mine = self._by_owner.pop(owner, [])
-        for hold in mine:
-            left = [h for h in self._by_entry.get(hold.entry_id, ()) if h is not hold]
-            if left:
-                self._by_entry[hold.entry_id] = left
-            else:
-                self._by_entry.pop(hold.entry_id, None)
-        return mine
+        let_go = [h for h in mine if kinds is None or h.kind in kinds]
+        kept = [h for h in mine if h not in let_go]
+        if kept:
+            self._by_owner[owner] = kept
+        for hold in let_go:
+            self._unindex(hold)
+        return let_go
+
+    def drop(self, hold: Hold) -> None:
+        """One hold let go (a loan's receipt returned)."""
+        mine = [h for h in self._by_owner.get(hold.owner, ()) if h is not hold]
+        if mine:
+            self._by_owner[hold.owner] = mine
+        else:
+            self._by_owner.pop(hold.owner, None)
+        self._unindex(hold)
+
+    def _unindex(self, hold: Hold) -> None:
+        if hold.kind == LENT:
+            return
+        left = [h for h in self._by_entry.get(hold.entry_id, ()) if h is not hold]
+        if left:
+            self._by_entry[hold.entry_id] = left
+        else:
+            self._by_entry.pop(hold.entry_id, None)
 
     def reserved(self) -> int:
         """Bytes of held entries not in RAM (loads in flight, or loaded and not promoted)."""
@@ -101,4 +162,4 @@ class Holds:
         return list(self._by_owner)
 
 
-__all__ = ["Hold", "Holds"]
+__all__ = ["KINDS", "LENT", "LOAD", "RESERVED", "Hold", "Holds"]

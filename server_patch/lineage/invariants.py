@@ -63,8 +63,8 @@ def queue_violations(entries: Iterable[Entry], queued: WriteQueue) -> list[str]:
 
 
 def loan_violations(entries: EntryMap, loans: Iterable[Loan]) -> list[str]:
-    """Loans are counted on their entries (``Entry.loans``, one receipt each), and a stored
-    entry's buffer is lent only under a receipt."""
+    """Loans are counted on their entries (``Entry.loans``, one receipt each: ``loans`` are the
+    cache's holds of kind ``LENT``), and a stored entry's buffer is lent only under a receipt."""
     found = []
     out: dict[str, int] = {}
     for loan in loans:

@@ -143,8 +143,10 @@ class Entry:
     # prompt that drops, edits or follows the last message (an abort, user after user, aider's
     # moving reminder) restores. Not kept on disk: a restarted entry thins as before.
     turn_points: frozenset[int] = frozenset()
-    # Loan receipts out on its KV rows (``LineageCache.lend``/``end``, counted as SGLang counts
-    # ``lock_ref``): while any is out the entry is not evictable, writable nor rewindable.
+    # Loan receipts out on its KV rows (``LineageCache.lend``/``end``: holds of kind ``LENT``,
+    # ``lineage.holds``, counted here as SGLang counts ``lock_ref``, for readers; the invariants
+    # check the count against the holds): while any is out the entry is not evictable, writable
+    # nor rewindable.
     loans: int = 0
 
     @property
@@ -176,12 +178,14 @@ class Entry:
 
 @dataclass(eq=False)
 class Loan:
-    """A receipt for an entry's KV rows lent to one request (``LineageCache.lend``): the
-    borrower holds it until ``LineageCache.end``; each receipt ends once."""
+    """A receipt for an entry's KV rows lent to one request (``LineageCache.lend``): a hold of
+    kind ``LENT`` (``lineage.holds``), its ``owner``'s until ``LineageCache.end`` or
+    ``release(owner)``; each receipt ends once."""
 
     entry: Entry
     length: int  # the rows lent: the entry's length when it was lent
     ended: bool = False
+    owner: Any = None  # who holds it (``LineageCache.lend``'s owner, or the receipt itself)
 
 
 @dataclass

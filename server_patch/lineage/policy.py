@@ -28,7 +28,7 @@ from server_patch.failclosed import fail_closed
 from server_patch.lineage.budget import WriteQueue, plan_eviction
 from server_patch.lineage.config import LineageConfig, ThinClass
 from server_patch.lineage.handles import KVHandle, SnapshotHandle
-from server_patch.lineage.holds import Holds
+from server_patch.lineage.holds import LENT, LOAD, RESERVED, Hold, Holds
 from server_patch.lineage.invariants import InvariantError, hold_violations, loan_violations, violations
 from server_patch.lineage.lookup import common_prefix_len
 from server_patch.lineage.misses import Lost, MissBook
@@ -95,8 +95,9 @@ class LineageCache:
         self._records = RecordMap()
         self._superseded_by: dict[str, str] = {}
         self._queued = WriteQueue()  # what the disk writer holds: counted in the RAM budget
-        self._loans: set[Loan] = set()  # receipts out (``lend``), ended by ``end``
-        self._holds = Holds()  # entries requests hold until admitted (``hold``), let go by ``release``
+        # What requests hold (``holds``): loads until admitted (``hold``), staged copies' bytes
+        # (``reserve``), loans (``lend``), let go one by one (``end``) or all at once (``release``)
+        self._holds = Holds()
         self.stats: Counter[str] = Counter()
         self.closed = False  # close(): its model is unloaded, nothing more is stored or written
         self.misses = MissBook.from_config(self.config, clock)  # the live oracle (``misses``)
@@ -524,28 +525,45 @@ class LineageCache:
 
     # ------------------------------------------------------------------ loans
 
-    def lend(self, plan: RestorePlan) -> Loan | None:
+    def lend(self, plan: RestorePlan, owner: Hashable | None = None) -> Loan | None:
         """A receipt for ``plan.entry``'s KV rows, lent to the one request that restores at its
-        head; None where they may not be lent: the entry is not stored, already lent, or queued
-        for writing (the writer reads its rows; the request then restores a copy). The one room
-        where an entry becomes lent: until ``end`` it is not evictable, writable nor rewindable."""
+        head: a hold of kind ``LENT`` (``holds``), ``owner``'s (default: the receipt's own, for
+        work that ends it itself); None where they may not be lent: the entry is not stored,
+        already lent, or queued for writing (the writer reads its rows; the request then
+        restores a copy). The one room where an entry becomes lent: until ``end`` (or
+        ``release(owner)``) it is not evictable, writable nor rewindable."""
         with self.lock:
             entry = plan.entry
             if entry is None or not self.holds(entry) or entry.lent or self._queued.holds(entry.id):
                 return None
-            entry.loans += 1
             loan = Loan(entry, entry.length)
-            self._loans.add(loan)
+            loan.owner = owner if owner is not None else loan
+            self._holds.take(loan.owner, entry.id, 0, resident=True, kind=LENT, loan=loan)
+            entry.loans += 1
             return loan
 
     def end(self, loan: Loan) -> None:
-        """The borrower is done with the rows (given back, or its own entry absorbed them)."""
+        """The borrower is done with the rows (given back, or its own entry absorbed them):
+        its hold is let go."""
         with self.lock:
             if loan.ended:
                 return
+            if (hold := self._holds.of_loan(loan)) is not None:
+                self._holds.drop(hold)
+            self._ended(loan)
+
+    def own(self, loan: Loan, owner: Hashable) -> None:
+        """The loan is ``owner``'s from now on (lent before its request's row was named), so
+        ``release(owner)`` lets it go with the rest."""
+        with self.lock:
+            if not loan.ended and (hold := self._holds.of_loan(loan)) is not None:
+                self._holds.own(hold, owner)
+
+    @staticmethod
+    def _ended(loan: Loan) -> None:
+        if not loan.ended:
             loan.ended = True
             loan.entry.loans -= 1
-            self._loans.discard(loan)
 
     # ------------------------------------------------------------------ holds
 
@@ -560,7 +578,7 @@ class LineageCache:
                 held = self._holds.reserved() + self._holds.pinned(self._entries.counted)
                 if held + int(nbytes) > self.config.ram_budget_bytes:
                     return False
-            hold = self._holds.take(owner, entry_id, nbytes, resident=entry_id in self._entries)
+            hold = self._holds.take(owner, entry_id, nbytes, resident=entry_id in self._entries, kind=LOAD)
             if not hold.resident:  # its bytes now count: what nobody holds makes room at once
                 self._enforce_budgets(lossless=not self._writes_in_background())
             return True
@@ -570,15 +588,21 @@ class LineageCache:
         rows, ``key`` naming it) until ``release(owner)``: counted in the RAM budget, which
         makes room for it now (the copy exists whether or not it fits)."""
         with self.lock:
-            self._holds.take(owner, key, nbytes, resident=False)
+            self._holds.take(owner, key, nbytes, resident=False, kind=RESERVED)
             self._enforce_budgets(lossless=not self._writes_in_background())
 
-    def release(self, owner: Hashable) -> int:
-        """Everything ``owner`` holds is let go (admitted, or gone from the queue); what the
-        budget cannot keep now may leave RAM. Returns how many holds it had."""
+    def release(self, owner: Hashable, kinds: Iterable[str] | None = None) -> int:
+        """Everything ``owner`` holds (of ``kinds``, ``holds``' kinds; default: all) is let go
+        (admitted, gone from the queue, or its request ended); what the budget cannot keep now
+        may leave RAM. A loan let go here is ended: its owner gave its rows back first (the
+        row machine ends a loan by its own events; this is the one sweep at a request's end).
+        Returns how many holds it had."""
         with self.lock:
-            let_go = self._holds.release(owner)
-            if let_go:
+            let_go: list[Hold] = self._holds.release(owner, None if kinds is None else frozenset(kinds))
+            for hold in let_go:
+                if hold.loan is not None:
+                    self._ended(hold.loan)
+            if any(hold.kind != LENT for hold in let_go):
                 self._enforce_budgets(lossless=not self._writes_in_background())
             return len(let_go)
 
@@ -1056,7 +1080,7 @@ class LineageCache:
         One pass, no mlx work: the tests run it after every verb."""
         with self.lock:
             found = violations(self._entries, self._records, self._queued, self._superseded_by)
-            found += loan_violations(self._entries, self._loans)
+            found += loan_violations(self._entries, self._holds.loans())
             found += hold_violations(self._entries, self._holds)
         if found:
             raise InvariantError(found)

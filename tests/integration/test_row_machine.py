@@ -33,6 +33,7 @@ from server_patch.integration.rowlife import RowBook, RowState, RowStateError
 from server_patch.integration.timings import CANCELLED, PREFILL, TimingBook
 from server_patch.lineage import COLD, LineageCache, LineageConfig, RestorePlan
 from server_patch.lineage.flow import Admission
+from server_patch.lineage.holds import LOAD, RESERVED
 from tests.lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
 from tests.lineage.test_lineage_policy import QueuedDisk
 
@@ -223,6 +224,33 @@ def test_the_next_turn_is_lent_the_entry_and_a_removal_mid_prefill_gives_the_row
     assert server.cache.holds(entry)  # its rows came back whole
     server.coordinator.cancelled(2, "req-2", None)
     assert (row.record.outcome, row.record.phase) == (CANCELLED, PREFILL) and len(server.book) == 0
+
+
+def test_a_loan_is_a_hold_of_its_row_which_its_admission_keeps(server):
+    """Issue 35: the loan is a hold of kind ``LENT`` (``lineage.holds``) owned by the request's
+    row from its lookup on (lent before the row was named, then handed to it); the admission
+    lets go of the row's load and reservation, not of its loan."""
+    prompt, reply = random_tokens(40, seed=43), random_tokens(5, seed=44)
+    serve_turn(server, 1, prompt, reply)
+    (entry,) = server.cache.entries()
+    server.disk.land()
+    admit(server, 2, np.concatenate([prompt, reply, random_tokens(12, seed=45)]))
+    row = server.book.by_uid(2)
+    assert row.loan is not None and row.loan.loan.owner is row and entry.lent
+    assert server.cache.release(row, (LOAD, RESERVED)) == 0 and entry.lent  # nothing but its loan
+    server.coordinator.request_removed(2)  # its loan ends by its own event: the rows given back
+    assert not entry.lent and server.cache.release(row) == 0
+
+
+def test_a_forgotten_row_lets_go_of_what_its_request_still_holds():
+    """The one sweep at a request's end: the book releases a row it forgets."""
+    cache = LineageCache(LineageConfig())
+    book = RowBook(TimingBook(), release=cache.release)
+    row = book.admit(cold(random_tokens(20, seed=46)))
+    cache.reserve(row, "staged:x", 1000)
+    assert cache.budgets()["loading_bytes"] == 1000
+    book.end(row, "removed")  # ended, no record: forgotten
+    assert len(book) == 0 and cache.budgets()["loading_bytes"] == 0
 
 
 def test_an_entry_queued_for_writing_is_copied_not_lent(server):

@@ -12,7 +12,8 @@ from dataclasses import replace
 
 import pytest
 
-from server_patch.lineage import LineageCache, LineageConfig
+from server_patch.lineage import LineageCache, LineageConfig, RestorePlan
+from server_patch.lineage.holds import LOAD, RESERVED
 from tests.lineage.test_lineage_policy import Clock, FakeDisk, serve, words
 from tests.lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
 
@@ -105,3 +106,33 @@ def test_a_staged_copy_is_counted_until_its_holder_lets_go(disk_only):
     assert not cache.hold("b", records[2].id, records[2].nbytes)  # a load waits behind the copies
     cache.release("a")
     assert cache.budgets()["loading_bytes"] == entries[1].nbytes and cache.hold("b", records[2].id, records[2].nbytes)
+
+
+def test_a_loan_is_a_hold_of_its_owner_released_with_the_rest_and_it_blocks_eviction(disk_only):
+    """Issue 35: a loan's receipt is a hold of kind ``LENT``. The entry it names is neither
+    evicted nor lent again while it is out; ``release(owner)`` lets it go with everything else
+    the request holds, and an admission letting go of its load keeps its loan."""
+    cache, entries, records = disk_only
+    entry = cache.promote(records[0], entries[0])
+    assert entry is entries[0] and cache.hold("a", records[1].id, records[1].nbytes)
+    loan = cache.lend(RestorePlan(entry.length, "entry", entry=entry), owner="a")
+    assert loan is not None and loan.owner == "a" and entry.lent and entry.loans == 1
+    assert cache.lend(RestorePlan(entry.length, "entry", entry=entry), owner="b") is None
+    assert cache.release("a", (LOAD, RESERVED)) == 1  # admitted: its load is let go, its loan stays
+    assert entry.lent and not loan.ended
+    for i in range(3):  # commits past the budget: the lent entry stays
+        serve(cache, words(900, 4400 + i))
+    assert cache.get(entry.id) is entry
+    assert cache.release("a") == 1 and loan.ended and entry.loans == 0 and not entry.lent
+    cache.end(loan)  # the receipt ends once: nothing more to give back
+    assert entry.loans == 0
+
+
+def test_a_loan_taken_before_its_owner_was_named_moves_to_it(disk_only):
+    cache, entries, records = disk_only
+    entry = cache.promote(records[0], entries[0])
+    loan = cache.lend(RestorePlan(entry.length, "entry", entry=entry))
+    assert loan is not None and loan.owner is loan  # the receipt is its own owner until named
+    cache.own(loan, "row")
+    assert loan.owner == "row" and cache.release(loan) == 0
+    assert cache.release("row") == 1 and not entry.lent
