@@ -280,7 +280,8 @@ def test_data_files_give_builder_version_2_template_vocabulary_and_corpus() -> N
     derived = {"chat_template": CHAT_TEMPLATE, "vocabulary": json.dumps(vocabulary()),
                "training_corpus": json.dumps(training_corpus())}
     digests = {name: hashlib.sha256(text.encode()).hexdigest() for name, text in derived.items()}
-    assert (BUILDER_VERSION, digests) == ("2", DATA_DIGESTS)
+    # Version 3 changed the weights only (the dominant path, issue 39): the data digests stand.
+    assert (BUILDER_VERSION, digests) == ("3", DATA_DIGESTS)
 
 
 def test_every_data_file_is_declared_package_data() -> None:

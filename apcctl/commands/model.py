@@ -48,8 +48,8 @@ def build(out: Path, preset: str, seed: int, drafter: bool) -> None:
         from apcctl.tinymodel.drafter import build_drafter, fit_report
 
         report = fit_report(build_drafter(path).parent) or {}
-        click.echo(f"drafter {path / 'mtp'}  glm5_next_mtp, held-out greedy agreement "
-                   f"{report.get('greedy_agreement', 0):.0%}")
+        click.echo(f"drafter {path / 'mtp'}  glm5_next_mtp, constructed on the target's dominant path; "
+                   f"agrees with its greedy tokens {report.get('greedy_agreement', 0):.0%}")
 
 
 @model.command("fingerprint")

@@ -31,9 +31,9 @@ from apcctl.tinymodel.presets import PRESETS
 from apcctl.tinymodel.template import CHAT_TEMPLATE
 from apcctl.tinymodel.tokenizer import build_tokenizer
 from apcctl.tinymodel.vocab import CONTROL_TOKENS, MARKUP_TOKENS, generatable, vocabulary
-from apcctl.tinymodel.weights import init_weights, keep_to_tokens
+from apcctl.tinymodel.weights import add_dominant_path, init_weights, keep_to_tokens
 
-BUILDER_VERSION = "2"  # 2: WordPiece tokenizer, GLM-4.5 template, no special tokens sampled, 0.1 writers
+BUILDER_VERSION = "3"  # 2: WordPiece tokenizer, GLM-4.5 template, no special tokens sampled, 0.1 writers; 3: dominant path
 STAMP_FILE = ".apcctl-build.json"
 WEIGHTS_FILE = "model.safetensors"
 REQUIRED_FILES = ("config.json", WEIGHTS_FILE, "tokenizer.json", "tokenizer_config.json")
@@ -92,7 +92,9 @@ def _write_model(tmp: Path, preset_name: str, seed: int) -> None:
     token_ids = {t: tokenizer.token_to_id(t) for t in CONTROL_TOKENS + MARKUP_TOKENS}
     config = make_config(preset, token_ids, tokenizer.get_vocab_size())
     weights = init_weights(config, seed)
-    keep_to_tokens(weights, np.array([generatable(t) for t in vocabulary()]))
+    allowed = np.array([generatable(t) for t in vocabulary()])
+    keep_to_tokens(weights, allowed)
+    add_dominant_path(weights, allowed, config["eos_token_id"], seed, preset.path_gain)
 
     tokenizer.save(str(tmp / "tokenizer.json"))
     _write_json(tmp / "tokenizer_config.json", _tokenizer_config(CHAT_TEMPLATE))

@@ -1,4 +1,4 @@
-"""An MTP drafter for a tiny ``glm5_next`` model, fitted to its target in seconds.
+"""An MTP drafter for a tiny ``glm5_next`` model, constructed to agree with its target.
 
 mlx-vlm 0.7.10's ``glm5_next_mtp`` drafter (``--draft-model DIR --draft-kind mtp``) reads a
 standalone checkpoint: ``config.json`` with ``model_type: glm5_next_mtp``, the target's
@@ -8,14 +8,17 @@ standalone checkpoint: ``config.json`` with ``model_type: glm5_next_mtp``, the t
 from the target's final hidden state at ``t`` and the embedding of token ``t+1``, through the
 target's own embedding and ``lm_head``.
 
-A random drafter would almost never agree with a random target, so acceptance would mean
-nothing. This one is fitted, honestly and cheaply: the target generates greedily from the
-bundled corpus, and ``eh_proj`` is the ridge least-squares map from ``[enorm(embed(x_t+1)),
-hnorm(h_t)]`` to the target's next hidden state ``h_t+1`` (what its ``lm_head`` reads). The
-drafter's decoder block is kept in the graph (its caches are real) but its residual writers
-are zero, so the block is the identity and the linear fit alone drafts. ``fit_report`` in the
-stamp says how often the fitted drafter's greedy token equals the target's on held-out
-positions.
+A random drafter almost never agrees with a random target, and a least-squares fit of one
+reached ~20% on held-out positions (a linear map cannot follow six random layers), so
+acceptance meant nothing. The tiny models are therefore built with a dominant path
+(``weights.add_dominant_path``): the embedding of token ``x`` votes, in features no layer
+writes, for its successor in a fixed cycle, and the lm_head reads that vote; the context
+overrules it where its logits differ by more. This drafter is *constructed* to implement exactly
+that path for token ``t+2`` from the embedding of token ``t+1``: ``eh_proj`` copies the
+embedding's path features and nothing else (the target's hidden state is read and ignored), and
+its decoder block is kept in the graph (its caches are real) with zero residual writers, so it
+is the identity. Nothing is fitted; acceptance is how often the target follows its own path.
+The stamp's ``fit_report`` says how often, measured on greedy generations of the target.
 """
 
 from __future__ import annotations
@@ -29,9 +32,8 @@ import numpy as np
 
 DRAFTER_DIR = "mtp"
 DRAFTER_STAMP = ".apcctl-drafter.json"
-DRAFTER_VERSION = "1"
+DRAFTER_VERSION = "2"  # 2: constructed on the target's dominant path (1: ridge fit, ~0 acceptance)
 _RESIDUAL_WRITERS = ("o_proj.weight", "down_proj.weight")
-_RIDGE = 1e-3
 
 
 def drafter_dir(model_dir: Path) -> Path:
@@ -64,61 +66,70 @@ def is_drafter_built(model_dir: Path) -> bool:
     return stamp.get("version") == DRAFTER_VERSION and stamp.get("target_fingerprint") == target
 
 
-def _target_hidden_pairs(model_dir: Path, prompts: int, tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Greedy generations of the target from corpus prompts: per position, the next token's
-    embedding, this position's final hidden state, and the next position's hidden state."""
-    import mlx.core as mx
-    from mlx_vlm.utils import load_model
+def path_eh_proj(hidden: int) -> np.ndarray:
+    """``eh_proj`` (hidden x 2*hidden) that keeps the token embedding's dominant-path features
+    and drops everything else, the target's hidden state included."""
+    from apcctl.tinymodel.weights import path_features
 
-    from apcctl.tinymodel.corpus import training_corpus
-    from tokenizers import Tokenizer
+    eh_proj = np.zeros((hidden, 2 * hidden), dtype=np.float32)
+    feats = np.arange(hidden)[path_features(hidden)]
+    eh_proj[feats, feats] = 1.0
+    return eh_proj
 
-    model = load_model(Path(model_dir))
-    lm = model.language_model
-    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-    embeds, hiddens, nexts = [], [], []
-    for line in training_corpus(prompts):
-        ids = tokenizer.encode(line).ids[:48]
-        cache = lm.make_cache()
-        out = lm(mx.array([ids]), cache=cache, return_hidden=True)
-        seq_hidden = [out.hidden_states[-1][0]]
-        seq = list(ids)
-        token = int(mx.argmax(out.logits[0, -1]).item())
-        for _ in range(tokens):
-            seq.append(token)
-            out = lm(mx.array([[token]]), cache=cache, return_hidden=True)
-            seq_hidden.append(out.hidden_states[-1][0])
-            token = int(mx.argmax(out.logits[0, -1]).item())
-        hidden = np.array(mx.concatenate(seq_hidden, axis=0))  # one row per token of seq
-        emb = np.array(lm.model.embed_tokens(mx.array(seq)))
-        embeds.append(emb[1:])  # embedding of x_{t+1}
-        hiddens.append(hidden[:-1])  # h_t
-        nexts.append(hidden[1:])  # h_{t+1}
-    return np.concatenate(embeds), np.concatenate(hiddens), np.concatenate(nexts)
+
+def drafted_tokens(tokens: np.ndarray, embed: np.ndarray, head: np.ndarray, eh_proj: np.ndarray,
+                   eps: float) -> np.ndarray:
+    """What the drafter proposes after each of ``tokens`` (its block is the identity): the
+    argmax of ``lm_head(norm(eh_proj([enorm(embed(x)), .])))``. The hidden half of ``eh_proj``
+    is zero, so the target's hidden state is not needed."""
+    hidden = embed.shape[1]
+    e = _rms(embed[tokens], eps)
+    return np.argmax(_rms(e @ eh_proj[:, :hidden].T, eps) @ head.T, axis=-1)
 
 
 def _rms(x: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def fit_eh_proj(embed: np.ndarray, hidden: np.ndarray, target: np.ndarray, eps: float) -> np.ndarray:
-    """Ridge least squares for ``eh_proj`` (out x 2*hidden), inputs normalised as the drafter's
-    ``enorm``/``hnorm`` (weight 1) normalise them."""
-    features = np.concatenate([_rms(embed, eps), _rms(hidden, eps)], axis=1).astype(np.float64)
-    gram = features.T @ features + _RIDGE * len(features) * np.eye(features.shape[1])
-    solution = np.linalg.solve(gram, features.T @ target.astype(np.float64))
-    return solution.T.astype(np.float32)
+def greedy_generations(model_dir: Path, prompts: int, tokens: int, prompt_tokens: int = 16) -> np.ndarray:
+    """Greedy continuations of corpus lines by the target, one batch: ``prompts`` rows of the
+    prompt's last token followed by ``tokens`` generated ones."""
+    import mlx.core as mx
+    from mlx_vlm.utils import load_model
+    from tokenizers import Tokenizer
+
+    from apcctl.tinymodel.corpus import training_corpus
+
+    lm = load_model(Path(model_dir)).language_model
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    encoded = (tokenizer.encode(line).ids for line in training_corpus(8 * prompts))
+    batch = [ids[:prompt_tokens] for ids in encoded if len(ids) >= prompt_tokens][:prompts]
+    cache = lm.make_cache()
+    logits = lm(mx.array(batch), cache=cache).logits[:, -1]
+    seq = [mx.array(batch)[:, -1]]
+    for _ in range(tokens):
+        seq.append(mx.argmax(logits, axis=-1))
+        logits = lm(seq[-1][:, None], cache=cache).logits[:, -1]
+        mx.eval(logits)
+    return np.array(mx.stack(seq, axis=1))
 
 
-def _agreement(weights_eh: np.ndarray, embed, hidden, target, head: np.ndarray, eps: float) -> float:
-    """Share of positions where the drafter's greedy token equals the target's."""
-    features = np.concatenate([_rms(embed, eps), _rms(hidden, eps)], axis=1)
-    drafted = _rms(features @ weights_eh.T, eps) @ head.T
-    return float(np.mean(np.argmax(drafted, axis=1) == np.argmax(target @ head.T, axis=1)))
+def agreement(model_dir: Path, eh_proj: np.ndarray, eps: float, prompts: int, tokens: int) -> dict[str, Any]:
+    """How often the drafter's proposal equals the target's greedy token, over the target's own
+    greedy generations (the first draft of every round faces exactly this)."""
+    from safetensors.numpy import load_file
+
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    embed = weights["language_model.model.embed_tokens.weight"]
+    head = weights["language_model.lm_head.weight"]
+    seq = greedy_generations(model_dir, prompts, tokens)
+    drafted = drafted_tokens(seq[:, :-1], embed, head, eh_proj, eps)
+    return {"positions": int(drafted.size), "greedy_agreement": round(float(np.mean(drafted == seq[:, 1:])), 4),
+            "corpus_prompts": prompts, "tokens_per_prompt": tokens}
 
 
 def _drafter_weights(config: dict[str, Any], eh_proj: np.ndarray) -> dict[str, np.ndarray]:
-    """Every drafter parameter under its MLX name: the fitted ``eh_proj``, norms at 1, the
+    """Every drafter parameter under its MLX name: the constructed ``eh_proj``, norms at 1, the
     decoder block random (so its caches fill with real values) with zero residual writers."""
     from mlx.utils import tree_flatten
     from mlx_vlm.speculative.drafters.glm5_next_mtp import Model, ModelConfig
@@ -144,31 +155,28 @@ def _drafter_weights(config: dict[str, Any], eh_proj: np.ndarray) -> dict[str, n
 
 
 def _write_drafter(tmp: Path, model_dir: Path, prompts: int, tokens: int) -> dict[str, Any]:
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import save_file
 
     from apcctl.tinymodel.fingerprint import weights_fingerprint
 
     target_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     config = drafter_config(target_config)
-    eps = float(config["text_config"].get("rms_norm_eps", 1e-6))
-    embed, hidden, target = _target_hidden_pairs(model_dir, prompts, tokens)
-    held_out = max(1, len(embed) // 5)
-    eh_proj = fit_eh_proj(embed[:-held_out], hidden[:-held_out], target[:-held_out], eps)
-    head = load_file(str(model_dir / "model.safetensors"))["language_model.lm_head.weight"]
-    agreement = _agreement(eh_proj, embed[-held_out:], hidden[-held_out:], target[-held_out:], head, eps)
+    text = config["text_config"]
+    eh_proj = path_eh_proj(int(text["hidden_size"]))
+    report = agreement(model_dir, eh_proj, float(text.get("rms_norm_eps", 1e-6)), prompts, tokens)
     save_file(_drafter_weights(config, eh_proj), str(tmp / "model.safetensors"), metadata={"format": "mlx"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     stamp = {
         "version": DRAFTER_VERSION,
         "target_fingerprint": weights_fingerprint(model_dir),
-        "fit_report": {"positions": int(len(embed) - held_out), "held_out": int(held_out),
-                       "greedy_agreement": round(agreement, 4)},
+        "construction": "dominant path of the target (apcctl.tinymodel.weights.add_dominant_path); nothing fitted",
+        "fit_report": report,
     }
     (tmp / DRAFTER_STAMP).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return stamp
 
 
-def build_drafter(model_dir: Path, prompts: int = 24, tokens: int = 32) -> Path:
+def build_drafter(model_dir: Path, prompts: int = 32, tokens: int = 32) -> Path:
     """Build (or reuse) the MTP drafter of the tiny model in ``model_dir``; return its path.
 
     Written in a temporary sibling and renamed into place, like the model itself."""
@@ -186,7 +194,8 @@ def build_drafter(model_dir: Path, prompts: int = 24, tokens: int = 32) -> Path:
 
 
 def fit_report(model_dir: Path) -> dict[str, Any] | None:
-    """The drafter's fit report (held-out greedy agreement), or None when none is built."""
+    """How often the drafter agreed with the target's greedy tokens when it was built, or None
+    when none is built."""
     try:
         stamp = json.loads((drafter_dir(model_dir) / DRAFTER_STAMP).read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -73,3 +73,51 @@ def keep_to_tokens(weights: dict[str, np.ndarray], allowed: np.ndarray) -> None:
     head[:, FLAG_FEATURE] = 0.0
     head[~allowed] = 0.0
     head[~allowed, FLAG_FEATURE] = FLAG_LOGIT
+
+
+# The dominant path (issue 39): the last PATH_DIMS features of the residual stream carry, from
+# the embedding straight to the lm_head, a vote for the current token's successor in one fixed
+# cycle over the generatable words. No layer writes those features (their rows of every residual
+# projection are zero, as for the flag feature), so the final hidden state holds the embedding's
+# vote unchanged; the layers still read them, and the other features carry the context as before.
+PATH_DIMS = 24
+PATH_EMBED = 0.1  # norm of the vote in an embedding: the scale of the other embedding features
+PATH_SEED = 39
+
+
+def path_features(hidden: int) -> slice:
+    """The residual features that hold the dominant path's vote."""
+    return slice(hidden - PATH_DIMS, hidden)
+
+
+def add_dominant_path(weights: dict[str, np.ndarray], allowed: np.ndarray, eos: list[int], seed: int,
+                      gain: float) -> np.ndarray:
+    """Give the model a strong, known next-token path that its layers only perturb; in place.
+
+    Returns the successor of every token id: a random cycle through the generatable tokens other
+    than EOS (so following the path never ends a reply and does not loop early); every other id's
+    successor is a random one of them. Token ``y`` of the cycle owns a random unit direction
+    ``u[y]`` in ``PATH_DIMS`` features: token ``x``'s embedding holds ``PATH_EMBED * u[succ(x)]``
+    there and ``y``'s lm_head row ``gain * u[y]``, so after the final norm the path adds to
+    ``succ(x)`` a logit lead over every other token; where the context's logits differ by more,
+    the model leaves the path. EOS and ungeneratable rows do not read the path features.
+    """
+    prefix = "language_model.model."
+    embed = weights[prefix + "embed_tokens.weight"]
+    head = weights["language_model.lm_head.weight"]
+    vocab, hidden = embed.shape
+    feats = path_features(hidden)
+    rng = np.random.RandomState([seed, PATH_SEED])
+    cycle = np.array([i for i in np.flatnonzero(allowed) if i not in set(eos)])
+    cycle = cycle[rng.permutation(len(cycle))]
+    successor = rng.choice(cycle, size=vocab)
+    successor[cycle] = np.roll(cycle, -1)
+    unit = rng.normal(size=(vocab, PATH_DIMS))
+    unit /= np.linalg.norm(unit, axis=1, keepdims=True)
+    for name, value in weights.items():
+        if name.startswith(prefix + "layers.") and name.endswith(_RESIDUAL_WRITERS):
+            value[..., feats, :] = 0.0  # (..., hidden out, in)
+    embed[:, feats] = PATH_EMBED * unit[successor]
+    head[:, feats] = 0.0
+    head[cycle, feats] = gain * unit[cycle]
+    return successor
