@@ -19,17 +19,18 @@ class Candidates:
 
     items: list[Candidate] = field(default_factory=list)
 
-    def add_point(self, point: Point | None, kind: str, witness: bool = True) -> None:
-        """A prefix render's end, and where it leaves the prompt's text when it is not a prefix."""
+    def add_point(self, point: Point | None, kind: str, witness: bool = True, cut_kind: str | None = None) -> None:
+        """A prefix render's end, and where it leaves the prompt's text when it is not a prefix
+        (``cut_kind``, else ``kind``)."""
         if point is None:
             return
         if point.length > 0:
             self.items.append(Candidate(point.length, kind, point.digest, witness))
         if 0 < point.cut < point.length:
-            self.items.append(Candidate(point.cut, kind, point.cut_digest))
+            self.items.append(Candidate(point.cut, cut_kind or kind, point.cut_digest))
 
-    def add(self, offset: int, kind: str, digest: bytes) -> None:
-        self.items.append(Candidate(offset, kind, digest))
+    def add(self, offset: int, kind: str, digest: bytes, witness: bool = False) -> None:
+        self.items.append(Candidate(offset, kind, digest, witness))
 
 
 def verify(candidates: list[Candidate], full: str) -> dict[int, str] | None:

@@ -7,11 +7,18 @@ How (the anchor's technique, generalised):
   ``messages[:i]`` for every ``i``. A render that is a text prefix of the full prompt gives a
   boundary at its end; one that is not (a template that renders the last message differently)
   gives one at the longest common prefix, which is still a point where prompts sharing it
-  diverge. When the preamble cannot be rendered alone (transformers refuses an empty
+  diverge (``Kind.PARTING``), and a label (``Kind.REJOIN``) where its tail rejoins the prompt's
+  text: that message's real end, so the drift finder numbers and names every message (Qwen3
+  draws the last assistant turn with empty ``<think>`` tags). When the preamble cannot be rendered alone (transformers refuses an empty
   conversation), the first message's start and its content's start are found from the
   difference of two renders of it with another role, and with another content. Optionally
   (``tool_boundaries``) the end of each tool inside the tools block, where renders with
-  ``tools[:j]`` (and with one more tool) leave it.
+  ``tools[:j]`` (and with one more tool) leave it. A tools block the template renders inside
+  the first message (Qwen3: after the system text) is labelled where it starts and ends, from
+  the first message's render with and without the tools (``Kind.BEFORE_TOOLS``/``TOOLS_END``).
+  Labels (``kinds.LABELS``) are kept only where an added token touches them (a seam there
+  changes no piece's tokens) and never become restore points: the policy's captures are as
+  without them.
 * The rendered text is split at the boundaries and each piece is tokenized on its own. Renders
   are cached by a hash chain over the messages (a conversation's next turn renders only its new
   messages), pieces by their text, so a request costs O(messages) hashing, its new renders and
@@ -36,13 +43,14 @@ import numpy as np
 from server_patch.boundaries import system_points
 from server_patch.boundaries.anchors import AnchorMatch, AnchorRegistry, anchor_label
 from server_patch.boundaries.candidates import Candidates, paragraph_breaks, verify
-from server_patch.boundaries.kinds import Kind, outranks
+from server_patch.boundaries.kinds import LABELS, Kind, outranks
 from server_patch.boundaries.notes import (
-    Note, Point, RecentKeys, RenderBudget, RenderCache, Request, SegmentInfo, ToolCuts, Walk,
+    Labels, Note, Point, RecentKeys, RenderBudget, RenderCache, Request, SegmentInfo, ToolCuts, Walk,
 )
 from server_patch.boundaries.settings import SegmentSettings
 from server_patch.boundaries.text import (
-    SYSTEM_ROLES, AddedTokens, canonical, chain_digest, encoder, leading_system_count, role_of, text_digest,
+    SYSTEM_ROLES, AddedTokens, canonical, chain_digest, common_suffix, encoder, leading_system_count, role_of,
+    text_digest,
 )
 from server_patch.boundaries.walk import walk
 from server_patch.drift.template import TemplateFacts
@@ -102,10 +110,12 @@ class SegmentFinder:
                 raise TypeError(f"template render returned {type(text).__name__}")
             return text
 
-        request = Request(render, self.added_tokens(tokenizer).parting, rendered, base,
+        added = self.added_tokens(tokenizer)
+        request = Request(render, added.parting, rendered, base,
                           RenderBudget(self.settings.max_new_renders or _UNLIMITED_RENDERS),
-                          whole_point(rendered, self.template.generation_text(processor, prefix_kwargs)))
-        candidates, anchor_offsets = self._candidates(request, messages, prefix_kwargs)
+                          whole_point(rendered, self.template.generation_text(processor, prefix_kwargs)),
+                          added.touches)
+        candidates, anchor_offsets, labels = self._candidates(request, messages, prefix_kwargs)
         offsets = verify(candidates.items, rendered)
         if offsets is None:
             self.stats["not_piecewise"] += 1
@@ -117,12 +127,16 @@ class SegmentFinder:
             if self.settings.system_points:
                 anchor_offsets = system_points.add_points(messages, rendered, offsets,
                                                           self.settings.system_paragraphs, anchor_offsets)
+        if offsets:  # labels last: a restore point found at the same offset keeps its kind
+            for offset, kind in (verify(labels.items, rendered) or {}).items():
+                offsets.setdefault(offset, kind)
         return self._store(tokenizer, rendered, offsets, anchor_offsets, messages, prefix_kwargs)
 
     def _candidates(self, request: Request, messages: list[Any],
-                    kwargs: Mapping[str, Any]) -> tuple[Candidates, list[int]]:
-        """Candidate boundaries (to verify against the full text) and the anchor's candidate offsets."""
-        out = Candidates()
+                    kwargs: Mapping[str, Any]) -> tuple[Candidates, list[int], Candidates]:
+        """Candidate boundaries (to verify against the full text), the anchor's candidate
+        offsets, and candidate labels (each a witness of its own: verified apart)."""
+        out, labels = Candidates(), Candidates()
         render = request.render
         # The preamble (GLM: the tools block): the template with the tools and no message. Many
         # tokenizers refuse an empty conversation; then the first message's start is where two
@@ -147,11 +161,19 @@ class SegmentFinder:
         points, sent = self._prefix_points(request, messages)
         for i in sorted(points):
             kind = Kind.SYSTEM if role_of(messages[i - 1]) in SYSTEM_ROLES else Kind.MESSAGE
-            out.add_point(points[i], kind, witness=i < len(messages))
+            point = points[i]
+            out.add_point(point, kind, witness=i < len(messages), cut_kind=Kind.PARTING)
+            if point is not None and point.rejoin > 0:
+                labels.add(point.rejoin, Kind.REJOIN, point.rejoin_digest, witness=True)
         for point in sent:  # verified like the others, never a witness
             out.add(point.length, Kind.SENT, point.digest)
 
         tools = kwargs.get("tools")
+        if isinstance(tools, list) and tools and not preamble_ok and isinstance(first, dict):
+            found = self._cached(request, chain_digest(request.base, b"tools-block", canonical(first)),
+                                 lambda: self._tools_block(request, first))
+            for offset, kind, digest in (found.points if isinstance(found, Labels) else ()):
+                labels.add(offset, kind, digest, witness=True)
         if self.settings.tool_boundaries and isinstance(tools, list) and len(tools) > 1:
             context: list[Any] = [] if preamble_ok else messages[:1]
             key = chain_digest(request.base, b"tools", canonical(context))
@@ -167,7 +189,7 @@ class SegmentFinder:
             anchor = [preamble.length]
         elif tools and role_probe is not None:
             anchor = [role_probe.length]
-        return out, anchor
+        return out, anchor, labels
 
     def _prefix_points(self, request: Request, messages: list[Any]) -> tuple[dict[int, Point | None], list[Point]]:
         """Renders of ``messages[:i]``, by ``i``; and the ends of the skipped conversations
@@ -196,7 +218,7 @@ class SegmentFinder:
         for i in order:
             prefix = messages[:i]
             points[i] = self._cached(request, keys[i - 1],
-                                     lambda p=prefix: self._point(request, lambda: request.render(p)))
+                                     lambda p=prefix: self._point(request, lambda: request.render(p), p[-1]))
         ends = [end for i, end in sorted(sent.items()) if end is not None and i not in points]
         return points, ends
 
@@ -204,12 +226,29 @@ class SegmentFinder:
         return self._renders.get(key, make, request.budget,
                                  lambda exc: log.debug("segment render failed: %s", exc))
 
-    def _point(self, request: Request, render: Callable[[], str]) -> Point:
-        """One prefix render, and where it leaves the prompt's text."""
+    def _point(self, request: Request, render: Callable[[], str], last: Any = None) -> Point:
+        """One prefix render, where it leaves the prompt's text, and where its ``last`` message
+        really ends there when it leaves it inside that message."""
         self.stats["renders"] += 1
         text = render()
         cut = request.parting(text, request.full)
-        return Point(len(text), text_digest(text), cut, text_digest(text[:cut]))
+        end = rejoin(text, cut, request.full, last, request.exact) if cut < len(text) else -1
+        return Point(len(text), text_digest(text), cut, text_digest(text[:cut]),
+                     end, text_digest(request.full[:end]) if end > 0 else b"")
+
+    def _tools_block(self, request: Request, first: Any) -> Labels:
+        """Where a tools block rendered inside the first message starts and ends: where its
+        render with and without the tools part, and where they agree again to their ends."""
+        with_tools, without = request.render([first]), request.render([first], tools=None)
+        self.stats["renders"] += 2
+        start = request.parting(with_tools, without)
+        end = len(with_tools) - common_suffix(with_tools[start:], without[start:])
+        # the shared tail may begin inside the block's last token: its end is the next added token
+        while end < len(with_tools) and not request.exact(with_tools, end):
+            end += 1
+        found = [(o, k) for o, k in ((start, Kind.BEFORE_TOOLS), (end, Kind.TOOLS_END))
+                 if 0 < o < len(with_tools) and start < end and request.exact(with_tools, o)]
+        return Labels(tuple((o, k, text_digest(with_tools[:o])) for o, k in found))
 
     def _probe(self, request: Request, variants: list[Any]) -> Point:
         """Where two one-message renders part (a point whose length is where they part)."""
@@ -311,8 +350,8 @@ class SegmentFinder:
         for p, k in best.positions:
             if 0 < p < n and (p not in kinds or outranks(k, kinds[p])):
                 kinds[p] = k
-        sent = {p: k for p, k in kinds.items() if k == Kind.SENT}
-        kinds = system_points.thin({p: k for p, k in kinds.items() if k != Kind.SENT},
+        labels = {p: k for p, k in kinds.items() if k in LABELS}
+        kinds = system_points.thin({p: k for p, k in kinds.items() if k not in LABELS},
                                    self.settings.system_paragraphs)
         if best.covered < n - 1:  # the rest of the prompt is unknown to the template: stride
             for p in self._stride(n, best.covered):
@@ -320,7 +359,7 @@ class SegmentFinder:
         anchor = self._anchor(best, n)
         match = AnchorMatch(anchor, best.note.label) if anchor is not None else self.registry.boundary(prompt)
         return SegmentInfo(match.length if match else None, match.label if match else "", sorted(kinds),
-                           "template", {**sent, **kinds})
+                           "template", {**labels, **kinds})
 
     def _anchor(self, found: Walk, n: int) -> int | None:
         """The end of the leading system messages, less a trailing part shorter than the anchor tail.
@@ -352,6 +391,27 @@ class SegmentFinder:
 
     def __len__(self) -> int:
         return len(self._notes)
+
+
+REJOIN_CHARS = 64  # the end of a message's content sought where a render's tail rejoins the prompt
+
+
+def rejoin(text: str, cut: int, full: str, last: Any, exact: Callable[[str, int], bool]) -> int:
+    """Where ``text`` (a render of messages up to ``last``), which parts from the prompt's
+    ``full`` text at ``cut``, has ``last`` end in ``full`` (-1: not found).
+
+    The tail of ``last``'s content and the template's text after it, found in ``full`` past
+    the cut (Qwen3 draws ``<think>`` tags before the last assistant's content, and its content
+    otherwise alike); the end must touch an added token (the next message's header)."""
+    content = last.get("content") if isinstance(last, dict) else None
+    tail = content.rstrip()[-REJOIN_CHARS:] if isinstance(content, str) else ""
+    at = text.rfind(tail) if tail else -1
+    if at < cut:
+        return -1  # no content, or the render parts after it: nothing rejoins
+    needle = text[at:]
+    found = full.find(needle, cut)
+    end = found + len(needle)
+    return end if found >= 0 and end < len(full) and exact(full, end) else -1
 
 
 def whole_point(rendered: str, generation: str | None) -> Point | None:

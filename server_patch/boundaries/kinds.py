@@ -24,12 +24,26 @@ class Kind(StrEnum):
     # restore point (that request's entry is a few tokens on, past its generation prompt), so
     # it is not among the segments; the drift finder counts it to number the messages.
     SENT = "sent"
+    # A prefix render that draws its last message otherwise than the whole prompt does (Qwen3
+    # adds empty ``<think>`` tags to the last assistant turn) parts from the prompt here, inside
+    # that message: a restore point (prompts sharing it part there), not a message's end.
+    PARTING = "parting"
+    # Labels, never restore points (the policy's captures are as without them; the drift
+    # finder names segments by them), each where a plain seam would be exact (an added token
+    # next to it):
+    REJOIN = "rejoin"  # that message's real end: where the render's tail rejoins the prompt
+    BEFORE_TOOLS = "before_tools"  # a tools block rendered inside the first message starts here
+    TOOLS_END = "tools_end"  # ... and ends here (Qwen3: before the system turn's end token)
+
+
+#: Kinds that name a position for the drift finder only: not among the policy's segments.
+LABELS = frozenset({Kind.SENT, Kind.REJOIN, Kind.BEFORE_TOOLS, Kind.TOOLS_END})
 
 
 # Which kind names a position found twice (lower wins).
 RANK: dict[str, int] = {Kind.SYSTEM: 0, Kind.TOOLS: 1, Kind.MESSAGE: 2, Kind.CONTENT: 3, Kind.PARAGRAPH: 4,
                         Kind.TOOL: 5, Kind.SYSTEM_TEXT: 6, Kind.HEADING: 7, Kind.SECTION: 7, Kind.BLOCK: 7,
-                        Kind.LINE: 8}
+                        Kind.LINE: 8, Kind.PARTING: 8}
 UNRANKED = 9
 
 # Tokens a plain-text seam is moved earlier: BPE may merge across it, and a checkpoint must stay

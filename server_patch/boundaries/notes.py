@@ -22,6 +22,10 @@ class Point:
     digest: bytes
     cut: int
     cut_digest: bytes
+    # Where the render's last message really ends in the prompt's text, when the render parts
+    # from it inside that message (-1: a prefix, or not found): ``finder.rejoin``.
+    rejoin: int = -1
+    rejoin_digest: bytes = b""
 
     @property
     def is_prefix(self) -> bool:
@@ -35,7 +39,15 @@ class ToolCuts:
     cuts: tuple[tuple[int, bytes], ...] = ()
 
 
-Rendered = Union[Point, ToolCuts, None]  # what the render cache holds (None: the render failed)
+@dataclass(frozen=True)
+class Labels:
+    """Label boundaries (``kinds.LABELS``) found from renders: (character offset, kind, digest
+    of the text before)."""
+
+    points: tuple[tuple[int, str, bytes], ...] = ()
+
+
+Rendered = Union[Point, ToolCuts, Labels, None]  # what the render cache holds (None: the render failed)
 
 
 @dataclass
@@ -62,6 +74,7 @@ class Request:
     base: bytes
     budget: RenderBudget
     whole: Point | None = None  # the render of all its messages (its text less the generation prompt)
+    exact: Callable[[str, int], bool] = lambda text, offset: False  # an added token next to the offset
 
 
 @dataclass

@@ -47,6 +47,11 @@ def common_prefix(a: str, b: str) -> int:
     return lo
 
 
+def common_suffix(a: str, b: str) -> int:
+    """Length of the longest common suffix of two strings."""
+    return common_prefix(a[::-1], b[::-1])
+
+
 def role_of(message: Any) -> str:
     if isinstance(message, dict):
         return str(message.get("role", ""))
@@ -99,6 +104,11 @@ class AddedTokens:
             if start != -1 and start < cut < start + len(special):
                 return start
         return cut
+
+    def touches(self, text: str, offset: int) -> bool:
+        """Whether an added token ends at ``offset`` in ``text`` or starts there (a seam there
+        splits no BPE merge)."""
+        return any(text.startswith(t, offset) or text.endswith(t, 0, offset) for t in self.texts)
 
     def parting(self, a: str, b: str) -> int:
         """Where two renders part, never inside an added token."""

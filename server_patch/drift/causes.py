@@ -43,9 +43,14 @@ MIN_SHARED = 16  # an unsynced system edit sharing fewer tokens is another clien
 DIFF_CHARS = 80  # each side of the text diff, at most
 CONTEXT_CHARS = 40
 
-# Boundaries at the end of a whole message (or of the template's preamble); ``SENT``: a message
-# end the finder places no restore point at (an earlier request sent the conversation whole).
-_MESSAGE_ENDS = {Kind.TOOLS, Kind.SYSTEM, Kind.MESSAGE, Kind.SENT}
+# Boundaries at the end of a whole message (or of the template's preamble); ``SENT``, ``REJOIN``:
+# a message end the finder places no restore point at (an earlier request sent the conversation
+# whole; a render that draws the message as the last one rejoins the prompt there).
+_MESSAGE_ENDS = {Kind.TOOLS, Kind.SYSTEM, Kind.MESSAGE, Kind.SENT, Kind.REJOIN}
+# Segments inside the first message: its text, and a tools block the template renders after it.
+_TOOLS_ENDS = {Kind.TOOLS, Kind.TOOLS_END}
+_SYSTEM_ENDS = {Kind.SYSTEM, Kind.SYSTEM_TEXT, Kind.BEFORE_TOOLS}
+_SEGMENT_ENDS = _MESSAGE_ENDS | _TOOLS_ENDS | _SYSTEM_ENDS
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -134,15 +139,15 @@ def contains(hay: np.ndarray, needle: np.ndarray) -> bool:
     return False
 
 
-def _message_ends(kinds: Mapping[int, str]) -> list[tuple[int, str]]:
-    return sorted((p, k) for p, k in kinds.items() if k in _MESSAGE_ENDS)
+def _segment_ends(kinds: Mapping[int, str]) -> list[tuple[int, str]]:
+    return sorted((p, k) for p, k in kinds.items() if k in _SEGMENT_ENDS)
 
 
 def _segment_span(kinds: Mapping[int, str], at: int, length: int) -> tuple[int, int, str]:
-    """The whole message (or preamble) ``at`` falls in: (start, end, kind of its end: "" for
-    the last message)."""
+    """The whole message (or preamble, or tools block) ``at`` falls in: (start, end, kind of
+    its end: "" for the last message)."""
     start, end, kind = 0, length, ""
-    for p, k in _message_ends(kinds):
+    for p, k in _segment_ends(kinds):
         if p <= at:
             start = p
         else:
@@ -156,11 +161,11 @@ def segment_name(kinds: Mapping[int, str], at: int, tokens: np.ndarray, decode: 
     if not kinds or all(k == Kind.STRIDE for k in kinds.values()):
         return "unknown"
     start, end, kind = _segment_span(kinds, at, int(tokens.shape[0]))
-    if kind == Kind.TOOLS:
+    if kind in _TOOLS_ENDS:
         return "tools"
-    if kind == Kind.SYSTEM:
+    if kind in _SYSTEM_ENDS:
         return "system"
-    index = 1 + sum(1 for p, k in _message_ends(kinds) if p <= at and k != Kind.TOOLS)
+    index = 1 + sum(1 for p, k in kinds.items() if p <= at and k in _MESSAGE_ENDS and k != Kind.TOOLS)
     role = _role(tokens[start:start + 8], decode)
     return f"message {index}" + (f" ({role})" if role else "")
 

@@ -36,19 +36,10 @@ def test_each_case_is_named_through_the_finder(template: str) -> None:
                 reply = renderer.tokenizer.encode(drift_actor.SYNTHETIC_REPLY, add_special_tokens=False)
                 detector.observe_reply(np.concatenate([tokens, reply]), case.name, len(tokens))
         named[case.name] = (found.get("cause"), found.get("segment", ""))
-        assert found.get("cause") == case.cause and named_as(template, found["segment"]) == named_as(template, case.segment), \
-            (case.name, found)
+        # exact on qwen3 too, which draws the tools inside the system turn and the last
+        # assistant message with <think> tags (the finder's labels: tools_end, rejoin)
+        assert found.get("cause") == case.cause and found["segment"] == case.segment, (case.name, found)
     assert len(named) == len(drift_actor.cases())
-
-
-def named_as(template: str, segment: str) -> str:
-    """``segment`` as far as ``template`` lets the finder tell it. qwen3 renders the tools
-    inside the system turn, and the last assistant message otherwise than an earlier one (so
-    its prefix render parts inside that message's header, and a message after an assistant one
-    has the assistant's role): the message's number only."""
-    if template != "qwen3.jinja":
-        return segment
-    return "system" if segment == "tools" else segment.split(" (")[0]
 
 
 def test_trace_gen_writes_the_drift_actor(tmp_path) -> None:

@@ -22,11 +22,12 @@ U1, A1, U2, A2, U3 = ("Read the parser module and list what it exports, briefly.
                       "Thanks. Run the whole test suite.")
 
 
-@pytest.fixture
-def lineage():
+@pytest.fixture(params=["glm45.jinja", "qwen3.jinja"])
+def lineage(request):
     """One renderer (finder) and detector; ``send(namespace, messages)`` renders, observes, and
-    holds a reply after it, as the server does."""
-    renderer = _Renderer("glm45.jinja", system_points=True)
+    holds a reply after it, as the server does. qwen3 draws the last assistant message with
+    ``<think>`` tags, so its prefix renders part inside that message."""
+    renderer = _Renderer(request.param, system_points=True)
     detector = DriftDetector()
     reply = np.asarray(renderer.tokenizer.encode(A2, add_special_tokens=False), dtype=np.int32)
 
@@ -49,14 +50,17 @@ def test_the_earlier_prompts_end_is_a_message_end_not_a_segment(lineage) -> None
     lineage("ns", turns(U1))
     _, kinds = lineage("ns", turns(U1, A1, U2))
     assert list(kinds.values()).count(Kind.SENT) == 1  # where the first request's messages ended
-    assert list(kinds.values()).count(Kind.MESSAGE) >= 1
+    # the reply's end: a message end (glm45), or a label where qwen3's render of it rejoins
+    assert list(kinds.values()).count(Kind.MESSAGE) + list(kinds.values()).count(Kind.REJOIN) >= 1
 
 
 def test_an_edit_after_the_earlier_prompts_end_names_its_message(lineage) -> None:
     lineage("ns", turns(U1))
     lineage("ns", turns(U1, A1, U2))
     found, _ = lineage("ns", turns(U1, A1, U2.replace("find", "find and explain"), A2, U3))
-    assert found["segment"] == "message 4 (user)", found  # not "message 3 (user)"
+    # not "message 3 (user)" (the earlier prompt's end uncounted), nor on qwen3 "message 4
+    # (assistant)" (the reply's end unknown: its render has <think> tags, the prompt none)
+    assert found["segment"] == "message 4 (user)", found
 
 
 def test_an_edited_reply_in_the_history_names_its_message_and_role(lineage) -> None:
@@ -64,3 +68,4 @@ def test_an_edited_reply_in_the_history_names_its_message_and_role(lineage) -> N
     lineage("ns", turns(U1, A1, U2))
     found, _ = lineage("ns", turns(U1, A1.replace("the CLI", "the command line"), U2, A2, U3))
     assert found["segment"] == "message 3 (assistant)", found  # not "message 2 (user)"
+
