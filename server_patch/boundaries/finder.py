@@ -214,11 +214,12 @@ class SegmentFinder:
             if n_system in order:
                 order.remove(n_system)
             order.insert(0, n_system)
+        def make(prefix: list[Any]) -> Callable[[], Point]:
+            return lambda: self._point(request, lambda: request.render(prefix), prefix[-1])
+
         points: dict[int, Point | None] = {}
         for i in order:
-            prefix = messages[:i]
-            points[i] = self._cached(request, keys[i - 1],
-                                     lambda p=prefix: self._point(request, lambda: request.render(p), p[-1]))
+            points[i] = self._cached(request, keys[i - 1], make(messages[:i]))
         ends = [end for i, end in sorted(sent.items()) if end is not None and i not in points]
         return points, ends
 

@@ -5,7 +5,6 @@ tools block for the drift finder; they are never restore points."""
 
 from __future__ import annotations
 
-from apcctl.sim import drift_actor
 from apcctl.sim.tracegen_rendered import _Renderer
 from server_patch.boundaries import Kind
 from server_patch.boundaries.kinds import LABELS
@@ -36,7 +35,8 @@ def test_the_tools_block_inside_the_system_turn_is_labelled() -> None:
     tools_end = next(p for p, k in info.kinds.items() if k == Kind.TOOLS_END)
     start = next(p for p, k in info.kinds.items() if k == Kind.SYSTEM_TEXT)
     block = text(start, tools_end)
-    assert "<tools>" in block and "run_shell" in block and drift_actor.DATE not in block
+    assert "<tools>" in block and "run_shell" in block and "numbering test" not in block
+    assert "numbering test" in text(0, start)  # the system text is before the block
     assert text(tools_end, tools_end + 1) == "<|im_end|>"
     assert tools_end not in info.segments
 
