@@ -114,7 +114,7 @@ class SegmentFinder:
         request = Request(render, added.parting, rendered, base,
                           RenderBudget(self.settings.max_new_renders or _UNLIMITED_RENDERS),
                           whole_point(rendered, self.template.generation_text(processor, prefix_kwargs)),
-                          added.touches)
+                          added.touches, added.texts)
         candidates, anchor_offsets, labels = self._candidates(request, messages, prefix_kwargs)
         offsets = verify(candidates.items, rendered)
         if offsets is None:
@@ -215,7 +215,7 @@ class SegmentFinder:
                 order.remove(n_system)
             order.insert(0, n_system)
         def make(prefix: list[Any]) -> Callable[[], Point]:
-            return lambda: self._point(request, lambda: request.render(prefix), prefix[-1])
+            return lambda: self._point(request, lambda: request.render(prefix))
 
         points: dict[int, Point | None] = {}
         for i in order:
@@ -227,13 +227,13 @@ class SegmentFinder:
         return self._renders.get(key, make, request.budget,
                                  lambda exc: log.debug("segment render failed: %s", exc))
 
-    def _point(self, request: Request, render: Callable[[], str], last: Any = None) -> Point:
-        """One prefix render, where it leaves the prompt's text, and where its ``last`` message
+    def _point(self, request: Request, render: Callable[[], str]) -> Point:
+        """One prefix render, where it leaves the prompt's text, and where its last message
         really ends there when it leaves it inside that message."""
         self.stats["renders"] += 1
         text = render()
         cut = request.parting(text, request.full)
-        end = rejoin(text, cut, request.full, last, request.exact) if cut < len(text) else -1
+        end = rejoin(text, cut, request.full, request.added) if cut < len(text) else -1
         return Point(len(text), text_digest(text), cut, text_digest(text[:cut]),
                      end, text_digest(request.full[:end]) if end > 0 else b"")
 
@@ -394,25 +394,30 @@ class SegmentFinder:
         return len(self._notes)
 
 
-REJOIN_CHARS = 64  # the end of a message's content sought where a render's tail rejoins the prompt
+def rejoin(text: str, cut: int, full: str, added: tuple[str, ...]) -> int:
+    """Where ``text`` (a render of messages up to its last), which parts from the prompt's
+    ``full`` text at ``cut``, has that last message end in ``full`` (-1: not found).
+
+    The render's tail rejoins the prompt where everything ``full`` has from the cut on is the
+    render's own ending: Qwen3 puts ``<think>`` tags (and the reasoning, which earlier turns
+    drop) before the last assistant's content, then the content and ``<|im_end|>`` as the prompt
+    has them. The end must be where an added token starts (the next message's header); the
+    latest such one within the render's tail's length wins (the most of the message matched)."""
+    longest = max((len(t) for t in added), default=0)
+    window = full[cut:len(text) + longest]
+    ends = sorted({cut + i for t in added for i in _occurrences(window, t) if 0 < i <= len(text) - cut})
+    for end in reversed(ends):
+        if text.endswith(full[cut:end]):
+            return end
+    return -1
 
 
-def rejoin(text: str, cut: int, full: str, last: Any, exact: Callable[[str, int], bool]) -> int:
-    """Where ``text`` (a render of messages up to ``last``), which parts from the prompt's
-    ``full`` text at ``cut``, has ``last`` end in ``full`` (-1: not found).
-
-    The tail of ``last``'s content and the template's text after it, found in ``full`` past
-    the cut (Qwen3 draws ``<think>`` tags before the last assistant's content, and its content
-    otherwise alike); the end must touch an added token (the next message's header)."""
-    content = last.get("content") if isinstance(last, dict) else None
-    tail = content.rstrip()[-REJOIN_CHARS:] if isinstance(content, str) else ""
-    at = text.rfind(tail) if tail else -1
-    if at < cut:
-        return -1  # no content, or the render parts after it: nothing rejoins
-    needle = text[at:]
-    found = full.find(needle, cut)
-    end = found + len(needle)
-    return end if found >= 0 and end < len(full) and exact(full, end) else -1
+def _occurrences(text: str, needle: str) -> list[int]:
+    found, at = [], text.find(needle)
+    while at >= 0:
+        found.append(at)
+        at = text.find(needle, at + 1)
+    return found
 
 
 def whole_point(rendered: str, generation: str | None) -> Point | None:

@@ -75,6 +75,7 @@ class Request:
     budget: RenderBudget
     whole: Point | None = None  # the render of all its messages (its text less the generation prompt)
     exact: Callable[[str, int], bool] = lambda text, offset: False  # an added token next to the offset
+    added: tuple[str, ...] = ()  # the tokenizer's added tokens' texts
 
 
 @dataclass

@@ -30,6 +30,16 @@ def test_an_assistant_message_ends_where_the_next_header_starts() -> None:
     assert end not in info.segments and parting in info.segments  # a label; the parting stays a point
 
 
+def test_a_reply_sent_back_with_its_reasoning_ends_where_the_next_header_starts() -> None:
+    # qwen3 keeps the reasoning only in the last assistant turn: the prefix render has it, the
+    # prompt (a user message after it) has the answer alone
+    answer = "It exports parse and tokenize."
+    tokens, info, text = render(turns(U1, "<think>\nLook at __all__ first.\n</think>\n\n" + answer, U2))
+    end = next(p for p, k in info.kinds.items() if k == Kind.REJOIN)
+    assert text(end - 3, end).startswith(".") and "Look at" not in text(0, len(tokens))
+    assert text(end, end + 3).startswith("<|im_start|>user")
+
+
 def test_the_tools_block_inside_the_system_turn_is_labelled() -> None:
     tokens, info, text = render(turns(U1), TOOLS)
     tools_end = next(p for p, k in info.kinds.items() if k == Kind.TOOLS_END)
