@@ -22,3 +22,4 @@ def test_bench_spec_side_by_side(tiny_model_dir: Path, tiny_drafter_dir: Path, t
     off, mtp = (result["sides"][side]["turns"] for side in ("off", "mtp"))
     assert [t["kind"] for t in off] == [t["kind"] for t in mtp] == ["cold", "entry"]
     assert all(t["drafted"] > 0 for t in mtp) and not any(t["drafted"] for t in off)
+    assert sum(t["accepted"] for t in mtp) > 0  # the constructed drafter's drafts are accepted

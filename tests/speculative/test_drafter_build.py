@@ -35,4 +35,5 @@ def test_the_drafter_leaves_the_target_and_its_fingerprint_alone(tiny_model_dir:
 
 def test_the_fit_report_is_recorded(tiny_model_dir: Path, tiny_drafter_dir: Path) -> None:
     report = fit_report(tiny_model_dir)
-    assert report is not None and report["positions"] > 0 and 0.0 <= report["greedy_agreement"] <= 1.0
+    assert report is not None and report["positions"] > 0
+    assert 0.5 < report["greedy_agreement"] <= 1.0  # measured on the target's greedy tokens
