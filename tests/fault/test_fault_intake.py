@@ -16,12 +16,12 @@ from typing import Any, Iterator
 
 import pytest
 
+from tests.fault.conftest import BODY_CAP as CAP
 from tests.server_harness import ADMIN_TOKEN, HOST, PatchedServer
 
 pytestmark = pytest.mark.server
 
 LINK_LOCAL = "http://169.254.169.254/latest/meta-data/"  # refused by address, so never connected to
-CAP = 1 << 20
 
 
 class Recorder:
@@ -64,12 +64,11 @@ def recorder() -> Iterator[Recorder]:
     rec.close()
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PatchedServer]:
-    """Defaults but a 1 MiB body cap, and the tenant middleware on (it parsed every body too)."""
-    env = {"APC_TENANT_FROM_USER": "1", "APC_INFERENCE_MAX_BODY_BYTES": str(CAP)}
-    with PatchedServer(tiny_model_dir, env=env, log_dir=tmp_path_factory.mktemp("intake")) as srv:
-        yield srv
+@pytest.fixture
+def server(user_tenants: PatchedServer) -> PatchedServer:
+    """Defaults but a 1 MiB body cap, and the tenant middleware on (it parsed every body too):
+    the package's ``user_tenants`` server, which test_fault_tenancy shares."""
+    return user_tenants
 
 
 def post_raw(server: PatchedServer, body: bytes | Iterator[bytes], path: str = "/v1/chat/completions",

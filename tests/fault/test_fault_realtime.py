@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from websockets.sync.client import connect
@@ -25,12 +25,6 @@ pytestmark = pytest.mark.server
 
 FOREIGN = ("/etc", "some-org/some-voice-model")
 LOADER_TRIED = "Realtime VoiceChat command failed"  # the worker's log line when a load (or open) raised
-
-
-@pytest.fixture(scope="module")
-def patched(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PatchedServer]:
-    with PatchedServer(tiny_model_dir, log_dir=tmp_path_factory.mktemp("realtime")) as server:
-        yield server
 
 
 def session_update(server: PatchedServer, model: str | None, query: str = "") -> dict[str, Any]:
@@ -60,12 +54,11 @@ def test_the_served_model_reaches_the_loader(patched: PatchedServer) -> None:
     assert "not a realtime VoiceChat model" in event["error"]["message"], event
 
 
-def test_stock_loads_whatever_the_session_names(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_stock_loads_whatever_the_session_names(stock: PatchedServer) -> None:
     """What the reliability row says of stock: it hands ``/etc`` to its loader."""
-    with PatchedServer(tiny_model_dir, env={"APC_LINEAGE": "0"}, log_dir=tmp_path) as stock:
-        event = session_update(stock, "/etc")
-        assert event["error"]["code"] == "session_initialization_failed", event
-        assert "Config not found at /etc" in event["error"]["message"], event
+    event = session_update(stock, "/etc")
+    assert event["error"]["code"] == "session_initialization_failed", event
+    assert "Config not found at /etc" in event["error"]["message"], event
 
 
 def test_the_check_names_the_served_path_and_the_opt_in_restores_stock(monkeypatch: pytest.MonkeyPatch,

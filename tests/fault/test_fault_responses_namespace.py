@@ -9,27 +9,19 @@ namespace must reach the stream's generator).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from server_patch.tenancy.responses import CURRENT, NamespacedResponses
+from tests.fault.conftest import KEYS
 from tests.server_harness import PatchedServer
 
-KEYS = ("resp-key-one-5e1f", "resp-key-two-7a2b")
 UNKNOWN = "resp_0123456789abcdef0123456789abcdef"
 
 
 def _bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-@pytest.fixture(scope="module")
-def keyed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    with PatchedServer(tiny_model_dir, env={"APC_API_KEYS": ",".join(KEYS)},
-                       log_dir=tmp_path_factory.mktemp("responses-keyed")) as server:
-        yield server
 
 
 def _create(server: PatchedServer, key: str, **fields: Any) -> tuple[int, Any]:
@@ -50,7 +42,7 @@ def _streamed_id(server: PatchedServer, key: str) -> str:
 
 @pytest.mark.server
 def test_a_key_sees_only_its_own_responses(keyed: PatchedServer) -> None:
-    owner, other = KEYS
+    owner, other = KEYS[:2]
     status, created = _create(keyed, owner)
     assert status == 200, created
     ids = [created["id"], _streamed_id(keyed, owner)]

@@ -25,11 +25,10 @@ from typing import Any, Mapping
 
 import pytest
 
+from tests.fault.conftest import KEYS
 from tests.server_harness import ADMIN_TOKEN, HOST, PatchedServer, ServerError, cached_tokens, text
 
 pytestmark = pytest.mark.server
-
-KEYS = ("key-one-1c0ffee", "key-two-2beef", "key-three-3cafe")
 
 
 def _prompt(seed: int) -> list[dict[str, str]]:
@@ -54,63 +53,42 @@ def _reused(server: PatchedServer, messages: list[dict], headers: Mapping[str, s
     return cached_tokens(answer), lines[-1]["kind"]
 
 
-@pytest.fixture(scope="module")
-def shared(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A server with no keys, the user field taken as the tenant (behind a gateway)."""
-    with PatchedServer(tiny_model_dir, env={"APC_TENANT_FROM_USER": "1"},
-                       log_dir=tmp_path_factory.mktemp("tenancy-shared")) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def keyed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A server with three keys, given each way: the variable, --api-key and --api-key-file."""
-    log_dir = tmp_path_factory.mktemp("tenancy-keyed")
-    key_file = log_dir / "keys.txt"
-    key_file.write_text(f"# one key a line\n\n{KEYS[2]}\n")
-    key_file.chmod(0o644)
-    with PatchedServer(tiny_model_dir, env={"APC_API_KEYS": KEYS[0]}, log_dir=log_dir,
-                       args=["--api-key", KEYS[1], "--api-key-file", str(key_file)]) as server:
-        server.key_file = key_file  # type: ignore[attr-defined]
-        yield server
-
-
 def _bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def test_a_cache_salt_keeps_identical_prompts_apart(shared: PatchedServer) -> None:
+def test_a_cache_salt_keeps_identical_prompts_apart(user_tenants: PatchedServer) -> None:
     messages = _prompt(301)
-    assert _reused(shared, messages, cache_salt="alice-secret") == (0, "cold")
-    assert _reused(shared, messages, cache_salt="mallory-guess") == (0, "cold")  # another salt: nothing
-    assert _reused(shared, messages) == (0, "cold")  # no salt (the shared tenant): nothing either
-    again, kind = _reused(shared, messages, cache_salt="alice-secret")
+    assert _reused(user_tenants, messages, cache_salt="alice-secret") == (0, "cold")
+    assert _reused(user_tenants, messages, cache_salt="mallory-guess") == (0, "cold")  # another salt: nothing
+    assert _reused(user_tenants, messages) == (0, "cold")  # no salt (the shared tenant): nothing either
+    again, kind = _reused(user_tenants, messages, cache_salt="alice-secret")
     assert again > 0 and kind != "cold", (again, kind)  # the same salt restores
 
 
-def test_a_salt_that_is_not_a_non_empty_string_is_a_400(shared: PatchedServer) -> None:
+def test_a_salt_that_is_not_a_non_empty_string_is_a_400(user_tenants: PatchedServer) -> None:
     for bad in ("", 7, ["s"], {"s": 1}, True):
-        status, body = _post(shared, _prompt(302), cache_salt=bad)
+        status, body = _post(user_tenants, _prompt(302), cache_salt=bad)
         assert status == 400 and "cache_salt" in body["detail"], (bad, status, body)
 
 
-def test_the_user_field_is_the_tenant_whatever_the_json_content_type(shared: PatchedServer) -> None:
+def test_the_user_field_is_the_tenant_whatever_the_json_content_type(user_tenants: PatchedServer) -> None:
     """Before: only ``application/json`` bodies were read, so ``+json`` put alice's prompt in the
     shared tenant, where the shared probe below restored it."""
     messages = _prompt(303)
-    assert _reused(shared, messages, {"Content-Type": "application/vnd.api+json"}, user="alice") == (0, "cold")
-    assert _reused(shared, messages) == (0, "cold")  # the shared tenant learns nothing
-    assert _reused(shared, messages, user="mallory") == (0, "cold")
-    assert _reused(shared, messages, user="alice")[0] > 0
+    assert _reused(user_tenants, messages, {"Content-Type": "application/vnd.api+json"}, user="alice") == (0, "cold")
+    assert _reused(user_tenants, messages) == (0, "cold")  # the shared tenant learns nothing
+    assert _reused(user_tenants, messages, user="mallory") == (0, "cold")
+    assert _reused(user_tenants, messages, user="alice")[0] > 0
 
 
-def test_a_blank_tenant_header_does_not_hide_the_user_field(shared: PatchedServer) -> None:
+def test_a_blank_tenant_header_does_not_hide_the_user_field(user_tenants: PatchedServer) -> None:
     """Before: a present but empty ``X-APC-Tenant`` skipped the user field and mlx-vlm fell back to
     the shared tenant (it reads ``header or default``)."""
     messages = _prompt(304)
-    assert _reused(shared, messages, {"X-APC-Tenant": ""}, user="bob") == (0, "cold")
-    assert _reused(shared, messages) == (0, "cold")
-    assert _reused(shared, messages, {"X-Tenant-Id": ""}, user="bob")[0] > 0
+    assert _reused(user_tenants, messages, {"X-APC-Tenant": ""}, user="bob") == (0, "cold")
+    assert _reused(user_tenants, messages) == (0, "cold")
+    assert _reused(user_tenants, messages, {"X-Tenant-Id": ""}, user="bob")[0] > 0
 
 
 def test_inference_needs_a_key_and_health_does_not(keyed: PatchedServer) -> None:
