@@ -51,6 +51,14 @@ def _assert_speculated(answer: dict[str, Any]) -> None:
     assert timings.get("draft_kind") == "mtp" and int(timings.get("draft_n") or 0) > 0, timings
 
 
+def acceptance(answer: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """The request's speculation (rounds, drafted, accepted): exact for a lone request."""
+    timings = answer.get("timings") or {}
+    counts = timings.get("draft_rounds"), timings.get("draft_n"), timings.get("draft_n_accepted")
+    assert None not in counts, timings
+    return counts
+
+
 def assert_same_tokens(warm: dict[str, Any], cold: dict[str, Any]) -> None:
     def reply(answer: dict[str, Any]) -> tuple[str, int]:
         return answer["choices"][0]["message"]["content"], int(answer["usage"]["completion_tokens"])
@@ -75,7 +83,9 @@ def test_warm_turn_with_a_drafter_equals_cold_and_no_drafter(kind: str, servers:
     warm, line = server.chat_restore(messages, tenant=tenant, **PARAMS, **extra)
     assert line["kind"] == kind and int(line["restored"]) > 0, line
     _assert_speculated(warm)
-    assert_same_tokens(warm, _cold(server, messages, **extra))
+    cold = _cold(server, messages, **extra)
+    assert_same_tokens(warm, cold)
+    assert acceptance(warm) == acceptance(cold)  # the drafter drafts and is accepted as cold
     assert_same_tokens(warm, _cold(servers["plain"], messages, **extra))
 
 
@@ -102,7 +112,9 @@ def test_disk_restore_with_a_drafter_equals_no_drafter(tiny_model_dir: Path, tin
         warm, line = second.chat_restore(turn1, tenant="disk", **PARAMS)
         assert line["kind"] == "disk" and int(line["restored"]) > 0, line
         _assert_speculated(warm)
-        assert_same_tokens(warm, _cold(second, turn1))
+        cold = _cold(second, turn1)
+        assert_same_tokens(warm, cold)
+        assert acceptance(warm) == acceptance(cold)
         assert_same_tokens(warm, _cold(plain, turn1))
     finally:
         second.stop()
