@@ -84,11 +84,13 @@ def drafted_tokens(tokens: np.ndarray, embed: np.ndarray, head: np.ndarray, eh_p
     is zero, so the target's hidden state is not needed."""
     hidden = embed.shape[1]
     e = _rms(embed[tokens], eps)
-    return np.argmax(_rms(e @ eh_proj[:, :hidden].T, eps) @ head.T, axis=-1)
+    drafted: np.ndarray = np.argmax(_rms(e @ eh_proj[:, :hidden].T, eps) @ head.T, axis=-1)
+    return drafted
 
 
 def _rms(x: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    normed: np.ndarray = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return normed
 
 
 def greedy_generations(model_dir: Path, prompts: int, tokens: int, prompt_tokens: int = 16) -> np.ndarray:

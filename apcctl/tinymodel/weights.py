@@ -112,7 +112,7 @@ def add_dominant_path(weights: dict[str, np.ndarray], allowed: np.ndarray, eos: 
     rng = np.random.RandomState([seed, PATH_SEED])
     cycle = np.array([i for i in np.flatnonzero(allowed) if i not in set(eos)])
     cycle = cycle[rng.permutation(len(cycle))]
-    successor = rng.choice(cycle, size=vocab)
+    successor: np.ndarray = rng.choice(cycle, size=vocab)
     successor[cycle] = np.roll(cycle, -1)
     unit = rng.normal(size=(vocab, PATH_DIMS))
     unit /= np.linalg.norm(unit, axis=1, keepdims=True)
