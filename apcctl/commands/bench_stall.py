@@ -38,7 +38,8 @@ def register(main: click.Group, bench: click.Group) -> None:
                    f"quick {QUICK['repeat']}].")
 @click.option("--modes", default="stock,patched,patched-unpaced", show_default=True,
               help="Servers to run, in order: stock, patched, patched-unpaced (decode-aware prefill off; "
-                   "only the scenarios whose event prefills).")
+                   "only the scenarios whose event prefills), patched-stock-join (mlx-vlm's own join and "
+                   "leave, APC_COPYFREE_JOIN=0).")
 @click.option("--scenarios", default=SCENARIOS, show_default=True,
               help="Which events to run in the other session.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
