@@ -16,9 +16,13 @@ request) with the mechanics of ``server_patch.copyfree``, and the generator's ro
   mid-prefill (``leaving``, ``joining``, ``removed``), deferred entries are committed, replies
   kept, and loans end.
 
-A row's commit has one home, ``commit`` (past its reply where it checks out, else its
-deferred prompt-end state), and one store, ``_store``; the prefill end's immediate copy is
-the only other caller of ``_store``.
+Two commit verbs, each for the row whose state it commits, never another's: the prompt end
+(``prefill_end`` copies it out at once, or defers it; ``commit_prompt`` commits a deferral
+later, adopted or copied) and ``commit_finished`` (it leaves the decoding batch: past its
+reply where the row checks out, else its deferred prompt-end state). The prompt end is stored
+through ``_store``, the reply through the flow's reply commit. A lookup that would restore from a deferred entry does not commit it:
+it tells that row (``surface``, an event of the deferred row's own life), which commits its
+own prompt-end state; a row nobody decodes any more is told the same (``orphan``).
 
 Every step runs on the generation thread, the only one that writes caches.
 """
@@ -96,26 +100,35 @@ class BatchRows:
         is forgotten). True if a useful one was committed (plan again)."""
         surfaced = False
         for row in self.book.deferred():
-            deferred = row.deferral
             orphan = active is not None and row.uid not in active
-            useful = deferral.surfaces(deferred, prompt, namespace, restorable)
-            if orphan:
-                row.reply = None
-            if not (orphan or useful):
-                continue
-            reason = "orphan" if orphan else "lookup"
-            if not deferred.shared:
-                self.commit(row, deferred.caches, 0, adopt=orphan, reason=reason)
-            elif (found := self.generator.row_of(row.uid)) is not None:
-                self.commit(row, found[0], found[1], adopt=False, reason=reason)
-            else:  # its row is gone and nothing saw it leave: no entry, never garbage
-                row.deferral = None
-                self.book.tidy(row)
-                log.warning("apc_lineage deferred entry of %d tokens lost: its row left unseen",
-                            deferred.pending.final)
-                continue
-            surfaced = surfaced or useful
+            useful = deferral.surfaces(row.deferral, prompt, namespace, restorable)
+            if (orphan or useful) and self.surface(row, orphan=orphan):
+                surfaced = surfaced or useful
         return surfaced
+
+    def surface(self, row: RowLife, *, orphan: bool) -> bool:
+        """An event of ``row``'s own life: its deferred prompt-end state is wanted now (a
+        lookup would restore from it) or nobody decodes it any more (``orphan``: its buffer is
+        adopted, its reply forgotten). It commits its own state (``commit_prompt``): from its
+        own buffer (a lone row), else from its row in the decoding batch, found by uid. False
+        if that row is gone unseen: no entry, never garbage."""
+        deferred = row.deferral
+        if deferred is None:
+            return False
+        if orphan:
+            row.reply = None
+        reason = "orphan" if orphan else "lookup"
+        if not deferred.shared:
+            self.commit_prompt(row, deferred.caches, 0, adopt=orphan, reason=reason)
+        elif (found := self.generator.row_of(row.uid)) is not None:
+            self.commit_prompt(row, found[0], found[1], adopt=False, reason=reason)
+        else:  # its row is gone and nothing saw it leave: no entry, never garbage
+            row.deferral = None
+            self.book.tidy(row)
+            log.warning("apc_lineage deferred entry of %d tokens lost: its row left unseen",
+                        deferred.pending.final)
+            return False
+        return True
 
     def _sweep_loans(self, entry: Any, reclaimed: set[str], active: Optional[set[Any]]) -> bool:
         """Before a lookup builds anything: end the loan of ``entry`` (the rows this prompt
@@ -296,19 +309,30 @@ class BatchRows:
             return False
         return rows.batch_size(prompt_cache) == 1
 
-    # ------------------------------------------------------------------ the commit
+    # ------------------------------------------------------------------ the two commit verbs
 
     @waits.unit(waits.Work.COMMIT, waits.one_row)
-    def commit(self, row: RowLife, caches: list[Any], idx: int, *, adopt: bool, reason: str,
-               batch: Any = None) -> None:
-        """The one home of a row's commit once nothing but its own request writes its rows:
-        past its reply when it leaves the decoding batch (``batch``) and the row checks out,
-        else its deferred prompt-end state (adopted where ``adopt``, else copied)."""
-        deferred = row.deferral
-        reply, row.reply = (row.reply, None) if batch is not None else (None, row.reply)
-        if reply is not None and self._keep_reply(reply, batch, idx, alone=adopt, deferred=deferred):
+    def commit_finished(self, row: RowLife, batch: Any, idx: int, *, alone: bool) -> None:
+        """Row ``idx`` of ``batch`` leaves the decoding batch: its entry moves past its reply
+        where the row checks out, else its deferred prompt-end state is committed (its buffer
+        adopted where ``alone``, else copied)."""
+        reply, row.reply = row.reply, None
+        if reply is not None and self._keep_reply(reply, batch, idx, alone=alone, deferred=row.deferral):
             row.deferral = None
-        elif deferred is not None:
+            self.book.tidy(row)
+        else:
+            self._commit_prompt(row, list(batch.prompt_cache), idx, adopt=alone, reason="end")
+
+    @waits.unit(waits.Work.COMMIT, waits.one_row)
+    def commit_prompt(self, row: RowLife, caches: list[Any], idx: int, *, adopt: bool, reason: str) -> None:
+        """Row's deferred prompt-end state becomes its entry now (``reason``: join, removed,
+        lookup, orphan), its rows read from ``caches`` row ``idx`` (adopted where ``adopt``,
+        else copied); its reply, if still tracked, is appended there when it ends."""
+        self._commit_prompt(row, caches, idx, adopt=adopt, reason=reason)
+
+    def _commit_prompt(self, row: RowLife, caches: list[Any], idx: int, *, adopt: bool, reason: str) -> None:
+        deferred = row.deferral
+        if deferred is not None:
             row.deferral = None
             room = self._reply_capacity(row.pending, row.uid) if row.reply is not None else 0
             elapsed = deferral.resolve(self.runtime.layout, self.settings, deferred, caches, idx,
@@ -394,7 +418,7 @@ class BatchRows:
         for i, uid in enumerate(list(batch.uids)):
             if i in kept or (row := self.book.by_uid(uid)) is None:
                 continue
-            self.commit(row, list(batch.prompt_cache), i, adopt=alone, reason="end", batch=batch)
+            self.commit_finished(row, batch, i, alone=alone)
             if row.loan is not None:
                 self._end_loan(row, batch.prompt_cache if alone else None, reason="end")
             self.book.end(row, "leaving")
@@ -432,7 +456,7 @@ class BatchRows:
                 if (row := self.book.by_uid(uid)) is None:
                     continue
                 if row.deferral is not None and not row.deferral.shared:  # shared rows move along, by uid
-                    self.commit(row, list(batch.prompt_cache), i, adopt=alone, reason="join")
+                    self.commit_prompt(row, list(batch.prompt_cache), i, adopt=alone, reason="join")
                 if row.loan is not None:
                     self._end_loan(row, batch.prompt_cache if alone else None, reason="join")
 
@@ -445,7 +469,7 @@ class BatchRows:
         row.reply = None
         deferred = row.deferral
         if deferred is not None and deferred.shared and (found := self.generator.row_of(uid)) is not None:
-            self.commit(row, found[0], found[1], adopt=False, reason="removed")
+            self.commit_prompt(row, found[0], found[1], adopt=False, reason="removed")
         if row.loan is not None:
             self._end_loan(row, None, reason="removed")
         self.book.end(row, "removed")

@@ -350,6 +350,24 @@ def test_another_requests_lookup_commits_a_deferred_entry_it_would_restore_from(
     assert server.book.by_key(server.book.rows()[-1].key).record.restored_tokens == len(prompt) - 1
 
 
+def test_a_deferred_row_nobody_decodes_commits_its_own_state_when_a_lookup_tells_it(server):
+    """Issue 35: another request's lookup does not commit a deferred row's state; it tells
+    that row (``BatchRows.surface``), whose own commit verb (``commit_prompt``) stores it. A
+    row no batch holds any more (its leaving unseen) is told as an orphan: its buffer adopted,
+    its reply forgotten, though the lookup would not restore from it."""
+    prompt = random_tokens(40, seed=47)
+    caches, lengths = admit(server, 1, prompt)
+    prefill_and_store(server, 1, prompt, caches, lengths)
+    row = server.book.by_uid(1)
+    assert row.deferral is not None and row.reply is not None and server.cache.entries() == []
+    server.generator._prompt_batch = None  # its row left unseen: no batch holds uid 1
+    server.coordinator.lookup(random_tokens(30, seed=48), extra_hash=0, safe_lookup_min=0,
+                              suffix_is_text_only=lambda n: True, prefix_has_media=lambda n: False, uid=2)
+    (entry,) = server.cache.entries()
+    assert entry.length == len(prompt) - 1 and row.deferral is None and row.reply is None
+    assert server.book.by_uid(2).record.restored_tokens == 0  # an unrelated prompt: cold
+
+
 def test_two_lookups_of_one_uid_are_one_row_and_the_same_prompt_of_another_uid_another(server):
     prompt = random_tokens(40, seed=12)
     for uid in (1, 1, 2):
