@@ -19,7 +19,7 @@ import pytest
 from tests.e2e import test_e2e_reply_reuse as reuse
 from tests.e2e.test_e2e_reply_reuse import converse, tokenizer  # noqa: F401 (the fixture)
 from tests.server_harness import PatchedServer, all_running, cached_tokens, text
-from tests.speculative.test_spec_server import PARAMS, _cold, _drafter_args, assert_same_tokens
+from tests.speculative.test_spec_server import PARAMS, _cold, _drafter_args, acceptance, assert_same_tokens
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,7 @@ def test_replies_under_speculation_are_reused_and_answer_as_cold_and_without(
     spec, spec_records = _conversation(draft, tokenizer, "spec-replies")
     without, without_records = _conversation(plain, tokenizer, "plain-replies")
     assert [t.reply for t in spec] == [t.reply for t in without]  # the same conversation
+    assert sum(acceptance(t.answer)[2] for t in spec) > 0  # accepted drafts extended the entries
     summary = [[(r["prompt_tokens"], r["restored_tokens"], r["reply_tokens"], r["kv_admission"]) for r in records]
                for records in (spec_records, without_records)]
     # Copy-free admission as without a drafter: each warm turn is lent its entry's buffer.
