@@ -93,7 +93,7 @@ def _join_leave(children: list[Any], context: int, victim: int, repeat: int,
 
 
 def run(context: int, victim: int, repeat: int) -> dict[str, Any]:
-    from server_patch.copyfree import batch
+    from server_patch.copyfree import batch, spares
 
     _, probe, _ = bench_layout(context)
     children = _kv_children(probe)
@@ -103,8 +103,8 @@ def run(context: int, victim: int, repeat: int) -> dict[str, Any]:
     copyfree = _join_leave(children, context, victim, repeat, batch.extend_kv, batch.filter_kv)
     as_view = _join_leave(children, context, victim, repeat, batch.extend_kv,
                           lambda r, k: batch.filter_kv(r, k, view=True))
-    spare = _join_leave(children, context, victim, repeat, batch.extend_kv, batch.filter_kv, batch.reserve_joint)
-    batch.drop_spares()
+    spare = _join_leave(children, context, victim, repeat, batch.extend_kv, batch.filter_kv, spares.reserve_joint)
+    spares.drop_spares()
 
     headroom_ms, headroom_bytes = [], 0
     for _ in range(repeat):

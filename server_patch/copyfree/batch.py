@@ -14,7 +14,7 @@ Here, with ``APC_COPYFREE`` and ``APC_COPYFREE_JOIN`` on (either ``=0``: mlx-vlm
   it, right-aligned at the longer side's write index (the layout ``extend`` builds), with at
   least one allocation step of room past it so the first joint decode step does not regrow it.
   A staged turn (``merge.stage_rows``, off the generation thread) has that buffer made ahead
-  (``reserve_joint``): its join then only writes the rows, into pages already mapped.
+  (``spares.reserve_joint``): its join then only writes the rows, into pages already mapped.
 * ``filter_kv``: the padding no kept row needs is dropped first; the kept rows are then copied
   once into their own buffer (a batch-axis slice when they are a contiguous range, a gather
   otherwise). A view would not spare the copy, only move it into the next decode step.
@@ -27,18 +27,11 @@ so the masks and the logits are unchanged. Only ``BatchKVCache`` itself takes th
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
-from server_patch.copyfree import pool
-
-# Zero-filled joint buffers made ahead, off the generation thread (``reserve_joint``), each taken
-# by the join whose shape it fits; the latest staging's only (a join of an earlier one has
-# passed or will not come).
-_spares_lock = threading.Lock()
-_spares: list[mx.array] = []
+from server_patch.copyfree import pool, spares
 
 
 def takes_over(cache: Any) -> bool:
@@ -68,8 +61,8 @@ def extend_kv(cache: Any, other: Any) -> None:
     write_index = max(int(c._idx) for c in sides)
     width = max(max(_width(c) for c in sides), write_index + int(type(cache).step))
     counts = [_rows(c) for c in sides]
-    keys = _joint((sum(counts), heads, width, dk), template.keys.dtype)
-    values = _joint((sum(counts), heads, width, dv), template.values.dtype)
+    keys = spares.joint((sum(counts), heads, width, dk), template.keys.dtype)
+    values = spares.joint((sum(counts), heads, width, dv), template.values.dtype)
     first = 0
     for side, count in zip(sides, counts):
         held = int(side._idx)
@@ -82,42 +75,6 @@ def extend_kv(cache: Any, other: Any) -> None:
     cache.offset = mx.concatenate([c.offset for c in sides])
     cache.left_padding = mx.concatenate([c.left_padding + (write_index - int(c._idx)) for c in sides])
     cache._idx = write_index
-
-
-def reserve_joint(buffers: Sequence[mx.array], rows: int = 2) -> None:
-    """Zero buffers of ``rows`` rows shaped like each of ``buffers`` (a staged row's KV
-    children, ``[1, heads, capacity, dim]``), evaluated here, off the generation thread: the
-    joint batch the staged row's join will write into. Its pages are touched now, so the join
-    writes the long row's tokens into memory already mapped instead of allocating (and
-    faulting in) a buffer of the joint batch's size on the generation thread. Replaces the
-    spares of an earlier staging."""
-    made = [mx.zeros((rows, *b.shape[1:]), dtype=b.dtype) for b in buffers]
-    mx.eval(made)
-    with _spares_lock:
-        _spares[:] = made
-
-
-def spare_count() -> int:
-    with _spares_lock:
-        return len(_spares)
-
-
-def drop_spares() -> None:
-    with _spares_lock:
-        _spares.clear()
-
-
-def _joint(shape: tuple[int, int, int, int], dtype: Any) -> mx.array:
-    """A zero buffer of at least ``shape`` (wider is room): a spare made ahead if one fits
-    (taken out of the registry, so the join's writes are its only reference and land in
-    place), else a new one."""
-    rows, heads, width, dim = shape
-    with _spares_lock:
-        for i, spare in enumerate(_spares):
-            if (spare.dtype == dtype and int(spare.shape[0]) == rows and int(spare.shape[1]) == heads
-                    and int(spare.shape[3]) == dim and int(spare.shape[2]) >= width):
-                return _spares.pop(i)
-    return mx.zeros(shape, dtype=dtype)
 
 
 def filter_kv(cache: Any, batch_indices: Any, *, view: bool = False) -> None:

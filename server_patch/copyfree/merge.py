@@ -14,7 +14,7 @@ path; anything else falls back to the stock merge.
 waits in the queue (``integration.staging``): its buffers have the capacity this merge would
 give the lone row, so the merge then adopts them as a lent buffer is adopted and copies nothing.
 It also makes the zero buffers of the joint batch the staged row will join (two rows of that
-capacity, ``copyfree.batch.reserve_joint``), so the join writes into memory already mapped.
+capacity, ``copyfree.spares.reserve_joint``), so the join writes into memory already mapped.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx_vlm.apc_adapters import merge_cache_entries
 from mlx_vlm.models.cache import BatchKVCache, CacheList, KVCache
 
-from server_patch.copyfree import batch
+from server_patch.copyfree import batch, spares
 from server_patch.observe import ledger
 from server_patch.state.rows import leaf_caches
 
@@ -105,7 +105,7 @@ def stage_rows(layers: Sequence[Sequence[dict]], kv_children: Sequence[Sequence[
     if ledger.enabled():
         ledger.add("stage", nbytes, kind="kv")
     if batch.takes_joins():  # rows decode while a turn is staged: its join's buffer, made here too
-        batch.reserve_joint(staged)
+        spares.reserve_joint(staged)
     return taken, kept
 
 

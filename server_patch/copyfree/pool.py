@@ -22,6 +22,7 @@ import time
 
 import mlx.core as mx
 
+from server_patch.copyfree import spares
 from server_patch.copyfree.settings import CopyFreeSettings
 
 log = logging.getLogger("server_patch.copyfree")
@@ -93,8 +94,11 @@ def release_if_idle(now: float | None = None) -> bool:
     now = time.monotonic() if now is None else now
     if idle_s <= 0 or now - _last_activity < idle_s or _released_at >= _last_activity:
         return False
+    dropped = spares.drop_spares()  # a staged turn's joint buffers that no join took
     held = mx.get_cache_memory()
     _released_at = now
+    if dropped:
+        log.info("apc_copyfree dropped %d joint buffers made ahead that no join took", dropped)
     if held:
         mx.clear_cache()
         log.info("apc_copyfree pool released %.1f MB after %.0f s idle", held / 1e6, now - _last_activity)

@@ -15,7 +15,7 @@ import pytest
 from mlx_vlm.generate.ar import _extend_cache, _make_cache
 from mlx_vlm.models.cache import BatchKVCache
 
-from server_patch.copyfree import batch
+from server_patch.copyfree import batch, spares
 from tests.fake_model import prefill, random_tokens
 
 
@@ -187,22 +187,39 @@ def test_a_join_takes_the_zero_buffer_made_ahead_for_its_shape_and_gives_the_sam
     stock.extend(other)
     ours, other = pair()
     try:
-        batch.reserve_joint([other.keys, other.values])
-        assert batch.spare_count() == 2
+        spares.reserve_joint([other.keys, other.values])
+        assert spares.spare_count() == 2
         batch.extend_kv(ours, other)
-        assert batch.spare_count() == 0  # both taken: the join wrote into them
+        assert spares.spare_count() == 0  # both taken: the join wrote into them
     finally:
-        batch.drop_spares()
+        spares.drop_spares()
     _same(stock, ours)
     assert ours.keys.shape == (2, 2, 768, 16)
 
 
 def test_a_join_of_another_shape_leaves_the_buffer_made_ahead_alone() -> None:
     three, other = _cache(2, 2, 256, 20, [0, 5], 16, 16, mx.bfloat16, 1), _cache(1, 2, 768, 300, [0], 16, 16, mx.bfloat16, 2)
+    short = (_cache(1, 2, 256, 20, [0], 16, 16, mx.bfloat16, 3), _cache(1, 2, 256, 30, [0], 16, 16, mx.bfloat16, 4))
     try:
-        batch.reserve_joint([other.keys, other.values])  # for a 2-row joint batch
+        spares.reserve_joint([other.keys, other.values])  # for a 2-row joint batch, 768 wide
         batch.extend_kv(three, other)  # 3 rows
-        assert batch.spare_count() == 2
+        batch.extend_kv(*short)  # 2 rows, but 286 wide: the staged turn's buffer is kept for it
+        assert spares.spare_count() == 2
     finally:
-        batch.drop_spares()
-    assert three.keys.shape[0] == 3
+        assert spares.drop_spares() == 2
+    assert three.keys.shape[0] == 3 and short[0].keys.shape[2] == 286
+
+
+def test_the_pools_idle_release_drops_buffers_no_join_took() -> None:
+    from server_patch.copyfree import pool
+    from server_patch.copyfree.settings import CopyFreeSettings
+
+    row = _cache(1, 2, 768, 300, [0], 16, 16, mx.bfloat16, 2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pool, "_settings", CopyFreeSettings(pool_idle_s=1.0))
+        patch.setattr(pool, "_last_activity", 1.0)  # prefill work at 1 s, none since
+        patch.setattr(pool, "_released_at", 0.0)
+        spares.reserve_joint([row.keys, row.values])
+        assert spares.spare_count() == 2
+        pool.release_if_idle(now=10.0)  # idle for 9 s of a 1 s limit
+    assert spares.spare_count() == 0
