@@ -174,3 +174,21 @@ def _wait_for(condition, server: AdminClient, timeout: float = 120.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, server.status()["lineage"]["disk"]
         time.sleep(0.05)
+
+
+def test_a_recorded_server_started_with_another_shared_path_moves_its_own_subdirectory(cli_env: Path,
+                                                                                      tmp_path: Path) -> None:
+    """``apcctl serve`` of a stopped server with a new ``--shared-disk-path``: its files go to the new
+    directory's NAME subdirectory (peers read only there); a disk path of its own choosing stays."""
+    from apcctl.commands.serve import with_shared_disk
+    from apcctl.core.manage import build_spec
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    before = with_shared_disk(build_spec("r", model=str(tmp_path), port=9200, env={SHARED: str(old)}))
+    assert before.env[DISK] == str(old / "r")
+    moved = with_shared_disk(build_spec("r", model=str(tmp_path), port=9200,
+                                        env={SHARED: str(new), DISK: before.env[DISK]}), before)
+    assert _tier(moved) == (str(new), str(new / "r"))
+    own = with_shared_disk(build_spec("r", model=str(tmp_path), port=9200,
+                                      env={SHARED: str(new), DISK: str(tmp_path / "mine")}), before)
+    assert own.env[DISK] == str(tmp_path / "mine")
