@@ -20,35 +20,32 @@ whose write is in flight (evicting them frees nothing until the write lands) are
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Container, Sequence
+from dataclasses import dataclass
+from typing import Callable, Container, Optional, Sequence
 
+from server_patch.lineage.holds import WRITE, WRITES_OWNER, Holds
 from server_patch.lineage.model import Entry
 
 
-@dataclass
 class WriteQueue:
-    """Bytes the disk writer holds, per entry id: (writes queued, bytes of the largest)."""
+    """What the disk writer holds: the cache's holds of kind ``WRITE`` (``lineage.holds``),
+    owned by the writer, one per queued write (its bytes: the entry's when queued)."""
 
-    _items: dict[str, tuple[int, int]] = field(default_factory=dict)
+    def __init__(self, holds: Optional[Holds] = None) -> None:
+        self._holds = holds if holds is not None else Holds()
 
     def add(self, entry_id: str, nbytes: int) -> None:
-        count, held = self._items.get(entry_id, (0, 0))
-        self._items[entry_id] = (count + 1, max(held, int(nbytes)))
+        self._holds.take(WRITES_OWNER, entry_id, nbytes, resident=False, kind=WRITE)
 
     def done(self, entry_id: str) -> None:
-        count, held = self._items.get(entry_id, (0, 0))
-        if count <= 1:
-            self._items.pop(entry_id, None)
-        else:
-            self._items[entry_id] = (count - 1, held)
+        self._holds.written(entry_id)
 
     def holds(self, entry_id: str) -> bool:
-        return entry_id in self._items
+        return self._holds.writing(entry_id)
 
     def bytes_outside(self, in_ram: Container[str]) -> int:
         """Queued bytes of entries RAM no longer counts."""
-        return sum(held for entry_id, (_, held) in self._items.items() if entry_id not in in_ram)
+        return self._holds.writes_outside(in_ram)
 
 
 @dataclass

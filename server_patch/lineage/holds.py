@@ -20,9 +20,13 @@ owns: its staged copy) on one entry, and is of one kind:
   while one is out the entry is not evictable, writable, rewindable nor lent again (the
   entry's ``loans`` mirrors the count for its readers). It names the entry object, not its
   id: a loan outlives an entry its borrower's own commit absorbed.
+* ``WRITE``: the disk writer (``WRITES_OWNER``) holds an entry's state from its write's queueing
+  until it lands, one hold per queued write (``budget.WriteQueue`` is its view): the entry is
+  not evicted (that would free nothing) nor lent, and once it left RAM its bytes stay counted
+  in the RAM budget until the write lands.
 
-The cache checks the holds in one place, ``LineageCache._evictable`` (with the write queue),
-and its write and rewind checks ask ``Entry.lent``. Everything an owner holds is let go at once,
+The cache checks the holds in one place, ``LineageCache._evictable`` (``pins``), and its write
+and rewind checks ask ``Entry.lent``. Everything an owner holds is let go at once,
 ``LineageCache.release(owner)`` (``kinds`` to let go of some only: a request's admission lets go
 of its load and its reservation, its loan lives on); one hold at once by ``LineageCache.end``.
 docs/architecture.md says what is left to move onto holds.
@@ -31,14 +35,16 @@ docs/architecture.md says what is left to move onto holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Hashable, Optional
+from typing import Any, Callable, Collection, Container, Hashable, Optional
 
 from server_patch.lineage.model import Loan
 
 LOAD = "load"  # a restore point loading, then loaded and waiting for the admission: reserved, then pinned
 RESERVED = "reserved"  # bytes outside the entries (a staged copy): reserved, never pinned
 LENT = "lent"  # the entry's KV rows out to a request: a loan's receipt
-KINDS = (LOAD, RESERVED, LENT)
+WRITE = "write"  # the disk writer holds the entry's state until its write lands
+KINDS = (LOAD, RESERVED, LENT, WRITE)
+WRITES_OWNER = "disk writer"  # the owner of every WRITE hold (a label: the writer itself is the runtime's)
 
 
 @dataclass(eq=False)
@@ -60,6 +66,7 @@ class Holds:
     def __init__(self) -> None:
         self._by_owner: dict[Hashable, list[Hold]] = {}
         self._by_entry: dict[str, list[Hold]] = {}  # LOAD and RESERVED holds only
+        self._writes: dict[str, list[Hold]] = {}  # WRITE holds, one per queued write
 
     def __len__(self) -> int:
         """The budget's holds (LOAD, RESERVED): what ``LineageCache.hold`` weighs."""
@@ -71,17 +78,38 @@ class Holds:
         first; a loan's receipt is a hold of its own each)."""
         mine = self._by_owner.setdefault(owner, [])
         found = next((h for h in mine if h.entry_id == entry_id and h.kind == kind and h.loan is loan), None)
-        if found is not None:
+        if found is not None and kind != WRITE:
             return found
         hold = Hold(owner, entry_id, int(nbytes), resident, kind, loan)
         mine.append(hold)
-        if kind != LENT:
+        if kind == WRITE:
+            self._writes.setdefault(entry_id, []).append(hold)
+        elif kind != LENT:
             self._by_entry.setdefault(entry_id, []).append(hold)
         return hold
 
     def held(self, entry_id: str) -> bool:
         """A request's load holds ``entry_id`` (or a reservation names it)."""
         return bool(self._by_entry.get(entry_id))
+
+    def writing(self, entry_id: str) -> bool:
+        """A write of ``entry_id`` is queued (the writer holds its state)."""
+        return bool(self._writes.get(entry_id))
+
+    def pins(self, entry_id: str) -> bool:
+        """Whether a hold keeps ``entry_id`` in RAM: a request's load, or a queued write (a lent
+        entry is pinned by its ``Entry.lent``: the loan names the object)."""
+        return self.held(entry_id) or self.writing(entry_id)
+
+    def written(self, entry_id: str) -> None:
+        """One queued write of ``entry_id`` landed (or failed): its hold is let go."""
+        writes = self._writes.get(entry_id)
+        if writes:
+            self.drop(writes[0])
+
+    def writes_outside(self, in_ram: Container[str]) -> int:
+        """Bytes the writer holds of entries RAM no longer counts (the largest write of each)."""
+        return sum(max(h.nbytes for h in holds) for entry_id, holds in self._writes.items() if entry_id not in in_ram)
 
     def of(self, owner: Hashable) -> list[Hold]:
         return list(self._by_owner.get(owner, ()))
@@ -140,11 +168,12 @@ class Holds:
     def _unindex(self, hold: Hold) -> None:
         if hold.kind == LENT:
             return
-        left = [h for h in self._by_entry.get(hold.entry_id, ()) if h is not hold]
+        index = self._writes if hold.kind == WRITE else self._by_entry
+        left = [h for h in index.get(hold.entry_id, ()) if h is not hold]
         if left:
-            self._by_entry[hold.entry_id] = left
+            index[hold.entry_id] = left
         else:
-            self._by_entry.pop(hold.entry_id, None)
+            index.pop(hold.entry_id, None)
 
     def reserved(self) -> int:
         """Bytes of held entries not in RAM (loads in flight, or loaded and not promoted)."""
@@ -162,4 +191,4 @@ class Holds:
         return list(self._by_owner)
 
 
-__all__ = ["KINDS", "LENT", "LOAD", "RESERVED", "Hold", "Holds"]
+__all__ = ["KINDS", "LENT", "LOAD", "RESERVED", "WRITE", "WRITES_OWNER", "Hold", "Holds"]

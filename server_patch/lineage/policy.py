@@ -94,10 +94,11 @@ class LineageCache:
         self._entries = EntryMap()  # keeps their bytes as they change (``tally``)
         self._records = RecordMap()
         self._superseded_by: dict[str, str] = {}
-        self._queued = WriteQueue()  # what the disk writer holds: counted in the RAM budget
-        # What requests hold (``holds``): loads until admitted (``hold``), staged copies' bytes
-        # (``reserve``), loans (``lend``), let go one by one (``end``) or all at once (``release``)
+        # What requests and the writer hold (``holds``): loads until admitted (``hold``), staged
+        # copies' bytes (``reserve``), loans (``lend``), let go one by one (``end``) or all at
+        # once (``release``); queued writes (``_queued``, the writer's view of its holds)
         self._holds = Holds()
+        self._queued = WriteQueue(self._holds)  # what the disk writer holds: counted in the RAM budget
         self.stats: Counter[str] = Counter()
         self.closed = False  # close(): its model is unloaded, nothing more is stored or written
         self.misses = MissBook.from_config(self.config, clock)  # the live oracle (``misses``)
@@ -834,7 +835,7 @@ class LineageCache:
         """Not lent, not held by a request waiting for its admission (``hold``), and no write
         in flight (evicting it would free nothing until the write lands, and no pass waits
         for the writer)."""
-        return not entry.lent and not self._holds.held(entry.id) and not self._queued.holds(entry.id)
+        return not entry.lent and not self._holds.pins(entry.id)
 
     def _needs_write(self, entry: Entry) -> bool:
         """Whether leaving RAM loses state the disk lacks and no queued write will hold (a

@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 
 from server_patch.lineage import LineageCache, LineageConfig, RestorePlan
-from server_patch.lineage.holds import LOAD, RESERVED
-from tests.lineage.test_lineage_policy import Clock, FakeDisk, serve, words
+from server_patch.lineage.holds import LOAD, RESERVED, WRITE, WRITES_OWNER
+from tests.lineage.test_lineage_policy import Clock, FakeDisk, QueuedDisk, serve, words
 from tests.lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
 
 pytestmark = pytest.mark.usefixtures("checked_lineage")
@@ -136,3 +136,17 @@ def test_a_loan_taken_before_its_owner_was_named_moves_to_it(disk_only):
     cache.own(loan, "row")
     assert loan.owner == "row" and cache.release(loan) == 0
     assert cache.release("row") == 1 and not entry.lent
+
+
+def test_a_queued_write_is_a_hold_of_the_writer_until_it_lands():
+    """Issue 35: the write queue is the writer's holds (kind ``WRITE``, one per queued write):
+    the entry is neither evicted nor lent meanwhile, and its bytes stay counted once it left RAM."""
+    disk = QueuedDisk()
+    cache = LineageCache(LineageConfig(disk_write_delay_s=0), disk=disk, clock=Clock())
+    entry = serve(cache, words(300, 4500))[2]
+    assert cache.tick(now=1e12) == 1  # the idle tick queues its write
+    assert [(h.kind, h.entry_id) for h in cache._holds.of(WRITES_OWNER)] == [(WRITE, entry.id)]
+    assert cache.lend(RestorePlan(entry.length, "entry", entry=entry)) is None  # the writer reads its rows
+    assert cache.evict(entry.id) and cache.ram_used == entry.nbytes  # left RAM, still held by the writer
+    disk.land()
+    assert cache._holds.of(WRITES_OWNER) == [] and cache.ram_used == 0
