@@ -1,16 +1,18 @@
 """One record per request, from its lookup to its last event: the row machine.
 
-Everything the cache knows about one request is one ``RowLife``: its prompt between lookup
-and prefill end (``pending``), the loan of an entry's buffer (``loan``), its deferred commit
-(``deferral``), the reply it is being fed (``reply``), its timing record (``record``), and where
-it is (``state``). One bounded ``RowBook`` holds them, each by mlx-vlm's uid from the queue
+Everything the cache knows about one request is one ``RowLife``, its session: its prompt
+between lookup and prefill end with its one admission (``pending``, ``Pending.admission``), the
+loan of an entry's buffer (``loan``), its deferred commit (``deferral``), the reply it is being
+fed (``reply``), its timing record (``record``; finished records go to the runtime's ring,
+``TimingBook``), and where it is (``state``). What it holds of the cache is holds it owns
+(``lineage.holds``), let go when the book forgets it (``release``). One bounded ``RowBook`` holds them, each by mlx-vlm's uid from the queue
 (a LOADING or STAGING row) or its lookup (the ``lookup`` edit passes the uid) to its end; the
 HTTP request id is a field (``request_id``), set by the server's events. Identical prompts are
 rows of their own, with their own replies (issue 35: keyed by their tokens, twins admitted in
 one prompt batch were one row, and one twin's reply was another's). Only a prompt no queue
 named (the single-sequence path) is found by its request key until a store names its uid.
 
-Every mlx-vlm event is one transition (``RowState``, the diagram in docs/design.md):
+Every mlx-vlm event is one transition (``RowState``, the diagram in docs/architecture.md):
 
     LOADING --loaded, failed or past the bound--> ADMITTED
     LOADING --loaded while others decode, its copy stageable--> STAGING
