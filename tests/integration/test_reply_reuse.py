@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from apcctl.sim.policies.lineage import LineagePolicy
@@ -155,18 +155,31 @@ STEP = st.tuples(st.sampled_from(["verbatim", "rewritten", "branch"]), st.intege
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(first=st.integers(20, 300), steps=st.lists(STEP, min_size=1, max_size=7),
        max_checkpoints=st.integers(0, 4), rewind=st.booleans(), seed=st.integers(0, 10_000))
+@example(first=20, steps=[("verbatim", 0, 45, 0), ("rewritten", 0, 3, 20), ("branch", 115, 2, 20),
+                          ("branch", 114, 13, 0), ("branch", 124, 1, 20)],
+         max_checkpoints=1, rewind=False, seed=0)
 def test_a_next_prompt_never_restores_fewer_tokens_than_without_reply_reuse(
         first, steps, max_checkpoints, rewind, seed):
     """Both caches see the same prompts; only one keeps the replies. At every turn the one
-    with reply reuse restores at least as many tokens, and past the whole reply whenever the
-    prompt re-renders it verbatim (and goes on past it)."""
+    with reply reuse restores at least as many tokens, less what a divergence capture skips by
+    design, and past the whole reply whenever the prompt re-renders it verbatim (and goes on
+    past it).
+
+    The slack: a branch keeps the reply-reuse cache's older entry whole (its reply runs past
+    the branch point), where the cache without replies extends that entry in place and thins
+    its older prompt end away. A later branch then restores near that kept prompt end, and the
+    divergence point a few tokens on is not captured (``plan_captures`` needs a gain of
+    ``divergence_min_gain`` over the durable point), where the cache without replies, restoring
+    cold, captures it. Hypothesis found such a case (the ``@example`` above): 112 against 114.
+    """
     rng = np.random.RandomState(seed)
     fresh = lambda n: [int(x) for x in rng.randint(100, 5000, n)]  # noqa: E731
     on, off = make(max_checkpoints=max_checkpoints), make(max_checkpoints=max_checkpoints)
+    slack = max(1, on.config.divergence_min_gain) - 1  # a divergence closer than this is not captured
     prompt, reply = fresh(first), fresh(int(rng.randint(0, 50)))
     for kind, cut, new, reply_len in steps:
         got_on, got_off = serve(on, prompt, reply, rewind=rewind), serve(off, prompt, None)
-        assert got_on >= got_off
+        assert got_on >= got_off - slack
         if kind == "verbatim":
             nxt = prompt + reply + fresh(new)
         elif kind == "rewritten":
@@ -179,7 +192,7 @@ def test_a_next_prompt_never_restores_fewer_tokens_than_without_reply_reuse(
         if kind == "verbatim" and len(nxt) > seen and seen >= 16:
             assert plan.length == seen
         prompt, reply = nxt, fresh(reply_len)
-    assert serve(on, prompt, reply, rewind=rewind) >= serve(off, prompt, None)
+    assert serve(on, prompt, reply, rewind=rewind) >= serve(off, prompt, None) - slack
 
 
 def test_the_simulator_restores_past_each_verbatim_reply():
