@@ -437,7 +437,7 @@ class BatchRows:
                              "account for its cache (entry stays at the prompt end)", uid)
                 row.reply = None
                 if row.deferral is not None and not row.deferral.shared:  # a lone row: nothing writes it now
-                    self.commit(row, row.deferral.caches, 0, adopt=True, reason="end")
+                    self.commit_prompt(row, row.deferral.caches, 0, adopt=True, reason="end")
                 if row.loan is not None:
                     self._end_loan(row, None, reason="end")
                 self.book.end(row, "leaving")
