@@ -12,7 +12,8 @@ from server_patch.speculative.support import drafter_support
 DOCS_SECTION = """
 ## Speculative decoding: the tiny model's MTP drafter (issue 39)
 
-`apcctl model build OUT --drafter` also writes `OUT/mtp/`: a standalone `glm5_next_mtp`
+`apcctl model build OUT --preset tiny-spec --drafter` (or `--preset bench-spec`) also writes
+`OUT/mtp/`: a standalone `glm5_next_mtp`
 checkpoint (the layout mlx-vlm 0.7.10's `Glm5NextMTPSplitter` writes from GLM-5-Next's layer 45:
 `enorm`, `hnorm`, `eh_proj`, `mtp_block.*`, `shared_head_norm`, with the target's
 `text_config`). Serve it with `--draft-model OUT/mtp --draft-kind mtp`. The target's own files
@@ -22,16 +23,22 @@ How it is made, honestly: **constructed to agree, nothing trained or fitted.** A
 random six-layer target cannot agree with it by learning in minutes on two cores (a ridge fit of
 `eh_proj` to the target's next hidden state, the first version, reached ~20% greedy agreement on
 held-out positions and 0 accepted drafts of 45 on a real server; a 4,096-wide random-feature fit
-on 3,000 positions overfitted to 13%). So since builder version 3 the tiny models carry a
-**dominant path** (`apcctl/tinymodel/weights.py: add_dominant_path`): the last 24 features of
-every token's embedding hold a vote for that token's successor in one fixed random cycle through
+on 3,000 positions overfitted to 13%). So the speculative presets `tiny-spec` and `bench-spec`
+(tiny's and bench's shapes; builder version 4) carry a **dominant path**
+(`apcctl/tinymodel/weights.py: add_dominant_path`): the last 24 features of every token's embedding hold a vote for that token's successor in one fixed random cycle through
 the generatable words (EOS excluded, so the path never ends a reply, and followed without a break
 it repeats only after ~560 tokens), no layer writes those features (their rows of every
 `o_proj`/`down_proj` are zero), and each cycle token's `lm_head` row reads them with the preset's
-`path_gain` (tiny 0.4, bench 5.0: bench's final hidden state is ~12x larger before the final
-norm). The other 40 features carry the context exactly as before, and where the context's logits
-differ by more than the vote's lead, the target leaves the path: every answer is still the
+`path_gain` (tiny-spec 0.4, bench-spec 5.0: bench's final hidden state is ~12x larger before
+the final norm). The other 40 features carry the context exactly as before, and where the
+context's logits differ by more than the vote's lead, the target leaves the path: every answer is still the
 target's own weights' answer over its whole context (warm must still equal cold token for token).
+The path is opt-in: a target that follows its last token's successor most of the time changes
+fewer tokens when a restore is corrupted and starts different prompts' replies alike, so `tiny`
+and `bench` (every other test, bench and the demo) have `path_gain` 0, no path, and exactly
+builder 2's weights (`tests/test_tiny_model.py` pins their fingerprints); only the speculative
+tests (`tests/speculative`, the `spec_model_dir` fixture) and `apcctl bench spec` use the
+`-spec` presets, and `apcctl model build --drafter` refuses the others.
 
 The drafter implements that path for token `t+2` from the embedding of token `t+1`: `eh_proj`
 copies the embedding's 24 path features and nothing else (the target's hidden state is read
@@ -44,10 +51,10 @@ seconds on tiny, ~46 s of CPU on bench) and records it in `OUT/mtp/.apcctl-draft
 
 | preset | target follows its path (drafter agrees), greedy corpus tokens |
 |---|---|
-| tiny (seed 0) | 72% (of 1,024) |
-| bench (seed 0) | 59% (of 1,024) |
+| tiny-spec (seed 0) | 72% (of 1,024) |
+| bench-spec (seed 0) | 59% (of 1,024) |
 
-With mlx-vlm's own speculative generation in-process on the tiny preset (2 drafts per round),
+With mlx-vlm's own speculative generation in-process on the tiny-spec preset (2 drafts per round),
 a chat prompt accepted 29 of 36 drafts (1.61 per round) and the reply equalled generation
 without a drafter; `tests/speculative/test_drafter_acceptance.py` asserts more than 0.5
 accepted per round over the bundled agent prompts, and that the same drafter with a random
@@ -106,8 +113,8 @@ drafter, and every answer equal to a cold drafter server's and the no-drafter se
 
 ### The drafter's context on a warm turn
 
-Measured, not assumed (`tests/speculative/test_drafter_context.py`, in process, the tiny model
-and its built drafter): warm == cold already holds, and nothing needs storing with an entry.
+Measured, not assumed (`tests/speculative/test_drafter_context.py`, in process, the tiny-spec
+model and its built drafter): warm == cold already holds, and nothing needs storing with an entry.
 mlx-vlm's chunked prefill stops while one prompt token is left, cold or warm, and `generate`
 runs that token; the speculative batch hands the MTP drafter `prompt_tokens` = that one token
 and the target's hidden state there (`SpeculativePrefill` accumulates chunks only for dflash and

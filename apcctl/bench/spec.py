@@ -4,8 +4,8 @@ drafter, side by side (issue 39).
 Per warm turn: the restore (kind, tokens restored and prefilled), the server's TTFT
 (``/admin/requests``), decode tokens per second and the drafter's rounds, drafts and accepted
 drafts (mlx-vlm's ``timings``), and whether the reply equals the no-drafter server's. Not a test:
-nothing asserts a time. The tiny models' drafter is constructed on the target's dominant path
-(docs/models.md): it agrees with the target's greedy tokens on ~60-70% of positions, so the
+nothing asserts a time. The drafter is constructed on the target's dominant path, which only the
+``tiny-spec`` and ``bench-spec`` presets have (docs/models.md): it agrees with the target's greedy tokens on ~60-70% of positions, so the
 acceptance measured here is real, and so is what a round saves or costs.
 """
 

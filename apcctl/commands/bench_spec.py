@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from apcctl.tinymodel.presets import SPEC_PRESETS
+
 
 def register(main: click.Group, bench: click.Group) -> None:
     del main
@@ -17,7 +19,8 @@ def register(main: click.Group, bench: click.Group) -> None:
 @click.command("spec")
 @click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="A model directory built by apcctl (default: the preset, built once in a temp cache dir).")
-@click.option("--preset", type=click.Choice(["tiny", "bench"]), default="bench", show_default=True)
+@click.option("--preset", type=click.Choice(list(SPEC_PRESETS)), default="bench-spec", show_default=True,
+              help="A preset with a dominant path, so the constructed drafter's drafts get accepted.")
 @click.option("--context", default=2048, show_default=True, type=click.IntRange(16), help="Tokens of the conversation.")
 @click.option("--questions", default=4, show_default=True, type=click.IntRange(1), help="Warm turns after the cold one.")
 @click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(1), help="Reply length of every turn.")

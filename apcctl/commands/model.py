@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from apcctl.tinymodel.presets import PRESETS, SPEC_PRESETS
+
 
 def register(main: click.Group, bench: click.Group) -> None:
     del bench
@@ -21,16 +23,21 @@ def model() -> None:
 
 @model.command("build")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--preset", type=click.Choice(["tiny", "bench"]), default="tiny", show_default=True)
+@click.option("--preset", type=click.Choice(list(PRESETS)), default="tiny", show_default=True,
+              help="tiny-spec and bench-spec: tiny's and bench's shapes with a dominant path a drafter can follow.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--drafter", is_flag=True,
-              help="Also fit an MTP drafter into OUT/mtp (serve with --draft-model OUT/mtp --draft-kind mtp).")
+              help="Also construct an MTP drafter into OUT/mtp (serve with --draft-model OUT/mtp --draft-kind mtp); "
+                   f"only for {' and '.join(SPEC_PRESETS)}.")
 def build(out: Path, preset: str, seed: int, drafter: bool) -> None:
     """Build a model into OUT (reused when OUT already holds this preset and seed)."""
     from apcctl.tinymodel.build import build_model
     from apcctl.tinymodel.config import cache_bytes
     from apcctl.tinymodel.fingerprint import weights_fingerprint
 
+    if drafter and preset not in SPEC_PRESETS:
+        raise click.UsageError(f"--drafter follows the target's dominant path, which only "
+                               f"{' and '.join(SPEC_PRESETS)} have; {preset} has none")
     try:
         path = build_model(out, preset=preset, seed=seed)
     except (FileExistsError, ValueError) as exc:

@@ -33,7 +33,10 @@ from apcctl.tinymodel.tokenizer import build_tokenizer
 from apcctl.tinymodel.vocab import CONTROL_TOKENS, MARKUP_TOKENS, generatable, vocabulary
 from apcctl.tinymodel.weights import add_dominant_path, init_weights, keep_to_tokens
 
-BUILDER_VERSION = "3"  # 2: WordPiece tokenizer, GLM-4.5 template, no special tokens sampled, 0.1 writers; 3: dominant path
+# 2: WordPiece tokenizer, GLM-4.5 template, no special tokens sampled, 0.1 writers; 3: dominant
+# path in tiny and bench; 4: the path only in tiny-spec and bench-spec (tiny and bench weigh as in 2,
+# but a version-3 build of them has the path, so the stamp moves on and such a build is rebuilt).
+BUILDER_VERSION = "4"
 STAMP_FILE = ".apcctl-build.json"
 WEIGHTS_FILE = "model.safetensors"
 REQUIRED_FILES = ("config.json", WEIGHTS_FILE, "tokenizer.json", "tokenizer_config.json")

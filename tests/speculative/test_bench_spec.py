@@ -12,8 +12,8 @@ from apcctl.cli import main
 
 
 @pytest.mark.server
-def test_bench_spec_side_by_side(tiny_model_dir: Path, tiny_drafter_dir: Path, tmp_path: Path) -> None:
-    done = CliRunner().invoke(main, ["bench", "spec", "--model", str(tiny_model_dir), "--preset", "tiny",
+def test_bench_spec_side_by_side(spec_model_dir: Path, spec_drafter_dir: Path, tmp_path: Path) -> None:
+    done = CliRunner().invoke(main, ["bench", "spec", "--model", str(spec_model_dir), "--preset", "tiny-spec",
                                      "--context", "300", "--questions", "1", "--max-tokens", "8",
                                      "--workdir", str(tmp_path), "--json"])
     assert done.exit_code == 0, done.output

@@ -1,6 +1,6 @@
 """The built MTP drafter agrees with its target often enough to measure (issue 39).
 
-mlx-vlm's own speculative generation, in-process on the tiny preset: over the bundled agent
+mlx-vlm's own speculative generation, in-process on the tiny-spec preset: over the bundled agent
 prompts the constructed drafter gets more than half a draft accepted per round, while the same
 drafter with a random ``eh_proj`` (what a random head drafts) gets almost none; the replies equal
 generation without a drafter either way (greedy verification).
@@ -43,10 +43,10 @@ def _plain(model, processor, prompt: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny_model_dir: Path):
+def loaded(spec_model_dir: Path):
     from mlx_vlm.utils import load
 
-    return load(str(tiny_model_dir))
+    return load(str(spec_model_dir))
 
 
 def _accepted_per_round(loaded, drafter) -> float:
@@ -60,19 +60,19 @@ def _accepted_per_round(loaded, drafter) -> float:
     return accepted / rounds
 
 
-def test_the_built_drafter_gets_drafts_accepted(loaded, tiny_drafter_dir: Path) -> None:
+def test_the_built_drafter_gets_drafts_accepted(loaded, spec_drafter_dir: Path) -> None:
     from mlx_vlm.speculative.drafters import load_drafter
 
-    drafter, kind = load_drafter(str(tiny_drafter_dir))
+    drafter, kind = load_drafter(str(spec_drafter_dir))
     assert kind == "mtp"
     assert _accepted_per_round(loaded, drafter) > FLOOR
 
 
-def test_a_random_head_in_the_same_drafter_does_not(loaded, tiny_drafter_dir: Path) -> None:
+def test_a_random_head_in_the_same_drafter_does_not(loaded, spec_drafter_dir: Path) -> None:
     import mlx.core as mx
     from mlx_vlm.speculative.drafters import load_drafter
 
-    drafter, _ = load_drafter(str(tiny_drafter_dir))
+    drafter, _ = load_drafter(str(spec_drafter_dir))
     shape = drafter.eh_proj.weight.shape
     drafter.eh_proj.weight = mx.random.normal(shape, key=mx.random.key(39)) * 0.02
     assert _accepted_per_round(loaded, drafter) < FLOOR

@@ -29,12 +29,12 @@ PREFIX, PROMPT = 70, 96
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_model_dir: Path, tiny_drafter_dir: Path) -> tuple[Any, Any]:
+def pair(spec_model_dir: Path, spec_drafter_dir: Path) -> tuple[Any, Any]:
     from mlx_vlm import load
     from mlx_vlm.speculative.drafters import load_drafter
 
-    model, _ = load(str(tiny_model_dir))
-    drafter, kind = load_drafter(str(tiny_drafter_dir), kind="mtp")
+    model, _ = load(str(spec_model_dir))
+    drafter, kind = load_drafter(str(spec_drafter_dir), kind="mtp")
     assert kind == "mtp"
     return model, drafter  # the server's batches run model.language_model on model's embeddings
 

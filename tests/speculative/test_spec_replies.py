@@ -23,11 +23,11 @@ from tests.speculative.test_spec_server import PARAMS, _cold, _drafter_args, acc
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_dir: Path, tiny_drafter_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def servers(spec_model_dir: Path, spec_drafter_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("spec-replies")
     started = {
-        "draft": PatchedServer(tiny_model_dir, log_dir=root / "draft", args=_drafter_args(tiny_drafter_dir)),
-        "plain": PatchedServer(tiny_model_dir, log_dir=root / "plain"),
+        "draft": PatchedServer(spec_model_dir, log_dir=root / "draft", args=_drafter_args(spec_drafter_dir)),
+        "plain": PatchedServer(spec_model_dir, log_dir=root / "plain"),
     }
     with all_running(started):
         yield started

@@ -35,12 +35,12 @@ def _env(disk: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_dir: Path, tiny_drafter_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def servers(spec_model_dir: Path, spec_drafter_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("spec-server")
     started = {
-        "default": PatchedServer(tiny_model_dir, env=_env(root / "disk-draft"), log_dir=root / "draft",
-                                 args=_drafter_args(tiny_drafter_dir)),
-        "plain": PatchedServer(tiny_model_dir, env=_env(root / "disk-plain"), log_dir=root / "plain"),
+        "default": PatchedServer(spec_model_dir, env=_env(root / "disk-draft"), log_dir=root / "draft",
+                                 args=_drafter_args(spec_drafter_dir)),
+        "plain": PatchedServer(spec_model_dir, env=_env(root / "disk-plain"), log_dir=root / "plain"),
     }
     with all_running(started):
         yield started
@@ -90,12 +90,12 @@ def test_warm_turn_with_a_drafter_equals_cold_and_no_drafter(kind: str, servers:
 
 
 @pytest.mark.server
-def test_disk_restore_with_a_drafter_equals_no_drafter(tiny_model_dir: Path, tiny_drafter_dir: Path,
+def test_disk_restore_with_a_drafter_equals_no_drafter(spec_model_dir: Path, spec_drafter_dir: Path,
                                                        tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     turn0 = [{"role": "system", "content": text(300, 391)}, {"role": "user", "content": text(200, 392)}]
-    first = PatchedServer(tiny_model_dir, env=_env(disk), log_dir=tmp_path / "one",
-                          args=_drafter_args(tiny_drafter_dir))
+    first = PatchedServer(spec_model_dir, env=_env(disk), log_dir=tmp_path / "one",
+                          args=_drafter_args(spec_drafter_dir))
     try:
         first.start()
         answer, _ = first.chat_restore(turn0, tenant="disk", **PARAMS)
@@ -103,9 +103,9 @@ def test_disk_restore_with_a_drafter_equals_no_drafter(tiny_model_dir: Path, tin
         first.stop(timeout=60)
     turn1 = turn0 + [{"role": "assistant", "content": reply_text(answer)},
                      {"role": "user", "content": text(80, 393)}]
-    second = PatchedServer(tiny_model_dir, env=_env(disk), log_dir=tmp_path / "two",
-                           args=_drafter_args(tiny_drafter_dir))
-    plain = PatchedServer(tiny_model_dir, env=_env(tmp_path / "disk-plain"), log_dir=tmp_path / "plain")
+    second = PatchedServer(spec_model_dir, env=_env(disk), log_dir=tmp_path / "two",
+                           args=_drafter_args(spec_drafter_dir))
+    plain = PatchedServer(spec_model_dir, env=_env(tmp_path / "disk-plain"), log_dir=tmp_path / "plain")
     try:
         second.start()
         plain.start()
