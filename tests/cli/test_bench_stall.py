@@ -33,7 +33,7 @@ GAP_SCENARIOS = [s for s in stall.SCENARIOS if s != "canary-load"]
 
 def test_every_scenario_runs_on_both_servers_with_the_gaps_of_the_same_stream(result: dict) -> None:
     rows = {(r["scenario"], r["mode"]): r for r in result["rows"]}
-    assert set(rows) == {(s, m) for m in stall.MODES for s in stall.of_mode(m, list(stall.SCENARIOS))}
+    assert set(rows) == {(s, m) for m in result["modes"] for s in stall.of_mode(m, list(stall.SCENARIOS))}
     assert {s for s, m in rows if m == "patched-unpaced"} == set(stall.PACED_SCENARIOS)
     for row in (r for r in rows.values() if r["scenario"] in GAP_SCENARIOS):
         for gaps in (row["alone"], row["with_event"]):
@@ -41,14 +41,14 @@ def test_every_scenario_runs_on_both_servers_with_the_gaps_of_the_same_stream(re
             assert gaps["p50"] <= gaps["p99"] <= gaps["max"]
         assert row["event_ms"] > 0
         assert row["max_vs_alone"] == round(row["with_event"]["max"] / row["alone"]["max"], 1)
-    for mode in stall.MODES:  # the prefill rate of the events that computed tokens
+    for mode in result["modes"]:  # the prefill rate of the events that computed tokens
         assert rows[("cold-prefill", mode)]["event_prefill_tps"] > 0
 
 
 def test_the_events_did_what_their_names_say(result: dict) -> None:
     rows = {(r["scenario"], r["mode"]): r for r in result["rows"]}
     assert rows[("cold-prefill", "patched")]["event_cached_tokens"] == 0
-    for mode in stall.MODES:  # the next turn restored its conversation (RAM, then disk)
+    for mode in result["modes"]:  # the next turn restored its conversation (RAM, then disk)
         assert rows[("ram-restore", mode)]["event_cached_tokens"] > 0
         assert rows[("disk-restore", mode)]["event_cached_tokens"] > 0
     budgeted = (("full-budget", "patched"), ("full-budget", "patched-unpaced"), ("full-budget-normal", "patched"))
@@ -59,7 +59,7 @@ def test_the_events_did_what_their_names_say(result: dict) -> None:
 
 
 def test_the_disk_restore_read_files_dropped_from_the_page_cache(result: dict) -> None:
-    for mode in stall.MODES:
+    for mode in result["modes"]:
         dropped = next(r for r in result["rows"] if r["scenario"] == "disk-restore" and r["mode"] == mode)["page_cache"]
         assert dropped["files"] > 0 and dropped["bytes"] > 0  # the drop saw the tier's files
         if hasattr(os, "posix_fadvise"):  # Linux: per-file DONTNEED, and mincore says what it did
@@ -142,5 +142,7 @@ def test_the_patched_rows_say_where_the_victims_worst_gap_went(result: dict) -> 
         assert worst["parts"]["unattributed"] >= -tolerance and worst["parts"]["step"] > 0
         assert all(g["ms"] <= worst["ms"] for g in gaps["gaps"])
     for mode in ("patched", "patched-unpaced"):
-        held = {part for g in rows[("ram-restore", mode)]["server_gaps"]["gaps"] for part in g["parts"]}
-        assert {"restore", "join", "leave"} <= held, held
+        # By the victim's totals: a copy-free join or leave (issue 40 slice 2) can be too quick
+        # for its gap to stay among the 8 largest kept.
+        waited = rows[("ram-restore", mode)]["server_gaps"]["waited"]
+        assert all(waited.get(part, 0) > 0 for part in ("restore", "join", "leave")), waited
