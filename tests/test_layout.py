@@ -398,19 +398,27 @@ def test_the_door_dispatches_by_no_name():
 SINGLETONS = ("RUNTIMES", "FINDER", "BOOK", "RUNNER", "TRAFFIC",
               # a runtime's workers are its own (``infra.workers``): no process-wide disk writer,
               # no switch lock beside the parts, no overlay finder beside ``sys.meta_path``
-              "WRITER", "_SWITCH", "_finder")
+              "WRITER", "_SWITCH", "_finder", "REQUEST_LOADS")
+# Workers built at import would be the process's, not a runtime's (``LineageRuntime.loads``,
+# ``.stages``); ``disk.loader.LOADS``, the canary's loader, is the one left (issue 35).
+WORKER_CLASSES = ("BackgroundLoads", "Worker", "Workers", "ThreadPoolExecutor")
+BUILT_AT_IMPORT = {("server_patch.disk.loader", "LOADS")}
 
 
 def test_the_parts_are_no_module_singletons():
     """The server's parts live on one object (``integration.parts.Parts``) that is handed on;
     no module holds a runtime registry, the finder, the canary's book or runner, the gate, a
-    disk writer or the model switch's lock."""
+    disk writer, a loader or stager, or the model switch's lock."""
     wrong = []
     for name, path in modules().items():
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
             targets = node.targets if isinstance(node, ast.Assign) else \
                 [node.target] if isinstance(node, ast.AnnAssign) else []
             wrong += [(name, t.id) for t in targets if isinstance(t, ast.Name) and t.id in SINGLETONS]
+            value = getattr(node, "value", None)
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in WORKER_CLASSES:
+                wrong += [(name, t.id) for t in targets if isinstance(t, ast.Name)
+                          and (name, t.id) not in BUILT_AT_IMPORT]
             if name == "server_patch.integration.runtime" and isinstance(node, ast.FunctionDef):
                 assert node.name != "current", "integration.runtime.current(): the most recent runtime"
     assert not wrong, wrong

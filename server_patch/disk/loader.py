@@ -31,9 +31,14 @@ def _own_stream() -> None:
 class BackgroundLoads:
     """Loads by (store, record id) on one loader thread; ``poll`` never waits for a file."""
 
-    def __init__(self, thread_name: str = THREAD_NAME) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name,
-                                                           initializer=_own_stream)
+    def __init__(self, thread_name: str = THREAD_NAME, *,
+                 submit: Optional[Callable[..., concurrent.futures.Future]] = None) -> None:
+        """``submit``: where the loads run (a runtime's ``infra.workers.Worker.call``, on a thread
+        the process reuses); default: a thread of this object's own, named ``thread_name``."""
+        if submit is None:
+            submit = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name,
+                                                           initializer=_own_stream).submit
+        self._submit = submit
         self._pending: dict[tuple[int, str], concurrent.futures.Future] = {}
         self._lock = threading.Lock()
         self._kept: set[tuple[int, str]] = set()
@@ -55,7 +60,7 @@ class BackgroundLoads:
                 del self._pending[stale]
             future = self._pending.get(key)
             if future is None:
-                future = self._pending[key] = self._pool.submit(load or store.load_checked, record)
+                future = self._pending[key] = self._submit(load or store.load_checked, record)
                 if wait_s <= 0:
                     return False, None
         if wait_s > 0:

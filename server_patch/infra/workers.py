@@ -1,7 +1,7 @@
 """A runtime's background workers, run on threads the process keeps and reuses on purpose.
 
-Each lineage runtime (one per loaded model) owns its workers (``Workers``: the disk writer and
-the idle ticker today): it builds them, and its ``close`` closes them, so two runtimes in one
+Each lineage runtime (one per loaded model) owns its workers (``Workers``: the disk writer, the
+idle ticker, the requests' disk loader and the stager of queued restores' copies): it builds them, and its ``close`` closes them, so two runtimes in one
 process never share a queue, and a replaced runtime leaves no worker of its own behind.
 
 **Why the threads are reused, deliberately.** MLX (0.32) gives every thread that runs MLX work
@@ -17,15 +17,17 @@ lent one carries its worker's name (what ``/admin/model`` lists).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 log = logging.getLogger("server_patch.infra")
 
 Job = Callable[[], None]
 PARKED = "apc-parked"
+T = TypeVar("T")
 
 
 class _ParkedThread:
@@ -126,6 +128,23 @@ class Worker:
             self._start_locked()
             self._jobs.put(job)
         return True
+
+    def call(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """``fn(*args)`` queued as a job, its answer (or exception) in the future returned; a
+        worker that refuses it (closed, full) answers a future failed at once: its caller's
+        poll fails closed (``disk.loader.BackgroundLoads`` runs its loads this way)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def job() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # the caller's poll reads it
+                    future.set_exception(exc)
+
+        if not self.submit(job):
+            future.set_exception(RuntimeError(f"{self.name} is closed or full"))
+        return future
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every job queued so far has run; False on timeout."""

@@ -3,8 +3,8 @@
 mlx-vlm serves every row from one generation thread: a disk file read at lookup (read, digest,
 build, evaluate: 1.6-1.8 s for a 545 MB file) freezes every decoding stream (issue 29). So a
 queued prompt is first looked ahead (``LineageCache.lookup(counted=False)``): if its best
-restore point is a disk file, the read starts at once on the requests' loader thread
-(``REQUEST_LOADS``, a ``disk.loader.BackgroundLoads``: the prefetch) and the prompt stays in
+restore point is a disk file, the read starts at once on the runtime's loader (``LineageRuntime.loads``, a
+``disk.loader.BackgroundLoads`` on a worker of the runtime's: the prefetch) and the prompt stays in
 mlx-vlm's queue, its row LOADING (``integration.rowlife``), while the batch goes on decoding;
 the prompts behind it may be admitted meanwhile. At a later step its load has finished and its
 lookup restores from the entry it read (promoted into RAM, as a lookup's own load was), or the
@@ -65,11 +65,6 @@ IDLE_WAIT_S = 0.005  # with nothing decoding, a poll waits this long for the fil
 PREFETCH_MAX = 2  # queued prompts a step looks ahead of admission: each load holds a whole entry
 PREFETCHED = "prefetched"  # the stats key: loads and staged copies started while nothing was admitted
 
-# The requests' loader thread: not the canary's (``disk.loader.LOADS``), so a request's load
-# never waits behind a check's, nor shares (and loses) one of the same file.
-REQUEST_LOADS = BackgroundLoads()
-
-
 @dataclass
 class Load:
     """One queued request's disk load."""
@@ -96,13 +91,16 @@ def _load_checked(store: Any) -> Callable[[Any], Any]:
 
 class DiskLoads:
     """The queued prompts of one runtime whose restore points are loading, or staging (where
-    ``rows``, the runtime's ``BatchRows``, is given: it says which plans the merge would copy)."""
+    ``rows``, the runtime's ``BatchRows``, is given: it says which plans the merge would copy).
+    Its loads run on ``loads`` (default: the runtime's loader, ``LineageRuntime.loads``: not the
+    canary's, ``disk.loader.LOADS``, so a request's load never waits behind a check's, nor shares
+    and loses one of the same file). The look-ahead memos below are by uid, this runtime's."""
 
-    def __init__(self, runtime: Any, book: RowBook, loads: BackgroundLoads = REQUEST_LOADS, *,
+    def __init__(self, runtime: Any, book: RowBook, loads: Optional[BackgroundLoads] = None, *,
                  rows: Any = None, stagings: Optional[Stagings] = None) -> None:
         self.runtime = runtime
         self.book = book
-        self.loads = loads
+        self.loads: BackgroundLoads = runtime.loads if loads is None else loads
         self.rows = rows
         self.stagings = stagings if stagings is not None or rows is None else Stagings(runtime)
         self._ahead: dict[Any, tuple[RequestKey, np.ndarray, str]] = {}  # queued uid -> looked ahead
@@ -409,4 +407,4 @@ class RequestDisk:
         return None, NOT_AHEAD
 
 
-__all__ = ["IDLE_WAIT_S", "PREFETCHED", "PREFETCH_MAX", "REQUEST_LOADS", "DiskLoads", "Load", "RequestDisk"]
+__all__ = ["IDLE_WAIT_S", "PREFETCHED", "PREFETCH_MAX", "DiskLoads", "Load", "RequestDisk"]

@@ -1,4 +1,4 @@
-"""One lineage runtime per loaded model: the policy, its layout, disk tier, timings, events.
+"""One lineage runtime per loaded model: the policy, its layout, disk tier, workers, timings, events.
 
 Created lazily by the coordinator the first time a model is served (``runtime_for``, one per
 APC manager) and adopted by the server's parts (``integration.parts``), through which the admin
@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Any, Callable
 from server_patch import clock, pacing
 from server_patch.disk.paths import default_disk_root, disk_enabled
 from server_patch.disk import peers
-from server_patch.disk.store import DiskStore, new_writer
+from server_patch.disk.loader import THREAD_NAME as LOADER_THREAD, BackgroundLoads
+from server_patch.disk.store import DiskStore, new_writer, own_stream
 from server_patch.drift import DriftDetector, DriftSettings
 from server_patch.integration import journal
+from server_patch.integration.staging import STAGER_THREAD
 from server_patch.infra.workers import Workers
 from server_patch.integration.timings import TimingBook
 from server_patch.lineage import Event, LineageCache, LineageConfig, as_tokens
@@ -60,7 +62,13 @@ class LineageRuntime:
         self._boundaries: OrderedDict[tuple[int, int], SegmentInfo] = OrderedDict()  # the last few prompts'
         self.canary: Canary | None = None
         self.disk: DiskStore | None = None
-        self.workers = Workers()  # its disk writer and ticker, closed with it (``infra.workers``)
+        self.workers = Workers()  # its disk writer, ticker, loader and stager, closed with it (``infra.workers``)
+        # Queued requests' disk loads (``integration.loading``) and staged copies
+        # (``integration.staging``), each on a worker of its own (a copy never waits behind a load),
+        # started now so a runtime borrows its threads once, from the park, where a replaced
+        # runtime's are (each ran MLX work: its stream, made once per thread, is kept and reused).
+        self.loads = _background(self.workers, LOADER_THREAD)
+        self.stages = _background(self.workers, STAGER_THREAD)
         if disk_enabled() and why_no_disk:
             log.warning("apc_lineage: disk tier off for this run: %s", why_no_disk)
         elif disk_enabled():
@@ -172,6 +180,11 @@ class LineageRuntime:
             self.journal.close()
         log.info("apc_lineage runtime %s closed (its model was unloaded); unwritten entries %s",
                  self.fingerprint[:16], "none" if complete else "dropped")
+
+
+def _background(workers: Workers, name: str) -> BackgroundLoads:
+    """Background jobs polled without waiting (``BackgroundLoads``) on a worker of ``workers``."""
+    return BackgroundLoads(name, submit=workers.worker(name, setup=own_stream).start().call)
 
 
 def _weights_of(model_dir: Path | str | None) -> tuple[str | None, str]:

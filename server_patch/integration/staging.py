@@ -6,7 +6,8 @@ KV in the batch merge (``copyfree.merge.merge_rows``), on the generation thread:
 0.33-0.71 s at 16.4k tokens on the bench preset, every other stream frozen meanwhile. So while
 other rows decode, a queued prompt whose look-ahead plan is such a RAM restore of at least
 ``APC_STAGE_MIN_TOKENS`` tokens (``BatchRows.stageable``) waits in STAGING, still in mlx-vlm's
-queue, while that very copy is made on the stager thread (``STAGES``): rows ``[:length]`` of
+queue, while that very copy is made on the runtime's stager (``LineageRuntime.stages``, a worker
+of its own): rows ``[:length]`` of
 each float KV child into fresh buffers with the capacity the merge would give it as a lone row
 (``copyfree.merge.stage_rows``). Meanwhile the entry holds a loan receipt
 (``LineageCache.lend``: a hold of kind ``LENT``, ``lineage.holds``, the queued request's row's
@@ -37,10 +38,7 @@ from server_patch.state.layout import CacheLayout, MlxKV
 
 log = logging.getLogger("server_patch.copyfree")
 
-STAGER_THREAD = "apc-stage"
-# One thread of its own (MLX gives each thread a stream it never frees): a staged copy never
-# waits behind a request's disk load, nor the other way round.
-STAGES = BackgroundLoads(STAGER_THREAD)
+STAGER_THREAD = "apc-stage"  # the runtime's stager worker: a staged copy never waits behind a disk load
 LATE = "staged copy slower than APC_DISK_LOAD_WAIT_MS"
 
 _ids = itertools.count(1)
@@ -93,11 +91,12 @@ class Stage:
 
 
 class Stagings:
-    """The staged copies of one runtime's queued prompts, on the stager thread."""
+    """The staged copies of one runtime's queued prompts, on its stager (default: the runtime's,
+    ``LineageRuntime.stages``)."""
 
-    def __init__(self, runtime: Any, stages: BackgroundLoads = STAGES) -> None:
+    def __init__(self, runtime: Any, stages: Optional[BackgroundLoads] = None) -> None:
         self.runtime = runtime
-        self.stages = stages
+        self.stages: BackgroundLoads = runtime.stages if stages is None else stages
 
     def start(self, plan: Any, capacity: int, steps: int) -> Optional[Stage]:
         """Start copying ``plan``'s rows into buffers of ``capacity`` rows; None where the cache
@@ -151,4 +150,4 @@ def min_tokens() -> int:
     return int(settings.value("APC_STAGE_MIN_TOKENS"))
 
 
-__all__ = ["LATE", "STAGER_THREAD", "STAGES", "Stage", "Stagings", "min_tokens"]
+__all__ = ["LATE", "STAGER_THREAD", "Stage", "Stagings", "min_tokens"]

@@ -1,6 +1,7 @@
 """A runtime's workers (``server_patch.infra.workers``): its own queues, on threads the process reuses.
 
-Each lineage runtime builds its workers (the disk writer, the ticker) and closes them with it;
+Each lineage runtime builds its workers (the disk writer, the ticker, the requests' loader, the
+stager) and closes them with it;
 their OS threads come from the process's park, so a replaced runtime leaves no thread behind
 and the next runtime's workers run on the same threads (MLX never frees a thread's stream).
 """
@@ -8,6 +9,7 @@ and the next runtime's workers run on the same threads (MLX never frees a thread
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -101,10 +103,47 @@ def test_a_model_switch_closes_the_old_runtimes_workers_and_the_thread_count_is_
     before = threads()
     third = LineageRuntime(model)  # the switch: the replaced runtime closed, the next one built
     assert threads() == before  # on the closed one's thread
-    assert third.workers.names() == ["apc-lineage-tick"] and tickers() == open_before + 2
+    assert third.workers.names() == ["apc-disk-load", "apc-stage", "apc-lineage-tick"]  # loader, stager, ticker
+    assert tickers() == open_before + 2
     second.close(timeout=30)
     third.close(timeout=30)
     assert threads() == before and tickers() == open_before
+
+
+def loaded_on(loads: Any) -> threading.Thread:
+    """The thread a ``BackgroundLoads`` runs its jobs on (the poll waits for the job)."""
+    seen: list[threading.Thread] = []
+
+    def load(record: Any) -> tuple[Any, str]:
+        seen.append(threading.current_thread())
+        return record, ""
+
+    record = SimpleNamespace(id="probe")
+    assert loads.poll(object(), record, load=load, wait_s=30) == (True, (record, ""))
+    return seen[0]
+
+
+def test_a_model_switch_leaves_the_thread_count_flat_with_the_runtimes_loader_and_stager(model: Any) -> None:
+    """The queued requests' loader and the stager (``LineageRuntime.loads``, ``.stages``) are the
+    runtime's workers: each ran MLX work on a thread of the park, and after a switch the next
+    runtime's loads and copies run on the replaced runtime's threads, none started."""
+    from server_patch.integration.runtime import LineageRuntime
+
+    first = LineageRuntime(model)
+    loader, stager = loaded_on(first.loads), loaded_on(first.stages)
+    assert loader is not stager and (loader.name, stager.name) == ("apc-disk-load", "apc-stage")
+    lent = {t.ident for t in threading.enumerate()}
+    first.close(timeout=30)
+    assert first.workers.names() == [] and loader.name == stager.name == PARKED and loader.is_alive()
+    started = PARK.counts()["threads"]
+    second = LineageRuntime(model)  # the switch
+    try:
+        assert {loaded_on(second.loads).ident, loaded_on(second.stages).ident} <= lent
+        assert PARK.counts()["threads"] == started  # no thread started for the new runtime's workers
+    finally:
+        second.close(timeout=30)
+    finished, (entry, why) = first.loads.poll(object(), SimpleNamespace(id="late"), load=lambda r: (r, ""), wait_s=30)
+    assert finished and entry is None and "closed" in why  # a closed runtime's load fails closed
 
 
 @pytest.fixture(autouse=True)

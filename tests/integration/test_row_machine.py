@@ -27,7 +27,9 @@ from server_patch.boundaries import SegmentFinder
 from server_patch.copyfree import merge as copyfree_merge
 from server_patch.copyfree import pool
 from server_patch.copyfree.settings import CopyFreeSettings
+from server_patch.disk.loader import BackgroundLoads
 from server_patch.integration.coordinator import LineageCoordinator
+from server_patch.integration.staging import STAGER_THREAD
 from server_patch.integration.pending import Pending
 from server_patch.integration.rowlife import RowBook, RowState, RowStateError
 from server_patch.integration.timings import CANCELLED, PREFILL, TimingBook
@@ -84,6 +86,11 @@ def server(model, layout, monkeypatch):
     return light_server(model, layout, monkeypatch)
 
 
+# The light runtimes' loader and stager (a real runtime's are its workers, ``LineageRuntime``):
+# one thread each for the test process, started once and idle between tests.
+LIGHT_LOADS, LIGHT_STAGES = BackgroundLoads(), BackgroundLoads(STAGER_THREAD)
+
+
 def light_server(model, layout, monkeypatch, **env: str) -> SimpleNamespace:
     """``server``'s coordinator, with ``env`` set before the copy-free settings are read."""
     monkeypatch.setenv("APC_COPYFREE_DECODE_RESERVE", "0")
@@ -98,7 +105,8 @@ def light_server(model, layout, monkeypatch, **env: str) -> SimpleNamespace:
     runtime = SimpleNamespace(config=config, layout=layout, cache=LineageCache(config, disk=disk),
                               timings=TimingBook(), disk=None, refuses=lambda kind: False,
                               finder=finder, boundaries=finder.boundaries,
-                              drift_of=lambda prompt, namespace: {}, drift_points=lambda prompt, namespace: [])
+                              drift_of=lambda prompt, namespace: {}, drift_points=lambda prompt, namespace: [],
+                              loads=LIGHT_LOADS, stages=LIGHT_STAGES)
     coordinator = LineageCoordinator(Manager(), model, runtime=runtime)
     generator = Generator()
     coordinator.attach_generator(generator)

@@ -73,10 +73,10 @@ def copied(before: dict, op: str) -> int:
     return ledger.since(before).get(f"{op}.kv", 0)
 
 
-def settle_stager() -> None:
-    """Until the stager thread has nothing running (a bound, not a measure)."""
+def settle_stager(s) -> None:
+    """Until the runtime's stager has nothing running (a bound, not a measure)."""
     for _ in range(6000):
-        if staging.STAGES.pending() == 0:
+        if s.coordinator.lineage.runtime.stages.pending() == 0:
             return
         time.sleep(0.005)
     raise AssertionError("the staged copy never finished")
@@ -106,7 +106,7 @@ def test_a_restore_the_merge_would_copy_stages_while_others_decode_and_the_merge
         s.book.decoded([99], [step])
         assert admissible(s, queue) == 0 and row.state == STAGING
     s.hold.unlink()
-    settle_stager()
+    settle_stager(s)
     assert admissible(s, queue) == 1
     assert not s.entry.lent and s.entry.loans == 0  # the receipt ended with the copy
     assert copied(before, "stage") > 0
@@ -134,7 +134,7 @@ def test_a_staged_prompt_is_admitted_alone_in_its_prompt_batch(s):
     other = random_tokens(30, seed=24)
     queue = queued(other, 3) + queued(s.turn, 2)
     assert admissible(s, queue) == 1 and [q[0] for q in queue] == [3, 2]  # the staging one behind
-    settle_stager()
+    settle_stager(s)
     assert admissible(s, queued(other, 3) + queued(s.turn, 2)) == 1  # the prompt before it, alone
     assert admissible(s, queued(s.turn, 2) + queued(other, 3)) == 1  # then the staged one, alone
 
@@ -146,7 +146,7 @@ def test_a_failed_copy_falls_back_to_the_merge(s, monkeypatch):
     monkeypatch.setattr(staging, "stage_rows", broken)
     queue = queued(s.turn, 2)
     assert admissible(s, queue) == 0
-    settle_stager()
+    settle_stager(s)
     assert admissible(s, queue) == 1 and s.entry.loans == 0
     before = ledger.snapshot()
     warm, cold, row = warm_and_cold(s, 2)
@@ -161,7 +161,7 @@ def test_a_copy_past_the_bound_is_dropped_and_its_receipt_ends(s, monkeypatch):
     assert admissible(s, queue) == 1  # started, and already past the bound
     assert row_of(s, s.turn).stage.why == staging.LATE and s.entry.loans == 0
     s.hold.unlink()
-    settle_stager()
+    settle_stager(s)
     before = ledger.snapshot()
     warm, cold, row = warm_and_cold(s, 2)
     assert row.record.kv_admission == "copied" and copied(before, "merge") > 0
@@ -171,7 +171,7 @@ def test_a_copy_past_the_bound_is_dropped_and_its_receipt_ends(s, monkeypatch):
 def test_an_entry_gone_before_the_lookup_falls_back_and_a_cancelled_one_ends_its_row(s):
     queue = queued(s.turn, 2)
     assert admissible(s, queue) == 0
-    settle_stager()
+    settle_stager(s)
     assert admissible(s, queue) == 1
     assert s.cache.drop(s.entry.id, "test")  # the entry left RAM after its rows were staged
     caches, _ = admit(s, 2, s.turn)
@@ -188,7 +188,7 @@ def test_an_entry_gone_before_the_lookup_falls_back_and_a_cancelled_one_ends_its
     assert admissible(s, []) == 0  # it left the queue
     assert waiting.state == RowState.ENDED and not entry.lent
     s.hold.unlink()
-    settle_stager()
+    settle_stager(s)
 
 
 def _copies(path: Path) -> dict[str, int]:
@@ -259,7 +259,7 @@ def test_a_file_loaded_while_others_decode_has_its_merge_copy_staged_too(s):
         assert admissible(s, queue) == 0  # still waiting: loading, then staging
         time.sleep(0.005)
     assert row.state == STAGING and s.cache.holds(s.entry)  # promoted while it queued
-    settle_stager()
+    settle_stager(s)
     assert admissible(s, queue) == 1
     merged = ledger.snapshot()
     warm, cold, row = warm_and_cold(s, 2)
