@@ -111,6 +111,13 @@ plain-only: a speculative batch's cache rows follow its rounds, not its uids.
 `tests/speculative/test_spec_replies.py` shows the warm turns lent exactly as without a
 drafter, and every answer equal to a cold drafter server's and the no-drafter server's.
 
+**Staged.** A restore is staged (its merge copy made on the stager thread, issue 29) only where
+it would otherwise be copied on the generation thread while other rows decode. With a drafter
+that never happens: mlx-vlm admits no prompt while a speculative batch decodes (`next` returns
+before the prompt batch), so a turn queued behind a speculative stream is admitted when it has
+ended and its copy runs beside no decoding row. The same test shows two such turns `copied`
+then, each answering as cold.
+
 ### The drafter's context on a warm turn
 
 Measured, not assumed (`tests/speculative/test_drafter_context.py`, in process, the tiny-spec
