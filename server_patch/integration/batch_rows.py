@@ -20,7 +20,7 @@ Two commit verbs, each for the row whose state it commits, never another's: the 
 (``prefill_end`` copies it out at once, or defers it; ``commit_prompt`` commits a deferral
 later, adopted or copied) and ``commit_finished`` (it leaves the decoding batch: past its
 reply where the row checks out, else its deferred prompt-end state). The prompt end is stored
-through ``_store``, the reply through the flow's reply commit. A lookup that would restore from a deferred entry does not commit it:
+through ``commit_prompt`` alone (the prefill end's immediate copy too), the reply through the flow's reply commit. A lookup that would restore from a deferred entry does not commit it:
 it tells that row (``surface``, an event of the deferred row's own life), which commits its
 own prompt-end state; a row nobody decodes any more is told the same (``orphan``).
 
@@ -271,7 +271,8 @@ class BatchRows:
             room = self._reply_capacity(pending, uid) if reuse else 0
             kv = appending.copy_with_room(layout, prompt_cache, batch_idx, pending.final, room)
             head = rows.capture(layout, prompt_cache, batch_idx, pending.final)
-            committed = self._store(row.pending, kv, head)
+            committed = self.commit_prompt(row, list(prompt_cache), batch_idx, adopt=False, reason="prefill-end",
+                                           copied=(kv, head))
             base = appending.Base(kv, pending.final) if committed and reuse else None
             if base is not None:
                 log.info("apc_copyfree commit uid=%s mode=copy reason=prefill-end tokens=%d kv_bytes=%d "
@@ -324,13 +325,19 @@ class BatchRows:
             self._commit_prompt(row, list(batch.prompt_cache), idx, adopt=alone, reason="end")
 
     @waits.unit(waits.Work.COMMIT, waits.one_row)
-    def commit_prompt(self, row: RowLife, caches: list[Any], idx: int, *, adopt: bool, reason: str) -> None:
-        """Row's deferred prompt-end state becomes its entry now (``reason``: join, removed,
+    def commit_prompt(self, row: RowLife, caches: list[Any], idx: Optional[int], *, adopt: bool, reason: str,
+                      copied: Optional[tuple[Any, Any]] = None) -> bool:
+        """Row's prompt-end state becomes its entry: at the prefill end its own copy
+        (``copied``: the KV copied out of ``caches`` row ``idx`` and its head, ``reason``
+        prefill-end), stored as it is; later its deferred state (``reason``: join, removed,
         lookup, orphan), its rows read from ``caches`` row ``idx`` (adopted where ``adopt``,
-        else copied); its reply, if still tracked, is appended there when it ends."""
-        self._commit_prompt(row, caches, idx, adopt=adopt, reason=reason)
+        else copied); its reply, if still tracked, is appended there when it ends. Whether
+        something was stored (False: nothing deferred, or the store refused it)."""
+        if copied is not None:  # the prefill end, which goes on with the row (no tidy here)
+            return self._store(row.pending, *copied)
+        return self._commit_prompt(row, caches, int(idx or 0), adopt=adopt, reason=reason)
 
-    def _commit_prompt(self, row: RowLife, caches: list[Any], idx: int, *, adopt: bool, reason: str) -> None:
+    def _commit_prompt(self, row: RowLife, caches: list[Any], idx: int, *, adopt: bool, reason: str) -> bool:
         deferred = row.deferral
         if deferred is not None:
             row.deferral = None
@@ -342,6 +349,7 @@ class BatchRows:
             if elapsed is not None and row.record is not None and not row.timed:
                 row.record.commit_ms += elapsed
         self.book.tidy(row)
+        return deferred is not None and deferred.stored is not None
 
     # ------------------------------------------------------------------ reply reuse
 

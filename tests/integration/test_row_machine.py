@@ -300,12 +300,22 @@ def test_a_lone_deferred_row_is_adopted_when_it_joins_a_shared_batch(server):
     assert row.state == DECODING and row.reply is not None  # it decodes on, its reply still tracked
 
 
-def test_cold_rows_sharing_a_batch_are_copied_out_with_room_for_their_replies_at_their_prefill_end(server):
+def test_cold_rows_sharing_a_batch_are_copied_out_with_room_for_their_replies_at_their_prefill_end(
+        server, monkeypatch):
     """With reply reuse a cold row of a shared batch has no entry its reply could be appended
     to, so its prompt end is copied out at once into buffers with room for the reply (issue 29:
-    when it ends only the reply rows are written); each entry holds its own row's state."""
+    when it ends only the reply rows are written); each entry holds its own row's state. That
+    copy is committed by the row's own prompt-end verb (issue 35: ``commit_prompt``, no other
+    store)."""
     prompts = [random_tokens(40, seed=15), random_tokens(40, seed=16)]
     coordinator = server.coordinator
+    verb, committed = coordinator.lineage.rows.commit_prompt, []
+
+    def commit_prompt(row, *args, **kwargs):
+        committed.append((row.uid, kwargs["reason"], kwargs.get("copied") is not None))
+        return verb(row, *args, **kwargs)
+
+    monkeypatch.setattr(coordinator.lineage.rows, "commit_prompt", commit_prompt)
     for prompt in prompts:
         assert coordinator.lookup(prompt, extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
                                   prefix_has_media=lambda n: False) is None
@@ -323,6 +333,7 @@ def test_cold_rows_sharing_a_batch_are_copied_out_with_room_for_their_replies_at
     for i, prompt in enumerate(prompts):
         coordinator.store_checkpoint(prompt[:-1], shared, extra_hash=0, batch_idx=i, uid=i + 1)
     assert [r.state for r in rows] == [DECODING, DECODING] and len(server.cache.entries()) == 2
+    assert committed == [(1, "prefill-end", True), (2, "prefill-end", True)]
     assert all(r.deferral is None and r.reply is not None and r.reply.base is not None for r in rows)
     assert all(e.kv.capacity() > 40 for e in server.cache.entries())  # room for the reply
     coordinator.rows_leaving(batch, [1])  # the first row ends; its cache lacks the last prompt token
