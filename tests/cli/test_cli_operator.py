@@ -152,11 +152,13 @@ def on_terminal(columns: int, *args: str, interrupt_at: bytes = b"", raw: bool =
     import os
     import pty
     import re
+    import select
     import signal
     import struct
     import subprocess
     import sys
     import termios
+    import time
 
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
@@ -165,7 +167,14 @@ def on_terminal(columns: int, *args: str, interrupt_at: bytes = b"", raw: bool =
                                stderr=slave, env=env)
     os.close(slave)
     out = b""
-    while True:
+    interrupted = 0.0  # when Ctrl-C was sent; sent again every few seconds until the command ends
+    deadline = time.monotonic() + 300  # a command that never ends fails here, with what it drew
+    while time.monotonic() < deadline:
+        if interrupted and process.poll() is None and time.monotonic() - interrupted > 5:
+            process.send_signal(signal.SIGINT)  # one Ctrl-C may land where Python cannot raise it yet
+            interrupted = time.monotonic()
+        if not select.select([master], [], [], 1.0)[0]:
+            continue
         try:
             chunk = os.read(master, 65536)
         except OSError:  # the other end closed: the command is done
@@ -175,7 +184,11 @@ def on_terminal(columns: int, *args: str, interrupt_at: bytes = b"", raw: bool =
         out += chunk
         if interrupt_at and out.count(interrupt_at) >= 2 and process.poll() is None:
             process.send_signal(signal.SIGINT)
-            interrupt_at = b""
+            interrupt_at, interrupted = b"", time.monotonic()
+    else:
+        process.kill()
+        pytest.fail(f"apcctl {' '.join(args)} did not end on the terminal (Ctrl-C sent: {bool(interrupted)}):\n"
+                    + out.decode(errors="replace")[-4000:])
     os.close(master)
     assert process.wait(60) == 0, out.decode()
     if raw:
