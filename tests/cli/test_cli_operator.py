@@ -163,8 +163,11 @@ def on_terminal(columns: int, *args: str, interrupt_at: bytes = b"", raw: bool =
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
     env = {**os.environ, "COLUMNS": str(columns), "LINES": "24", "NO_COLOR": "1", "TERM": "xterm"}
+    # Ctrl-C must reach it as on an operator's terminal: a pytest-xdist worker may ignore SIGINT,
+    # and an ignored signal stays ignored across exec (Python then installs no handler for it).
     process = subprocess.Popen([sys.executable, "-m", "apcctl.cli", *args], stdin=slave, stdout=slave,
-                               stderr=slave, env=env)
+                               stderr=slave, env=env,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(slave)
     out = b""
     interrupted = 0.0  # when Ctrl-C was sent; sent again every few seconds until the command ends
