@@ -125,11 +125,7 @@ class Holds:
         """``hold`` is ``owner``'s from now on (a loan taken before its request's row was named)."""
         if hold.owner == owner:
             return
-        mine = [h for h in self._by_owner.get(hold.owner, ()) if h is not hold]
-        if mine:
-            self._by_owner[hold.owner] = mine
-        else:
-            self._by_owner.pop(hold.owner, None)
+        self._detach(hold)
         hold.owner = owner
         if hold.loan is not None:
             hold.loan.owner = owner
@@ -158,12 +154,16 @@ class Holds:
 
     def drop(self, hold: Hold) -> None:
         """One hold let go (a loan's receipt returned)."""
+        self._detach(hold)
+        self._unindex(hold)
+
+    def _detach(self, hold: Hold) -> None:
+        """``hold`` out of its owner's list (the owner forgotten when it held nothing else)."""
         mine = [h for h in self._by_owner.get(hold.owner, ()) if h is not hold]
         if mine:
             self._by_owner[hold.owner] = mine
         else:
             self._by_owner.pop(hold.owner, None)
-        self._unindex(hold)
 
     def _unindex(self, hold: Hold) -> None:
         if hold.kind == LENT:
