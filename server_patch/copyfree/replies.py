@@ -9,29 +9,35 @@ pipelining makes the ids it reports exactly the ones the cache took: ``_step`` f
 the id sampled last is never fed and never reported.
 
 A row is tracked from its prefill end until it leaves the decoding batch (its row's ``reply``,
-``integration.rowlife``); a lookup forgets the replies of rows no batch holds any more, so a
+``integration.session``); a lookup forgets the replies of rows no batch holds any more, so a
 row whose leaving was never seen costs nothing but its reply.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from server_patch.state import rows
+from server_patch.state.layout import CacheLayout, MlxSnapshot
+
+if TYPE_CHECKING:
+    from server_patch.copyfree.append import Base
+    from server_patch.integration.pending import Pending
+    from server_patch.integration.timings import RequestTiming
 
 
 @dataclass
 class Reply:
     """One decoding row's prompt, its prompt-end snapshot and the ids fed after the prompt."""
 
-    pending: Any  # the request's ``Pending``: tokens, namespace, captures taken, anchor label
-    prompt_head: Any  # the snapshot at the prompt end: kept as the entry's protected checkpoint
-    record: Any = None  # its timing record, if any (``reply_tokens`` is filled in at the end)
+    pending: Pending  # the request's prompt: tokens, namespace, captures taken, anchor label
+    prompt_head: MlxSnapshot  # the snapshot at the prompt end: kept as the entry's protected checkpoint
+    record: Optional[RequestTiming] = None  # its timing record, if any (``reply_tokens`` is filled in at the end)
     fed: list[int] = field(default_factory=list)
-    base: Any = None  # its prompt-end entry, once stored (``copyfree.append.Base``): the reply appends there
+    base: Optional[Base] = None  # its prompt-end entry, once stored: the reply appends there
 
     @property
     def fed_length(self) -> int:
@@ -39,7 +45,8 @@ class Reply:
         return int(self.pending.tokens.shape[0]) + len(self.fed)
 
 
-def validated(layout: Any, reply: Reply, batch: Any, idx: int) -> Optional[np.ndarray]:
+def validated(layout: CacheLayout, reply: Reply, batch: Any, idx: int) -> Optional[np.ndarray]:
+
     """The fed reply ids, if row ``idx`` of ``batch`` provably holds prompt + exactly those:
     the generator counted as many tokens as were reported, and every KV cache of the row
     holds that many rows. None otherwise (the entry then stays at the prompt end)."""

@@ -1,7 +1,7 @@
 """A row's buffers from restore to leaving the batch: loans, deferred entries, tracked replies.
 
 The coordinator answers mlx-vlm's verbs; what happens to a row's KV buffers in between is
-decided here, over the rows of the ``RowBook`` (``integration.rowlife``: one record per
+decided here, over the rows of the ``SessionBook`` (``integration.session``: one record per
 request) with the mechanics of ``server_patch.copyfree``, and the generator's rows:
 
 * at admission a lone request that extends an entry at its head is *lent* the entry's buffer
@@ -45,7 +45,7 @@ from server_patch.copyfree.settings import CopyFreeSettings
 from server_patch.integration import waits
 from server_patch.integration.generator import GeneratorView
 from server_patch.integration.pending import Pending, RequestKey
-from server_patch.integration.rowlife import RowBook, RowLife, RowState
+from server_patch.integration.session import SessionBook, Session, SessionState
 from server_patch.integration.runtime import LineageRuntime
 from server_patch.lineage import DISK, KVAdmission, RestorePlan, flow
 from server_patch.speculative.rounds import RoundBook
@@ -65,7 +65,7 @@ class Commits(Protocol):
         """Past the reply: ``kv``, ``head``, ``prompt_head``, ``captures``."""
         ...
 
-    def note_commit(self, row: RowLife, start: float) -> None:
+    def note_commit(self, row: Session, start: float) -> None:
         """The commit's time and captures, on the request's timing record."""
         ...
 
@@ -74,7 +74,7 @@ class BatchRows:
     """What happens to the KV buffers of one runtime's rows: loans, deferrals, replies."""
 
     def __init__(self, runtime: LineageRuntime, settings: CopyFreeSettings, generator: GeneratorView,
-                 commits: Commits, book: RowBook) -> None:
+                 commits: Commits, book: SessionBook) -> None:
         self.runtime, self.settings, self.generator, self.commits = runtime, settings, generator, commits
         self.book = book
         self.rounds = RoundBook()  # a speculative batch's committed rounds (reply reuse)
@@ -106,7 +106,7 @@ class BatchRows:
                 surfaced = surfaced or useful
         return surfaced
 
-    def surface(self, row: RowLife, *, orphan: bool) -> bool:
+    def surface(self, row: Session, *, orphan: bool) -> bool:
         """An event of ``row``'s own life: its deferred prompt-end state is wanted now (a
         lookup would restore from it) or nobody decodes it any more (``orphan``: its buffer is
         adopted, its reply forgotten). It commits its own state (``commit_prompt``): from its
@@ -192,7 +192,7 @@ class BatchRows:
         headroom = self.settings.lend_headroom if self.settings.lending else 0
         return copyfree_merge.capacity(prompt_len + self.settings.decode_reserve + headroom)
 
-    def restore(self, row: Optional[RowLife], key: RequestKey, plan: RestorePlan,
+    def restore(self, row: Optional[Session], key: RequestKey, plan: RestorePlan,
                 reclaimed: set[str]) -> tuple[list[Any], Any]:
         """The restored row caches (truncated views, the buffers staged while ``row``, the
         request's row if it has one yet, queued, or the entry's own lent buffers) and the loan
@@ -215,7 +215,7 @@ class BatchRows:
         return self.runtime.layout.build(entry.kv, plan.state, plan.length), None
 
     @waits.unit(waits.Work.RESTORE, waits.merged_rows)
-    def merge(self, found: Sequence[Optional[RowLife]], row_caches: Sequence[Sequence[Any]],
+    def merge(self, found: Sequence[Optional[Session]], row_caches: Sequence[Sequence[Any]],
               prefix_lens: Sequence[int], suffixes: Sequence[int]) -> Optional[list[Any]]:
         """One copy per restored row (``found``: each one's row, None for a cold one) into
         buffers with room for the suffix and the decode reserve; none when a lone row was lent
@@ -239,7 +239,7 @@ class BatchRows:
                 lone.loan.holder, lone.loan.merged = list(caches), True
         return caches
 
-    def admission_of(self, row: Optional[RowLife], lease: Any) -> KVAdmission:
+    def admission_of(self, row: Optional[Session], lease: Any) -> KVAdmission:
         """How a restored row's KV reaches the batch: its entry's buffer, a staged copy, or the
         merge's copy."""
         if lease is not None:
@@ -249,7 +249,7 @@ class BatchRows:
     # ------------------------------------------------------------------ prefill end
 
     @waits.unit(waits.Work.COMMIT, waits.one_row)
-    def prefill_end(self, row: RowLife, prompt_cache: Sequence[Any], batch_idx: Optional[int],
+    def prefill_end(self, row: Session, prompt_cache: Sequence[Any], batch_idx: Optional[int],
                     uid: Any) -> bool:
         """Commit the row's entry at its prompt end: deferred (a lone row; with reply reuse a
         shared one that restored at an entry's head, whose buffer its reply is appended to when
@@ -287,14 +287,14 @@ class BatchRows:
             self.book.tidy(row)
         return committed
 
-    def resent(self, row: RowLife, uid: Any) -> None:
+    def resent(self, row: Session, uid: Any) -> None:
         """A prompt restored at its own prompt end has nothing to prefill: it is at its prefill
         end now, its restored state its prompt-end snapshot (no store will commit it)."""
         self._decoding(row, row.pending.plan.state, uid, "resend")
 
-    def _decoding(self, row: RowLife, head: Any, uid: Any, event: str) -> None:
+    def _decoding(self, row: Session, head: Any, uid: Any, event: str) -> None:
         """Past the prefill end: its reply tracked from ``head``."""
-        row.move(RowState.DECODING, event)
+        row.move(SessionState.DECODING, event)
         self.track_reply(row, head, uid)
 
     def _store(self, pending: Pending, kv: Any, head: Any) -> bool:
@@ -313,7 +313,7 @@ class BatchRows:
     # ------------------------------------------------------------------ the two commit verbs
 
     @waits.unit(waits.Work.COMMIT, waits.one_row)
-    def commit_finished(self, row: RowLife, batch: Any, idx: int, *, alone: bool) -> None:
+    def commit_finished(self, row: Session, batch: Any, idx: int, *, alone: bool) -> None:
         """Row ``idx`` of ``batch`` leaves the decoding batch: its entry moves past its reply
         where the row checks out, else its deferred prompt-end state is committed (its buffer
         adopted where ``alone``, else copied)."""
@@ -325,7 +325,7 @@ class BatchRows:
             self._commit_prompt(row, list(batch.prompt_cache), idx, adopt=alone, reason="end")
 
     @waits.unit(waits.Work.COMMIT, waits.one_row)
-    def commit_prompt(self, row: RowLife, caches: list[Any], idx: Optional[int], *, adopt: bool, reason: str,
+    def commit_prompt(self, row: Session, caches: list[Any], idx: Optional[int], *, adopt: bool, reason: str,
                       copied: Optional[tuple[Any, Any]] = None) -> bool:
         """Row's prompt-end state becomes its entry: at the prefill end its own copy
         (``copied``: the KV copied out of ``caches`` row ``idx`` and its head, ``reason``
@@ -337,7 +337,7 @@ class BatchRows:
             return self._store(row.pending, *copied)
         return self._commit_prompt(row, caches, int(idx or 0), adopt=adopt, reason=reason)
 
-    def _commit_prompt(self, row: RowLife, caches: list[Any], idx: int, *, adopt: bool, reason: str) -> bool:
+    def _commit_prompt(self, row: Session, caches: list[Any], idx: int, *, adopt: bool, reason: str) -> bool:
         deferred = row.deferral
         if deferred is not None:
             row.deferral = None
@@ -364,7 +364,7 @@ class BatchRows:
             return False
         return pending.final == int(pending.tokens.shape[0]) - config.entry_offset
 
-    def track_reply(self, row: RowLife, head: Any, uid: Any) -> None:
+    def track_reply(self, row: Session, head: Any, uid: Any) -> None:
         """Record the ids row ``uid`` is fed from now on (``head``: its prompt-end state)."""
         if self.reply_reuse(row.pending, uid):
             row.reply = Reply(row.pending, head, row.record)
@@ -401,7 +401,7 @@ class BatchRows:
 
     # ------------------------------------------------------------------ loans
 
-    def _end_loan(self, row: RowLife, caches: Optional[Sequence[Any]] = None, *, reason: str) -> bool:
+    def _end_loan(self, row: Session, caches: Optional[Sequence[Any]] = None, *, reason: str) -> bool:
         """Give the row's lent rows back to their entry (or drop the entry if they are gone)."""
         lease, row.loan = row.loan, None
         kept = lending.end(self.runtime.layout, self.runtime.cache, lease, caches, reason=reason)

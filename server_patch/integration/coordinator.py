@@ -19,8 +19,8 @@ adapter that answers those verbs; the decisions are made elsewhere:
 * the generator's hooks (rows decoded, leaving, joining, removed; ``copyfree.hooks``) go to
   ``BatchRows``.
 
-Every request is one record (``integration.rowlife.RowLife``: its pending prompt, loan,
-deferral, reply and timing record, and its ``RowState``), named by the generator's uid from the
+Every request is one record (``integration.session.Session``: its pending prompt, loan,
+deferral, reply and timing record, and its ``SessionState``), named by the generator's uid from the
 queue to its end: ``lookup`` gets it from mlx-vlm (the ``lineage.lookup_uid`` edit) and hands
 the row on in its answer (``ROW``) to ``merge_rows``; identical prompts, of one tenant or two,
 are separate records. Each verb and hook here is one transition of it.
@@ -46,7 +46,7 @@ from server_patch.integration.generator import GeneratorView
 from server_patch.integration.loading import DiskLoads
 from server_patch.integration.pending import Pending, RequestKey, namespace_of, request_key
 from server_patch.integration.prefill import Prefills
-from server_patch.integration.rowlife import RowBook, RowLife
+from server_patch.integration.session import SessionBook, Session
 from server_patch.integration.runtime import LineageRuntime, runtime_for
 from server_patch.lineage import DISK, as_tokens
 from server_patch.lineage.flow import Admission
@@ -62,7 +62,7 @@ class _Lineage:
     """The lineage cache's parts for one model: built together, or not at all (stock APC)."""
 
     runtime: LineageRuntime
-    book: RowBook  # one record per request (``integration.rowlife``)
+    book: SessionBook  # one record per request (``integration.session``)
     prefills: Prefills
     rows: BatchRows
     loads: DiskLoads  # queued prompts whose disk restore points load meanwhile
@@ -83,7 +83,7 @@ class LineageCoordinator(APCCoordinator):
                 language_model = getattr(model, "language_model", model)
                 model_dir = getattr(model, "model_path", None) or getattr(language_model, "_apc_model_path", None)
                 runtime = runtime_for(manager, language_model, model_dir)
-            book = RowBook(runtime.timings, release=runtime.cache.release)
+            book = SessionBook(runtime.timings, release=runtime.cache.release)
             prefills = Prefills(runtime, book)
             rows = BatchRows(runtime, self.copyfree, self.generator, prefills, book)
             self.lineage = _Lineage(runtime, book, prefills, rows, DiskLoads(runtime, book, rows=rows))
@@ -197,7 +197,7 @@ class LineageCoordinator(APCCoordinator):
         return result
 
     def _merge_copyfree(self, rows: BatchRows, picks: Sequence[Optional[dict]],
-                        found: Sequence[Optional[RowLife]], prefix_lens: Sequence[int]):
+                        found: Sequence[Optional[Session]], prefix_lens: Sequence[int]):
         """One copy per restored row, into buffers sized for prefix + suffix + reserve."""
         memory = self.manager.memory_plan
         if len(prefix_lens) == len(memory.lengths):

@@ -5,7 +5,7 @@ build, evaluate: 1.6-1.8 s for a 545 MB file) freezes every decoding stream (iss
 queued prompt is first looked ahead (``LineageCache.lookup(counted=False)``): if its best
 restore point is a disk file, the read starts at once on the runtime's loader (``LineageRuntime.loads``, a
 ``disk.loader.BackgroundLoads`` on a worker of the runtime's: the prefetch) and the prompt stays in
-mlx-vlm's queue, its row LOADING (``integration.rowlife``), while the batch goes on decoding;
+mlx-vlm's queue, its row LOADING (``integration.session``), while the batch goes on decoding;
 the prompts behind it may be admitted meanwhile. At a later step its load has finished and its
 lookup restores from the entry it read (promoted into RAM, as a lookup's own load was), or the
 file was rejected (forgotten, and the next disk point it would restore from loads the same
@@ -54,7 +54,7 @@ from server_patch.disk import faults
 from server_patch.disk.loader import BackgroundLoads
 from server_patch.integration import staging, waits
 from server_patch.integration.pending import Pending, RequestKey, request_key
-from server_patch.integration.rowlife import WAITING, RowBook, RowLife, RowState
+from server_patch.integration.session import WAITING, SessionBook, Session, SessionState
 from server_patch.integration.staging import Stagings
 from server_patch.lineage import DISK
 from server_patch.lineage.holds import LOAD, RESERVED
@@ -96,7 +96,7 @@ class DiskLoads:
     canary's, ``disk.loader.LOADS``, so a request's load never waits behind a check's, nor shares
     and loses one of the same file). The look-ahead memos below are by uid, this runtime's."""
 
-    def __init__(self, runtime: Any, book: RowBook, loads: Optional[BackgroundLoads] = None, *,
+    def __init__(self, runtime: Any, book: SessionBook, loads: Optional[BackgroundLoads] = None, *,
                  rows: Any = None, stagings: Optional[Stagings] = None) -> None:
         self.runtime = runtime
         self.book = book
@@ -146,7 +146,7 @@ class DiskLoads:
         staged buffer, which is admitted alone (a shared prompt batch would merge-copy it)."""
         for i, uid in enumerate(uids):
             row = self.book.by_uid(uid)
-            if row is not None and row.state == RowState.STAGING and row.stage is not None \
+            if row is not None and row.state == SessionState.STAGING and row.stage is not None \
                     and row.stage.staged is not None:
                 return max(i, 1)
         return len(uids)
@@ -201,7 +201,7 @@ class DiskLoads:
             row = self._look_ahead(prompt, namespace, busy, uid)
             if row is None:
                 return True
-        if row.state == RowState.STAGING:
+        if row.state == SessionState.STAGING:
             return self.stagings.poll(row.stage, IDLE_WAIT_S if idle else 0.0)
         disk = self.runtime.disk
         load = row.load
@@ -230,14 +230,14 @@ class DiskLoads:
             self.release(row)
         return load.done
 
-    def _loaded_for_another(self, row: RowLife) -> bool:
+    def _loaded_for_another(self, row: Session) -> bool:
         """Another waiting row (an identical prompt) holds this row's file read and not yet
         promoted: this one waits for that promotion instead of reading the file again."""
         record_id = row.load.record.id
         return any(other is not row and other.load is not None and other.load.answer is not None
                    and other.load.record.id == record_id for other in self.book.rows())
 
-    def _turn(self, row: RowLife) -> bool:
+    def _turn(self, row: Session) -> bool:
         """Whether row's file may load now: its request holds the entry (``LineageCache.hold``)
         from before the read until its lookup admits it, so the file's bytes are counted in the
         RAM budget while it loads and, once promoted, no other load or commit evicts it. A load
@@ -249,14 +249,14 @@ class DiskLoads:
             load.begun = clock.steady()
         return True
 
-    def release(self, row: Optional[RowLife]) -> None:
+    def release(self, row: Optional[Session]) -> None:
         """What ``row``'s request holds of the cache for its wait in the queue (its load, its
         staged copy's bytes) is let go: it was admitted (its lookup restored, or not), left the
         queue, or its load was abandoned. A loan it was lent at its lookup stays its own."""
         if row is not None:
             self.runtime.cache.release(row, (LOAD, RESERVED))
 
-    def _stage_loaded(self, row: RowLife, prompt: np.ndarray, namespace: str) -> bool:
+    def _stage_loaded(self, row: Session, prompt: np.ndarray, namespace: str) -> bool:
         """Its file loaded while others decode: the entry is promoted into RAM now, and if the
         restore would take the merge copy (the file's buffers have no room to be lent), that
         copy is staged too, the row going on waiting (LOADING -> STAGING), so neither the load
@@ -272,7 +272,7 @@ class DiskLoads:
         load.promoted = entry.id
         plan = self.runtime.cache.lookup(prompt, namespace, counted=False)
         stage = self._stage(plan, load.steps_at_start) if plan.entry is entry else None
-        if stage is None or not row.move(RowState.STAGING, "file loaded, copy staged"):
+        if stage is None or not row.move(SessionState.STAGING, "file loaded, copy staged"):
             if stage is not None:
                 self.stagings.drop(stage)
             return False
@@ -280,7 +280,7 @@ class DiskLoads:
         self._staged(row)
         return True
 
-    def _look_ahead(self, prompt: np.ndarray, namespace: str, busy: bool, uid: Any) -> Optional[RowLife]:
+    def _look_ahead(self, prompt: np.ndarray, namespace: str, busy: bool, uid: Any) -> Optional[Session]:
         """The look-ahead (no lookup): a LOADING row if the prompt restores from a disk file, a
         STAGING row if its RAM restore would take the merge copy while others decode, else None."""
         plan = self.runtime.cache.lookup(prompt, namespace, counted=False)
@@ -293,7 +293,7 @@ class DiskLoads:
         stage = self._stage(plan, self.book.decode_steps) if busy and self.stagings is not None else None
         return self._staged(self.book.staging(pending, stage, uid)) if stage is not None else None
 
-    def _staged(self, row: RowLife) -> RowLife:
+    def _staged(self, row: Session) -> Session:
         """Row's staged copy is counted in the RAM budget until its lookup takes it (or it
         leaves the queue): its request holds the copy's bytes (``LineageCache.reserve``), and
         the entry's rows while the stager reads them (the copy's receipt, a ``LENT`` hold that
@@ -319,7 +319,7 @@ class DiskLoads:
         plan = self.runtime.cache.lookup(prompt, namespace, counted=False)
         return plan if plan.tier == DISK and not self.runtime.refuses(DISK) else None
 
-    def _rejected(self, row: RowLife, why: str, prompt: np.ndarray, namespace: str) -> None:
+    def _rejected(self, row: Session, why: str, prompt: np.ndarray, namespace: str) -> None:
         """Its file failed validation: forgotten (as a lookup's own load would), and the next
         disk file the prompt would restore from starts loading, if any."""
         load = row.load
@@ -340,7 +340,7 @@ class DiskLoads:
             if row.state in WAITING and row.uid not in queued:
                 self._end_waiting(row)
 
-    def _end_waiting(self, row: RowLife) -> None:
+    def _end_waiting(self, row: Session) -> None:
         if self.runtime.disk is not None and row.load is not None:
             self.loads.forget(self.runtime.disk, row.load.record)
         if row.stage is not None:
@@ -349,7 +349,7 @@ class DiskLoads:
         self.release(row)
         self.book.end(row, "left the queue")
 
-    def for_request(self, row: Optional[RowLife], record: Any) -> Optional["RequestDisk"]:
+    def for_request(self, row: Optional[Session], record: Any) -> Optional["RequestDisk"]:
         """The disk tier of a request's lookup (None without one; ``row``: the request's row,
         if it has one yet; ``record``: its timing record, which gets the wait in the queue);
         the row's load is handed over, so the row holds no arrays. A staged copy not finished

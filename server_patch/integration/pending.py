@@ -1,4 +1,4 @@
-"""Prompts between lookup and commit (a row's ``pending``, ``integration.rowlife``), keyed by
+"""Prompts between lookup and commit (a row's ``pending``, ``integration.session``), keyed by
 namespace *and* tokens.
 
 Two requests with identical token ids may belong to different namespaces (tenants, or images

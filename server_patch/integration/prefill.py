@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from server_patch.integration.pending import Pending, namespace_of
-from server_patch.integration.rowlife import RowBook, RowLife
+from server_patch.integration.session import SessionBook, Session
 from server_patch.integration.runtime import LineageRuntime
 from server_patch.lineage import ANCHOR, COLD, RestorePlan, as_tokens
 from server_patch.lineage.flow import Admission, cold
@@ -25,9 +25,9 @@ from server_patch.state import rows
 
 
 class Prefills:
-    """The prefilling rows of one runtime (``RowBook``), and where their state is committed."""
+    """The prefilling rows of one runtime (``SessionBook``), and where their state is committed."""
 
-    def __init__(self, runtime: LineageRuntime, book: RowBook) -> None:
+    def __init__(self, runtime: LineageRuntime, book: SessionBook) -> None:
         self.runtime = runtime
         self.book = book
 
@@ -65,7 +65,7 @@ class Prefills:
         return pending
 
     def take(self, token_ids: Sequence[int], prompt_cache: Sequence[Any], extra_hash: int,
-             batch_idx: Optional[int], uid: Any = None) -> tuple[bool, list[RowLife]]:
+             batch_idx: Optional[int], uid: Any = None) -> tuple[bool, list[Session]]:
         """The state after ``token_ids`` of batch row ``batch_idx``: a capture (references to
         the snapshot layers) for row ``uid`` if it wants one here; it is the one row whose state
         this is (an identical prompt in the same batch is another row, with its own store). A
@@ -79,7 +79,7 @@ class Prefills:
         if own is not None:
             chosen = [own] if own in found else []
         else:
-            newest: dict[Any, RowLife] = {row.key: row for row in found if row.uid is None}
+            newest: dict[Any, Session] = {row.key: row for row in found if row.uid is None}
             chosen = list(newest.values())
         snapshot = None
         for pending in (row.pending for row in chosen):
@@ -90,7 +90,7 @@ class Prefills:
         return snapshot is not None, [row for row in chosen if length == row.pending.final]
 
     @staticmethod
-    def resend(row: RowLife) -> bool:
+    def resend(row: Session) -> bool:
         """A prompt restored at its own prompt end (a regenerate, a retry): nothing is left to
         prefill, so no store will commit it; its restored state is its prompt-end snapshot."""
         pending = row.pending
@@ -111,7 +111,7 @@ class Prefills:
         return self.flow(pending).commit_reply(fed, anchor_label=pending.anchor_label, **state)
 
     @staticmethod
-    def note_commit(row: RowLife, start: float) -> None:
+    def note_commit(row: Session, start: float) -> None:
         """The commit's time and captures, on the row's timing record."""
         if (record := row.record) is not None:
             record.commit_ms += (time.perf_counter() - start) * 1000

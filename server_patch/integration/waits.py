@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, T
 from server_patch import clock
 
 if TYPE_CHECKING:
-    from server_patch.integration.rowlife import RowBook, RowLife
+    from server_patch.integration.session import SessionBook, Session
 
 log = logging.getLogger("server_patch.lineage")
 
@@ -84,7 +84,7 @@ class Owners:
     uids: tuple[Any, ...] = ()
     rows: tuple[Any, ...] = ()
 
-    def resolve(self, book: "RowBook") -> set[int]:
+    def resolve(self, book: "SessionBook") -> set[int]:
         """The ``id`` of each owning row (O(owners): the rows are never hashed by their tokens)."""
         found = [*self.rows, *(book.by_key(key) for key in self.keys), *(book.by_uid(uid) for uid in self.uids)]
         return {id(row) for row in found if row is not None}
@@ -110,16 +110,16 @@ def _stack() -> list[_Unit]:
     return units
 
 
-# The ``RowState`` values of rows another's work holds up, and of those decoding (by value:
-# ``rowlife`` builds its book's ``Waits``, so this module imports nothing of it).
+# The ``SessionState`` values of rows another's work holds up, and of those decoding (by value:
+# ``session`` builds its book's ``Waits``, so this module imports nothing of it).
 HELD_UP = frozenset({"admitted", "prefilling", "decoding"})
 DECODING = "decoding"
 
 
 class Waits:
-    """The waits of one ``RowBook``'s rows: work units charged to the rows they held up."""
+    """The waits of one ``SessionBook``'s rows: work units charged to the rows they held up."""
 
-    def __init__(self, book: "RowBook") -> None:
+    def __init__(self, book: "SessionBook") -> None:
         self.book = book
 
     def begin(self, kind: str, owners: Owners) -> None:
@@ -188,7 +188,7 @@ class Waits:
             if row is not None and row.record is not None and row.state == DECODING:
                 row.record.close_gap(now)
 
-    def ended(self, row: "RowLife") -> None:
+    def ended(self, row: "Session") -> None:
         """``row`` ended: nothing more holds it up, its record's waits are final."""
         if row.record is not None:
             self.book.timings.ended(row.record)

@@ -18,7 +18,7 @@ from tests.fake_model import prefill, random_tokens
 from server_patch.observe import ledger
 from server_patch.copyfree import merge as copyfree_merge
 from server_patch.copyfree.counter import _address
-from server_patch.integration.rowlife import RowState
+from server_patch.integration.session import SessionState
 from tests.integration.test_row_machine import Batch, admit, prefill_and_store, server  # noqa: F401 (the fixture)
 
 PROMPT, REPLY = 40, 6
@@ -136,7 +136,7 @@ def test_warm_rows_sharing_a_prompt_batch_append_their_suffix_and_reply_to_the_e
     for i, t in enumerate(turns):
         s.coordinator.store_checkpoint(t[:n - 1], shared, extra_hash=0, batch_idx=i, uid=3 + i)
     rows = [s.book.by_uid(3), s.book.by_uid(4)]
-    assert [r.state for r in rows] == [RowState.DECODING] * 2, [(r.state, r.history) for r in rows]
+    assert [r.state for r in rows] == [SessionState.DECODING] * 2, [(r.state, r.history) for r in rows]
     assert all(r.deferral is not None and r.deferral.shared for r in rows)
     batch = Batch(uids=[3, 4], prompt_cache=shared, _num_tokens=[0, 0])
     s.generator._prompt_batch, s.generator._generation_batch = None, batch

@@ -23,7 +23,7 @@ from server_patch.copyfree import merge as copyfree_merge
 from server_patch.copyfree.append import reply_capacity
 from server_patch.copyfree.counter import _address
 from server_patch.copyfree.settings import CopyFreeSettings
-from server_patch.integration.rowlife import RowState
+from server_patch.integration.session import SessionState
 
 PROMPT, REPLY = 40, 6
 MAX_TOKENS = [REPLY + 2, 1000]  # row 1's limit, row 2's: what each row's room is sized for
@@ -69,7 +69,7 @@ def test_a_cold_row_of_a_shared_batch_appends_only_its_reply_rows_when_it_ends(s
     replies = [random_tokens(REPLY, seed=103), random_tokens(REPLY, seed=104)]
     batch = cold_pair(s, prompts)
     rows = [s.book.by_uid(1), s.book.by_uid(2)]
-    assert [r.state for r in rows] == [RowState.DECODING] * 2 and all(r.deferral is None for r in rows)
+    assert [r.state for r in rows] == [SessionState.DECODING] * 2 and all(r.deferral is None for r in rows)
     entries = {int(e.tokens[0]): e for e in s.cache.entries()}
     first, second = entries[int(prompts[0][0])], entries[int(prompts[1][0])]
     # Copied out at the prefill end with room sized by each row's own max_tokens, and counted

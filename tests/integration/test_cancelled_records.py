@@ -11,19 +11,19 @@ from apcctl.cli import main
 from apcctl.journal_report import read_journal, summarize
 from server_patch.integration.journal import Journal, JournalRecorder
 from server_patch.integration.pending import Pending
-from server_patch.integration.rowlife import RowBook
+from server_patch.integration.session import SessionBook
 from server_patch.integration.timings import CANCELLED, DECODE, PREFILL, QUEUED, RequestTiming, TimingBook
 from server_patch.lineage import COLD, RestorePlan
 from server_patch.lineage.summary import CANCELLED_QUEUED, hit_summary, hits_key
 
 
-def book_with_listener() -> tuple[RowBook, list]:
+def book_with_listener() -> tuple[SessionBook, list]:
     timings, seen = TimingBook(), []
     timings.listeners.append(seen.append)
-    return RowBook(timings), seen
+    return SessionBook(timings), seen
 
 
-def bound(book: RowBook, uid: str, prompt_tokens: int) -> RequestTiming:
+def bound(book: SessionBook, uid: str, prompt_tokens: int) -> RequestTiming:
     """A request looked up (its row admitted, its record opened), then bound to ``uid``."""
     tokens = np.full(prompt_tokens, len(book), dtype=np.int32)  # a prompt of its own
     row = book.admit(Pending(tokens, "0", RestorePlan(0, COLD, prompt_len=prompt_tokens)),
@@ -85,7 +85,7 @@ def test_requests_in_status_count_the_queued_cancels_but_not_as_hits():
 
 
 def test_the_journal_follows_a_decode_cancel_with_its_outcome_and_the_report_applies_it(tmp_path):
-    book = RowBook(TimingBook())
+    book = SessionBook(TimingBook())
     journal = Journal(tmp_path)
     recorder = JournalRecorder(journal, runtime=None, snapshot_s=float("inf"))
     recorder._last_snapshot = float("inf")  # no runtime to sample budgets from: never due

@@ -6,7 +6,7 @@
 * A lookup whose plan turns to a disk file nobody loaded ahead never loads it: the file this
   request did load is promoted and the lookup plans from RAM alone (``flow.NOT_AHEAD``).
 
-The real ``LineageCache``, ``RowBook``, ``BackgroundLoads`` and ``Admission`` of
+The real ``LineageCache``, ``SessionBook``, ``BackgroundLoads`` and ``Admission`` of
 test_row_loading.py's fixture (a gated stand-in disk); states and counts, never times. One
 real-server test: with the batch full (25 decoding streams), a conversation restored from disk
 starts its load (held by the fault hook) before any stream ends, and answers as a cold prefill.
@@ -20,7 +20,7 @@ import pytest
 
 from server_patch.integration.loading import PREFETCHED
 from server_patch.integration.pending import request_key
-from server_patch.integration.rowlife import RowState
+from server_patch.integration.session import SessionState
 from server_patch.lineage import DISK, LineageCache, as_tokens
 from server_patch.lineage.flow import NOT_AHEAD
 from server_patch.lineage.misses import Lost
@@ -31,7 +31,7 @@ from tests.integration.test_row_loading import lookup, on_disk_only, prompt_of, 
 from tests.lineage.test_lineage_policy import serve, words
 from tests.server_harness import PatchedServer, reply_tokens
 
-LOADING, ENDED = RowState.LOADING, RowState.ENDED
+LOADING, ENDED = SessionState.LOADING, SessionState.ENDED
 
 
 def counting_lookups(cache: LineageCache) -> list[int]:

@@ -221,14 +221,14 @@ def test_a_row_is_trusted_only_if_its_cache_holds_prompt_plus_every_fed_id(model
     from tests.fake_model import prefill, random_tokens
     from server_patch.copyfree.replies import Reply, validated
     from server_patch.integration.pending import Pending
-    from server_patch.integration.rowlife import RowBook
+    from server_patch.integration.session import SessionBook
     from server_patch.integration.timings import TimingBook
     from server_patch.lineage import COLD, RestorePlan
 
     prompt, generated = random_tokens(40, seed=3), random_tokens(5, seed=4)
     caches = model.make_cache()
     prefill(model, caches, np.concatenate([prompt, generated]))
-    book = RowBook(TimingBook())
+    book = SessionBook(TimingBook())
 
     def tracked(uid: int, tokens: np.ndarray):
         row = book.admit(Pending(tokens, "0", RestorePlan(0, COLD, prompt_len=len(tokens))))

@@ -1,7 +1,7 @@
 """The LOADING state, fast: a queued prompt whose restore point is a disk file waits in the
 queue while its file loads on a loader thread (``integration.loading``).
 
-The real ``LineageCache``, ``RowBook``, ``BackgroundLoads`` (its own loader thread) and
+The real ``LineageCache``, ``SessionBook``, ``BackgroundLoads`` (its own loader thread) and
 ``Admission``; the disk is a stand-in whose loads the test lets through (a gate), so every
 assertion is on states and counts, never on times.
 """
@@ -18,14 +18,14 @@ import pytest
 from server_patch.disk.loader import BackgroundLoads
 from server_patch.integration.loading import DiskLoads
 from server_patch.integration.pending import Pending, request_key
-from server_patch.integration.rowlife import RowBook, RowState
+from server_patch.integration.session import SessionBook, SessionState
 from server_patch.integration.timings import TimingBook
 from server_patch.lineage import DISK, LineageCache, LineageConfig, as_tokens
 from server_patch.lineage.flow import NOT_LOADED, Admission
 from server_patch.lineage.misses import Lost
 from tests.lineage.test_lineage_policy import Clock, FakeDisk, serve, words
 
-LOADING, ADMITTED, PREFILLING, ENDED = RowState.LOADING, RowState.ADMITTED, RowState.PREFILLING, RowState.ENDED
+LOADING, ADMITTED, PREFILLING, ENDED = SessionState.LOADING, SessionState.ADMITTED, SessionState.PREFILLING, SessionState.ENDED
 
 
 class GatedDisk(FakeDisk):
@@ -46,7 +46,7 @@ class GatedDisk(FakeDisk):
 def on_disk_only(conversation: list[int]) -> SimpleNamespace:
     """A cache whose entry of ``conversation`` is on disk only, its gated disk (answering that
     entry), a book and the loads."""
-    disk, book = GatedDisk(), RowBook(TimingBook())
+    disk, book = GatedDisk(), SessionBook(TimingBook())
     cache = LineageCache(LineageConfig(), disk=disk, clock=Clock())
     entry = serve(cache, conversation)[2]
     disk.answers[entry.id] = (entry, "")
@@ -156,7 +156,7 @@ def test_a_request_that_leaves_the_queue_while_loading_ends_there(s):
 
 def test_loading_leads_only_to_admitted_or_ended(monkeypatch):
     monkeypatch.setenv("APC_TEST_FAULTS", "0")
-    book = RowBook(TimingBook())
+    book = SessionBook(TimingBook())
     row = book.loading(Pending(as_tokens(words(20, 4103)), "", None), load=object())
     assert row.state == LOADING and not row.prefilling
     assert book.bind(row.key, uid=1) is None and row.state == LOADING  # not before its lookup

@@ -27,11 +27,12 @@ from server_patch.boundaries import SegmentFinder
 from server_patch.copyfree import merge as copyfree_merge
 from server_patch.copyfree import pool
 from server_patch.copyfree.settings import CopyFreeSettings
+from server_patch.copyfree.spares import JointSpares
 from server_patch.disk.loader import BackgroundLoads
 from server_patch.integration.coordinator import LineageCoordinator
 from server_patch.integration.staging import STAGER_THREAD
 from server_patch.integration.pending import Pending
-from server_patch.integration.rowlife import RowBook, RowState, RowStateError
+from server_patch.integration.session import SessionBook, SessionState, SessionStateError
 from server_patch.integration.timings import CANCELLED, PREFILL, TimingBook
 from server_patch.lineage import COLD, LineageCache, LineageConfig, RestorePlan
 from server_patch.lineage.flow import Admission
@@ -41,8 +42,8 @@ from tests.lineage.test_lineage_policy import QueuedDisk
 
 pytestmark = pytest.mark.usefixtures("checked_lineage")  # check() after every cache verb
 
-ADMITTED, PREFILLING, DECODING, ENDED = (RowState.ADMITTED, RowState.PREFILLING, RowState.DECODING,
-                                         RowState.ENDED)
+ADMITTED, PREFILLING, DECODING, ENDED = (SessionState.ADMITTED, SessionState.PREFILLING, SessionState.DECODING,
+                                         SessionState.ENDED)
 
 
 class Manager:
@@ -106,7 +107,7 @@ def light_server(model, layout, monkeypatch, **env: str) -> SimpleNamespace:
                               timings=TimingBook(), disk=None, refuses=lambda kind: False,
                               finder=finder, boundaries=finder.boundaries,
                               drift_of=lambda prompt, namespace: {}, drift_points=lambda prompt, namespace: [],
-                              loads=LIGHT_LOADS, stages=LIGHT_STAGES)
+                              loads=LIGHT_LOADS, stages=LIGHT_STAGES, spares=JointSpares())
     coordinator = LineageCoordinator(Manager(), model, runtime=runtime)
     generator = Generator()
     coordinator.attach_generator(generator)
@@ -253,7 +254,7 @@ def test_a_loan_is_a_hold_of_its_row_which_its_admission_keeps(server):
 def test_a_forgotten_row_lets_go_of_what_its_request_still_holds():
     """The one sweep at a request's end: the book releases a row it forgets."""
     cache = LineageCache(LineageConfig())
-    book = RowBook(TimingBook(), release=cache.release)
+    book = SessionBook(TimingBook(), release=cache.release)
     row = book.admit(cold(random_tokens(20, seed=46)))
     cache.reserve(row, "staged:x", 1000)
     assert cache.budgets()["loading_bytes"] == 1000
@@ -415,18 +416,18 @@ def cold(tokens: np.ndarray) -> Pending:
 
 
 def test_an_illegal_transition_fails_closed_and_raises_under_test_faults(monkeypatch):
-    book = RowBook(TimingBook())
+    book = SessionBook(TimingBook())
     row = book.admit(cold(random_tokens(20)))
     book.end(row, "removed")
     monkeypatch.setenv("APC_TEST_FAULTS", "0")
     assert not row.move(DECODING, "store") and row.state == ENDED
     monkeypatch.setenv("APC_TEST_FAULTS", "1")
-    with pytest.raises(RowStateError, match="ended -> decoding on store"):
+    with pytest.raises(SessionStateError, match="ended -> decoding on store"):
         row.move(DECODING, "store")
 
 
 def test_the_book_is_bounded_but_keeps_rows_with_a_loan_or_a_deferral():
-    book = RowBook(TimingBook(), limit=3)
+    book = SessionBook(TimingBook(), limit=3)
     rows = [book.admit(cold(random_tokens(20, seed=i))) for i in range(3)]
     rows[0].loan, rows[1].deferral = object(), object()
     book.admit(cold(random_tokens(20, seed=9)))

@@ -24,7 +24,7 @@ import pytest
 from server_patch.observe import ledger
 from server_patch.integration import staging
 from server_patch.integration.pending import request_key
-from server_patch.integration.rowlife import RowState
+from server_patch.integration.session import SessionState
 from server_patch.lineage import as_tokens
 from tests.e2e.test_e2e_disk import _cold, _send
 from tests.e2e.test_e2e_disk_loading import Chat, _records, _wait_held, streamed_while_held
@@ -37,7 +37,7 @@ from tests.server_harness import PatchedServer, reply_text, reply_tokens, text
 
 pytestmark = pytest.mark.usefixtures("checked_lineage")  # check() after every cache verb
 
-STAGING, ADMITTED, PREFILLING = RowState.STAGING, RowState.ADMITTED, RowState.PREFILLING
+STAGING, ADMITTED, PREFILLING = SessionState.STAGING, SessionState.ADMITTED, SessionState.PREFILLING
 
 
 @pytest.fixture
@@ -186,7 +186,7 @@ def test_an_entry_gone_before_the_lookup_falls_back_and_a_cancelled_one_ends_its
     assert admissible(s, queued(branch, 5)) == 0 and entry.lent
     waiting = row_of(s, branch)
     assert admissible(s, []) == 0  # it left the queue
-    assert waiting.state == RowState.ENDED and not entry.lent
+    assert waiting.state == SessionState.ENDED and not entry.lent
     s.hold.unlink()
     settle_stager(s)
 
@@ -250,7 +250,7 @@ def test_a_file_loaded_while_others_decode_has_its_merge_copy_staged_too(s):
     before = ledger.snapshot()
     assert admissible(s, queue) == 0
     row = row_of(s, s.turn)
-    assert row.state == RowState.LOADING
+    assert row.state == SessionState.LOADING
     s.book.decoded([99], [0])
     disk.gate.set()
     for _ in range(2000):
@@ -263,7 +263,7 @@ def test_a_file_loaded_while_others_decode_has_its_merge_copy_staged_too(s):
     assert admissible(s, queue) == 1
     merged = ledger.snapshot()
     warm, cold, row = warm_and_cold(s, 2)
-    assert row.history == [RowState.LOADING, STAGING, ADMITTED]
+    assert row.history == [SessionState.LOADING, STAGING, ADMITTED]
     assert disk.loaded == [s.entry.id] and row.record.restore_kind == "disk"  # a disk restore still
     assert row.record.kv_admission == "staged" and row.record.loading_steps == 1
     assert copied(before, "stage") > 0 and copied(merged, "merge") == 0

@@ -1,6 +1,6 @@
 """A decoding row's inter-token gaps, split into named parts that add up to the gap (issue 40).
 
-The real ``RowBook``, ``TimingBook`` and ``Waits``; the clock is stepped by the test (the
+The real ``SessionBook``, ``TimingBook`` and ``Waits``; the clock is stepped by the test (the
 fixtures of ``test_waits``), so every amount asserted is exact and none is a wall time.
 """
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 
 from server_patch.integration import waits
-from server_patch.integration.rowlife import RowBook, RowState
+from server_patch.integration.session import SessionBook, SessionState
 from server_patch.integration.waits import OWN_STEP, UNATTRIBUTED, Owners, Work
 from tests.integration.test_waits import Clock, admitted, book, clock, work  # noqa: F401 (fixtures)
 
 
-def step(book: RowBook, clock: Clock, seconds: float, uids: list[str], after: float = 0.0) -> None:
+def step(book: SessionBook, clock: Clock, seconds: float, uids: list[str], after: float = 0.0) -> None:
     """One joint decode step: ``seconds`` to its tokens (the gaps end there), ``after`` more."""
     book.waits.begin(OWN_STEP, Owners())
     clock.now += seconds
@@ -23,9 +23,9 @@ def step(book: RowBook, clock: Clock, seconds: float, uids: list[str], after: fl
     book.waits.end()
 
 
-def test_a_gap_is_its_own_step_and_others_work_and_the_rest_unattributed(book: RowBook, clock: Clock) -> None:
+def test_a_gap_is_its_own_step_and_others_work_and_the_rest_unattributed(book: SessionBook, clock: Clock) -> None:
     victim, other = admitted(book, 1, uid="v"), admitted(book, 2, uid="o")
-    victim.move(RowState.DECODING, "prefill end")
+    victim.move(SessionState.DECODING, "prefill end")
     step(book, clock, 0.05, ["v"])  # its first token of a step: the first gap opens here
     assert victim.record.gap_count == 0
     work(book, clock, Work.PREFILL, 0.2, Owners(uids=("o",)))
@@ -43,11 +43,11 @@ def test_a_gap_is_its_own_step_and_others_work_and_the_rest_unattributed(book: R
     assert other.record.gap_count == 0 and other.record.waited == {}  # not decoding: no gap, its own work
 
 
-def test_a_step_past_its_tokens_falls_in_the_next_gap_and_a_leave_inside_it_is_its_own(book: RowBook,
+def test_a_step_past_its_tokens_falls_in_the_next_gap_and_a_leave_inside_it_is_its_own(book: SessionBook,
                                                                                        clock: Clock) -> None:
     victim, leaver = admitted(book, 1, uid="v"), admitted(book, 2, uid="l")
-    victim.move(RowState.DECODING, "prefill end")
-    leaver.move(RowState.DECODING, "prefill end")
+    victim.move(SessionState.DECODING, "prefill end")
+    leaver.move(SessionState.DECODING, "prefill end")
     step(book, clock, 0.05, ["v", "l"])
     book.waits.begin(OWN_STEP, Owners())
     clock.now += 0.04
@@ -67,9 +67,9 @@ def test_a_step_past_its_tokens_falls_in_the_next_gap_and_a_leave_inside_it_is_i
     assert leaver.record.waited == {}
 
 
-def test_only_gaps_that_held_others_work_are_kept_largest_first(book: RowBook, clock: Clock) -> None:
+def test_only_gaps_that_held_others_work_are_kept_largest_first(book: SessionBook, clock: Clock) -> None:
     victim = admitted(book, 1, uid="v")
-    victim.move(RowState.DECODING, "prefill end")
+    victim.move(SessionState.DECODING, "prefill end")
     step(book, clock, 0.01, ["v"])
     step(book, clock, 0.9, ["v"])  # the largest gap, its own step alone: the worst, not kept
     for n in range(waits.GAPS_KEPT + 2):

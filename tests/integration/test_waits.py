@@ -1,7 +1,7 @@
 """Waits for another request's work (issue 29): a unit of one row's work on the generation
 thread is charged to every other live row, by kind, until the row ends.
 
-The real ``RowBook``, ``TimingBook`` and ``Waits`` over ``Pending`` prompts; time is the module's
+The real ``SessionBook``, ``TimingBook`` and ``Waits`` over ``Pending`` prompts; time is the module's
 clock, stepped by the test (``Clock``), so every amount asserted is exact and none is a wall time.
 """
 
@@ -12,7 +12,7 @@ import pytest
 
 from server_patch.integration import waits
 from server_patch.integration.pending import Pending
-from server_patch.integration.rowlife import RowBook, RowState
+from server_patch.integration.session import SessionBook, SessionState
 from server_patch.integration.timings import TimingBook
 from server_patch.integration.waits import Owners, Work
 from server_patch.lineage import COLD, RestorePlan
@@ -35,7 +35,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     return fake
 
 
-def admitted(book: RowBook, seed: int, uid: object = None):
+def admitted(book: SessionBook, seed: int, uid: object = None):
     """A looked-up prompt's row and record; bound to ``uid`` (PREFILLING) when one is given."""
     tokens = np.random.default_rng(seed).integers(0, 1000, size=16 + seed, dtype=np.int32)
     row = book.admit(Pending(tokens, "", RestorePlan(0, COLD, prompt_len=len(tokens))), book.timings.open(len(tokens)))
@@ -44,18 +44,18 @@ def admitted(book: RowBook, seed: int, uid: object = None):
     return row
 
 
-def work(book: RowBook, clock: Clock, kind: Work, seconds: float, owners: Owners) -> None:
+def work(book: SessionBook, clock: Clock, kind: Work, seconds: float, owners: Owners) -> None:
     book.waits.begin(kind, owners)
     clock.now += seconds
     book.waits.end()
 
 
 @pytest.fixture
-def book() -> RowBook:
-    return RowBook(TimingBook())
+def book() -> SessionBook:
+    return SessionBook(TimingBook())
 
 
-def test_one_rows_work_is_charged_to_the_others_and_not_to_itself(book: RowBook, clock: Clock) -> None:
+def test_one_rows_work_is_charged_to_the_others_and_not_to_itself(book: SessionBook, clock: Clock) -> None:
     a, b, c = admitted(book, 1, uid="a"), admitted(book, 2, uid="b"), admitted(book, 3)
     work(book, clock, Work.PREFILL, 0.5, Owners(uids=("a",)))
     assert a.record.waited_ms == 0 and a.record.waited == {}
@@ -69,7 +69,7 @@ def test_one_rows_work_is_charged_to_the_others_and_not_to_itself(book: RowBook,
     assert b.record.waited_ms == 750.0
 
 
-def test_a_unit_inside_another_is_its_own_kind_and_the_outer_one_only_the_rest(book: RowBook, clock: Clock) -> None:
+def test_a_unit_inside_another_is_its_own_kind_and_the_outer_one_only_the_rest(book: SessionBook, clock: Clock) -> None:
     a, b = admitted(book, 1, uid="a"), admitted(book, 2, uid="b")
     book.waits.begin(Work.PREFILL, Owners(uids=("a",)))
     clock.now += 0.5
@@ -83,9 +83,9 @@ def test_a_unit_inside_another_is_its_own_kind_and_the_outer_one_only_the_rest(b
     assert waits.run(Work.LOAD, lambda: 7) == 7  # no unit open: called, not timed
 
 
-def test_decoding_rows_count_each_delayed_step_once_and_ended_rows_nothing(book: RowBook, clock: Clock) -> None:
+def test_decoding_rows_count_each_delayed_step_once_and_ended_rows_nothing(book: SessionBook, clock: Clock) -> None:
     a, b = admitted(book, 1, uid="a"), admitted(book, 2, uid="b")
-    b.move(RowState.DECODING, "prefill end")
+    b.move(SessionState.DECODING, "prefill end")
     work(book, clock, Work.PREFILL, 0.1, Owners(uids=("a",)))
     work(book, clock, Work.COMMIT, 0.1, Owners(rows=(a,)))  # the same step pushed back again
     book.decoded(["b"], [5])
@@ -97,12 +97,12 @@ def test_decoding_rows_count_each_delayed_step_once_and_ended_rows_nothing(book:
     assert b.record.ended and not a.record.ended
 
 
-def test_the_row_end_makes_the_record_final_for_the_event_stream_and_the_histogram(book: RowBook,
+def test_the_row_end_makes_the_record_final_for_the_event_stream_and_the_histogram(book: SessionBook,
                                                                                    clock: Clock) -> None:
     timings = book.timings
     admitted(book, 1, uid="a")  # another row open while b finishes
     b = admitted(book, 2, uid="b")
-    b.move(RowState.DECODING, "prefill end")
+    b.move(SessionState.DECODING, "prefill end")
     book.first_token("b", "req-b", 0.01)  # finished at its first token: in the ring, still waiting
     assert timings.since(0)[0]["ended"] is False and timings.ended_since(0) == []
     work(book, clock, Work.PREFILL, 2.0, Owners(uids=("a",)))  # after its first token: still charged
@@ -119,9 +119,9 @@ def test_the_row_end_makes_the_record_final_for_the_event_stream_and_the_histogr
     assert waited == {"prefill": 2.0, **{kind: 0.0 for kind in waits.WORK_KINDS if kind != "prefill"}}
 
 
-def test_a_row_that_ends_before_its_first_token_is_final_when_finished(book: RowBook, clock: Clock) -> None:
+def test_a_row_that_ends_before_its_first_token_is_final_when_finished(book: SessionBook, clock: Clock) -> None:
     a, b = admitted(book, 1, uid="a"), admitted(book, 2, uid="b")
-    b.move(RowState.DECODING, "prefill end")
+    b.move(SessionState.DECODING, "prefill end")
     work(book, clock, Work.COMMIT, 0.5, Owners(rows=(a,)))
     book.end(b, "leaving")  # a one-token reply: its row left before the server reported the token
     assert book.timings.ended_since(0) == []
@@ -131,7 +131,7 @@ def test_a_row_that_ends_before_its_first_token_is_final_when_finished(book: Row
     assert book.timings.ended_since(0) == []  # its first record is already final
 
 
-def test_a_unit_that_cannot_name_its_owners_runs_untimed(book: RowBook, clock: Clock) -> None:
+def test_a_unit_that_cannot_name_its_owners_runs_untimed(book: SessionBook, clock: Clock) -> None:
     a = admitted(book, 1, uid="a")
 
     def broken(*_):
@@ -146,5 +146,5 @@ def test_a_unit_that_cannot_name_its_owners_runs_untimed(book: RowBook, clock: C
 
 
 def test_the_held_up_states_are_row_states() -> None:
-    assert waits.HELD_UP == {RowState.ADMITTED, RowState.PREFILLING, RowState.DECODING}
-    assert waits.DECODING == RowState.DECODING
+    assert waits.HELD_UP == {SessionState.ADMITTED, SessionState.PREFILLING, SessionState.DECODING}
+    assert waits.DECODING == SessionState.DECODING

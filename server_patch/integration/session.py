@@ -1,18 +1,18 @@
-"""One record per request, from its lookup to its last event: the row machine.
+"""One session per request, from the queue or its lookup to its last event: the row machine.
 
-Everything the cache knows about one request is one ``RowLife``, its session: its prompt
-between lookup and prefill end with its one admission (``pending``, ``Pending.admission``), the
-loan of an entry's buffer (``loan``), its deferred commit (``deferral``), the reply it is being
-fed (``reply``), its timing record (``record``; finished records go to the runtime's ring,
-``TimingBook``), and where it is (``state``). What it holds of the cache is holds it owns
-(``lineage.holds``), let go when the book forgets it (``release``). One bounded ``RowBook`` holds them, each by mlx-vlm's uid from the queue
-(a LOADING or STAGING row) or its lookup (the ``lookup`` edit passes the uid) to its end; the
-HTTP request id is a field (``request_id``), set by the server's events. Identical prompts are
-rows of their own, with their own replies (issue 35: keyed by their tokens, twins admitted in
-one prompt batch were one row, and one twin's reply was another's). Only a prompt no queue
-named (the single-sequence path) is found by its request key until a store names its uid.
+Everything the cache knows about one request is one ``Session``: its prompt between lookup and
+prefill end with its one admission (``pending``, ``Pending.admission``), the loan of an entry's
+buffer (``loan``), its deferred commit (``deferral``), the reply it is being fed (``reply``), its
+timing record (``record``; finished records go to the runtime's ring, ``TimingBook``), and where
+it is (``state``). What it holds of the cache is holds it owns (``lineage.holds``), let go when
+the book forgets it (``release``). One bounded ``SessionBook`` holds them, each by mlx-vlm's uid
+from the queue (a LOADING or STAGING row) or its lookup (the ``lookup`` edit passes the uid) to
+its end; the HTTP request id is a field (``request_id``), set by the server's events. Identical
+prompts are rows of their own, with their own replies (issue 35: keyed by their tokens, twins
+admitted in one prompt batch were one row, and one twin's reply was another's). Only a prompt no
+queue named (the single-sequence path) is found by its request key until a store names its uid.
 
-Every mlx-vlm event is one transition (``RowState``, the diagram in docs/architecture.md):
+Every mlx-vlm event is one transition (``SessionState``, the diagram in docs/architecture.md):
 
     LOADING --loaded, failed or past the bound--> ADMITTED
     LOADING --loaded while others decode, its copy stageable--> STAGING
@@ -27,7 +27,7 @@ Every mlx-vlm event is one transition (``RowState``, the diagram in docs/archite
 
 A transition the table does not allow fails closed (``server_patch.failclosed``): the row
 keeps its state, and under ``APC_TEST_FAULTS=1`` the error is raised. To add a state, add it
-to ``RowState`` and ``_NEXT``.
+to ``SessionState`` and ``_NEXT``.
 What happens to the buffers at each transition is ``integration.batch_rows``; the mechanics
 (lend, adopt, validate) are ``server_patch.copyfree``'s functions over these fields.
 """
@@ -54,7 +54,7 @@ log = logging.getLogger("server_patch.lineage")
 ROWS_MAX = 512  # rows kept; the oldest without a loan or a deferral are forgotten first
 
 
-class RowState(StrEnum):
+class SessionState(StrEnum):
     """Where a request is, as far as its KV rows go."""
 
     LOADING = "loading"  # queued, its restore point's disk file loading off the generation thread
@@ -65,37 +65,37 @@ class RowState(StrEnum):
     ENDED = "ended"  # left the batch or was removed: nothing of it writes a cache any more
 
 
-WAITING = frozenset({RowState.LOADING, RowState.STAGING})  # queued, waiting for off-thread work
+WAITING = frozenset({SessionState.LOADING, SessionState.STAGING})  # queued, waiting for off-thread work
 
-_NEXT: dict[RowState, frozenset[RowState]] = {
-    RowState.LOADING: frozenset({RowState.STAGING, RowState.ADMITTED, RowState.ENDED}),
-    RowState.STAGING: frozenset({RowState.ADMITTED, RowState.ENDED}),
-    RowState.ADMITTED: frozenset({RowState.PREFILLING, RowState.DECODING, RowState.ENDED}),
-    RowState.PREFILLING: frozenset({RowState.DECODING, RowState.ENDED}),
-    RowState.DECODING: frozenset({RowState.ENDED}),
-    RowState.ENDED: frozenset(),
+_NEXT: dict[SessionState, frozenset[SessionState]] = {
+    SessionState.LOADING: frozenset({SessionState.STAGING, SessionState.ADMITTED, SessionState.ENDED}),
+    SessionState.STAGING: frozenset({SessionState.ADMITTED, SessionState.ENDED}),
+    SessionState.ADMITTED: frozenset({SessionState.PREFILLING, SessionState.DECODING, SessionState.ENDED}),
+    SessionState.PREFILLING: frozenset({SessionState.DECODING, SessionState.ENDED}),
+    SessionState.DECODING: frozenset({SessionState.ENDED}),
+    SessionState.ENDED: frozenset(),
 }
 
 
-class RowStateError(RuntimeError):
+class SessionStateError(RuntimeError):
     """A row was asked to move where its state does not lead."""
 
 
 @dataclass(eq=False)
-class RowLife:
+class Session:
     """One request's whole life in the cache. ``loan``: a ``copyfree.lease.Lease``;
     ``deferral``: a ``copyfree.deferred.Deferred``; ``reply``: a ``copyfree.replies.Reply``."""
 
     pending: Pending
     record: Optional[RequestTiming] = None
     uid: Any = None
-    state: RowState = RowState.ADMITTED
+    state: SessionState = SessionState.ADMITTED
     loan: Any = None
     deferral: Any = None
     reply: Any = None
     timed: bool = False  # its record is finished (first token, or cancelled before it)
     seq: int = 0  # the book's order (oldest first)
-    history: list[RowState] = field(default_factory=list)  # the states it left, in order
+    history: list[SessionState] = field(default_factory=list)  # the states it left, in order
     load: Any = None  # while LOADING and until its lookup: its ``integration.loading.Load``
     stage: Any = None  # while STAGING and until its lookup: its ``integration.staging.Stage``
     staged: bool = False  # its restored caches hold a staged buffer: the merge adopts it, no copy
@@ -108,23 +108,23 @@ class RowLife:
     @property
     def prefilling(self) -> bool:
         """Its prompt is still being prefilled: its captures are taken, its prefill end to come."""
-        return self.state in (RowState.ADMITTED, RowState.PREFILLING)
+        return self.state in (SessionState.ADMITTED, SessionState.PREFILLING)
 
     @property
     def over(self) -> bool:
         """Nothing more can happen to it: ended, no loan or deferral left to settle, and its
         record finished or never to be."""
-        return (self.state == RowState.ENDED and self.loan is None and self.deferral is None
+        return (self.state == SessionState.ENDED and self.loan is None and self.deferral is None
                 and (self.timed or self.record is None or self.uid is None))
 
-    def move(self, to: RowState, event: str) -> bool:
+    def move(self, to: SessionState, event: str) -> bool:
         """One transition (``event`` names it in the error); False, failing closed, if illegal."""
         if to == self.state:
             return True
         if to not in _NEXT[self.state]:
             try:
-                raise RowStateError(f"row {self.uid!r} {self.state} -> {to} on {event}")
-            except RowStateError as exc:
+                raise SessionStateError(f"row {self.uid!r} {self.state} -> {to} on {event}")
+            except SessionStateError as exc:
                 fail_closed(exc, "apc_lineage row transition", log=log)
             return False
         self.history.append(self.state)
@@ -132,7 +132,7 @@ class RowLife:
         return True
 
 
-class RowBook:
+class SessionBook:
     """The rows of one runtime, bounded, each by mlx-vlm's uid from the queue to its end (a
     row of a prompt that has none, the single-sequence path's, by its request key until a
     store or a bind names one). Thread-safe: the generation thread moves rows, the server's
@@ -145,9 +145,9 @@ class RowBook:
         a request's end)."""
         self.timings = timings
         self._release = release
-        self._forgotten: list[RowLife] = []  # forgotten under the lock, released after it (``_let_go``)
-        self._rows: OrderedDict[int, RowLife] = OrderedDict()
-        self._by_uid: dict[Any, RowLife] = {}
+        self._forgotten: list[Session] = []  # forgotten under the lock, released after it (``_let_go``)
+        self._rows: OrderedDict[int, Session] = OrderedDict()
+        self._by_uid: dict[Any, Session] = {}
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
         self._limit = limit
@@ -159,23 +159,23 @@ class RowBook:
 
     # ------------------------------------------------------------------ admission and binding
 
-    def loading(self, pending: Pending, load: Any, uid: Any = None) -> RowLife:
+    def loading(self, pending: Pending, load: Any, uid: Any = None) -> Session:
         """Queued prompt ``uid`` whose restore point's file is loading (``load``): a LOADING row."""
-        return self.waiting(pending, RowState.LOADING, uid, load=load)
+        return self.waiting(pending, SessionState.LOADING, uid, load=load)
 
-    def staging(self, pending: Pending, stage: Any, uid: Any = None) -> RowLife:
+    def staging(self, pending: Pending, stage: Any, uid: Any = None) -> Session:
         """Queued prompt ``uid`` whose RAM restore's rows are being copied (``stage``): a STAGING row."""
-        return self.waiting(pending, RowState.STAGING, uid, stage=stage)
+        return self.waiting(pending, SessionState.STAGING, uid, stage=stage)
 
-    def waiting(self, pending: Pending, state: RowState, uid: Any = None, **work: Any) -> RowLife:
+    def waiting(self, pending: Pending, state: SessionState, uid: Any = None, **work: Any) -> Session:
         """A queued prompt that waits (``WAITING``) for work done off the generation thread."""
         with self._lock:
-            row = self._add(RowLife(pending, state=state, uid=uid, seq=next(self._seq), **work))
+            row = self._add(Session(pending, state=state, uid=uid, seq=next(self._seq), **work))
         self._let_go()
         return row
 
     def admit(self, pending: Pending, record: Optional[RequestTiming] = None, loan: Any = None,
-              uid: Any = None) -> RowLife:
+              uid: Any = None) -> Session:
         """Looked-up prompt ``uid`` (or one planned cold without a lookup): ADMITTED. Its row
         waiting in the queue is admitted (its load finished, failed or ran past the bound);
         a second lookup of the same uid admits its row again (its plan and record are the new
@@ -183,26 +183,26 @@ class RowBook:
         own. Without a uid, an unbound ADMITTED row with the same request key is the one."""
         with self._lock:
             row = self._by_uid.get(uid) if uid is not None else self._unbound(pending.key)
-            if row is not None and row.state in WAITING and row.move(RowState.ADMITTED, "admit"):
+            if row is not None and row.state in WAITING and row.move(SessionState.ADMITTED, "admit"):
                 row.load = row.stage = None  # what it loaded is promoted, what it staged taken (or dropped)
-            if row is not None and row.state == RowState.ADMITTED:
+            if row is not None and row.state == SessionState.ADMITTED:
                 row.pending, row.record = pending, record
                 row.loan = row.loan if row.loan is not None else loan
             else:
-                row = self._add(RowLife(pending, record, uid=uid, loan=loan, seq=next(self._seq)))
+                row = self._add(Session(pending, record, uid=uid, loan=loan, seq=next(self._seq)))
             if record is not None and uid is not None:
                 record.uid = uid
         self._let_go()
         return row
 
-    def _add(self, row: RowLife) -> RowLife:
+    def _add(self, row: Session) -> Session:
         self._rows[row.seq] = row
         if row.uid is not None:
             self._by_uid[row.uid] = row
         self._bound()
         return row
 
-    def _unbound(self, key: Any) -> Optional[RowLife]:
+    def _unbound(self, key: Any) -> Optional[Session]:
         """The newest row with request ``key`` and no uid (a prompt no queue named)."""
         return next((r for r in reversed(self._rows.values()) if r.uid is None and r.key == key), None)
 
@@ -216,17 +216,17 @@ class RowBook:
         for row in forgettable[:max(0, excess)]:
             self._drop(row)
 
-    def bind(self, key: Any, uid: Any) -> Optional[RowLife]:
+    def bind(self, key: Any, uid: Any) -> Optional[Session]:
         """Row ``uid`` is in a prompt batch now: PREFILLING. A row admitted without a uid (a
         lookup that had none) with request ``key`` is named ``uid`` here."""
         with self._lock:
             row = self._by_uid.get(uid)
-            if row is None and (row := self._unbound(key)) is not None and row.state == RowState.ADMITTED:
+            if row is None and (row := self._unbound(key)) is not None and row.state == SessionState.ADMITTED:
                 row.uid = uid
                 self._by_uid[uid] = row
-            if row is None or row.state != RowState.ADMITTED:
+            if row is None or row.state != SessionState.ADMITTED:
                 return None
-            if not row.move(RowState.PREFILLING, "bind"):
+            if not row.move(SessionState.PREFILLING, "bind"):
                 return None
             if row.record is not None:
                 row.record.uid = uid
@@ -234,47 +234,47 @@ class RowBook:
 
     # ------------------------------------------------------------------ finding rows
 
-    def by_key(self, key: Any) -> Optional[RowLife]:
+    def by_key(self, key: Any) -> Optional[Session]:
         """The newest row with request ``key`` (identical prompts are rows of their own: a
         uid names one; this is for a prompt no queue named, and for tests)."""
         with self._lock:
             return next((r for r in reversed(self._rows.values()) if r.key == key), None)
 
-    def by_uid(self, uid: Any) -> Optional[RowLife]:
+    def by_uid(self, uid: Any) -> Optional[Session]:
         with self._lock:
             return self._by_uid.get(uid)
 
-    def queued(self, uid: Any, key: Any) -> Optional[RowLife]:
+    def queued(self, uid: Any, key: Any) -> Optional[Session]:
         """The row a lookup of ``uid`` (``key``: its request key) finds already there: the one
         that waited in the queue, or its earlier lookup's; without a uid, an unbound one."""
         with self._lock:
             return self._by_uid.get(uid) if uid is not None else self._unbound(key)
 
-    def rows(self) -> list[RowLife]:
+    def rows(self) -> list[Session]:
         """Every row, oldest first."""
         with self._lock:
             return list(self._rows.values())
 
-    def lent(self) -> list[RowLife]:
+    def lent(self) -> list[Session]:
         return [r for r in self.rows() if r.loan is not None]
 
-    def deferred(self) -> list[RowLife]:
+    def deferred(self) -> list[Session]:
         return [r for r in self.rows() if r.deferral is not None]
 
-    def replying(self) -> list[RowLife]:
+    def replying(self) -> list[Session]:
         return [r for r in self.rows() if r.reply is not None]
 
     def lent_to(self, key: Any) -> bool:
         """Some row of request ``key`` holds a loan (the same prompt is running on it)."""
         return any(r.key == key for r in self.lent())
 
-    def with_tokens(self, prompt: np.ndarray) -> list[RowLife]:
+    def with_tokens(self, prompt: np.ndarray) -> list[Session]:
         """Prefilling rows with exactly these tokens, whatever their namespace."""
         key = prompt_key(prompt)
         return [r for r in self.rows() if r.prefilling and r.key[1:] == key
                 and np.array_equal(r.pending.tokens, prompt)]
 
-    def matching(self, prefix: np.ndarray, namespace: str) -> list[RowLife]:
+    def matching(self, prefix: np.ndarray, namespace: str) -> list[Session]:
         """Prefilling rows of ``namespace`` that start with ``prefix`` and want a state at its
         length; a row without a namespace (it skipped lookup) takes this one."""
         length = int(prefix.shape[0])
@@ -289,14 +289,14 @@ class RowBook:
 
     # ------------------------------------------------------------------ endings
 
-    def end(self, row: RowLife, event: str) -> None:
+    def end(self, row: Session, event: str) -> None:
         """``event`` (leaving, removed, a prefill end with no uid) ended the row: ENDED, and
         forgotten once its record is finished too."""
-        if row.move(RowState.ENDED, event):
+        if row.move(SessionState.ENDED, event):
             self.waits.ended(row)
             self.tidy(row)
 
-    def tidy(self, row: RowLife) -> None:
+    def tidy(self, row: Session) -> None:
         """After a commit, a loan's end or the row's end: once no commit of it is left to come
         (past its prefill end, no deferral, no reply) its captures are let go (the entry holds
         what it kept); once nothing more can happen to it, the row is forgotten."""
@@ -305,12 +305,12 @@ class RowBook:
         if row.over:
             self.forget(row)
 
-    def forget(self, row: RowLife) -> None:
+    def forget(self, row: Session) -> None:
         with self._lock:
             self._drop(row)
         self._let_go()
 
-    def _drop(self, row: RowLife) -> None:
+    def _drop(self, row: Session) -> None:
         self._rows.pop(row.seq, None)
         if row.uid is not None and self._by_uid.get(row.uid) is row:
             del self._by_uid[row.uid]
@@ -348,7 +348,7 @@ class RowBook:
 
     # ------------------------------------------------------------------ the record's events
 
-    def _open_record(self, uid: Any) -> Optional[RowLife]:
+    def _open_record(self, uid: Any) -> Optional[Session]:
         row = self.by_uid(uid)
         return row if row is not None and row.record is not None and not row.timed else None
 
@@ -375,9 +375,9 @@ class RowBook:
         record = self.timings.finished_record(uid)
         return self.timings.cancel(record, request_id, DECODE) if record is not None else None
 
-    def _timed(self, row: RowLife) -> None:
+    def _timed(self, row: Session) -> None:
         row.timed = True
         self.tidy(row)
 
 
-__all__ = ["ROWS_MAX", "WAITING", "RowBook", "RowLife", "RowState", "RowStateError"]
+__all__ = ["ROWS_MAX", "WAITING", "Session", "SessionBook", "SessionState", "SessionStateError"]
