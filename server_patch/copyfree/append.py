@@ -35,16 +35,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import mlx.core as mx
 
 from server_patch.observe import ledger
 from server_patch.copyfree import merge as copyfree_merge
 from server_patch.copyfree.settings import CopyFreeSettings
+from server_patch.lineage.model import Entry, Loan, RestoreKind, RestorePlan
 from server_patch.state import rows
 from server_patch.state.layout import CacheLayout, MlxKV
-from server_patch.state.registry import ref
+from server_patch.state.registry import Arrays, ref
+
+if TYPE_CHECKING:
+    from server_patch.integration.pending import Pending
+    from server_patch.lineage.policy import LineageCache
 
 log = logging.getLogger("server_patch.lineage")
 
@@ -53,15 +58,8 @@ log = logging.getLogger("server_patch.lineage")
 class Base:
     """An entry whose KV rows are row's rows ``[0, length)``, bit for bit, by its handle."""
 
-    kv: Any  # the entry's KV handle (``MlxKV``) when the row's rows were taken from or into it
+    kv: object  # the entry's KV handle (``MlxKV``) when the row's rows were taken from or into it
     length: int
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What ``LineageCache.lend`` reads of a restore plan: the entry whose rows it lends."""
-
-    entry: Any
 
 
 @dataclass
@@ -69,22 +67,29 @@ class Appended:
     """The new entry's KV (the base entry's buffer, rows appended) and the receipt it holds."""
 
     kv: MlxKV
-    entry: Any
-    loan: Any
+    entry: Entry
+    loan: Loan
     written: int  # KV bytes written into the buffer
     rows: int  # rows appended
 
-    def finish(self, cache: Any) -> None:
+    def finish(self, cache: LineageCache) -> None:
         """After the store: the receipt ends; the buffer goes back to the old entry if the new
         one did not absorb it (rows ``[0, B)`` are as they were)."""
         try:
             if cache.holds(self.entry) and self.entry.kv.lent:
-                self.entry.kv.give_back(_lent_part(self.kv.layers))
+                _mlx_kv(self.entry).give_back(_lent_part(self.kv.layers))
         finally:
             cache.end(self.loan)
 
 
-def base_entry(cache: Any, base: Optional[Base]) -> Any:
+def _mlx_kv(entry: Entry) -> MlxKV:
+    """An entry's KV as the buffers it is: ``base_entry`` finds only entries whose handle is
+    an ``MlxKV`` (the one handle ``Base`` names)."""
+    assert isinstance(entry.kv, MlxKV)
+    return entry.kv
+
+
+def base_entry(cache: LineageCache, base: Optional[Base]) -> Optional[Entry]:
     """The entry ``base`` names, if the cache still holds it at that length (the handle is
     replaced by a rewind, so an identical handle means rows ``[0, length)`` are unchanged)."""
     if base is None or not isinstance(base.kv, MlxKV):
@@ -95,11 +100,12 @@ def base_entry(cache: Any, base: Optional[Base]) -> Any:
     return None
 
 
-def restored_base(pending: Any) -> Optional[Base]:
+def restored_base(pending: Optional[Pending]) -> Optional[Base]:
     """A row that restored at an entry's head holds that entry's rows: its ``Base``."""
     plan = getattr(pending, "plan", None)
     entry = getattr(plan, "entry", None)
-    if entry is None or plan.checkpoint is not None or entry.is_anchor or plan.length != entry.length:
+    if plan is None or entry is None or plan.checkpoint is not None or entry.is_anchor \
+            or plan.length != entry.length:
         return None
     return Base(entry.kv, plan.length)
 
@@ -135,20 +141,24 @@ def copy_with_room(layout: CacheLayout, caches: Sequence[Any], idx: Optional[int
     return kv
 
 
-def append_reply(layout: CacheLayout, cache: Any, base: Optional[Base], caches: Sequence[Any], idx: int,
+def append_reply(layout: CacheLayout, cache: LineageCache, base: Optional[Base], caches: Sequence[Any], idx: int,
                  length: int) -> Optional[Appended]:
     """Row ``idx``'s ``length`` KV rows as ``base``'s entry's own buffer with the rows it lacks
     written in, under a loan receipt ``Appended.finish`` ends; None where it cannot be
     (the caller copies the whole row)."""
     entry = base_entry(cache, base)
-    if entry is None or layout.packed or entry.kv.capacity("keys") < length or entry.kv.capacity("values") < length:
+    if entry is None:
         return None
-    loan = cache.lend(_Plan(entry))
+    entry_kv = _mlx_kv(entry)
+    if layout.packed or entry_kv.capacity("keys") < length or entry_kv.capacity("values") < length:
+        return None
+    # ``LineageCache.lend`` reads only the plan's entry: a plan at the entry's head.
+    loan = cache.lend(RestorePlan(entry.length, RestoreKind.ENTRY, entry=entry))
     if loan is None:  # lent, or queued for writing: its rows are being read
         return None
     start = entry.length
     try:
-        taken = entry.kv.lend()
+        taken = entry_kv.lend()
     except Exception:
         cache.end(loan)
         raise
@@ -157,7 +167,7 @@ def append_reply(layout: CacheLayout, cache: Any, base: Optional[Base], caches: 
         kv = MlxKV(layers, length)
         mx.eval(kv.arrays())
     except Exception as exc:
-        entry.kv.give_back(taken)
+        entry_kv.give_back(taken)
         cache.end(loan)
         log.info("apc_lineage reply rows not appended to entry %s (%s): the row is copied", entry.id, exc)
         return None
@@ -167,7 +177,8 @@ def append_reply(layout: CacheLayout, cache: Any, base: Optional[Base], caches: 
     return Appended(kv, entry, loan, written, length - start)
 
 
-def _lent_part(layers: list[list[dict]]) -> list[list[dict]]:
+def _lent_part(layers: list[list[Arrays]]) -> list[list[Arrays]]:
+
     """The ``keys``/``values`` arrays of a handle's layers: what ``MlxKV.give_back`` takes back."""
     return [[{k: ref(v) for k, v in child.items() if k in ("keys", "values")} for child in layer]
             for layer in layers]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
@@ -39,6 +39,10 @@ from server_patch.observe import ledger
 from server_patch.observe.ledger import add
 
 log = logging.getLogger("server_patch.copyfree")
+
+# A method of an mlx-vlm cache class this wraps: any signature, any result (counted by shape).
+Method = Callable[..., object]
+
 
 ENV = "APC_COPY_COUNTER"
 ENV_FILE = "APC_COPY_COUNTER_FILE"
@@ -55,11 +59,11 @@ def requested(env: dict[str, str] | os._Environ[str] = os.environ) -> bool:
 
 # ---------------------------------------------------------------------------- byte accounting
 
-def _arr_bytes(x: Any) -> int:
+def _arr_bytes(x: object) -> int:
     return int(x.nbytes) if isinstance(x, mx.array) else 0
 
 
-def _used_bytes(x: Any, rows: int, axis: int = 2) -> int:
+def _used_bytes(x: object, rows: int, axis: int = 2) -> int:
     """Bytes of the first ``rows`` rows of ``x`` along ``axis``."""
     if not isinstance(x, mx.array) or x.ndim <= axis or not x.shape[axis]:
         return 0
@@ -88,7 +92,7 @@ def cache_bytes(cache: Any) -> tuple[int, int]:
     return 0, sum(int(a.nbytes) for a in arrays)
 
 
-def collect_arrays(value: Any, out: list[mx.array]) -> None:
+def collect_arrays(value: object, out: list[mx.array]) -> None:
     """Every mx.array in a (nested) cache state, appended to ``out``."""
     if isinstance(value, mx.array):
         out.append(value)
@@ -97,7 +101,8 @@ def collect_arrays(value: Any, out: list[mx.array]) -> None:
             collect_arrays(item, out)
 
 
-def _add_caches(op: str, caches: Any) -> None:
+def _add_caches(op: str, caches: object) -> None:
+
     items = caches if isinstance(caches, (list, tuple)) else [caches]
     kv = state = 0
     for cache in items:
@@ -116,7 +121,7 @@ def _address(x: mx.array) -> int | None:
     try:
         import numpy as np
 
-        view = memoryview(x)
+        view = memoryview(x)  # type: ignore[arg-type]  # mlx's stubs omit __buffer__; mx.array exports it
         try:
             return int(np.asarray(view).__array_interface__["data"][0])
         except (TypeError, ValueError):  # e.g. bfloat16, which numpy cannot describe
@@ -127,10 +132,10 @@ def _address(x: mx.array) -> int | None:
     return None
 
 
-def _probe(owner: Any, names: tuple[str, ...]) -> dict[str, tuple[tuple[int, ...], int | None, int]]:
+def _probe(owner: object, names: tuple[str, ...]) -> dict[str, tuple[tuple[int, ...], int | None, int]]:
     """Shape, address and size of ``owner``'s arrays; holds no reference to them afterwards
     (a held reference would itself force the copy-on-write this looks for)."""
-    out = {}
+    out: dict[str, tuple[tuple[int, ...], int | None, int]] = {}
     for name in names:
         value = getattr(owner, name, None)
         if isinstance(value, mx.array) and value.size:
@@ -139,9 +144,9 @@ def _probe(owner: Any, names: tuple[str, ...]) -> dict[str, tuple[tuple[int, ...
     return out
 
 
-def _watched(method: Callable[..., Any], names: tuple[str, ...], kinds: dict[str, str]) -> Callable[..., Any]:
+def _watched(method: Method, names: tuple[str, ...], kinds: dict[str, str]) -> Method:
     @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: object, *args: object, **kwargs: object) -> object:
         before = _probe(self, names)
         result = method(self, *args, **kwargs)
         if before:
@@ -161,24 +166,24 @@ def _watched(method: Callable[..., Any], names: tuple[str, ...], kinds: dict[str
 
 # ---------------------------------------------------------------------------- installation
 
-def _after(method: Callable[..., Any], op: str, *, is_class: bool = False) -> Callable[..., Any]:
-    """Count the caches ``method`` returns as copied by ``op``."""
-    func = method.__func__ if is_class else method
+def _after(func: Method, op: str) -> Method:
+    """Count the caches ``func`` returns as copied by ``op`` (a class method: wrap its
+    ``__func__`` and make the wrapper a ``classmethod``)."""
 
     @functools.wraps(func)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: object, **kwargs: object) -> object:
         result = func(*args, **kwargs)
         if result is not None:
             _add_caches(op, result)
         return result
 
-    return classmethod(wrapper) if is_class else wrapper
+    return wrapper
 
 
 _ROW_ATTRS = {"keys": "kv", "values": "kv", "pooled": "kv", "buf_kv": "state", "buf_gate": "state"}
 
 
-def _shares(x: mx.array, base: Any) -> bool:
+def _shares(x: mx.array, base: object) -> bool:
     """Whether ``x`` lies inside ``base``'s buffer (a view, not a copy)."""
     if not isinstance(base, mx.array) or not base.size or not x.size:
         return False
@@ -187,11 +192,11 @@ def _shares(x: mx.array, base: Any) -> bool:
     return lo is not None and at is not None and lo <= at < lo + int(base.nbytes)
 
 
-def _extracted(method: Callable[..., Any]) -> Callable[..., Any]:
+def _extracted(method: Method) -> Method:
     """``extract``: count only the rows that were really copied (``mx.contiguous`` shares a
     view that is already contiguous, e.g. row 0 of a one-row batch)."""
     @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: object, *args: object, **kwargs: object) -> object:
         result = method(self, *args, **kwargs)
         for name, kind in _ROW_ATTRS.items():
             value = getattr(result, name, None)
@@ -202,22 +207,22 @@ def _extracted(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _kv_rows_merged(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``BatchKVCache.merge``: the rows copied (not the zero padding)."""
-    func = method.__func__
+def _kv_rows_merged(func: Method) -> Method:
+    """``BatchKVCache.merge`` (its ``__func__``; the caller makes the wrapper a
+    ``classmethod``): the rows copied (not the zero padding)."""
 
     @functools.wraps(func)
-    def wrapper(cls, caches, *args, **kwargs):
+    def wrapper(cls: type, caches: Sequence[object], *args: object, **kwargs: object) -> object:
         result = func(cls, caches, *args, **kwargs)
         add("merge", sum(cache_bytes(c)[0] for c in caches), kind="kv")
         return result
 
-    return classmethod(wrapper)
+    return wrapper
 
 
-def _reserve(method: Callable[..., Any]) -> Callable[..., Any]:
+def _reserve(method: Method) -> Method:
     @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: object, *args: object, **kwargs: object) -> object:
         result = method(self, *args, **kwargs)
         if result:  # it padded: the used rows were copied into the bigger buffer
             add("reserve", cache_bytes(self)[0], kind="kv")
@@ -226,10 +231,10 @@ def _reserve(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _batch_op(method: Callable[..., Any], op: str) -> Callable[..., Any]:
+def _batch_op(method: Method, op: str) -> Method:
     """``extend``/``filter``: count the live rows after the op when the buffer was rebuilt."""
     @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: object, *args: object, **kwargs: object) -> object:
         before = _probe(self, ("keys",)).get("keys")
         result = method(self, *args, **kwargs)
         after = _probe(self, ("keys",)).get("keys")
@@ -262,34 +267,37 @@ def _wrap() -> None:
     from mlx_vlm import apc as apc_module
     from mlx_vlm.models import cache as c
 
-    c.BatchKVCache.merge = _kv_rows_merged(c.BatchKVCache.__dict__["merge"])
-    c.BatchKVCache.extract = _extracted(c.BatchKVCache.extract)
-    c.KVCache.extract = _extracted(c.KVCache.extract)
-    c.KVCache.prefix_cache_reserve = _reserve(c.KVCache.prefix_cache_reserve)
-    c.BatchKVCache.extend = _batch_op(c.BatchKVCache.extend, "extend")
-    c.BatchKVCache.filter = _batch_op(c.BatchKVCache.filter, "filter")
+    # setattr: these replace methods of mlx-vlm's classes (and MlxKV's) in place, on purpose.
+    setattr(c.BatchKVCache, "merge", classmethod(_kv_rows_merged(c.BatchKVCache.__dict__["merge"].__func__)))
+    setattr(c.BatchKVCache, "extract", _extracted(c.BatchKVCache.extract))
+    setattr(c.KVCache, "extract", _extracted(c.KVCache.extract))
+    setattr(c.KVCache, "prefix_cache_reserve", _reserve(c.KVCache.prefix_cache_reserve))
+    setattr(c.BatchKVCache, "extend", _batch_op(c.BatchKVCache.extend, "extend"))
+    setattr(c.BatchKVCache, "filter", _batch_op(c.BatchKVCache.filter, "filter"))
     kv_names, kv_kinds = ("keys", "values"), {"keys": "kv", "values": "kv"}
-    c.KVCache.update_and_fetch = _watched(c.KVCache.update_and_fetch, kv_names, kv_kinds)
-    c.BatchKVCache.update_and_fetch = _watched(c.BatchKVCache.update_and_fetch, kv_names, kv_kinds)
+    setattr(c.KVCache, "update_and_fetch", _watched(c.KVCache.update_and_fetch, kv_names, kv_kinds))
+    setattr(c.BatchKVCache, "update_and_fetch", _watched(c.BatchKVCache.update_and_fetch, kv_names, kv_kinds))
     pool_kinds = {"pooled": "kv", "buf_kv": "state", "buf_gate": "state"}
-    c.PoolingCache.update_and_fetch = _watched(c.PoolingCache.update_and_fetch, ("pooled",), pool_kinds)
-    c.PoolingCache.accumulate_windows = _watched(
-        c.PoolingCache.accumulate_windows, ("buf_kv", "buf_gate"), pool_kinds)
-    c.BatchPoolingCache.update_and_fetch = _watched(
-        c.BatchPoolingCache.update_and_fetch, ("pooled",), pool_kinds)
-    c.BatchPoolingCache.merge = _after(c.BatchPoolingCache.__dict__["merge"], "merge", is_class=True)
-    c.BatchPoolingCache.extract = _extracted(c.BatchPoolingCache.extract)
-    c.ArraysCache.merge = _after(c.ArraysCache.__dict__["merge"], "merge", is_class=True)
-    apc_module._clone_prompt_cache_for_apc = _after(apc_module._clone_prompt_cache_for_apc, "clone")
+    setattr(c.PoolingCache, "update_and_fetch",
+            _watched(c.PoolingCache.update_and_fetch, ("pooled",), pool_kinds))
+    setattr(c.PoolingCache, "accumulate_windows", _watched(
+        c.PoolingCache.accumulate_windows, ("buf_kv", "buf_gate"), pool_kinds))
+    setattr(c.BatchPoolingCache, "update_and_fetch", _watched(
+        c.BatchPoolingCache.update_and_fetch, ("pooled",), pool_kinds))
+    setattr(c.BatchPoolingCache, "merge",
+            classmethod(_after(c.BatchPoolingCache.__dict__["merge"].__func__, "merge")))
+    setattr(c.BatchPoolingCache, "extract", _extracted(c.BatchPoolingCache.extract))
+    setattr(c.ArraysCache, "merge", classmethod(_after(c.ArraysCache.__dict__["merge"].__func__, "merge")))
+    setattr(apc_module, "_clone_prompt_cache_for_apc", _after(apc_module._clone_prompt_cache_for_apc, "clone"))
 
     from server_patch.state import layout
 
     prefix = layout.MlxKV.prefix
 
     @functools.wraps(prefix)
-    def counted_prefix(self, length):
+    def counted_prefix(self: layout.MlxKV, length: int) -> layout.MlxKV:
         result = prefix(self, length)
         add("anchor", result.nbytes, kind="kv")
         return result
 
-    layout.MlxKV.prefix = counted_prefix
+    setattr(layout.MlxKV, "prefix", counted_prefix)

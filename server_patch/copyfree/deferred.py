@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import numpy as np
 
@@ -32,6 +32,11 @@ from server_patch.failclosed import fail_closed
 from server_patch.lineage import ANCHOR
 from server_patch.lineage.lookup import common_prefix_len
 from server_patch.state import rows
+from server_patch.state.layout import CacheLayout, MlxKV, MlxSnapshot
+
+if TYPE_CHECKING:
+    from server_patch.integration.pending import Pending
+    from server_patch.lineage.policy import LineageCache
 
 # The commit lines go to the lineage log (operators and tests read them there).
 log = logging.getLogger("server_patch.lineage")
@@ -43,17 +48,25 @@ class Deferred:
     (``caches``: its own buffers), or with reply reuse a row sharing its batch (``shared``:
     found by uid in the decoding batch when needed, and copied out once when it ends)."""
 
-    pending: Any  # the request's ``Pending``
-    head: Any
-    caches: list[Any]
-    uid: Any
+    pending: Pending  # the request's prompt
+    head: MlxSnapshot  # the state at its prompt end
+    caches: list[Any]  # a lone row's own per-layer caches (mlx-vlm's, untyped)
+    uid: Optional[int]  # mlx-vlm's uid of its row
     since: float
     shared: bool = False
     stored: Optional[appending.Base] = None  # the entry its prompt-end commit stored (``resolve``)
 
 
-def resolve(layout: Any, settings: CopyFreeSettings, deferred: Deferred, caches: list[Any], idx: int, *,
-            adopt: bool, reason: str, store: Callable[[Any, Any, Any], bool], room: int = 0) -> Optional[float]:
+class ReplyStore(Protocol):
+    """Commits a row's state past its reply (the flow's ``commit_reply``)."""
+
+    def __call__(self, pending: Pending, fed: np.ndarray, /, *, kv: MlxKV, head: MlxSnapshot,
+                 prompt_head: MlxSnapshot, captures: dict[int, tuple[str, Any]]) -> object: ...
+
+
+def resolve(layout: CacheLayout, settings: CopyFreeSettings, deferred: Deferred, caches: list[Any], idx: int, *,
+            adopt: bool, reason: str, store: Callable[[Pending, MlxKV, MlxSnapshot], bool],
+            room: int = 0) -> Optional[float]:
     """Commit a deferred entry: adopt the row's buffer (views) or copy the row (into buffers of
     ``room`` rows where its reply will be appended, ``append.copy_with_room``), then
     ``store(pending, kv, head)`` it at its prompt end. Returns the milliseconds it took, or
@@ -84,9 +97,9 @@ def surfaces(deferred: Deferred, prompt: np.ndarray, namespace: str, restorable:
     return deferred.pending.namespace == namespace and best_restore(deferred.pending, prompt) > restorable
 
 
-def commit_reply(layout: Any, settings: CopyFreeSettings, reply: Reply, batch: Any, idx: int, *,
-                 alone: bool, deferred: Optional[Deferred], store: Callable[..., Any],
-                 settle: Callable[[], None], cache: Any = None) -> bool:
+def commit_reply(layout: CacheLayout, settings: CopyFreeSettings, reply: Reply, batch: Any, idx: int, *,
+                 alone: bool, deferred: Optional[Deferred], store: ReplyStore,
+                 settle: Callable[[], None], cache: Optional[LineageCache] = None) -> bool:
     """Move the row's entry past its reply: adopt a lone row's buffer (views); for a row of a
     shared batch append only the rows its entry lacks into that entry's buffer
     (``copyfree.append``, with ``cache`` the lineage cache), else copy the row once.
@@ -118,8 +131,9 @@ def commit_reply(layout: Any, settings: CopyFreeSettings, reply: Reply, batch: A
         fail_closed(exc, f"apc_lineage reply commit of {length} tokens", log=log)
         return False
     finally:
-        if appended is not None:
+        if appended is not None and cache is not None:  # only appended where a cache was given
             appended.finish(cache)
+
     settle()
     mode = "adopt" if adopt else "append" if appended is not None else "copy"
     copied = f" appended_rows={appended.rows}" if appended is not None else ""
@@ -137,7 +151,8 @@ def commit_reply(layout: Any, settings: CopyFreeSettings, reply: Reply, batch: A
     return True
 
 
-def best_restore(pending: Any, prompt: np.ndarray) -> int:
+def best_restore(pending: Pending, prompt: np.ndarray) -> int:
+
     """The longest restore point a deferred entry (head at ``final``, its captures) offers."""
     common = common_prefix_len(prompt, pending.tokens[:pending.final])
     lengths = [pending.final, *pending.taken]

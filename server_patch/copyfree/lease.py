@@ -22,7 +22,7 @@ A loan ends in one of two ways:
 The loan itself is the cache's receipt (``LineageCache.lend``/``end``): while it is out the
 entry is not evictable, writable nor rewindable, and the cache refuses a loan of an entry
 queued for writing (the writer reads its rows). A request's loan is its row's ``loan``
-(``integration.rowlife``). Everything here runs on the generation thread, which is the only
+(``integration.session``). Everything here runs on the generation thread, which is the only
 one that writes caches.
 """
 
@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeGuard, cast
 
-from server_patch.lineage.model import Loan, Reason
-from server_patch.state.layout import CacheLayout, MlxKV
+from server_patch.lineage.model import Entry, Loan, Reason, RestorePlan
+from server_patch.state.layout import CacheLayout, MlxKV, MlxSnapshot
+
+if TYPE_CHECKING:
+    from server_patch.lineage.policy import LineageCache
 
 log = logging.getLogger("server_patch.copyfree")
 # Where a loan's end is told: the lineage log, with the commits (operators and tests read it).
@@ -45,30 +48,30 @@ class Lease:
     """One entry's KV buffers, lent to one request under a receipt (``LineageCache.lend``)."""
 
     loan: Loan  # the cache's receipt: the entry is not evictable, writable nor rewindable meanwhile
-    holder: list[Any]  # per-layer caches that hold the buffers now
+    holder: list[Any]  # per-layer caches that hold the buffers now (mlx-vlm's, untyped)
     merged: bool = False  # the batch cache was built around the buffers (not a copy of them)
 
     @property
-    def entry(self) -> Any:
+    def entry(self) -> Entry:
         return self.loan.entry
 
     @property
     def kv(self) -> MlxKV:
-        return self.entry.kv
+        return cast(MlxKV, self.entry.kv)  # only an MlxKV lends its buffers (``lend``)
 
 
-def has_room(kv: Any, rows_needed: int) -> bool:
+def has_room(kv: object, rows_needed: int) -> TypeGuard[MlxKV]:
     """Whether ``kv`` is a buffer in hand (not lent) with ``rows_needed`` rows of room."""
     return isinstance(kv, MlxKV) and not kv.lent and kv.capacity("keys") >= rows_needed
 
 
-def lendable(kv: Any, length: int, rows_needed: int) -> bool:
+def lendable(kv: object, length: int, rows_needed: int) -> bool:
     """Whether ``kv`` (an entry of ``length`` tokens) can be lent to a request that needs
     ``rows_needed`` rows: every KV buffer must already have that much room."""
     return has_room(kv, rows_needed) and kv.length == length
 
 
-def lend(layout: CacheLayout, kv: MlxKV, snapshot: Any, length: int) -> list[Any]:
+def lend(layout: CacheLayout, kv: MlxKV, snapshot: MlxSnapshot, length: int) -> list[Any]:
     """Restored row caches around ``kv``'s own buffers; the entry keeps no reference."""
     taken = kv.lend()
     try:
@@ -79,7 +82,7 @@ def lend(layout: CacheLayout, kv: MlxKV, snapshot: Any, length: int) -> list[Any
 
 
 def give_back(layout: CacheLayout, lease: Lease, caches: Sequence[Any] | None = None,
-              *, still_stored: Callable[[Any], bool]) -> bool:
+              *, still_stored: Callable[[Entry], bool]) -> bool:
     """End ``lease``: the entry takes references to its rows from ``caches`` (default: the
     lease's holder). Returns False if the entry had to be dropped."""
     if not lease.kv.lent:
@@ -96,20 +99,22 @@ def give_back(layout: CacheLayout, lease: Lease, caches: Sequence[Any] | None = 
         return False
 
 
-def lend_entry(layout: CacheLayout, cache: Any, plan: Any) -> Optional[Lease]:
+def lend_entry(layout: CacheLayout, cache: LineageCache, plan: RestorePlan) -> Optional[Lease]:
     """Restored row caches around ``plan.entry``'s own buffers, under the cache's receipt;
     None if the cache refuses the loan (the entry is queued for writing, or lent already)."""
     loan = cache.lend(plan)
     if loan is None:
         return None
     try:
-        return Lease(loan, list(lend(layout, plan.entry.kv, plan.state, plan.length)))
+        # A lent plan has an entry (``LineageCache.lend``); the real cache stores MlxKV/MlxSnapshot.
+        kv, state = cast(MlxKV, loan.entry.kv), cast(MlxSnapshot, plan.state)
+        return Lease(loan, list(lend(layout, kv, state, plan.length)))
     except Exception:
         cache.end(loan)
         raise
 
 
-def end(layout: CacheLayout, cache: Any, lease: Lease, caches: Optional[Sequence[Any]] = None, *,
+def end(layout: CacheLayout, cache: LineageCache, lease: Lease, caches: Optional[Sequence[Any]] = None, *,
         reason: str) -> bool:
     """End ``lease``: the rows go back to their entry (or the entry is dropped if they are
     gone), and the receipt is returned. Returns False if the entry was dropped."""
@@ -122,7 +127,8 @@ def end(layout: CacheLayout, cache: Any, lease: Lease, caches: Optional[Sequence
     return kept
 
 
-def absorbed(cache: Any, lease: Lease) -> bool:
+def absorbed(cache: LineageCache, lease: Lease) -> bool:
+
     """Whether the loan is over because its entry left the cache (the borrower's own entry
     absorbed it, or it was evicted): the buffer belongs to whoever writes it now. If so, the
     receipt is returned."""
