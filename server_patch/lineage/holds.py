@@ -24,12 +24,23 @@ owns: its staged copy) on one entry, and is of one kind:
   until it lands, one hold per queued write (``budget.WriteQueue`` is its view): the entry is
   not evicted (that would free nothing) nor lent, and once it left RAM its bytes stay counted
   in the RAM budget until the write lands.
+* ``BASE``: a decoding request holds the entry its own commit will extend in place (its reply
+  appended into the buffer's spare rows, ``copyfree.append``: its prompt-end entry, or the entry
+  a deferred row sharing its batch restored at the head of), from its prompt end until it
+  commits or ends (``LineageCache.base``). The entry is not evicted under RAM pressure nor
+  rewound (decision 0013: the pinned bytes are the reply entry's own, and a row holds one at a
+  time until it ends); an operator's evict or a reset still wins, and the holder copies.
+* ``DEFERRED``: a lone row's own buffer, deferred to be adopted at its prompt end once nothing
+  writes it (``copyfree.deferred``, ``LineageCache.defer``): no entry yet, so nothing pinned and
+  nothing counted in the RAM budget (it is mlx-vlm's batch memory while the row decodes, the
+  entry's from its commit on); let go by that commit or the row's end.
 
-The cache checks the holds in one place, ``LineageCache._evictable`` (``pins``), and its write
-and rewind checks ask ``Entry.lent``. Everything an owner holds is let go at once,
-``LineageCache.release(owner)`` (``kinds`` to let go of some only: a request's admission lets go
-of its load and its reservation, its loan lives on); one hold at once by ``LineageCache.end``.
-docs/architecture.md says what is left to move onto holds.
+What each kind forbids of its entry is one table, ``FORBIDS``, asked in one place,
+``Holds.forbids`` (the cache's ``_allows``: eviction, rewind, writing, lending; a loan's hold
+names the entry object, so ``Entry.lent`` answers for ``LENT``). Everything an owner holds is let
+go at once, ``LineageCache.release(owner)`` (``kinds`` to let go of some only: a request's
+admission lets go of its load and its reservation, its loan lives on; a commit lets go of its
+base and its deferral); one hold at once by ``LineageCache.end``.
 """
 
 from __future__ import annotations
@@ -43,8 +54,24 @@ LOAD = "load"  # a restore point loading, then loaded and waiting for the admiss
 RESERVED = "reserved"  # bytes outside the entries (a staged copy): reserved, never pinned
 LENT = "lent"  # the entry's KV rows out to a request: a loan's receipt
 WRITE = "write"  # the disk writer holds the entry's state until its write lands
-KINDS = (LOAD, RESERVED, LENT, WRITE)
+BASE = "base"  # the entry a decoding request's own commit extends in place: pinned until it commits
+DEFERRED = "deferred"  # a lone row's own buffer, adopted at its commit: no entry yet, nothing counted
+KINDS = (LOAD, RESERVED, LENT, WRITE, BASE, DEFERRED)
 WRITES_OWNER = "disk writer"  # the owner of every WRITE hold (a label: the writer itself is the runtime's)
+
+# What may be done to an entry: the cache's verbs a hold may forbid.
+EVICT = "evict"  # leave RAM for the budget (an operator's evict and a reset are not asked)
+REWIND = "rewind"  # move the head back to the protected prompt end
+WRITING = "write"  # queue a write of its state
+LENDING = "lend"  # lend its buffer to a request
+FORBIDS: dict[str, frozenset[str]] = {  # the one table: what a hold of each kind forbids of its entry
+    LOAD: frozenset({EVICT}),  # once resident (promoted)
+    RESERVED: frozenset(),
+    LENT: frozenset({EVICT, REWIND, WRITING, LENDING}),
+    WRITE: frozenset({EVICT, LENDING}),
+    BASE: frozenset({EVICT, REWIND}),
+    DEFERRED: frozenset(),
+}
 
 
 @dataclass(eq=False)
@@ -67,6 +94,7 @@ class Holds:
         self._by_owner: dict[Hashable, list[Hold]] = {}
         self._by_entry: dict[str, list[Hold]] = {}  # LOAD and RESERVED holds only
         self._writes: dict[str, list[Hold]] = {}  # WRITE holds, one per queued write
+        self._bases: dict[str, list[Hold]] = {}  # BASE holds, by the entry they keep
 
     def __len__(self) -> int:
         """The budget's holds (LOAD, RESERVED): what ``LineageCache.hold`` weighs."""
@@ -82,11 +110,16 @@ class Holds:
             return found
         hold = Hold(owner, entry_id, int(nbytes), resident, kind, loan)
         mine.append(hold)
-        if kind == WRITE:
-            self._writes.setdefault(entry_id, []).append(hold)
-        elif kind != LENT:
-            self._by_entry.setdefault(entry_id, []).append(hold)
+        index = self._index(kind)
+        if index is not None:
+            index.setdefault(entry_id, []).append(hold)
         return hold
+
+    def _index(self, kind: str) -> Optional[dict[str, list[Hold]]]:
+        """Where holds of ``kind`` are found by entry (None: by owner only, as a loan's receipt
+        names its entry object and a deferral names no entry)."""
+        return {LOAD: self._by_entry, RESERVED: self._by_entry, WRITE: self._writes,
+                BASE: self._bases}.get(kind)
 
     def held(self, entry_id: str) -> bool:
         """A request's load holds ``entry_id`` (or a reservation names it)."""
@@ -96,10 +129,21 @@ class Holds:
         """A write of ``entry_id`` is queued (the writer holds its state)."""
         return bool(self._writes.get(entry_id))
 
+    def based(self, entry_id: str) -> bool:
+        """A decoding request's commit will extend ``entry_id`` in place (a ``BASE`` hold)."""
+        return bool(self._bases.get(entry_id))
+
+    def forbids(self, entry_id: str, verb: str) -> bool:
+        """Whether a hold on ``entry_id`` forbids ``verb`` (``FORBIDS``; a lent entry's loan is
+        asked through ``Entry.lent``, the cache's ``_allows``): the one check."""
+        return ((self.held(entry_id) and verb in FORBIDS[LOAD]) or (self.writing(entry_id) and verb in FORBIDS[WRITE])
+                or (self.based(entry_id) and verb in FORBIDS[BASE]))
+
     def pins(self, entry_id: str) -> bool:
-        """Whether a hold keeps ``entry_id`` in RAM: a request's load, or a queued write (a lent
-        entry is pinned by its ``Entry.lent``: the loan names the object)."""
-        return self.held(entry_id) or self.writing(entry_id)
+        """Whether a hold keeps ``entry_id`` in RAM: a request's load, a queued write, or a
+        decoding request's base (a lent entry is pinned by its ``Entry.lent``: the loan names the
+        object)."""
+        return self.forbids(entry_id, EVICT)
 
     def written(self, entry_id: str) -> None:
         """One queued write of ``entry_id`` landed (or failed): its hold is let go."""
@@ -166,9 +210,9 @@ class Holds:
             self._by_owner.pop(hold.owner, None)
 
     def _unindex(self, hold: Hold) -> None:
-        if hold.kind == LENT:
+        index = self._index(hold.kind)
+        if index is None:
             return
-        index = self._writes if hold.kind == WRITE else self._by_entry
         left = [h for h in index.get(hold.entry_id, ()) if h is not hold]
         if left:
             index[hold.entry_id] = left
@@ -191,4 +235,5 @@ class Holds:
         return list(self._by_owner)
 
 
-__all__ = ["KINDS", "LENT", "LOAD", "RESERVED", "WRITE", "WRITES_OWNER", "Hold", "Holds"]
+__all__ = ["BASE", "DEFERRED", "EVICT", "FORBIDS", "KINDS", "LENDING", "LENT", "LOAD", "RESERVED", "REWIND",
+           "WRITE", "WRITES_OWNER", "WRITING", "Hold", "Holds"]

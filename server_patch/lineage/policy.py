@@ -28,7 +28,8 @@ from server_patch.failclosed import fail_closed
 from server_patch.lineage.budget import WriteQueue, plan_eviction
 from server_patch.lineage.config import LineageConfig, ThinClass
 from server_patch.lineage.handles import KVHandle, SnapshotHandle
-from server_patch.lineage.holds import LENT, LOAD, RESERVED, Hold, Holds
+from server_patch.lineage.holds import (BASE, DEFERRED, EVICT, FORBIDS, LENDING, LENT, LOAD, RESERVED, REWIND,
+                                        WRITING, Hold, Holds)
 from server_patch.lineage.invariants import InvariantError, hold_violations, loan_violations, violations
 from server_patch.lineage.lookup import common_prefix_len
 from server_patch.lineage.misses import Lost, MissBook
@@ -535,7 +536,7 @@ class LineageCache:
         ``release(owner)``) it is not evictable, writable nor rewindable."""
         with self.lock:
             entry = plan.entry
-            if entry is None or not self.holds(entry) or entry.lent or self._queued.holds(entry.id):
+            if entry is None or not self.holds(entry) or not self._allows(entry, LENDING):
                 return None
             loan = Loan(entry, entry.length)
             loan.owner = owner if owner is not None else loan
@@ -592,6 +593,28 @@ class LineageCache:
             self._holds.take(owner, key, nbytes, resident=False, kind=RESERVED)
             self._enforce_budgets(lossless=not self._writes_in_background())
 
+    def base(self, owner: Hashable, entry: Entry) -> bool:
+        """``owner`` (a decoding request) will extend ``entry`` in place at its commit (its reply
+        appended into the buffer's spare rows): a hold of kind ``BASE`` until that commit or
+        ``release(owner)``. The entry is not evicted under RAM pressure nor rewound meanwhile
+        (decision 0013: its bytes are the reply entry's own; the budget may be exceeded by
+        such entries while nothing else can leave, one per decoding row at most). An
+        operator's evict or a reset still wins: the holder then copies. False, nothing taken,
+        where ``entry`` is not stored."""
+        with self.lock:
+            if not self.holds(entry):
+                return False
+            self._holds.take(owner, entry.id, 0, resident=True, kind=BASE)
+            return True
+
+    def defer(self, owner: Hashable, key: str, nbytes: int) -> None:
+        """``owner`` (a lone decoding row) holds its own buffer (``nbytes``, ``key`` naming it)
+        to be adopted as its entry at its commit: a hold of kind ``DEFERRED`` until that commit
+        or ``release(owner)``. Not counted in the RAM budget (decision 0013: mlx-vlm's batch
+        memory while the row decodes, the entry's once committed) and pinning nothing."""
+        with self.lock:
+            self._holds.take(owner, key, nbytes, resident=False, kind=DEFERRED)
+
     def release(self, owner: Hashable, kinds: Iterable[str] | None = None) -> int:
         """Everything ``owner`` holds (of ``kinds``, ``holds``' kinds; default: all) is let go
         (admitted, gone from the queue, or its request ended); what the budget cannot keep now
@@ -603,7 +626,7 @@ class LineageCache:
             for hold in let_go:
                 if hold.loan is not None:
                     self._ended(hold.loan)
-            if any(hold.kind != LENT for hold in let_go):
+            if any(hold.kind not in (LENT, DEFERRED) for hold in let_go):  # what it kept may leave RAM
                 self._enforce_budgets(lossless=not self._writes_in_background())
             return len(let_go)
 
@@ -619,7 +642,7 @@ class LineageCache:
         with self.lock:
             end = entry.prompt_end
             point = next((c for c in entry.checkpoints if c.length == end), None)
-            if not self.holds(entry) or entry.lent or point is None or not 0 < end < entry.length:
+            if not self.holds(entry) or not self._allows(entry, REWIND) or point is None or not 0 < end < entry.length:
                 return False
             entry.kv = entry.kv.truncated(end)
             entry.tokens = entry.tokens[:end].copy()
@@ -832,10 +855,16 @@ class LineageCache:
             self._evict_ram(victim, Reason.RAM_BUDGET, write=id(victim) in written)
 
     def _evictable(self, entry: Entry) -> bool:
-        """Not lent, not held by a request waiting for its admission (``hold``), and no write
-        in flight (evicting it would free nothing until the write lands, and no pass waits
-        for the writer)."""
-        return not entry.lent and not self._holds.pins(entry.id)
+        """Not lent, not held by a request waiting for its admission (``hold``) nor by a
+        decoding request's commit (``base``), and no write in flight (evicting it would free
+        nothing until the write lands, and no pass waits for the writer)."""
+        return self._allows(entry, EVICT)
+
+    def _allows(self, entry: Entry, verb: str) -> bool:
+        """Whether the holds on ``entry`` let ``verb`` (``holds``: evict, rewind, write, lend)
+        be done to it: the one check (``holds.FORBIDS``; a loan names the entry object, so
+        ``Entry.lent`` answers for its hold)."""
+        return not (entry.lent and verb in FORBIDS[LENT]) and not self._holds.forbids(entry.id, verb)
 
     def _needs_write(self, entry: Entry) -> bool:
         """Whether leaving RAM loses state the disk lacks and no queued write will hold (a
@@ -877,7 +906,7 @@ class LineageCache:
         with self.lock:
             now = self.clock() if now is None else now
             idle = [e for e in self._entries.values()
-                    if e.dirty and not e.lent and now - e.last_used >= self.config.disk_write_delay_s]
+                    if e.dirty and self._allows(e, WRITING) and now - e.last_used >= self.config.disk_write_delay_s]
             for entry in idle:
                 self._write(entry)
             return len(idle)
@@ -889,7 +918,7 @@ class LineageCache:
         if self.disk is None:
             return 0
         with self.lock:
-            dirty = [e for e in self._entries.values() if e.dirty and not e.lent]
+            dirty = [e for e in self._entries.values() if e.dirty and self._allows(e, WRITING)]
             for entry in dirty:
                 self._write(entry)
             return len(dirty)
