@@ -62,7 +62,7 @@ class _Lineage:
     """The lineage cache's parts for one model: built together, or not at all (stock APC)."""
 
     runtime: LineageRuntime
-    book: SessionBook  # one record per request (``integration.session``)
+    book: SessionBook  # the runtime's one book, in this coordinator's scope (``integration.session``)
     prefills: Prefills
     rows: BatchRows
     loads: DiskLoads  # queued prompts whose disk restore points load meanwhile
@@ -83,7 +83,7 @@ class LineageCoordinator(APCCoordinator):
                 language_model = getattr(model, "language_model", model)
                 model_dir = getattr(model, "model_path", None) or getattr(language_model, "_apc_model_path", None)
                 runtime = runtime_for(manager, language_model, model_dir)
-            book = SessionBook(runtime.timings, release=runtime.cache.release)
+            book = runtime.book.scope()  # the runtime's one book, in this coordinator's scope of uids
             prefills = Prefills(runtime, book)
             rows = BatchRows(runtime, self.copyfree, self.generator, prefills, book)
             self.lineage = _Lineage(runtime, book, prefills, rows, DiskLoads(runtime, book, rows=rows))
@@ -130,7 +130,7 @@ class LineageCoordinator(APCCoordinator):
         start = time.perf_counter()
         prompt, namespace = as_tokens(token_ids), namespace_of(extra_hash)
         key = request_key(namespace, prompt)
-        record = lineage.runtime.timings.open(int(prompt.shape[0]))
+        record = lineage.book.timings.open(int(prompt.shape[0]))
         rows = lineage.rows
         rows.sweep()
         reclaimed: set[str] = set()  # entries whose loans this lookup ended: never lent again now
@@ -303,7 +303,7 @@ class LineageCoordinator(APCCoordinator):
         if (lineage := self.lineage) is None:
             return
         if queued_tokens is not None:
-            lineage.runtime.timings.cancelled_queued(request_id, queued_tokens)
+            lineage.book.timings.cancelled_queued(request_id, queued_tokens)
             lineage.runtime.cache.note_cancelled_queued()
         else:
             lineage.book.cancelled(uid, request_id)

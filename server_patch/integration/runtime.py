@@ -22,6 +22,7 @@ from server_patch.drift import DriftDetector, DriftSettings
 from server_patch.integration import journal
 from server_patch.integration.staging import STAGER_THREAD
 from server_patch.infra.workers import Workers
+from server_patch.integration.session import SessionBook
 from server_patch.integration.timings import TimingBook
 from server_patch.lineage import Event, LineageCache, LineageConfig, as_tokens
 from server_patch.state import weights_hash
@@ -54,7 +55,6 @@ class LineageRuntime:
         self._event_seq = 0
         self._event_lock = threading.Lock()
         self.event_listeners: list[Callable[[int, float, Event], None]] = []
-        self.timings = TimingBook()
         self.pacer = pacing.from_env()  # decode-aware prefill chunks (``integration.hooks.prefill_step``)
         self.drift = DriftDetector(DriftSettings.from_env())  # what each client changed (``drift_of``)
         # The server's parts this runtime serves under, set when they adopt it (``parts.Runtimes``).
@@ -78,6 +78,9 @@ class LineageRuntime:
                                   writer=new_writer(self.workers).start())
             self.disk.peers = peers.attach(self.disk)  # the shared tier (issue 38), if configured
         self.cache = LineageCache(self.config, disk=self.disk, on_event=self._record_event, clock=clock.steady)
+        # The one book of its requests' sessions, whose ring holds the finished timing records;
+        # every coordinator of this runtime works in a scope of it (``SessionBook.scope``).
+        self.book = SessionBook(release=self.cache.release)
         self.cache.misses.sequence_listeners.append(self.drift.observe_sequence)
         # Request records and cache events also go to the on-disk journal (apcctl report).
         self.journal = journal.attach(self)
@@ -153,6 +156,11 @@ class LineageRuntime:
         template = self.finder.template
         return self.drift.observe(prompt, namespace, kinds=info.kinds, gen_start=template.gen_start(prompt),
                                   decode=template.decoder())
+
+    @property
+    def timings(self) -> TimingBook:
+        """The finished timing records: the ring of the runtime's one book (``/admin``, the journal)."""
+        return self.book.timings
 
     @property
     def closed(self) -> bool:

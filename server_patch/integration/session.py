@@ -34,6 +34,7 @@ What happens to the buffers at each transition is ``integration.batch_rows``; th
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import threading
@@ -99,6 +100,7 @@ class Session:
     load: Any = None  # while LOADING and until its lookup: its ``integration.loading.Load``
     stage: Any = None  # while STAGING and until its lookup: its ``integration.staging.Stage``
     staged: bool = False  # its restored caches hold a staged buffer: the merge adopts it, no copy
+    scope: object = None  # the book's scope it lives in (``SessionBook.scope``): its uid is unique there
     request_id: Any = None  # the HTTP request's id, once the server reports an event of it
 
     @property
@@ -133,29 +135,59 @@ class Session:
 
 
 class SessionBook:
-    """The rows of one runtime, bounded, each by mlx-vlm's uid from the queue to its end (a
+    """The sessions of one runtime, bounded, each by mlx-vlm's uid from the queue to its end (a
     row of a prompt that has none, the single-sequence path's, by its request key until a
-    store or a bind names one). Thread-safe: the generation thread moves rows, the server's
-    threads finish their records."""
+    store or a bind names one), and, as its ring, the finished timing records (``timings``).
+    Thread-safe: the generation thread moves rows, the server's threads finish their records.
 
-    def __init__(self, timings: TimingBook, limit: int = ROWS_MAX,
+    The runtime owns one book; each coordinator (one per batch generator, and one per
+    single-sequence call, ``hooks.coordinator``) works in a scope of it (``scope``): the same
+    sessions, lock, bound, release and ring, but its own uids. mlx-vlm numbers a generator's
+    sequences from 0 and the server builds a new generator when an idle one closes, so a uid
+    names a session only within its generator's scope; a scope's finders see its own sessions
+    (``sessions`` sees them all)."""
+
+    def __init__(self, timings: Optional[TimingBook] = None, limit: int = ROWS_MAX,
                  release: Optional[Callable[[Any], Any]] = None) -> None:
-        """``release``: the cache's ``LineageCache.release``, called with a row once it is
-        forgotten (everything its request still holds of the cache is let go: the one sweep at
-        a request's end)."""
-        self.timings = timings
+        """``timings``: the ring of finished records (a new one by default); ``release``: the
+        cache's ``LineageCache.release``, called with a row once it is forgotten (everything its
+        request still holds of the cache is let go: the one sweep at a request's end)."""
+        self.timings = timings if timings is not None else TimingBook()
         self._release = release
         self._forgotten: list[Session] = []  # forgotten under the lock, released after it (``_let_go``)
-        self._rows: OrderedDict[int, Session] = OrderedDict()
-        self._by_uid: dict[Any, Session] = {}
+        self._rows: OrderedDict[int, Session] = OrderedDict()  # every scope's
+        self._by_uid: dict[tuple[object, Any], Session] = {}  # by (scope, uid)
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
         self._limit = limit
+        self._scope: object = None  # the book's own scope; ``scope()`` makes others
         self.decode_steps = 0  # decode steps seen (``decoded``): how long a LOADING row waited
         self.waits = Waits(self)  # what each row waited for others' work (``integration.waits``)
 
+    def scope(self) -> "SessionBook":
+        """A scope of this book for one coordinator: the same sessions, lock, bound, release and
+        ring; its own uids, its own rows to find, decode steps and waits."""
+        scoped = copy.copy(self)  # shares the containers, the lock and the ring
+        scoped._scope = object()
+        scoped.decode_steps = 0
+        scoped.waits = Waits(scoped)
+        return scoped
+
+    def same_book(self, other: "SessionBook") -> bool:
+        """Whether ``other`` is this book or a scope of it."""
+        return other._rows is self._rows
+
+    def sessions(self) -> list[Session]:
+        """Every session of every scope, oldest first."""
+        with self._lock:
+            return list(self._rows.values())
+
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self.rows())
+
+    def _mine(self) -> list[Session]:
+        """This scope's rows, oldest first (under the lock)."""
+        return [r for r in self._rows.values() if r.scope is self._scope]
 
     # ------------------------------------------------------------------ admission and binding
 
@@ -170,7 +202,8 @@ class SessionBook:
     def waiting(self, pending: Pending, state: SessionState, uid: Any = None, **work: Any) -> Session:
         """A queued prompt that waits (``WAITING``) for work done off the generation thread."""
         with self._lock:
-            row = self._add(Session(pending, state=state, uid=uid, seq=next(self._seq), **work))
+            row = self._add(Session(pending, state=state, uid=uid, seq=next(self._seq), scope=self._scope,
+                                    **work))
         self._let_go()
         return row
 
@@ -182,14 +215,15 @@ class SessionBook:
         lookup's; a loan it holds stays). Identical prompts of other uids are rows of their
         own. Without a uid, an unbound ADMITTED row with the same request key is the one."""
         with self._lock:
-            row = self._by_uid.get(uid) if uid is not None else self._unbound(pending.key)
+            row = self._by_uid.get((self._scope, uid)) if uid is not None else self._unbound(pending.key)
             if row is not None and row.state in WAITING and row.move(SessionState.ADMITTED, "admit"):
                 row.load = row.stage = None  # what it loaded is promoted, what it staged taken (or dropped)
             if row is not None and row.state == SessionState.ADMITTED:
                 row.pending, row.record = pending, record
                 row.loan = row.loan if row.loan is not None else loan
             else:
-                row = self._add(Session(pending, record, uid=uid, loan=loan, seq=next(self._seq)))
+                row = self._add(Session(pending, record, uid=uid, loan=loan, seq=next(self._seq),
+                                        scope=self._scope))
             if record is not None and uid is not None:
                 record.uid = uid
         self._let_go()
@@ -198,13 +232,13 @@ class SessionBook:
     def _add(self, row: Session) -> Session:
         self._rows[row.seq] = row
         if row.uid is not None:
-            self._by_uid[row.uid] = row
+            self._by_uid[(row.scope, row.uid)] = row
         self._bound()
         return row
 
     def _unbound(self, key: Any) -> Optional[Session]:
         """The newest row with request ``key`` and no uid (a prompt no queue named)."""
-        return next((r for r in reversed(self._rows.values()) if r.uid is None and r.key == key), None)
+        return next((r for r in reversed(self._mine()) if r.uid is None and r.key == key), None)
 
     def _bound(self) -> None:
         """Forget the oldest rows past the limit, but none holding a loan or a deferral (those
@@ -220,10 +254,10 @@ class SessionBook:
         """Row ``uid`` is in a prompt batch now: PREFILLING. A row admitted without a uid (a
         lookup that had none) with request ``key`` is named ``uid`` here."""
         with self._lock:
-            row = self._by_uid.get(uid)
+            row = self._by_uid.get((self._scope, uid))
             if row is None and (row := self._unbound(key)) is not None and row.state == SessionState.ADMITTED:
                 row.uid = uid
-                self._by_uid[uid] = row
+                self._by_uid[(self._scope, uid)] = row
             if row is None or row.state != SessionState.ADMITTED:
                 return None
             if not row.move(SessionState.PREFILLING, "bind"):
@@ -238,22 +272,22 @@ class SessionBook:
         """The newest row with request ``key`` (identical prompts are rows of their own: a
         uid names one; this is for a prompt no queue named, and for tests)."""
         with self._lock:
-            return next((r for r in reversed(self._rows.values()) if r.key == key), None)
+            return next((r for r in reversed(self._mine()) if r.key == key), None)
 
     def by_uid(self, uid: Any) -> Optional[Session]:
         with self._lock:
-            return self._by_uid.get(uid)
+            return self._by_uid.get((self._scope, uid))
 
     def queued(self, uid: Any, key: Any) -> Optional[Session]:
         """The row a lookup of ``uid`` (``key``: its request key) finds already there: the one
         that waited in the queue, or its earlier lookup's; without a uid, an unbound one."""
         with self._lock:
-            return self._by_uid.get(uid) if uid is not None else self._unbound(key)
+            return self._by_uid.get((self._scope, uid)) if uid is not None else self._unbound(key)
 
     def rows(self) -> list[Session]:
-        """Every row, oldest first."""
+        """This scope's rows, oldest first."""
         with self._lock:
-            return list(self._rows.values())
+            return self._mine()
 
     def lent(self) -> list[Session]:
         return [r for r in self.rows() if r.loan is not None]
@@ -279,7 +313,7 @@ class SessionBook:
         length; a row without a namespace (it skipped lookup) takes this one."""
         length = int(prefix.shape[0])
         with self._lock:
-            found = [r for r in self._rows.values() if r.prefilling and r.pending.namespace in (namespace, None)
+            found = [r for r in self._mine() if r.prefilling and r.pending.namespace in (namespace, None)
                      and (length in r.pending.wanted or length == r.pending.final)
                      and r.pending.tokens.shape[0] >= length and np.array_equal(r.pending.tokens[:length], prefix)]
             for row in found:
@@ -312,8 +346,8 @@ class SessionBook:
 
     def _drop(self, row: Session) -> None:
         self._rows.pop(row.seq, None)
-        if row.uid is not None and self._by_uid.get(row.uid) is row:
-            del self._by_uid[row.uid]
+        if row.uid is not None and self._by_uid.get((row.scope, row.uid)) is row:
+            del self._by_uid[(row.scope, row.uid)]
         if self._release is not None:
             self._forgotten.append(row)
 
@@ -323,7 +357,8 @@ class SessionBook:
         if self._release is None or not self._forgotten:
             return
         with self._lock:
-            rows, self._forgotten = self._forgotten, []
+            rows = self._forgotten[:]  # the list is every scope's: emptied in place
+            self._forgotten.clear()
         for row in rows:
             self._release(row)
 

@@ -1,6 +1,6 @@
 """Per-request timing records: two greppable log lines each, and a ring buffer for /admin.
 
-A record is opened at lookup and lives in its request's row (``integration.rowlife``) while
+A record is opened at lookup and lives in its request's row (``integration.session``) while
 it is filled in at commit, prefill completion and first token; then it is logged and observed
 into the book's Prometheus histograms (``metrics``, read by /admin/metrics). Its waits for other
 requests' work (``integration.waits``) go on accruing until its row ends (``TimingBook.ended``).
@@ -153,8 +153,10 @@ def _fmt(**fields: Any) -> str:
 
 
 class TimingBook:
-    """Records from their opening to the ring: the open ones live in their request's row
-    (``integration.rowlife``); finished ones go to a bounded ring, the listeners and ``metrics``."""
+    """Records from their opening to the ring: the open ones live in their request's session
+    (``integration.session``); finished ones go to a bounded ring, the listeners and ``metrics``.
+    It is the ring of the runtime's one ``SessionBook`` (``SessionBook.timings``), not a book of
+    its own: every coordinator's scope of that book shares it."""
 
     def __init__(self, ring_size: int = RING_SIZE) -> None:
         self._lock = threading.Lock()

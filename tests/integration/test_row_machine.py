@@ -103,8 +103,9 @@ def light_server(model, layout, monkeypatch, **env: str) -> SimpleNamespace:
     config = LineageConfig(disk_write_delay_s=0)
     disk = QueuedDisk()
     finder = SegmentFinder()  # a finder of its own: it has noted no rendered request
-    runtime = SimpleNamespace(config=config, layout=layout, cache=LineageCache(config, disk=disk),
-                              timings=TimingBook(), disk=None, refuses=lambda kind: False,
+    cache = LineageCache(config, disk=disk)
+    runtime = SimpleNamespace(config=config, layout=layout, cache=cache,
+                              book=SessionBook(release=cache.release), disk=None, refuses=lambda kind: False,
                               finder=finder, boundaries=finder.boundaries,
                               drift_of=lambda prompt, namespace: {}, drift_points=lambda prompt, namespace: [],
                               loads=LIGHT_LOADS, stages=LIGHT_STAGES, spares=JointSpares())
@@ -396,6 +397,28 @@ def test_two_lookups_of_one_uid_are_one_row_and_the_same_prompt_of_another_uid_a
     assert len(server.book) == 2
     assert server.book.by_uid(1).record.seq == 2  # the second lookup's record: one uid, one request
     assert server.book.by_uid(2).record.seq == 3 and server.book.by_uid(2) is not server.book.by_uid(1)
+
+
+def test_every_coordinator_of_a_runtime_keeps_its_sessions_in_the_runtimes_one_book(server):
+    """mlx-vlm builds a coordinator per batch generator (the server makes a new generator when
+    an idle one closes, numbering its uids from 0 again) and per single-sequence call: each one
+    works in the runtime's one book and ring, a uid naming a session within its own scope, and
+    identical prompts are sessions of their own."""
+    runtime = server.coordinator.lineage.runtime
+    other = LineageCoordinator(Manager(), server.model, runtime=runtime)
+    assert other.lineage is not None and other.lineage.book is not server.book
+    assert server.book.same_book(runtime.book) and other.lineage.book.same_book(runtime.book)
+    assert server.book.timings is other.lineage.book.timings is runtime.book.timings
+    prompt = random_tokens(40, seed=21)
+    for coordinator, uid in ((server.coordinator, 1), (server.coordinator, 2), (other, 1)):
+        coordinator.lookup(prompt, extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
+                           prefix_has_media=lambda n: False, uid=uid)
+    first, twin, theirs = server.book.by_uid(1), server.book.by_uid(2), other.lineage.book.by_uid(1)
+    assert runtime.book.sessions() == [first, twin, theirs] and len({id(first), id(twin), id(theirs)}) == 3
+    assert server.book.rows() == [first, twin] and other.lineage.book.rows() == [theirs]
+    other.first_token(1, "req-other", 0.02)  # the other generator's uid 1: its session, not ours
+    assert theirs.timed and not first.timed and theirs.request_id == "req-other"
+    assert [r.seq for r in runtime.book.timings.all()] == [theirs.record.seq]
 
 
 def test_a_lookup_without_a_uid_is_named_by_its_bind(server):
