@@ -398,11 +398,14 @@ def test_the_door_dispatches_by_no_name():
 SINGLETONS = ("RUNTIMES", "FINDER", "BOOK", "RUNNER", "TRAFFIC",
               # a runtime's workers are its own (``infra.workers``): no process-wide disk writer,
               # no switch lock beside the parts, no overlay finder beside ``sys.meta_path``
-              "WRITER", "_SWITCH", "_finder", "REQUEST_LOADS")
-# Workers built at import would be the process's, not a runtime's (``LineageRuntime.loads``,
-# ``.stages``); ``disk.loader.LOADS``, the canary's loader, is the one left (issue 35).
-WORKER_CLASSES = ("BackgroundLoads", "Worker", "Workers", "ThreadPoolExecutor")
-BUILT_AT_IMPORT = {("server_patch.disk.loader", "LOADS")}
+              "WRITER", "_SWITCH", "_finder", "REQUEST_LOADS",
+              # nor a loader of the canary's checks (``LineageRuntime.checks``) or joint batch
+              # buffers made ahead (``LineageRuntime.spares``) beside the runtime's own
+              "LOADS", "_spares", "_spares_lock")
+# Workers (and joint spares) built at import would be the process's, not a runtime's
+# (``LineageRuntime.loads``, ``.stages``, ``.checks``, ``.spares``): none is left (issue 35).
+WORKER_CLASSES = ("BackgroundLoads", "Worker", "Workers", "ThreadPoolExecutor", "JointSpares")
+BUILT_AT_IMPORT: set[tuple[str, str]] = set()
 
 
 def test_the_parts_are_no_module_singletons():

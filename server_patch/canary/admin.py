@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from server_patch.infra.deps import PartsDep
 from server_patch.canary import points as P
 from server_patch.canary.check import FAIL, PASS, SKIP
-from server_patch.disk.loader import LOADS
 from server_patch.lineage import LOG_KINDS, CacheError
 
 verify_router = APIRouter()
@@ -87,8 +86,9 @@ def _wait(job: Any, timeout_s: float, traffic: Any) -> bool:
 
 @verify_router.get("/verify", summary="The canary's counters, last result, suspect kinds and schedule")
 def verify_state(parts: PartsDep) -> dict[str, Any]:
-    book, runner = parts.canary.book, parts.canary.runner
-    return {**book.summary(), "queued": runner.queued(), "running": runner.running, "loading": LOADS.pending(),
+    book, runner, runtime = parts.canary.book, parts.canary.runner, parts.runtimes.current
+    loading = runtime.checks.pending() if runtime is not None else 0  # the served model's checks' files
+    return {**book.summary(), "queued": runner.queued(), "running": runner.running, "loading": loading,
             "interval_s": runner.schedule.interval_s, "idle_s": runner.schedule.idle_s,
             "chunk": runner.settings.chunk, "max_tokens": runner.settings.max_tokens,
             "recent": list(book.history)[-20:]}

@@ -33,7 +33,6 @@ from server_patch.canary import faults, points as P
 from server_patch.canary.book import Book
 from server_patch.canary.check import ERROR, SKIP, Abandoned, Result, Settings, check_entry, compute_dtype
 from server_patch.canary.compare import Tolerance, tolerance_for
-from server_patch.disk.loader import LOADS
 from server_patch.state.splits import family_of
 from server_patch.lineage import DISK
 
@@ -196,11 +195,12 @@ def _from_disk(runtime: Any, record_id: str) -> tuple[Any, str]:
     runs, and not promoted: a check must not change what RAM holds (promoting would evict
     conversations to make room, and an idle canary would reorder the LRU). A file that fails
     validation is forgotten exactly as a request's lookup forgets it. The file loads on the
-    loader thread (``disk.loader``), never on the generation thread: ``LoadPending`` until done."""
+    runtime's check loader (``LineageRuntime.checks``), never on the generation thread:
+    ``LoadPending`` until done."""
     record = next((r for r in runtime.cache.records() if r.id == record_id), None)
     if record is None or runtime.disk is None:
         return None, "file no longer on disk"
-    ready, loaded = LOADS.poll(runtime.disk, record)
+    ready, loaded = runtime.checks.poll(runtime.disk, record)
     if not ready:
         raise LoadPending(record_id)
     entry, why = loaded

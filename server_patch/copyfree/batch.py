@@ -14,7 +14,7 @@ Here, with ``APC_COPYFREE`` and ``APC_COPYFREE_JOIN`` on (either ``=0``: mlx-vlm
   it, right-aligned at the longer side's write index (the layout ``extend`` builds), with at
   least one allocation step of room past it so the first joint decode step does not regrow it.
   A staged turn (``merge.stage_rows``, off the generation thread) has that buffer made ahead
-  (``spares.reserve_joint``): its join then only writes the rows, into pages already mapped.
+  (``JointSpares.reserve``, its runtime's): its join then only writes the rows, into pages already mapped.
 * ``filter_kv``: the padding no kept row needs is dropped first; the kept rows are then copied
   once into their own buffer (a batch-axis slice when they are a contiguous range, a gather
   otherwise). A view would not spare the copy, only move it into the next decode step.
@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 
 from server_patch.copyfree import pool, spares
+from server_patch.copyfree.spares import JointSpares
 
 
 def takes_over(cache: Any) -> bool:
@@ -49,8 +50,9 @@ def takes_joins() -> bool:
     return settings.enabled and settings.join
 
 
-def extend_kv(cache: Any, other: Any) -> None:
-    """``cache.extend(other)``: ``other``'s rows after ``cache``'s, each copied once."""
+def extend_kv(cache: Any, other: Any, joint: JointSpares | None = None) -> None:
+    """``cache.extend(other)``: ``other``'s rows after ``cache``'s, each copied once; the joint
+    buffers are one of ``joint`` (the joining runtime's made ahead) where one fits."""
     if cache.keys is None and other.keys is None:
         cache.left_padding = mx.concatenate([cache.left_padding, other.left_padding])
         cache.offset = mx.concatenate([cache.offset, other.offset])
@@ -61,8 +63,8 @@ def extend_kv(cache: Any, other: Any) -> None:
     write_index = max(int(c._idx) for c in sides)
     width = max(max(_width(c) for c in sides), write_index + int(type(cache).step))
     counts = [_rows(c) for c in sides]
-    keys = spares.joint((sum(counts), heads, width, dk), template.keys.dtype)
-    values = spares.joint((sum(counts), heads, width, dv), template.values.dtype)
+    keys = spares.buffer(joint, (sum(counts), heads, width, dk), template.keys.dtype)
+    values = spares.buffer(joint, (sum(counts), heads, width, dv), template.values.dtype)
     first = 0
     for side, count in zip(sides, counts):
         held = int(side._idx)

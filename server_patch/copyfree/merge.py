@@ -14,7 +14,7 @@ path; anything else falls back to the stock merge.
 waits in the queue (``integration.staging``): its buffers have the capacity this merge would
 give the lone row, so the merge then adopts them as a lent buffer is adopted and copies nothing.
 It also makes the zero buffers of the joint batch the staged row will join (two rows of that
-capacity, ``copyfree.spares.reserve_joint``), so the join writes into memory already mapped.
+capacity, into the runtime's ``copyfree.spares.JointSpares``), so the join writes into memory already mapped.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import mlx.core as mx
 from mlx_vlm.apc_adapters import merge_cache_entries
 from mlx_vlm.models.cache import BatchKVCache, CacheList, KVCache
 
-from server_patch.copyfree import batch, spares
+from server_patch.copyfree import batch
+from server_patch.copyfree.spares import JointSpares
 from server_patch.observe import ledger
 from server_patch.state.rows import leaf_caches
 
@@ -72,12 +73,14 @@ def merge_rows(row_caches: Sequence[Sequence[Any]], prefix_lens: Sequence[int],
 
 
 def stage_rows(layers: Sequence[Sequence[dict]], kv_children: Sequence[Sequence[bool]], length: int,
-               cap: int) -> tuple[list[list[dict]], list[list[dict]]]:
+               cap: int, joint: JointSpares | None = None) -> tuple[list[list[dict]], list[list[dict]]]:
     """Rows ``[:length]`` of each float KV child of ``layers`` (an entry's ``MlxKV.layers``;
     ``kv_children`` marks those children) copied into fresh buffers of ``cap`` rows, evaluated:
     the merge's copy of a lone restored row, made ahead. Returns ``CacheLayout.build_lent``'s
     two halves: the new ``keys``/``values`` per child, and every child's other arrays (by
     reference: small, and the stock merges copy them). Counted as ``stage`` in the ledger.
+    ``joint``: the runtime's spares, where the zero buffers of the joint batch the staged row
+    will join are made too (while rows decode; None: none are made).
     Any thread may call it: it reads evaluated arrays and writes only its own."""
     taken: list[list[dict]] = []
     kept: list[list[dict]] = []
@@ -104,8 +107,8 @@ def stage_rows(layers: Sequence[Sequence[dict]], kv_children: Sequence[Sequence[
     mx.eval(staged)
     if ledger.enabled():
         ledger.add("stage", nbytes, kind="kv")
-    if batch.takes_joins():  # rows decode while a turn is staged: its join's buffer, made here too
-        spares.reserve_joint(staged)
+    if joint is not None and batch.takes_joins():  # rows decode while a turn is staged: its join's buffer
+        joint.reserve(staged)
     return taken, kept
 
 

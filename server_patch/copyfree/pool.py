@@ -12,6 +12,11 @@ every ``MLX_VLM_BATCH_CACHE_EVAL_INTERVAL`` decode steps are unchanged.
 
 MLX reuses a freed buffer only for an allocation of (nearly) the same size, which is why the
 merge rounds its capacity to size buckets (``server_patch.copyfree.merge.capacity``).
+
+The pool is the process's, so this module's state is too, on purpose: MLX keeps one buffer pool
+per process (``mx.set_cache_limit`` and ``mx.clear_cache`` act on all of it), whichever runtime
+allocated, and its settings come from the process's environment. It holds no runtime's buffers:
+a runtime's joint buffers made ahead are its own (``LineageRuntime.spares``, ``copyfree.spares``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ import time
 
 import mlx.core as mx
 
-from server_patch.copyfree import spares
 from server_patch.copyfree.settings import CopyFreeSettings
 
 log = logging.getLogger("server_patch.copyfree")
@@ -87,18 +91,23 @@ def stats() -> dict[str, object]:
             "cleared": dict(_cleared), "skipped": dict(_skipped), "idle_released_at": _released_at}
 
 
+def idle(now: float | None = None) -> bool:
+    """Whether nothing used the pool for ``pool_idle_s`` seconds (never, with the release off):
+    when it is released, and when a runtime drops the joint buffers no join took
+    (``copyfree.spares.JointSpares.drop_if_idle``, on the runtime's ticker)."""
+    idle_s = settings().pool_idle_s
+    now = time.monotonic() if now is None else now
+    return idle_s > 0 and now - _last_activity >= idle_s
+
+
 def release_if_idle(now: float | None = None) -> bool:
     """Release the pool when nothing used it for ``pool_idle_s`` seconds; True if released."""
     global _released_at
-    idle_s = settings().pool_idle_s
     now = time.monotonic() if now is None else now
-    if idle_s <= 0 or now - _last_activity < idle_s or _released_at >= _last_activity:
+    if not idle(now) or _released_at >= _last_activity:
         return False
-    dropped = spares.drop_spares()  # a staged turn's joint buffers that no join took
     held = mx.get_cache_memory()
     _released_at = now
-    if dropped:
-        log.info("apc_copyfree dropped %d joint buffers made ahead that no join took", dropped)
     if held:
         mx.clear_cache()
         log.info("apc_copyfree pool released %.1f MB after %.0f s idle", held / 1e6, now - _last_activity)

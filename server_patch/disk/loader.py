@@ -9,6 +9,8 @@ answers (the validated entry, or None and why the file was rejected). The loaded
 the loader's stream before the entry is handed over, so the generation thread may use them.
 Any other job with the same shape (a callable answering ``(result or None, reason)``) may run
 on one of its own: the staged copies of queued RAM restores do (``integration.staging``).
+Each lives on a runtime, on one of its workers (``LineageRuntime.loads``, ``.stages`` and the
+canary's ``.checks``): none is the process's, so two runtimes never share a queue of loads.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 THREAD_NAME = "apc-disk-load"
+CHECKS_THREAD = "apc-canary-load"  # a runtime's loader of the canary's checks (``LineageRuntime.checks``)
 log = logging.getLogger("server_patch.disk")
 
 
@@ -87,6 +90,4 @@ class BackgroundLoads:
             return sum(1 for f in self._pending.values() if not f.done())
 
 
-LOADS = BackgroundLoads()
-
-__all__ = ["LOADS", "THREAD_NAME", "BackgroundLoads"]
+__all__ = ["CHECKS_THREAD", "THREAD_NAME", "BackgroundLoads"]

@@ -105,12 +105,13 @@ def clear(site: str) -> None:
 
 def kv_rows_join(cache: Any, other: Any) -> bool:
     """``BatchKVCache.extend``: True when ``server_patch.copyfree.batch`` joined the rows (each
-    moved once); False leaves it to mlx-vlm (``APC_COPYFREE_JOIN=0``, another cache type)."""
-    from server_patch.copyfree import batch
+    moved once, into the joining runtime's buffers made ahead where one fits: ``batch_join``
+    named them); False leaves it to mlx-vlm (``APC_COPYFREE_JOIN=0``, another cache type)."""
+    from server_patch.copyfree import batch, spares
 
     if not (batch.takes_over(cache) and batch.takes_over(other)):
         return False
-    batch.extend_kv(cache, other)
+    batch.extend_kv(cache, other, spares.of_this_join())
     return True
 
 
@@ -348,9 +349,19 @@ def batch_join(method: Callable[..., Any]) -> Callable[..., Any]:
     """``BatchGenerator._extend_generation_batch(gen_batch)``: a prompt batch joining a decoding
     batch is a ``join`` unit of its rows, from both batches' pending work computed (the decoding
     rows' own ``step``, the joiners' first token as their ``prefill``) to the joined caches
-    computed (mlx-vlm's extend only builds them: its copy would run in the next decode step)."""
+    computed (mlx-vlm's extend only builds them: its copy would run in the next decode step).
+    The rows' copy-free join (``kv_rows_join``) takes the joint buffers this generator's runtime
+    made ahead (``LineageRuntime.spares``), named for the length of the call."""
 
     @functools.wraps(method)
+    def joined(generator: Any, gen_batch: Any) -> Any:
+        from server_patch.copyfree import spares
+
+        lineage = _lineage(generator.apc)
+        runtime = lineage.runtime if lineage is not None else None
+        with spares.joining(runtime.spares if runtime is not None else None):
+            return timed(generator, gen_batch)
+
     def timed(generator: Any, gen_batch: Any) -> Any:
         book = _waits_of(generator.apc)
         existing = generator._generation_batch
@@ -364,7 +375,7 @@ def batch_join(method: Callable[..., Any]) -> Callable[..., Any]:
             _settle(book, generator._generation_batch, waits.Work.JOIN, joining)
         return result
 
-    return timed
+    return joined
 
 
 def prompt_generation(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from server_patch import clock, pacing
 from server_patch.disk.paths import default_disk_root, disk_enabled
 from server_patch.disk import peers
-from server_patch.disk.loader import THREAD_NAME as LOADER_THREAD, BackgroundLoads
+from server_patch.copyfree.spares import JointSpares
+from server_patch.disk.loader import CHECKS_THREAD, THREAD_NAME as LOADER_THREAD, BackgroundLoads
 from server_patch.disk.store import DiskStore, new_writer, own_stream
 from server_patch.drift import DriftDetector, DriftSettings
 from server_patch.integration import journal
@@ -69,6 +70,14 @@ class LineageRuntime:
         # runtime's are (each ran MLX work: its stream, made once per thread, is kept and reused).
         self.loads = _background(self.workers, LOADER_THREAD)
         self.stages = _background(self.workers, STAGER_THREAD)
+        # The canary's checks load their files on a worker of their own (a request's load never
+        # waits behind a check's, nor shares one of the same file): a check runs on the runtime's
+        # cache and disk, so its loads are the runtime's too, closed with it. Its thread is
+        # borrowed at the first check's load (a server without a canary borrows none).
+        self.checks = _background(self.workers, CHECKS_THREAD, eager=False)
+        # Joint batch buffers its stager makes ahead for a staged turn's join (``copyfree.spares``);
+        # its generator's join takes them, its ticker drops those no join took.
+        self.spares = JointSpares()
         if disk_enabled() and why_no_disk:
             log.warning("apc_lineage: disk tier off for this run: %s", why_no_disk)
         elif disk_enabled():
@@ -107,6 +116,8 @@ class LineageRuntime:
         while not self._closed.wait(min(5.0, max(0.5, self.config.disk_write_delay_s / 4))):
             try:
                 self.cache.tick()
+                if dropped := self.spares.drop_if_idle():
+                    log.info("apc_copyfree dropped %d joint buffers made ahead that no join took", dropped)
             except Exception as exc:
                 log.warning("apc_lineage tick failed: %s", exc)
 
@@ -184,15 +195,18 @@ class LineageRuntime:
         self._ticker.close(timeout)
         complete = self.disk.close(timeout) if self.disk is not None else True
         self.workers.close(timeout)  # their threads go back to the park, for the next runtime
+        self.spares.drop()  # a staged turn's joint buffers: no join of this runtime will take them
         if self.journal is not None:
             self.journal.close()
         log.info("apc_lineage runtime %s closed (its model was unloaded); unwritten entries %s",
                  self.fingerprint[:16], "none" if complete else "dropped")
 
 
-def _background(workers: Workers, name: str) -> BackgroundLoads:
-    """Background jobs polled without waiting (``BackgroundLoads``) on a worker of ``workers``."""
-    return BackgroundLoads(name, submit=workers.worker(name, setup=own_stream).start().call)
+def _background(workers: Workers, name: str, *, eager: bool = True) -> BackgroundLoads:
+    """Background jobs polled without waiting (``BackgroundLoads``) on a worker of ``workers``,
+    whose thread is borrowed now (``eager``) or at its first job."""
+    worker = workers.worker(name, setup=own_stream)
+    return BackgroundLoads(name, submit=(worker.start() if eager else worker).call)
 
 
 def _weights_of(model_dir: Path | str | None) -> tuple[str | None, str]:

@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from server_patch import clock, settings
 from server_patch.copyfree.merge import stage_rows
+from server_patch.copyfree.spares import JointSpares
 from server_patch.disk import faults
 from server_patch.disk.loader import BackgroundLoads
 from server_patch.state.layout import CacheLayout, MlxKV
@@ -53,10 +54,11 @@ class _Job:
     kv_children: list[list[bool]]
     length: int
     capacity: int
+    joint: Optional[JointSpares] = None  # the runtime's: its join's buffers are made here too
 
     def run(self, _job: Any = None) -> tuple[Optional[tuple[list, list]], str]:
         faults.before_stage()
-        return stage_rows(self.layers, self.kv_children, self.length, self.capacity), ""
+        return stage_rows(self.layers, self.kv_children, self.length, self.capacity, self.joint), ""
 
 
 @dataclass
@@ -106,7 +108,8 @@ class Stagings:
         if receipt is None:
             return None
         kv_children = [[codec.name == "kv" for codec in layer.codecs] for layer in layout.layers]
-        job = _Job(f"stage-{next(_ids)}", plan.entry.kv.layers, kv_children, plan.length, capacity)
+        job = _Job(f"stage-{next(_ids)}", plan.entry.kv.layers, kv_children, plan.length, capacity,
+                   self.runtime.spares)
         stage = Stage(plan.entry, plan.length, plan.state, job, clock.steady(), steps, receipt)
         try:
             self.poll(stage)  # submitted

@@ -15,7 +15,8 @@ import pytest
 from mlx_vlm.generate.ar import _extend_cache, _make_cache
 from mlx_vlm.models.cache import BatchKVCache
 
-from server_patch.copyfree import batch, spares
+from server_patch.copyfree import batch
+from server_patch.copyfree.spares import JointSpares
 from tests.fake_model import prefill, random_tokens
 
 
@@ -186,13 +187,11 @@ def test_a_join_takes_the_zero_buffer_made_ahead_for_its_shape_and_gives_the_sam
     stock, other = pair()
     stock.extend(other)
     ours, other = pair()
-    try:
-        spares.reserve_joint([other.keys, other.values])
-        assert spares.spare_count() == 2
-        batch.extend_kv(ours, other)
-        assert spares.spare_count() == 0  # both taken: the join wrote into them
-    finally:
-        spares.drop_spares()
+    spares = JointSpares()
+    spares.reserve([other.keys, other.values])
+    assert spares.count() == 2
+    batch.extend_kv(ours, other, spares)
+    assert spares.count() == 0  # both taken: the join wrote into them
     _same(stock, ours)
     assert ours.keys.shape == (2, 2, 768, 16)
 
@@ -200,17 +199,15 @@ def test_a_join_takes_the_zero_buffer_made_ahead_for_its_shape_and_gives_the_sam
 def test_a_join_of_another_shape_leaves_the_buffer_made_ahead_alone() -> None:
     three, other = _cache(2, 2, 256, 20, [0, 5], 16, 16, mx.bfloat16, 1), _cache(1, 2, 768, 300, [0], 16, 16, mx.bfloat16, 2)
     short = (_cache(1, 2, 256, 20, [0], 16, 16, mx.bfloat16, 3), _cache(1, 2, 256, 30, [0], 16, 16, mx.bfloat16, 4))
-    try:
-        spares.reserve_joint([other.keys, other.values])  # for a 2-row joint batch, 768 wide
-        batch.extend_kv(three, other)  # 3 rows
-        batch.extend_kv(*short)  # 2 rows, but 286 wide: the staged turn's buffer is kept for it
-        assert spares.spare_count() == 2
-    finally:
-        assert spares.drop_spares() == 2
+    spares = JointSpares()
+    spares.reserve([other.keys, other.values])  # for a 2-row joint batch, 768 wide
+    batch.extend_kv(three, other, spares)  # 3 rows
+    batch.extend_kv(*short, spares)  # 2 rows, but 286 wide: the staged turn's buffer is kept for it
+    assert spares.drop() == 2
     assert three.keys.shape[0] == 3 and short[0].keys.shape[2] == 286
 
 
-def test_the_pools_idle_release_drops_buffers_no_join_took() -> None:
+def test_a_runtimes_idle_drop_takes_buffers_no_join_took_once_the_pool_is_idle() -> None:
     from server_patch.copyfree import pool
     from server_patch.copyfree.settings import CopyFreeSettings
 
@@ -219,7 +216,8 @@ def test_the_pools_idle_release_drops_buffers_no_join_took() -> None:
         patch.setattr(pool, "_settings", CopyFreeSettings(pool_idle_s=1.0))
         patch.setattr(pool, "_last_activity", 1.0)  # prefill work at 1 s, none since
         patch.setattr(pool, "_released_at", 0.0)
-        spares.reserve_joint([row.keys, row.values])
-        assert spares.spare_count() == 2
-        pool.release_if_idle(now=10.0)  # idle for 9 s of a 1 s limit
-    assert spares.spare_count() == 0
+        spares = JointSpares()
+        spares.reserve([row.keys, row.values])
+        assert spares.drop_if_idle(now=1.5) == 0 and spares.count() == 2  # busy 0.5 s ago: kept
+        assert spares.drop_if_idle(now=10.0) == 2  # idle for 9 s of a 1 s limit
+    assert spares.count() == 0

@@ -75,11 +75,10 @@ def test_a_load_that_raises_fails_closed_and_a_stale_result_is_dropped() -> None
     assert list(loads._pending) == [(id(other), "next")]  # the finished, unclaimed one let go
 
 
-def test_the_canary_resumes_a_disk_point_once_its_file_has_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_canary_resumes_a_disk_point_once_its_file_has_loaded() -> None:
     loads, store = BackgroundLoads(), GatedStore()
-    monkeypatch.setattr(runner, "LOADS", loads)
     record = SimpleNamespace(id="r1")
-    rt = SimpleNamespace(disk=store, cache=SimpleNamespace(records=lambda: [record]))
+    rt = SimpleNamespace(disk=store, cache=SimpleNamespace(records=lambda: [record]), checks=loads)
     with pytest.raises(runner.LoadPending):
         runner._from_disk(rt, "r1")  # the idle pass returns; the generation thread is free
     store.gate.set()

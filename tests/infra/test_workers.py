@@ -103,7 +103,8 @@ def test_a_model_switch_closes_the_old_runtimes_workers_and_the_thread_count_is_
     before = threads()
     third = LineageRuntime(model)  # the switch: the replaced runtime closed, the next one built
     assert threads() == before  # on the closed one's thread
-    assert third.workers.names() == ["apc-disk-load", "apc-stage", "apc-lineage-tick"]  # loader, stager, ticker
+    # loader, stager, the canary's check loader (its thread borrowed at its first check), ticker
+    assert third.workers.names() == ["apc-disk-load", "apc-stage", "apc-canary-load", "apc-lineage-tick"]
     assert tickers() == open_before + 2
     second.close(timeout=30)
     third.close(timeout=30)
@@ -144,6 +145,58 @@ def test_a_model_switch_leaves_the_thread_count_flat_with_the_runtimes_loader_an
         second.close(timeout=30)
     finished, (entry, why) = first.loads.poll(object(), SimpleNamespace(id="late"), load=lambda r: (r, ""), wait_s=30)
     assert finished and entry is None and "closed" in why  # a closed runtime's load fails closed
+
+
+def _row(width: int, written: int, seed: int) -> Any:
+    """A one-row ``BatchKVCache`` of ``width`` columns, ``written`` of them written."""
+    import mlx.core as mx
+    from mlx_vlm.models.cache import BatchKVCache
+
+    cache = BatchKVCache([0])
+    key = mx.random.key(seed)
+    cache.keys = mx.random.normal((1, 2, width, 16), key=key).astype(mx.bfloat16)
+    cache.values = mx.random.normal((1, 2, width, 16), key=mx.random.split(key)[0]).astype(mx.bfloat16)
+    cache._idx = written
+    cache.offset = cache.offset + written
+    return cache
+
+
+def test_two_runtimes_keep_their_own_joint_spares_and_check_loads(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 35: the joint batch buffers a runtime's stager made ahead (``LineageRuntime.spares``)
+    are taken only by a join of that runtime's generator (the door names them around its
+    ``_extend_generation_batch``), and dropped with it; each runtime's canary loads its files on
+    its own queue (``.checks``), so a check stuck on one runtime's file leaves the other's alone."""
+    from server_patch.copyfree import pool, spares
+    from server_patch.copyfree.settings import CopyFreeSettings
+    from server_patch.integration import hooks
+    from server_patch.integration.runtime import LineageRuntime
+
+    monkeypatch.setattr(pool, "_settings", CopyFreeSettings())  # copy-free joins on, as served
+    first, second = LineageRuntime(model), LineageRuntime(model)
+    try:
+        staged = _row(768, 300, seed=1)
+        first.spares.reserve([staged.keys, staged.values])  # what first's stager makes for its turn
+        assert (first.spares.count(), second.spares.count()) == (2, 0)
+        with spares.joining(second.spares):  # second's generator joins a batch of the same shape
+            joined = _row(256, 20, seed=2)
+            assert hooks.kv_rows_join(joined, _row(768, 300, seed=3))
+        assert joined.keys.shape == (2, 2, 768, 16) and first.spares.count() == 2  # not first's
+        with spares.joining(first.spares):
+            assert hooks.kv_rows_join(_row(256, 20, seed=4), staged)
+        assert first.spares.count() == 0  # first's own join took them
+        assert hooks.kv_rows_join(_row(256, 20, seed=5), _row(768, 300, seed=6)) and spares.of_this_join() is None
+        first.spares.reserve([staged.keys, staged.values])
+
+        gate, record = threading.Event(), SimpleNamespace(id="stuck")
+        assert first.checks is not second.checks and first.checks is not first.loads
+        assert first.checks.poll(object(), record, load=lambda r: (gate.wait(60), "")) == (False, None)
+        assert loaded_on(second.checks) is not None  # second's check loads while first's waits
+        assert (first.checks.pending(), second.checks.pending()) == (1, 0)
+        gate.set()
+    finally:
+        first.close(timeout=30)
+        second.close(timeout=30)
+    assert first.spares.count() == 0  # a closed runtime holds no buffer made ahead
 
 
 @pytest.fixture(autouse=True)
