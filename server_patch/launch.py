@@ -130,7 +130,7 @@ def lock_disk_root(environ: os._Environ[str] | dict[str, str] = os.environ) -> "
     Light imports only: this runs before the overlay is installed, i.e. before mlx-vlm loads.
     """
     from server_patch.disk.lock import DiskInUse, DiskLock
-    from server_patch.disk.paths import default_disk_root, disk_enabled, shared_warning
+    from server_patch.disk_paths import default_disk_root, disk_enabled, shared_warning
     from server_patch.disk.space import min_free_from_env
 
     try:

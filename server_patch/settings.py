@@ -135,7 +135,7 @@ _SCALARS: tuple[Setting, ...] = (
        "each prompt's generation-prompt start (a retry that drops the reply), and where a namespace was "
        "seen to rebuild its history on resume; 0 captures none.", "journal", "server_patch.drift.detector"),
     _s("APC_LINEAGE_DISK", T.BOOL, True, "The disk tier: entries evicted from RAM are written to disk and "
-       "restored from it, across restarts too; 0 keeps RAM only.", "disk", "server_patch.disk.paths"),
+       "restored from it, across restarts too; 0 keeps RAM only.", "disk", "server_patch.disk_paths"),
     _s("APC_DISK_LOAD_WAIT_MS", T.FLOAT, 30000.0, "How long a request whose restore point is on disk waits "
        "in the queue for its file to load off the generation thread (the batch decodes meanwhile); past "
        "that it is admitted cold and the file kept.", "disk", "server_patch.integration.loading"),
@@ -146,9 +146,9 @@ _SCALARS: tuple[Setting, ...] = (
        "`APC_DISK_LOAD_WAIT_MS` or on a failure it is merged as before. 0: every such copy is made by the "
        "merge, on the generation thread, as before.", "copy-free", "server_patch.integration.staging"),
     _s("APC_LINEAGE_DISK_PATH", T.PATH, None, "The disk tier's directory, locked by one server at a time.",
-       "disk", "server_patch.disk.paths",
+       "disk", "server_patch.disk_paths",
        default_text="the per-user cache dir (platformdirs)/lineage",
-       derive="server_patch.disk.paths:default_disk_root"),
+       derive="server_patch.disk_paths:default_disk_root"),
     _s("APC_LINEAGE_DISK_MIN_FREE", T.FRACTION, 0.05, "Free space the disk writer leaves on the volume "
        "(0.05 or 5%): the cache is never what fills the disk.", "disk", "server_patch.disk.space"),
     _s("APC_SHARED_DISK_PATH", T.PATH, None, "The fleet's shared disk tier: this server also restores "

@@ -177,23 +177,15 @@ def import_graph(package: str, lazy: bool, level: str) -> dict[str, set[str]]:
     return graph
 
 
-# Cycles that are known and owned elsewhere, each as its sorted members: the check fails on any
-# other cycle, and on a listed one that is gone (so the list only shrinks). ``sim.tracegen``
-# calls ``sim.patterns``' client sessions, which build on tracegen's conversations: the two are
-# being changed by the agent-patterns work (issue 37) and get untangled there.
-KNOWN_CYCLES: dict[tuple[str, str, bool], list[list[str]]] = {
-    ("apcctl", "module", True): [["apcctl.sim.patterns", "apcctl.sim.tracegen"]],
-    # What is left of the server's package knot (issue 35), each owned by work in flight:
-    # ``boundaries.finder`` reads ``drift.template`` and ``drift.causes`` names ``boundaries.kinds``
-    # (both being changed for issue 37); ``lineage.config`` sizes its default disk cap from the
-    # disk tier's volume (``disk.paths``/``disk.space``, at call time); the door
-    # (``integration.hooks``) mounts ``admin.api`` and the journal formats events with
-    # ``admin.views`` (at call time), while ``admin`` reads the integration's records.
-    ("server_patch", "package", False): [["server_patch.boundaries", "server_patch.drift"]],
-    ("server_patch", "package", True): [["server_patch.admin", "server_patch.integration"],
-                                        ["server_patch.disk", "server_patch.lineage"],
-                                        ["server_patch.boundaries", "server_patch.drift"]],
-}
+# Cycles that are known and owned elsewhere, each as its sorted members, keyed by (package,
+# level, with function-level imports): the check fails on any other cycle, and on a listed one
+# that is gone (so the list only shrinks). Empty since issue 35 broke the last ones by moving
+# the shared piece to its owner: the chat template's facts to ``boundaries.template`` (the
+# finder holds them), the disk tier's location and volume to ``server_patch.disk_paths`` (the
+# lineage config sizes its disk cap from it), how a request ended to ``observe.outcomes`` (the
+# timing record writes it, the admin answers parse it), and the simulator's conversations to
+# ``apcctl.sim.conversation`` (the trace generator and the client patterns both build on them).
+KNOWN_CYCLES: dict[tuple[str, str, bool], list[list[str]]] = {}
 
 
 @pytest.mark.parametrize("level", ["module", "package"])

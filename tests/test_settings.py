@@ -130,7 +130,7 @@ def test_a_journal_size_with_a_unit_is_read(clean_env: Path, monkeypatch: pytest
 
 
 def test_disk_settings_read_through_the_registry(tmp_path: Path):
-    from server_patch.disk.paths import default_disk_root, disk_enabled
+    from server_patch.disk_paths import default_disk_root, disk_enabled
     from server_patch.disk.space import min_free_from_env
 
     assert default_disk_root({"APC_LINEAGE_DISK_PATH": str(tmp_path)}) == tmp_path

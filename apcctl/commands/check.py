@@ -32,7 +32,7 @@ def disk_path_of(target: Target) -> Path:
 
 def server_root(given: Path | None) -> Path:
     """Where a server given ``given`` (None: its default) keeps its disk files."""
-    from server_patch.disk.paths import default_disk_root
+    from server_patch.disk_paths import default_disk_root
 
     return default_disk_root(None if given is None else {"APC_LINEAGE_DISK_PATH": str(given.expanduser())})
 

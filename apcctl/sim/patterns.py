@@ -28,8 +28,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from apcctl.sim.conversation import ASSISTANT, USER, VOCAB, Conversation, Persona, mark_verbatim
 from apcctl.sim.trace import Request
-from apcctl.sim.tracegen import ASSISTANT, USER, VOCAB, Conversation, Persona, mark_verbatim
 
 GENERATION_TAIL = 16  # ids of the generation prompt's tokens after ASSISTANT ("assistant", "\n")
 STEP_KINDS = ("turn", "abort_kept", "abort_dropped", "no_reply", "edit", "regenerate", "subagent", "resume")

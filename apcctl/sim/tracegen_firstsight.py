@@ -41,11 +41,9 @@ from typing import Any
 
 import numpy as np
 
+from apcctl.sim.conversation import ASSISTANT, CLOCK_BASE, GMASK, SOP, SYSTEM, TIMESTAMP, USER, VOCAB
 from apcctl.sim.trace import Request, bundled_trace_path, write_trace
-from apcctl.sim.tracegen import (
-    ASSISTANT, CLOCK_BASE, GMASK, SCALES, SOP, SYSTEM, TIMESTAMP, USER, VOCAB,
-    Scale, _Actor,
-)
+from apcctl.sim.tracegen import SCALES, Scale, _Actor
 from server_patch.boundaries import SegmentSettings
 
 TOOL_SLACK = 2  # a tool boundary is plain text: the server moves it 2 tokens early

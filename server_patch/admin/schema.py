@@ -9,7 +9,7 @@ fields are kept aside and given back by ``to_json()``, fields a newer server add
 defaults, and a value outside a StrEnum stays its string. Adding a field to an answer is one
 line here (with a default, so older servers still parse).
 
-The StrEnums are the server's own (``lineage.model``, ``integration.timings``), resolved on the
+The StrEnums are the server's own (``lineage.model``, ``observe.outcomes``), resolved on the
 first parse: importing this module loads nothing but the standard library (``apcctl``'s
 ``--help`` stays light), and never FastAPI, MLX or mlx-vlm.
 
@@ -29,7 +29,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, TypeVar
 
 if TYPE_CHECKING:  # resolved on the first parse (``_enum_namespace``): they load numpy
-    from server_patch.integration.timings import Outcome, Phase, Stored
+    from server_patch.observe.outcomes import Outcome, Phase, Stored
     from server_patch.lineage.model import EventKind, KVAdmission, RestoreKind
 
 A = TypeVar("A", bound="Answer")
@@ -58,7 +58,7 @@ class Residence(StrEnum):
 
 
 def _enum_namespace() -> dict[str, Any]:
-    from server_patch.integration.timings import Outcome, Phase, Stored
+    from server_patch.observe.outcomes import Outcome, Phase, Stored
     from server_patch.lineage.model import EventKind, KVAdmission, RestoreKind
 
     return {"Outcome": Outcome, "Phase": Phase, "Stored": Stored, "EventKind": EventKind,

@@ -95,7 +95,7 @@ def sizing_warnings(config: Any, *, ram_total: int | None, disk_enabled: bool, d
 def disk_volume(root: Path, count_files: bool = True) -> DiskVolume:
     """Free and total bytes of the volume ``root`` is (or will be) on, and (``count_files``) the
     bytes of the cache files already there (the running cache's index knows them already)."""
-    from server_patch.disk.space import volume_usage
+    from server_patch.disk_paths import volume_usage
 
     total, free = volume_usage(root) or (None, None)
     used = files = 0
@@ -117,7 +117,7 @@ def sizing_view(config: Any, env: Mapping[str, str] = os.environ,
     (``apcctl serve``, the launcher), not at every status: nobody asked for it."""
     import psutil
 
-    from server_patch.disk.paths import default_disk_root, disk_enabled
+    from server_patch.disk_paths import default_disk_root, disk_enabled
 
     enabled = disk_enabled(env)
     disk = disk_volume(default_disk_root(env), budgets is None) if enabled else DiskVolume(enabled=False)

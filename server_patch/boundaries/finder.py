@@ -48,12 +48,12 @@ from server_patch.boundaries.notes import (
     Labels, Note, Point, RecentKeys, RenderBudget, RenderCache, Request, SegmentInfo, ToolCuts, Walk,
 )
 from server_patch.boundaries.settings import SegmentSettings
+from server_patch.boundaries.template import TemplateFacts
 from server_patch.boundaries.text import (
     SYSTEM_ROLES, AddedTokens, canonical, chain_digest, common_suffix, encoder, leading_system_count, role_of,
     text_digest,
 )
 from server_patch.boundaries.walk import walk
-from server_patch.drift.template import TemplateFacts
 from server_patch.lineage.model import as_tokens
 
 log = logging.getLogger("server_patch.lineage")
@@ -85,7 +85,7 @@ class SegmentFinder:
         self._piece_tokens = 0
         self._notes: OrderedDict[int, Note] = OrderedDict()
         self._added: dict[int, AddedTokens] = {}
-        self.template = TemplateFacts()  # the tokenizer and generation prompts (``server_patch.drift``)
+        self.template = TemplateFacts()  # the tokenizer and generation prompts (``boundaries.template``)
 
     # ------------------------------------------------------------------ noting a request
 

@@ -12,7 +12,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from server_patch.disk.paths import prepare_root
+from server_patch.disk_paths import prepare_root
 from server_patch.private_files import FILE_MODE
 from server_patch.disk.integrity import SUFFIX, TMP_MARK
 

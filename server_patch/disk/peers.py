@@ -40,7 +40,7 @@ from typing import Any
 from server_patch import clock, settings
 from server_patch.disk import retention
 from server_patch.disk.integrity import IO, SUFFIX, Expected, InvalidFile, is_temp
-from server_patch.disk.paths import SHARED_BITS
+from server_patch.disk_paths import SHARED_BITS
 from server_patch.disk.space import DiskUnavailable
 from server_patch.disk.store import DiskStore
 from server_patch.lineage.model import DiskRecord

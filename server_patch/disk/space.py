@@ -142,15 +142,3 @@ class WriteGuard:
             self._retry_at = 0.0
             self.last_error = ""
 
-
-def volume_usage(root: Path) -> tuple[int, int] | None:
-    """``(total, free)`` bytes of the volume ``root`` is, or will be, on (the tier creates its
-    directory on first use, so the nearest existing parent is read); None when unreadable."""
-    probe = root
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        total, _, free = shutil.disk_usage(probe)
-    except (OSError, ValueError):
-        return None
-    return total, free

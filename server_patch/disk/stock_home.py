@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from server_patch import settings
-from server_patch.disk.paths import default_disk_root
+from server_patch.disk_paths import default_disk_root
 
 STOCK_SUBDIR = "mlx-vlm-apc"  # fsck and the store read */*.safetensors: stock's shards sit deeper
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import IO, Any, Mapping
 
 from server_patch import clock, settings
-from server_patch.disk.paths import is_shared
+from server_patch.disk_paths import is_shared
 from server_patch.integration import shadow_warmup
 from server_patch.integration.block_lines import BlockEncoder
 from server_patch.private_files import open_private, private_dir

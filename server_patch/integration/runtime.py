@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from server_patch import clock, pacing
-from server_patch.disk.paths import default_disk_root, disk_enabled
+from server_patch.disk_paths import default_disk_root, disk_enabled
 from server_patch.disk import peers
 from server_patch.copyfree.spares import JointSpares
 from server_patch.disk.loader import CHECKS_THREAD, THREAD_NAME as LOADER_THREAD, BackgroundLoads

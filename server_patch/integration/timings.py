@@ -13,40 +13,18 @@ import logging
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from typing import Any, Callable, Iterable, Optional
 
 from server_patch import clock
 from server_patch.integration.request_metrics import RequestMetrics
 from server_patch.observe import ledger
+from server_patch.observe.outcomes import Outcome, Phase, Stored
 from server_patch.integration.waits import GAPS_KEPT, OWN_STEP, UNATTRIBUTED
 from server_patch.lineage import COLD
 
 log = logging.getLogger("server_patch.lineage")
 
 RING_SIZE = 2048
-
-
-class Outcome(StrEnum):
-    """How a request ended, when not by itself ("" in its record: it went on past its first token)."""
-
-    CANCELLED = "cancelled"  # its client went away
-
-
-class Phase(StrEnum):
-    """Where a cancelled request was."""
-
-    QUEUED = "queued"  # before its prefill and lookup: its record is made at the cancel
-    PREFILL = "prefill"  # no first token: its record ends there
-    DECODE = "decode"  # after its first token
-
-
-class Stored(StrEnum):
-    """What a cancelled request's entry kept."""
-
-    NOTHING = "nothing"
-    PROMPT = "prompt"  # the prompt-end commit
-    REPLY = "reply"  # reply reuse kept what was fed
 
 
 CANCELLED = Outcome.CANCELLED

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 from typing import Mapping
 
+from server_patch.disk_paths import default_disk_root, volume_usage
 from server_patch.envconfig import env_values
 
 GB = 1 << 30
@@ -28,9 +29,6 @@ def volume_disk_cap(env: Mapping[str, str]) -> int:
     """The disk cap when ``APC_LINEAGE_DISK_MAX_BYTES`` is unset: a fixed 1 TiB warned on almost
     every machine (issue 36), so it is sized to the disk tier's volume: half its total size, at
     most 1 TiB (the class default, also used when the volume cannot be read)."""
-    from server_patch.disk.paths import default_disk_root
-    from server_patch.disk.space import volume_usage
-
     usage = volume_usage(default_disk_root(env))
     if usage is None:
         return LineageConfig.disk_max_bytes

@@ -2,5 +2,6 @@
 
 ``ledger``: the process's copy ledger (bytes copied, by site), which ``state`` and ``copyfree``
 both add to; it lived in ``copyfree``, so ``state`` imported ``copyfree`` and ``copyfree``
-``state``. Imports nothing of ``server_patch``.
+``state``. ``outcomes``: how a request's record says it ended (the timing record writes it,
+the admin answers parse it). Imports nothing of ``server_patch``.
 """

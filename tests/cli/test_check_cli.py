@@ -57,7 +57,7 @@ def test_a_clean_directory_exits_0(disk):
 def test_a_shared_directory_is_checked_where_the_server_writes(tmp_path, model, layout, monkeypatch):
     import os
 
-    from server_patch.disk.paths import private_subdir
+    from server_patch.disk_paths import private_subdir
 
     monkeypatch.delenv("APC_LINEAGE_DISK_PATH", raising=False)
     shared = tmp_path / "shared"

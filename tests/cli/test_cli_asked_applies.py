@@ -21,7 +21,7 @@ from apcctl.core.client import AdminClient
 from apcctl.core.hosts import free_port
 from apcctl.core.manage import ManagedServer, build_spec, failure_cause
 from server_patch.admin.views import sizing_view, sizing_warnings
-from server_patch.disk.space import volume_usage
+from server_patch.disk_paths import volume_usage
 from server_patch.lineage.config import LineageConfig
 
 RAM = "APC_LINEAGE_RAM_BUDGET_BYTES"

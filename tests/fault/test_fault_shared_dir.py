@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.server_harness import PatchedServer, text, wait_for
-from server_patch.disk.paths import default_disk_root, prepare_root, private_subdir, shared_warning
+from server_patch.disk_paths import default_disk_root, prepare_root, private_subdir, shared_warning
 
 
 def _mode(path: Path) -> int:

@@ -14,7 +14,7 @@ from apcctl.sim.report import summarize
 from apcctl.sim.tracegen_firstsight import bundled_firstsight_path
 from apcctl.sim.sizes import load_sizes
 from apcctl.sim.trace import bundled_trace_path, encode, parse_lines, read_trace
-from apcctl.sim.tracegen import SYSTEM, USER
+from apcctl.sim.conversation import SYSTEM, USER
 from server_patch.lineage.lookup import common_prefix_len
 from tests.lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
 

@@ -1,4 +1,6 @@
-"""What the drift detector needs from the chat template: a decoder, and the generation prompt.
+"""What the segment finder and the drift detector need from the chat template: a decoder, and
+the generation prompt. The finder holds one (``SegmentFinder.template``), so it lives beside it;
+it sat in ``drift`` until issue 35, which made ``boundaries`` and ``drift`` import each other.
 
 The server renders each chat request with mlx-vlm's ``apply_chat_template``
 (``integration.segments`` wraps it); ``TemplateFacts.note`` is told each one. It keeps the

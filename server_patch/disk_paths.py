@@ -1,7 +1,11 @@
-"""Where the disk tier lives and whether it is on, without importing MLX or mlx-vlm.
+"""Where the disk tier lives, whether it is on and how big its volume is, without importing MLX
+or mlx-vlm.
 
 ``server_patch.launch`` takes the directory lock before the overlay is installed, and
-``apcctl check`` runs without a model, so both need these answers from a light module.
+``apcctl check`` runs without a model, so both need these answers from a light module; the
+lineage config sizes its default disk cap from the volume. It imports only the leaves, ``settings`` and ``private_files`` (it was
+``disk.paths`` until issue 35: the lineage config reading it made ``lineage`` and ``disk``, which
+stores the lineage's entries, import each other).
 
 The server never changes the mode of a directory it did not create. A configured directory
 that others may write to (group- or world-writable: ``/tmp``, a team share) is left as it is,
@@ -12,6 +16,7 @@ is a real directory of this user's: another user could have made it first). The 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from pathlib import Path
 from typing import Mapping
@@ -72,3 +77,16 @@ def shared_warning(env: Mapping[str, str] | None = None) -> str | None:
 
 def disk_enabled(env: Mapping[str, str] | None = None) -> bool:
     return settings.value("APC_LINEAGE_DISK", env)
+
+
+def volume_usage(root: Path) -> tuple[int, int] | None:
+    """``(total, free)`` bytes of the volume ``root`` is, or will be, on (the tier creates its
+    directory on first use, so the nearest existing parent is read); None when unreadable."""
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        total, _, free = shutil.disk_usage(probe)
+    except (OSError, ValueError):
+        return None
+    return total, free
