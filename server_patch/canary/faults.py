@@ -7,12 +7,16 @@
   written in it (default 1; less if the file goes) before each chunk, looking at the request queue all along, so a
   test can send a request in the middle of a check.
 
-Nothing else in the package reads these variables.
+Nothing else in the package reads these variables. Which states were corrupted is noted by the
+state objects themselves (a weak reference each, by ``id``): each belongs to one runtime's cache,
+so two runtimes share nothing, and a freed state's ``id`` reused by a later runtime's state does
+not pass for corrupted.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,11 +24,18 @@ import mlx.core as mx
 
 from server_patch import settings
 
-_corrupted: set[int] = set()
+_corrupted: dict[int, weakref.ref[Any]] = {}  # id(state) -> the state corrupted
 
 
 def _active() -> bool:
     return bool(settings.value("APC_TEST_FAULTS"))
+
+
+def _was_corrupted(state: Any) -> bool:
+    for stale in [key for key, ref in _corrupted.items() if ref() is None]:
+        del _corrupted[stale]  # its state was freed
+    ref = _corrupted.get(id(state))
+    return ref is not None and ref() is state
 
 
 def corrupt_states(runtime: Any) -> int:
@@ -36,7 +47,7 @@ def corrupt_states(runtime: Any) -> int:
     done = 0
     for entry in runtime.cache.entries():
         for cp in entry.checkpoints:
-            if id(cp.state) in _corrupted or ("all" not in kinds and cp.kind not in kinds):
+            if _was_corrupted(cp.state) or ("all" not in kinds and cp.kind not in kinds):
                 continue
             for layer, flags in zip(cp.state.layers, recurrent):
                 for child, is_recurrent in zip(layer, flags):
@@ -45,7 +56,7 @@ def corrupt_states(runtime: Any) -> int:
                             if isinstance(value, mx.array):
                                 child[key] = value + 1.0
             mx.eval(cp.state.arrays())
-            _corrupted.add(id(cp.state))
+            _corrupted[id(cp.state)] = weakref.ref(cp.state)
             done += 1
     return done
 

@@ -86,7 +86,9 @@ def drain_bytes_for(max_body_bytes: int) -> int:
 
 
 class StreamCount:
-    """Open ``/admin/events`` streams; touched only on the server's event loop."""
+    """Open ``/admin/events`` streams; touched only on the server's event loop. ``STREAMS`` is the
+    process's, on purpose: it bounds the one HTTP server's open streams (mlx-vlm serves one app
+    per process), whichever runtime they read; it holds a count, no runtime's state."""
 
     def __init__(self) -> None:
         self.open = 0

@@ -9,6 +9,12 @@ plumbing may import it without pulling a debug tool into the server.
 Per request: ``mark()`` at lookup, ``since(mark)`` at the first token; the delta goes into
 the request's timing record (``/admin/requests`` serves it as ``copies``). Every copy in the
 process counts, so a delta is one request's own only while it is the only request in flight.
+
+``LEDGER`` is the process's, on purpose (issue 35 kept it so): the counter that fills it wraps
+mlx-vlm's cache classes for the whole process (stock mlx-vlm too, where no runtime exists), so a
+copy it counts names no runtime, and ``apcctl bench ttft`` reads one file per process. It holds
+byte totals of a debug tool, off by default, and nothing a runtime serves from: two runtimes in
+one process add to the same totals, which a delta reports as they are (both runtimes' copies).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from server_patch.infra.guard import Receive, Scope, Send, classify, header, rep
 ANY = "*"
 LOCAL_SUFFIXES = (".localhost", ".local", ".internal")  # never handed out by public DNS
 # The --host the launcher binds, when it is a name (set by server_patch.launch before mlx-vlm starts).
+# The process's, on purpose: one command line, one listening socket per process; no runtime's state.
 BOUND_HOSTS: list[str] = []
 
 

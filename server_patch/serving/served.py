@@ -9,6 +9,12 @@ server serves what it was started with: ``--model`` (with its adapter) and the o
 ``--served-model-name``). Any other name, or another adapter, is a 404 ``model_not_found`` (as
 vLLM and OpenAI answer it), raised before anything is unloaded. ``POST /admin/model`` (admin
 token) switches the served model; ``APC_LOAD_REQUESTED_MODEL=1`` restores mlx-vlm's behaviour.
+
+``SERVED`` is the process's, on purpose: mlx-vlm 0.7.10 serves one FastAPI app per process
+(``mlx_vlm.server.app``'s module-level ``app`` and model cache), whose lifespan captures the
+preload variables of the process's environment. It is not a runtime's state: what is served
+outlives the lineage runtime of each model loaded (a switch replaces the runtime, and updates
+this). ``PRELOADS`` is a constant table.
 """
 
 from __future__ import annotations

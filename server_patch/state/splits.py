@@ -26,6 +26,8 @@ SPLIT_DEPENDENT: dict[str, str] = {
         "call, so mlx-vlm's own chunked cold prefill depends on where a prompt is split"),
 }
 
+# The families warned about: the process's log says it once per family, whichever runtime
+# loads it again (a model switch), on purpose; no runtime's state.
 _WARNED: set[str] = set()
 _LOCK = threading.Lock()
 

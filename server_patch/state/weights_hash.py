@@ -37,6 +37,7 @@ HASH_TRIES = 3
 # psutil's process start time is whole boot seconds plus clock ticks: up to ~1 s early.
 START_SLACK_NS = 2_000_000_000
 # One hash at a time: the runtime's call waits for the launcher's prehash, then hits its cache.
+# The process's, on purpose: the files and their digest cache are shared by every runtime.
 _HASHING = threading.Lock()
 
 
