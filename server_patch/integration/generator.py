@@ -9,27 +9,37 @@ generator that lacks one reads as empty, never as an error.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from server_patch.speculative.rounds import reports_rounds
 
 _BATCHES = ("_generation_batch", "_prompt_batch")
 
 
+class RowBatch(Protocol):
+    """What the patch reads of an mlx-vlm prompt or generation batch (``GenerationBatch``,
+    ``PromptProcessingBatch``; mlx-vlm's classes are untyped): its rows' uids, in order, and
+    its per-layer caches (mlx-vlm's cache objects, untyped too)."""
+
+    uids: list[int]
+    prompt_cache: list[Any]
+
+
 class GeneratorView:
     """A weak view of the attached generator: rows by uid, and whether it is plain."""
 
     def __init__(self) -> None:
-        self._ref: Optional[weakref.ref] = None
+        self._ref: Optional[weakref.ref[object]] = None
 
-    def attach(self, generator: Any) -> None:
+    def attach(self, generator: object) -> None:
         self._ref = weakref.ref(generator)
 
     @property
-    def generator(self) -> Any:
+    def generator(self) -> object | None:
+        """mlx-vlm's ``BatchGenerator`` (read by attribute name only, so any object will do)."""
         return self._ref() if self._ref is not None else None
 
-    def row_of(self, uid: Any) -> Optional[tuple[list[Any], int]]:
+    def row_of(self, uid: Optional[int]) -> Optional[tuple[list[Any], int]]:
         """Where row ``uid`` is now: (its batch's caches, its index) in the decoding batch or
         the prompt batch; None if neither holds it."""
         found = self._find(uid)
@@ -37,7 +47,7 @@ class GeneratorView:
             return None  # its cache rows follow its rounds, not its uids (``BatchRows.rounds``)
         return list(found[0].prompt_cache), found[1]
 
-    def max_tokens_of(self, uid: Any) -> Optional[int]:
+    def max_tokens_of(self, uid: Optional[int]) -> Optional[int]:
         """The ``max_tokens`` row ``uid`` was admitted with (mlx-vlm's prompt and generation
         batches keep one per row); None if no batch holds it or it has none."""
         found = self._find(uid)
@@ -50,13 +60,14 @@ class GeneratorView:
         limits = getattr(batch, "max_tokens", None)
         return int(limits[idx]) if isinstance(limits, list) and idx < len(limits) else None
 
-    def _find(self, uid: Any) -> Optional[tuple[Any, int]]:
+    def _find(self, uid: Optional[int]) -> Optional[tuple[RowBatch, int]]:
         """(the batch, the row's index) of row ``uid``: decoding first, then prefilling."""
         generator = self.generator
         for name in _BATCHES:
-            batch = getattr(generator, name, None)
+            batch: Optional[RowBatch] = getattr(generator, name, None)
             uids = list(getattr(batch, "uids", None) or ())
-            if uid in uids:
+            if batch is not None and uid in uids:
+
                 return batch, uids.index(uid)
         return None
 
@@ -75,15 +86,16 @@ class GeneratorView:
         return generator is not None and (getattr(generator, "draft_model", None) is None
                                           or reports_rounds(generator))
 
-    def active_uids(self) -> set[Any] | None:
+    def active_uids(self) -> set[int] | None:
         """Every row in either batch; None if no generator is attached (nothing is known)."""
         generator = self.generator
         if generator is None:
             return None
-        active: set[Any] = set()
+        active: set[int] = set()
         for name in _BATCHES:
             active.update(getattr(getattr(generator, name, None), "uids", None) or ())
         return active
 
 
-__all__ = ["GeneratorView"]
+__all__ = ["GeneratorView", "RowBatch"]
+

@@ -31,7 +31,9 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import IO, Any, Mapping
+from typing import IO, TYPE_CHECKING, Any, Mapping, TypeVar
+
+import numpy as np
 
 from server_patch import clock, settings
 from server_patch.disk_paths import is_shared
@@ -39,6 +41,14 @@ from server_patch.integration import shadow_warmup
 from server_patch.integration.block_lines import BlockEncoder
 from server_patch.private_files import open_private, private_dir
 from server_patch.paths import state_dir
+
+L = TypeVar("L")  # a listener
+
+if TYPE_CHECKING:
+    from server_patch.integration.runtime import LineageRuntime
+
+    from server_patch.integration.timings import RequestTiming
+    from server_patch.lineage import Event
 
 log = logging.getLogger("server_patch.lineage")
 
@@ -128,7 +138,7 @@ class Journal:
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
-    return settings.value("APC_JOURNAL", environ)
+    return bool(settings.value("APC_JOURNAL", environ))
 
 
 def directory_from_env(environ: Mapping[str, str] | None = None) -> Path:
@@ -147,7 +157,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Journal | None:
 class JournalRecorder:
     """Turns a runtime's request records and cache events into journal lines."""
 
-    def __init__(self, journal: Journal, runtime: Any, snapshot_s: float = SNAPSHOT_S) -> None:
+    def __init__(self, journal: Journal, runtime: LineageRuntime, snapshot_s: float = SNAPSHOT_S) -> None:
         self.journal = journal
         self.runtime = runtime
         self.snapshot_s = snapshot_s
@@ -162,25 +172,25 @@ class JournalRecorder:
                              "fingerprint": self.runtime.fingerprint, "lineage_config": config})
         self.snapshot(force=True)
 
-    def on_event(self, seq: int, at: float, event: Any) -> None:
+    def on_event(self, seq: int, at: float, event: Event) -> None:
         # Called with the cache's (reentrant) lock held by this thread, so budgets() is safe here.
         from server_patch.admin.views import event_view
 
         self.journal.append(event_view(seq, at, event))
         self.snapshot()
 
-    def on_request(self, record: Any) -> None:
+    def on_request(self, record: RequestTiming) -> None:
         self.journal.append({"type": "request", "time": clock.wall(), **record.as_dict()})
         self.snapshot()
 
-    def on_blocks(self, namespace: str, hashes: Any, tokens: int, kind: str) -> None:
+    def on_blocks(self, namespace: str, hashes: np.ndarray, tokens: int, kind: str) -> None:
         """A processed sequence's block hashes (``lineage.misses``'s listener), delta-encoded
         against a recent line (``block_lines``)."""
         self.journal.append({"type": "blocks", "time": clock.wall(), "kind": kind, "namespace": namespace,
                              "tokens": tokens, "block": self.runtime.cache.misses.shadow.block,
                              **self._blocks.fields(namespace, hashes)})
 
-    def on_outcome(self, record: Any) -> None:
+    def on_outcome(self, record: RequestTiming) -> None:
         """A request journaled at its first token ended otherwise (cancelled in decode)."""
         self.journal.append({"type": "request_outcome", "time": clock.wall(), "seq": record.seq,
                              "request_id": record.request_id, "outcome": record.outcome,
@@ -190,12 +200,10 @@ class JournalRecorder:
     def close(self) -> None:
         """Stop recording (the runtime is closed: its model was unloaded) and close the file."""
         timings = self.runtime.timings
-        for listeners, listener in ((self.runtime.event_listeners, self.on_event),
-                                    (timings.listeners, self.on_request),
-                                    (timings.outcome_listeners, self.on_outcome),
-                                    (self.runtime.cache.misses.listeners, self.on_blocks)):
-            if listener in listeners:
-                listeners.remove(listener)
+        _unlisten(self.runtime.event_listeners, self.on_event)
+        _unlisten(timings.listeners, self.on_request)
+        _unlisten(timings.outcome_listeners, self.on_outcome)
+        _unlisten(self.runtime.cache.misses.listeners, self.on_blocks)
         self.journal.close()
 
     def snapshot(self, force: bool = False) -> None:
@@ -207,7 +215,12 @@ class JournalRecorder:
         self.journal.append({"type": "budgets", "time": clock.wall(), **self.runtime.cache.budgets()})
 
 
-def attach(runtime: Any) -> JournalRecorder | None:
+def _unlisten(listeners: list[L], listener: L) -> None:
+    if listener in listeners:
+        listeners.remove(listener)
+
+
+def attach(runtime: LineageRuntime) -> JournalRecorder | None:
     """Register the journal on ``runtime``'s listeners; a journal that cannot open only warns."""
     try:
         journal = from_env()
@@ -222,7 +235,9 @@ def attach(runtime: Any) -> JournalRecorder | None:
     runtime.timings.outcome_listeners.append(recorder.on_outcome)
     runtime.cache.misses.listeners.append(recorder.on_blocks)
     recorder.started()
+    assert recorder.start_line is not None  # ``started`` wrote it
     log.info("apc_lineage journal %s", journal.path)
+
     # The live oracle's shadow, from earlier runs of this model (``shadow_warmup``).
     shadow_warmup.start(runtime.cache.misses, journal_files(journal.directory), runtime.fingerprint,
                         recorder.start_line)

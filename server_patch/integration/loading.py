@@ -45,7 +45,7 @@ stream on its thread: its lookup loads there, as before.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
@@ -60,6 +60,18 @@ from server_patch.lineage import DISK
 from server_patch.lineage.holds import LOAD, RESERVED
 from server_patch.lineage.flow import NOT_AHEAD, NOT_LOADED
 from server_patch.lineage.misses import Lost
+from server_patch.lineage.model import DiskRecord, Entry, RestorePlan
+
+if TYPE_CHECKING:
+    from server_patch.disk.store import DiskStore
+    from server_patch.integration.batch_rows import BatchRows
+    from server_patch.integration.runtime import LineageRuntime
+    from server_patch.integration.timings import RequestTiming
+    from server_patch.lineage.flow import Admission
+    from server_patch.lineage.policy import LineageCache
+
+# ``load_checked``'s answer: the entry read from the file (None: rejected) and why.
+Answer = tuple[Optional[Entry], str]
 
 IDLE_WAIT_S = 0.005  # with nothing decoding, a poll waits this long for the file (no busy loop)
 PREFETCH_MAX = 2  # queued prompts a step looks ahead of admission: each load holds a whole entry
@@ -69,11 +81,11 @@ PREFETCHED = "prefetched"  # the stats key: loads and staged copies started whil
 class Load:
     """One queued request's disk load."""
 
-    record: Any  # the ``DiskRecord`` its look-ahead found (the next one after a rejected file)
+    record: DiskRecord  # the file its look-ahead found (the next one after a rejected file)
     length: int  # the restore point's length in it
     started: float  # ``clock.steady()`` when it began to wait (its record's ``loading_ms``)
     steps_at_start: int  # the book's decode steps then
-    answer: Optional[tuple[Any, str]] = None  # ``load_checked``'s, once finished
+    answer: Optional[Answer] = None  # ``load_checked``'s, once finished
     late: bool = False  # still loading past the bound: admitted cold
     done: bool = False  # loaded, late, or no file left to load
     rejected: list[tuple[int, str]] = field(default_factory=list)  # (length, why) of files it rejected
@@ -81,8 +93,8 @@ class Load:
     begun: Optional[float] = None  # ``clock.steady()`` when its read started: its turn came (``_turn``)
 
 
-def _load_checked(store: Any) -> Callable[[Any], Any]:
-    def load(record: Any) -> Any:
+def _load_checked(store: DiskStore) -> Callable[[DiskRecord], Answer]:
+    def load(record: DiskRecord) -> Answer:
         faults.before_load()
         return store.load_checked(record)
 
@@ -96,17 +108,29 @@ class DiskLoads:
     canary's, ``disk.loader.LOADS``, so a request's load never waits behind a check's, nor shares
     and loses one of the same file). The look-ahead memos below are by uid, this runtime's."""
 
-    def __init__(self, runtime: Any, book: SessionBook, loads: Optional[BackgroundLoads] = None, *,
-                 rows: Any = None, stagings: Optional[Stagings] = None) -> None:
+    def __init__(self, runtime: LineageRuntime, book: SessionBook, loads: Optional[BackgroundLoads] = None, *,
+                 rows: Optional[BatchRows] = None, stagings: Optional[Stagings] = None) -> None:
         self.runtime = runtime
         self.book = book
         self.loads: BackgroundLoads = runtime.loads if loads is None else loads
         self.rows = rows
         self.stagings = stagings if stagings is not None or rows is None else Stagings(runtime)
-        self._ahead: dict[Any, tuple[RequestKey, np.ndarray, str]] = {}  # queued uid -> looked ahead
+        self._ahead: dict[int, tuple[RequestKey, np.ndarray, str]] = {}  # queued uid -> looked ahead
         # queued uid -> (its token list, then its key, tokens and namespace): see ``_prompt``
-        self._prompts: dict[Any, tuple[Any, tuple[RequestKey, np.ndarray, str]]] = {}
+        self._prompts: dict[int, tuple[object, tuple[RequestKey, np.ndarray, str]]] = {}
 
+    def _stager(self) -> Stagings:
+        """The stagings: a row stages only where they were given (``_look_ahead``,
+        ``_stage_loaded``)."""
+        assert self.stagings is not None, "a row stages only where stagings were given"
+        return self.stagings
+
+    def _rows(self) -> BatchRows:
+        """The batch rows: only a loader with stagings stages (it is given both, or neither)."""
+        assert self.rows is not None, "a row stages only where the batch rows were given"
+        return self.rows
+
+    # A queued item is mlx-vlm's queue entry (uid first, then its token list): untyped upstream.
     def _prompt(self, item: Any,
                 prompt_of: Callable[[Any], tuple[np.ndarray, str]]) -> tuple[RequestKey, np.ndarray, str]:
         """A queued item's key, tokens and namespace, once per queued sequence (its uid and its
@@ -118,14 +142,17 @@ class DiskLoads:
             found = self._prompts[item[0]] = (item[1], (request_key(namespace, prompt), prompt, namespace))
         return found[1]
 
-    def admissible(self, queue: list, prompt_of: Callable[[Any], tuple[np.ndarray, str]], limit: int, *,
+    def admissible(self, queue: list[Any], prompt_of: Callable[[Any], tuple[np.ndarray, str]], limit: int, *,
                    idle: bool = False) -> int:
         """How many of ``queue``'s first prompts may be admitted now (at most ``limit``):
         ``queue`` is reordered in place, those still loading behind the others, each group in
         its order; a prompt with a staged buffer is admitted alone (first, or at the next step).
         ``prompt_of``: a queued item's tokens and namespace; ``idle``: nothing decodes, so a
         poll may wait a little for its file and no copy is staged (nobody would wait for it)."""
-        ready, waiting, queued, uids = [], [], set(), []
+        ready: list[Any] = []
+        waiting: list[Any] = []
+        queued: set[int] = set()
+        uids: list[int] = []
         for item in queue:
             _, prompt, namespace = self._prompt(item, prompt_of)
             queued.add(item[0])
@@ -141,7 +168,7 @@ class DiskLoads:
         queue[:] = ready + waiting
         return self._alone(uids)
 
-    def _alone(self, uids: list[Any]) -> int:
+    def _alone(self, uids: list[int]) -> int:
         """How many of the ready prompts (``uids``, in order) to admit: up to the first with a
         staged buffer, which is admitted alone (a shared prompt batch would merge-copy it)."""
         for i, uid in enumerate(uids):
@@ -151,7 +178,7 @@ class DiskLoads:
                 return max(i, 1)
         return len(uids)
 
-    def prefetch(self, queue: list, prompt_of: Callable[[Any], tuple[np.ndarray, str]], limit: int, *,
+    def prefetch(self, queue: list[Any], prompt_of: Callable[[Any], tuple[np.ndarray, str]], limit: int, *,
                  busy: bool = True, blocked: bool = True) -> None:
         """Every step, admitting or not: the first ``limit`` (at most ``PREFETCH_MAX``) queued
         prompts are looked ahead once each, so their loads and staged copies start while the
@@ -178,7 +205,7 @@ class DiskLoads:
             if row is not None and row.state in WAITING:
                 self.ready(prompt, namespace, busy=busy, uid=uid)
 
-    def _left(self, uid: Any) -> None:
+    def _left(self, uid: int) -> None:
         """Looked-ahead prompt ``uid`` left the queue (admitted, or cancelled): its row, if
         still waiting, ends there."""
         row = self.book.by_uid(uid)
@@ -186,7 +213,7 @@ class DiskLoads:
             self._end_waiting(row)
 
     def ready(self, prompt: np.ndarray, namespace: str, *, idle: bool = False, busy: bool = True,
-              uid: Any = None) -> bool:
+              uid: Optional[int] = None) -> bool:
         """False while queued prompt ``uid``'s disk restore point loads or its copy stages (the
         first call starts it). ``busy``: other rows decode (a copy may be staged: see
         ``admissible``). Identical prompts queued under two uids wait each on its own."""
@@ -202,10 +229,12 @@ class DiskLoads:
             if row is None:
                 return True
         if row.state == SessionState.STAGING:
-            return self.stagings.poll(row.stage, IDLE_WAIT_S if idle else 0.0)
+            return self._stager().poll(row.stage, IDLE_WAIT_S if idle else 0.0)
         disk = self.runtime.disk
+        assert disk is not None  # a row loads only where the runtime has a disk tier (``_look_ahead``)
         load = row.load
         if load.done:
+
             return True
         if (twin := self.runtime.cache.get(load.record.id)) is not None and twin.length >= load.length:
             # an identical prompt's load promoted this very file already
@@ -274,13 +303,13 @@ class DiskLoads:
         stage = self._stage(plan, load.steps_at_start) if plan.entry is entry else None
         if stage is None or not row.move(SessionState.STAGING, "file loaded, copy staged"):
             if stage is not None:
-                self.stagings.drop(stage)
+                self._stager().drop(stage)
             return False
         stage.started, row.stage = load.started, stage  # its wait counts from the load's start
         self._staged(row)
         return True
 
-    def _look_ahead(self, prompt: np.ndarray, namespace: str, busy: bool, uid: Any) -> Optional[Session]:
+    def _look_ahead(self, prompt: np.ndarray, namespace: str, busy: bool, uid: Optional[int]) -> Optional[Session]:
         """The look-ahead (no lookup): a LOADING row if the prompt restores from a disk file, a
         STAGING row if its RAM restore would take the merge copy while others decode, else None."""
         plan = self.runtime.cache.lookup(prompt, namespace, counted=False)
@@ -306,15 +335,15 @@ class DiskLoads:
             self.runtime.cache.own(stage.receipt, row)
         return row
 
-    def _stage(self, plan: Any, steps: int) -> Optional[staging.Stage]:
+    def _stage(self, plan: RestorePlan, steps: int) -> Optional[staging.Stage]:
         """``plan``'s merge copy started on the stager thread if the merge would make it
         (``BatchRows.stageable``); None otherwise, or where the entry is refused a receipt.
         ``steps``: the book's decode steps when the wait began."""
-        if not self.rows.stageable(plan, staging.min_tokens()):
+        if not self._rows().stageable(plan, staging.min_tokens()):
             return None
-        return self.stagings.start(plan, self.rows.staged_capacity(plan.prompt_len), steps)
+        return self._stager().start(plan, self._rows().staged_capacity(plan.prompt_len), steps)
 
-    def _disk_plan(self, prompt: np.ndarray, namespace: str) -> Any:
+    def _disk_plan(self, prompt: np.ndarray, namespace: str) -> Optional[RestorePlan]:
         """Its plan if it restores from a disk file (and the tier is not refused), else None."""
         plan = self.runtime.cache.lookup(prompt, namespace, counted=False)
         return plan if plan.tier == DISK and not self.runtime.refuses(DISK) else None
@@ -333,7 +362,7 @@ class DiskLoads:
         else:
             load.record, load.length = plan.record, plan.length
 
-    def _forget_gone(self, queued: set[Any]) -> None:
+    def _forget_gone(self, queued: set[int]) -> None:
         """Waiting rows whose uid is no longer queued (cancelled meanwhile): ended, their work
         dropped."""
         for row in self.book.rows():
@@ -344,12 +373,12 @@ class DiskLoads:
         if self.runtime.disk is not None and row.load is not None:
             self.loads.forget(self.runtime.disk, row.load.record)
         if row.stage is not None:
-            self.stagings.drop(row.stage)
+            self._stager().drop(row.stage)
         row.load = row.stage = None
         self.release(row)
         self.book.end(row, "left the queue")
 
-    def for_request(self, row: Optional[Session], record: Any) -> Optional["RequestDisk"]:
+    def for_request(self, row: Optional[Session], record: Optional[RequestTiming]) -> Optional["RequestDisk"]:
         """The disk tier of a request's lookup (None without one; ``row``: the request's row,
         if it has one yet; ``record``: its timing record, which gets the wait in the queue);
         the row's load is handed over, so the row holds no arrays. A staged copy not finished
@@ -360,7 +389,7 @@ class DiskLoads:
             record.loading_ms = (clock.steady() - work.started) * 1000
             record.loading_steps = self.book.decode_steps - work.steps_at_start
         if waited is not None and waited.stage is not None and not waited.stage.done:
-            self.stagings.drop(waited.stage)
+            self._stager().drop(waited.stage)
         if self.runtime.disk is None:
             return None
         load = waited.load if waited is not None else None
@@ -377,21 +406,22 @@ class RequestDisk:
     """One lookup's disk tier (``lineage.flow.DiskLoader``): the load it waited for. Another
     file is never loaded here (``NOT_AHEAD``), but on the single-sequence path (``inline``)."""
 
-    store: Any
+    store: DiskStore
     load: Optional[Load]
     rejected: list[tuple[int, str]]  # files rejected while it waited: what its admission met
-    cache: Any = None  # where a load it waited for, of another file than planned, is promoted
+    cache: Optional[LineageCache] = None  # where a load it waited for, of another file than planned, is promoted
     inline: bool = False  # no batch on this thread: a file may load here, as before
     promoted: list[str] = field(default_factory=list)  # ids of entries promoted here
 
-    def tell(self, admission: Any) -> None:
+    def tell(self, admission: Admission) -> None:
         """The files rejected while it waited are what its admission met (``Admission.met``);
         an entry it loaded and promoted here is one the admission loaded."""
         for length, why in self.rejected:
             admission.met(length, Lost.DISK_REJECTED, why)
         admission.promoted.update(self.promoted)
 
-    def load_checked(self, record: Any) -> tuple[Any, str]:
+    def load_checked(self, record: DiskRecord) -> Answer:
+
         load, self.load = self.load, None  # taken once: its arrays go to the cache or nowhere
         if load is not None and load.record.id == record.id:
             if load.late:
@@ -400,9 +430,9 @@ class RequestDisk:
                 return load.answer
         if self.inline:  # the single-sequence path: no other stream on this thread
             return waits.run(waits.Work.LOAD, self.store.load_checked, record)
-        entry = load.answer[0] if load is not None and load.answer is not None else None
-        if entry is not None and self.cache is not None and \
-                self.cache.promote(load.record, entry, reason=load.answer[1]) is not None:
+        answer = load.answer if load is not None else None
+        if load is not None and answer is not None and answer[0] is not None and self.cache is not None and \
+                self.cache.promote(load.record, answer[0], reason=answer[1]) is not None:
             self.promoted.append(load.record.id)  # loaded for this request: a RAM point now
         return None, NOT_AHEAD
 

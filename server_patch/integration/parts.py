@@ -23,7 +23,7 @@ import logging
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from server_patch.infra.traffic import Traffic
 from server_patch.boundaries import SegmentFinder, SegmentSettings
@@ -44,7 +44,7 @@ class Runtimes:
         self._lock = threading.Lock()
         self._open: dict[int, "LineageRuntime"] = {}
 
-    def replacing(self, manager: Any) -> None:
+    def replacing(self, manager: object) -> None:
         """A coordinator for ``manager`` is about to be built: close the runtimes of every other
         manager (a model replaced without going through ``retire``)."""
         with self._lock:
@@ -54,14 +54,15 @@ class Runtimes:
             log.warning("apc_lineage runtime %s replaced while still open: closing it", old.fingerprint[:16])
             old.close()
 
-    def adopt(self, manager: Any, runtime: "LineageRuntime", parts: "Parts") -> None:
+    def adopt(self, manager: object, runtime: "LineageRuntime", parts: "Parts") -> None:
         """``runtime`` serves ``manager`` under ``parts``: it reads their finder and canary."""
         runtime.finder, runtime.canary = parts.finder, parts.canary
         with self._lock:
             if not runtime.closed:
                 self._open[id(manager)] = runtime
 
-    def retire(self, manager: Any) -> None:
+    def retire(self, manager: object) -> None:
+
         """mlx-vlm unloads the model of APC ``manager`` (a switch, ``POST /unload``): close its
         runtime before stock clears the manager, so what it held unwritten reaches the disk.
         Never raises."""

@@ -17,12 +17,16 @@ holds another namespace's state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from server_patch.lineage import RestorePlan
 from server_patch.lineage.flow import Admission
+from server_patch.state.layout import MlxSnapshot
+
+if TYPE_CHECKING:
+    from server_patch.lineage.policy import LineageCache
 
 RequestKey = tuple[str, int, int]  # (namespace, prompt length, hash of the token bytes)
 
@@ -36,7 +40,7 @@ def request_key(namespace: str, tokens: np.ndarray) -> RequestKey:
     return (namespace, *prompt_key(tokens))
 
 
-def namespace_of(extra_hash: Any) -> str:
+def namespace_of(extra_hash: Optional[int]) -> str:
     return str(int(extra_hash or 0))
 
 
@@ -52,7 +56,7 @@ class Pending:
     plan: RestorePlan
     final: int = 0
     wanted: dict[int, str] = field(default_factory=dict)
-    taken: dict[int, tuple[str, Any]] = field(default_factory=dict)
+    taken: dict[int, tuple[str, MlxSnapshot]] = field(default_factory=dict)  # length -> (kind, state)
     anchor_label: str = ""
     admission: Optional[Admission] = None  # the request flow (``flow``), kept from the lookup on
 
@@ -60,7 +64,8 @@ class Pending:
     def key(self) -> tuple[Optional[str], int, int]:
         return (self.namespace, *prompt_key(self.tokens))
 
-    def flow(self, cache: Any) -> Admission:
+    def flow(self, cache: LineageCache) -> Admission:
+
         """Its one admission: the lookup's, or (a prompt planned without a lookup) one built
         here, once, at its plan in ``cache``."""
         if self.admission is None:

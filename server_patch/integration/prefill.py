@@ -22,6 +22,7 @@ from server_patch.integration.runtime import LineageRuntime
 from server_patch.lineage import ANCHOR, COLD, RestorePlan, as_tokens
 from server_patch.lineage.flow import Admission, cold
 from server_patch.state import rows
+from server_patch.state.layout import MlxKV, MlxSnapshot
 
 
 class Prefills:
@@ -65,7 +66,7 @@ class Prefills:
         return pending
 
     def take(self, token_ids: Sequence[int], prompt_cache: Sequence[Any], extra_hash: int,
-             batch_idx: Optional[int], uid: Any = None) -> tuple[bool, list[Session]]:
+             batch_idx: Optional[int], uid: Optional[int] = None) -> tuple[bool, list[Session]]:
         """The state after ``token_ids`` of batch row ``batch_idx``: a capture (references to
         the snapshot layers) for row ``uid`` if it wants one here; it is the one row whose state
         this is (an identical prompt in the same batch is another row, with its own store). A
@@ -79,7 +80,7 @@ class Prefills:
         if own is not None:
             chosen = [own] if own in found else []
         else:
-            newest: dict[Any, Session] = {row.key: row for row in found if row.uid is None}
+            newest: dict[tuple[Optional[str], int, int], Session] = {row.key: row for row in found if row.uid is None}
             chosen = list(newest.values())
         snapshot = None
         for pending in (row.pending for row in chosen):
@@ -98,7 +99,8 @@ class Prefills:
 
     # ------------------------------------------------------------------ commits
 
-    def store(self, pending: Pending, kv: Any, head: Any) -> bool:
+    def store(self, pending: Pending, kv: MlxKV, head: MlxSnapshot) -> bool:
+
         """The state at the prompt end becomes the lineage's entry."""
         if pending.wanted.get(pending.final) == ANCHOR:
             pending.taken[pending.final] = (ANCHOR, head)

@@ -8,9 +8,13 @@ imports the integration back: issue 35's package knot). Registered in no registr
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable, Union
 
 from prometheus_client import Counter, Histogram
+from prometheus_client.metrics_core import Metric
+
+if TYPE_CHECKING:
+    from server_patch.integration.timings import RequestTiming
 
 from server_patch.drift.causes import Cause
 from server_patch.integration.waits import WORK_KINDS
@@ -64,10 +68,10 @@ class RequestMetrics:
             self.drift.labels(str(cause))
             self.drift_tokens.labels(str(cause))
 
-    def all(self) -> list[Any]:
+    def all(self) -> list[Union[Histogram, Counter]]:
         return [*self.seconds.values(), self.reused, self.prefilled]
 
-    def observe(self, record: Any) -> None:
+    def observe(self, record: RequestTiming) -> None:
         """One finished ``RequestTiming``: its stage times and tokens."""
         kind = record.restore_kind if record.restore_kind in REQUEST_KINDS else COLD
         for stage, field, _ in STAGES:
@@ -79,11 +83,12 @@ class RequestMetrics:
             self.drift.labels(drift["cause"]).inc()
             self.drift_tokens.labels(drift["cause"]).inc(max(0, int(drift.get("tokens", 0))))
 
-    def observe_waits(self, record: Any) -> None:
+    def observe_waits(self, record: RequestTiming) -> None:
         """One request whose row ended: what it waited for, by work."""
         for work in WORK_KINDS:
             self.waited.labels(work).observe(max(0.0, float(record.waited.get(work, 0.0))) / 1000)
 
-    def collect(self) -> Iterable[Any]:
+    def collect(self) -> Iterable[Metric]:
+
         for metric in (*self.all(), self.waited, self.drift, self.drift_tokens):
             yield from metric.collect()

@@ -28,7 +28,8 @@ def wrap_apply_chat_template(apply: Callable[..., Any], finder: SegmentFinder) -
     in ``finder`` (the server's: its settings were read and checked when it was built)."""
 
     @functools.wraps(apply)
-    def wrapper(processor, config, prompt, *args, **kwargs):
+    def wrapper(processor: object, config: object, prompt: object, *args: object, **kwargs: object) -> object:
+
         result = apply(processor, config, prompt, *args, **kwargs)
         if not args:
             note_request(finder, apply, processor, config, prompt, kwargs, result)

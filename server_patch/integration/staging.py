@@ -28,14 +28,24 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 from server_patch import clock, settings
 from server_patch.copyfree.merge import stage_rows
 from server_patch.copyfree.spares import JointSpares
 from server_patch.disk import faults
 from server_patch.disk.loader import BackgroundLoads
-from server_patch.state.layout import CacheLayout, MlxKV
+from server_patch.lineage.handles import SnapshotHandle
+from server_patch.lineage.model import Entry, Loan, RestorePlan
+from server_patch.state.layout import CacheLayout, MlxKV, MlxSnapshot
+from server_patch.state.registry import Arrays
+
+if TYPE_CHECKING:
+    from server_patch.integration.runtime import LineageRuntime
+    from server_patch.lineage.policy import LineageCache
+
+# ``stage_rows``' answer: the lent part (keys/values in buffers with room) and the layers kept.
+Staged = tuple[list[list[Arrays]], list[list[Arrays]]]
 
 log = logging.getLogger("server_patch.copyfree")
 
@@ -50,13 +60,13 @@ class _Job:
     """What the stager thread copies: the entry's KV layers as they were when it started."""
 
     id: str
-    layers: list[list[dict]]
+    layers: list[list[Arrays]]
     kv_children: list[list[bool]]
     length: int
     capacity: int
     joint: Optional[JointSpares] = None  # the runtime's: its join's buffers are made here too
 
-    def run(self, _job: Any = None) -> tuple[Optional[tuple[list, list]], str]:
+    def run(self, _job: object = None) -> tuple[Optional[Staged], str]:
         faults.before_stage()
         return stage_rows(self.layers, self.kv_children, self.length, self.capacity, self.joint), ""
 
@@ -65,14 +75,14 @@ class _Job:
 class Stage:
     """One queued prompt's staged copy of the restore point its look-ahead planned."""
 
-    entry: Any
+    entry: Entry
     length: int
-    state: Any  # the plan's snapshot: the restore point is the same only with this very one
+    state: Optional[SnapshotHandle]  # the plan's snapshot: the restore point is the same only with this very one
     job: _Job
     started: float  # ``clock.steady()`` when it started
     steps_at_start: int  # the book's decode steps then
-    receipt: Any = None  # the cache's loan receipt while the copy runs
-    staged: Optional[tuple[list, list]] = None  # ``stage_rows``' answer, once done
+    receipt: Optional[Loan] = None  # the cache's loan receipt while the copy runs
+    staged: Optional[Staged] = None  # ``stage_rows``' answer, once done
     done: bool = False
     why: str = ""  # why nothing was staged (the copy failed, or was late)
 
@@ -80,7 +90,7 @@ class Stage:
     def capacity(self) -> int:
         return self.job.capacity
 
-    def take(self, layout: CacheLayout, cache: Any, plan: Any) -> Optional[list[Any]]:
+    def take(self, layout: CacheLayout, cache: LineageCache, plan: RestorePlan) -> Optional[list[Any]]:
         """The restored row caches around the staged buffers, if ``plan`` is the restore point
         staged and the cache still holds its entry; else None. Taken once either way: the
         caches are then the buffers' only holders, so the prefill appends in place."""
@@ -89,18 +99,19 @@ class Stage:
                 or plan.state is not self.state or not cache.holds(self.entry):
             return None
         taken, kept = staged
-        return layout.build_lent(MlxKV(kept, self.length, lent=True), taken, plan.state, plan.length)
+        state = cast(MlxSnapshot, plan.state)  # the real cache's snapshots are MlxSnapshots
+        return layout.build_lent(MlxKV(kept, self.length, lent=True), taken, state, plan.length)
 
 
 class Stagings:
     """The staged copies of one runtime's queued prompts, on its stager (default: the runtime's,
     ``LineageRuntime.stages``)."""
 
-    def __init__(self, runtime: Any, stages: Optional[BackgroundLoads] = None) -> None:
+    def __init__(self, runtime: LineageRuntime, stages: Optional[BackgroundLoads] = None) -> None:
         self.runtime = runtime
         self.stages: BackgroundLoads = runtime.stages if stages is None else stages
 
-    def start(self, plan: Any, capacity: int, steps: int) -> Optional[Stage]:
+    def start(self, plan: RestorePlan, capacity: int, steps: int) -> Optional[Stage]:
         """Start copying ``plan``'s rows into buffers of ``capacity`` rows; None where the cache
         refuses the entry a receipt (queued for writing, or lent): the merge copies then."""
         cache, layout = self.runtime.cache, self.runtime.layout
@@ -108,9 +119,11 @@ class Stagings:
         if receipt is None:
             return None
         kv_children = [[codec.name == "kv" for codec in layer.codecs] for layer in layout.layers]
-        job = _Job(f"stage-{next(_ids)}", plan.entry.kv.layers, kv_children, plan.length, capacity,
+        entry = receipt.entry  # the plan's (a lent plan has one); the real cache's KV is an MlxKV
+        job = _Job(f"stage-{next(_ids)}", cast(MlxKV, entry.kv).layers, kv_children, plan.length, capacity,
                    self.runtime.spares)
-        stage = Stage(plan.entry, plan.length, plan.state, job, clock.steady(), steps, receipt)
+        stage = Stage(entry, plan.length, plan.state, job, clock.steady(), steps, receipt)
+
         try:
             self.poll(stage)  # submitted
         except Exception:

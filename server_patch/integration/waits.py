@@ -42,16 +42,21 @@ import logging
 import threading
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, ParamSpec, Sequence, TypeVar, cast
 
 from server_patch import clock
 
 if TYPE_CHECKING:
+    from server_patch.integration.batch_rows import BatchRows
+    from server_patch.integration.coordinator import LineageCoordinator
+    from server_patch.integration.pending import RequestKey
     from server_patch.integration.session import SessionBook, Session
 
 log = logging.getLogger("server_patch.lineage")
 
 F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class Work(StrEnum):
@@ -80,9 +85,9 @@ class Owners:
     """The rows whose work a unit is (never charged for it): by request key (looked up in the
     book when the unit ends: a lookup's row exists only then), uid, or the row itself."""
 
-    keys: tuple[Any, ...] = ()
-    uids: tuple[Any, ...] = ()
-    rows: tuple[Any, ...] = ()
+    keys: tuple[RequestKey, ...] = ()
+    uids: tuple[int, ...] = ()
+    rows: tuple[Session, ...] = ()
 
     def resolve(self, book: "SessionBook") -> set[int]:
         """The ``id`` of each owning row (O(owners): the rows are never hashed by their tokens)."""
@@ -170,7 +175,7 @@ class Waits:
         finally:
             self.end()
 
-    def close_gaps(self, uids: Sequence[Any]) -> None:
+    def close_gaps(self, uids: Sequence[int]) -> None:
         """Rows ``uids`` just got their tokens of a decode step: the step so far is charged as
         their own (the rest of it, a leaving row's filter say, falls in their next gap), and each
         decoding row's gap since its previous token ends, split into what was charged to it
@@ -194,7 +199,7 @@ class Waits:
             self.book.timings.ended(row.record)
 
 
-def run(kind: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def run(kind: str, call: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
     """``call(*args, **kwargs)`` as a unit of ``kind`` inside the unit open on this thread, for
     its owners (a disk load inside a lookup is ``load``, not ``restore``); untimed when none is open."""
     units = _stack()
@@ -223,7 +228,7 @@ def unit(kind: Work, owners: Callable[..., tuple[Optional[Waits], Owners]]) -> C
             with waits.timed(kind, whose):
                 return function(*args, **kwargs)
 
-        return timed  # type: ignore[return-value]
+        return cast(F, timed)  # the same signature: ``functools.wraps`` of ``function``
 
     return decorate
 
@@ -231,8 +236,8 @@ def unit(kind: Work, owners: Callable[..., tuple[Optional[Waits], Owners]]) -> C
 # ---------------------------------------------------------------------- whose work each unit is
 
 
-def lookup(coordinator: Any, token_ids: Sequence[int], *, extra_hash: int, uid: Any = None,
-           **_: Any) -> tuple[Optional[Waits], Owners]:
+def lookup(coordinator: LineageCoordinator, token_ids: Sequence[int], *, extra_hash: int,
+           uid: Optional[int] = None, **_: object) -> tuple[Optional[Waits], Owners]:
     """``LineageCoordinator.lookup``: the looked-up request's restore (its row by ``uid``; one
     with none, the single-sequence path's, by its request key)."""
     from server_patch.integration.pending import namespace_of, request_key
@@ -245,12 +250,14 @@ def lookup(coordinator: Any, token_ids: Sequence[int], *, extra_hash: int, uid: 
     return coordinator.lineage.book.waits, Owners(keys=(request_key(namespace_of(extra_hash), as_tokens(token_ids)),))
 
 
-def merged_rows(batch_rows: Any, found: Sequence[Any], *_: Any, **__: Any) -> tuple[Optional[Waits], Owners]:
+def merged_rows(batch_rows: BatchRows, found: Sequence[Optional[Session]], *_: object,
+                **__: object) -> tuple[Optional[Waits], Owners]:
     """``BatchRows.merge(rows, ...)``: the merged rows' restore copy."""
     return batch_rows.book.waits, Owners(rows=tuple(r for r in found if r is not None))
 
 
-def one_row(batch_rows: Any, row: Any, *_: Any, **__: Any) -> tuple[Optional[Waits], Owners]:
+def one_row(batch_rows: BatchRows, row: Session, *_: object, **__: object) -> tuple[Optional[Waits], Owners]:
+
     """``BatchRows.prefill_end(row, ...)`` / ``commit(row, ...)``: that row's commit."""
     return batch_rows.book.waits, Owners(rows=(row,))
 
