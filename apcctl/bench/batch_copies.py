@@ -93,7 +93,8 @@ def _join_leave(children: list[Any], context: int, victim: int, repeat: int,
 
 
 def run(context: int, victim: int, repeat: int) -> dict[str, Any]:
-    from server_patch.copyfree import batch, spares
+    from server_patch.copyfree import batch
+    from server_patch.copyfree.spares import JointSpares
 
     _, probe, _ = bench_layout(context)
     children = _kv_children(probe)
@@ -103,8 +104,10 @@ def run(context: int, victim: int, repeat: int) -> dict[str, Any]:
     copyfree = _join_leave(children, context, victim, repeat, batch.extend_kv, batch.filter_kv)
     as_view = _join_leave(children, context, victim, repeat, batch.extend_kv,
                           lambda r, k: batch.filter_kv(r, k, view=True))
-    spare = _join_leave(children, context, victim, repeat, batch.extend_kv, batch.filter_kv, spares.reserve_joint)
-    spares.drop_spares()
+    made_ahead = JointSpares()  # what a runtime's stager makes for its staged turn's join
+    spare = _join_leave(children, context, victim, repeat, lambda r, j: batch.extend_kv(r, j, made_ahead),
+                        batch.filter_kv, made_ahead.reserve)
+    made_ahead.drop()
 
     headroom_ms, headroom_bytes = [], 0
     for _ in range(repeat):
