@@ -87,6 +87,7 @@ class LineageRuntime:
                                   writer=new_writer(self.workers).start())
             self.disk.peers = peers.attach(self.disk)  # the shared tier (issue 38), if configured
         self.cache = LineageCache(self.config, disk=self.disk, on_event=self._record_event, clock=clock.steady)
+        self.spares.budget = self.cache  # the joint buffers made ahead count in its RAM budget
         # The one book of its requests' sessions, whose ring holds the finished timing records;
         # every coordinator of this runtime works in a scope of it (``SessionBook.scope``).
         self.book = SessionBook(release=self.cache.release)
