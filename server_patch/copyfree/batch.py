@@ -23,6 +23,17 @@ The arrays over ``[:_idx]`` and the offsets, left padding and write index are ex
 so the masks and the logits are unchanged. Only ``BatchKVCache`` itself takes this path
 (quantized and rotating caches keep mlx-vlm's methods); the patched ``models/cache.py`` calls
 ``takes_over`` and then these functions.
+
+Not built: a batch buffer with a free row (headroom), so that a join writes only the joiner's
+row and the rows already in the batch stay put. Measured (MLX 0.32.4, bench preset, an 8k-token
+decoding row, a 256-token joiner; docs/benchmarks.md): the write into a free row of a buffer
+with one reference is in place (11 ms, no allocation, against 1.7 s for ``extend_kv`` allocating
+at the join), but a second reference to the buffer makes MLX copy all of it (1.6 s). And
+mlx-vlm cannot be shown the free row: ``update_and_fetch`` writes ``keys[..., prev:idx, :]``
+with the batch's row count, so ``cache.keys`` would have to be a view of the first rows, and
+MLX copies a view at its first write (the first decode step: 0.7 s, and the free row is gone).
+It would need ``update_and_fetch`` to write into the full buffer itself (in place when it drops
+its view first: measured 0.33 ms a step) and a free row as wide as the batch held at all times.
 """
 
 from __future__ import annotations
