@@ -26,6 +26,7 @@ import logging
 import os
 import stat
 import time
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Optional
 
@@ -196,18 +197,20 @@ class ForwardTimer:
         }
 
 
-_current: Optional[ForwardTimer] = None
+# The forward being timed on this thread: each runtime's generation thread times its own, so
+# two models served in one process never lap into each other's record.
+_FORWARD: ContextVar[Optional[ForwardTimer]] = ContextVar("apc_profiled_forward", default=None)
 
 
 def begin_forward(hidden: Any) -> Optional[ForwardTimer]:
     """Start timing a forward over ``hidden`` [B, L, ...] if the flag file exists (one stat)."""
-    global _current
     if not is_enabled():
-        _current = None
+        _FORWARD.set(None)
         return None
-    _current = ForwardTimer(length=int(hidden.shape[1]), batch=int(hidden.shape[0]))
-    _current.lap(OTHER, hidden)
-    return _current
+    timer = ForwardTimer(length=int(hidden.shape[1]), batch=int(hidden.shape[0]))
+    _FORWARD.set(timer)
+    timer.lap(OTHER, hidden)
+    return timer
 
 
 def attention_kind(decoder_layer: Any) -> str:
@@ -220,20 +223,20 @@ def mlp_kind(decoder_layer: Any) -> str:
 
 def after_attention(decoder_layer: Any, hidden: Any) -> None:
     """Charge the time since the previous hook to the layer's attention kind."""
-    if _current is not None:
-        _current.lap(attention_kind(decoder_layer), hidden)
+    if (timer := _FORWARD.get()) is not None:
+        timer.lap(attention_kind(decoder_layer), hidden)
 
 
 def after_layer(decoder_layer: Any, hidden: Any) -> None:
     """Charge the time since ``after_attention`` to the layer's MLP kind (MoE or dense)."""
-    if _current is not None:
-        _current.lap(mlp_kind(decoder_layer), hidden)
+    if (timer := _FORWARD.get()) is not None:
+        timer.lap(mlp_kind(decoder_layer), hidden)
 
 
 def end_forward(hidden: Any) -> Optional[dict]:
     """Close the forward's timer and log its record (nothing when not timing)."""
-    global _current
-    timer, _current = _current, None
+    timer = _FORWARD.get()
+    _FORWARD.set(None)
     if timer is None:
         return None
     timer.lap(OTHER, hidden)
