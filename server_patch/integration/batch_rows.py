@@ -48,6 +48,7 @@ from server_patch.integration.pending import Pending, RequestKey
 from server_patch.integration.session import SessionBook, Session, SessionState
 from server_patch.integration.runtime import LineageRuntime
 from server_patch.lineage import DISK, KVAdmission, RestorePlan, flow
+from server_patch.lineage.holds import BASE, DEFERRED
 from server_patch.speculative.rounds import RoundBook
 from server_patch.state import rows
 
@@ -82,28 +83,44 @@ class BatchRows:
     # ------------------------------------------------------------------ admission
 
     def sweep(self) -> None:
-        """Forget tracked replies of rows no batch holds any more."""
-        if self.book.replying() and (active := self.generator.active_uids()) is not None:
-            self.book.forget_replies(active)
+        """Before a lookup: rows no batch holds any more whose leaving nobody saw end now, each
+        by an event of its own life (``left_unseen``). The one sweep of rows, replies, deferrals
+        and their holds alike."""
+        active = self.generator.active_uids()
+        if active is None:
+            return
+        for row in self.book.rows():
+            if row.uid is not None and row.uid not in active and (
+                    row.state == SessionState.DECODING or row.deferral is not None):
+                self.left_unseen(row)
+
+    def left_unseen(self, row: Session) -> None:
+        """``row`` is in no batch and nothing saw it leave: its reply is forgotten, its deferred
+        prompt-end state committed (``surface``, orphan: a lone row's buffer adopted), its loan
+        ended, and it has ended (what it holds of the cache is let go)."""
+        row.reply = None
+        if row.deferral is not None:
+            self.surface(row, orphan=True)
+        if row.loan is not None:
+            self._end_loan(row, None, reason="orphan")
+        self._end(row, "left unseen")
 
     def settle(self, prompt: np.ndarray, namespace: str, plan: RestorePlan, reclaimed: set[str]) -> bool:
         """The flow's settle hook: commit deferred entries this plan would miss, end loans of
         the rows it needs (their ids go into ``reclaimed``). True: plan again."""
         active = self.generator.active_uids()
-        if self._surface(prompt, namespace, plan.length, active):
+        if self._surface(prompt, namespace, plan.length):
             return True  # a deferred entry was committed: there may be a longer restore point
         return self._sweep_loans(plan.entry, reclaimed, active)
 
-    def _surface(self, prompt: np.ndarray, namespace: str, restorable: int, active: Optional[set[Any]]) -> bool:
-        """Commit deferred entries a lookup would restore from (``restorable``: what it
-        restores now), and those nobody writes any more (not ``active``; their tracked reply
-        is forgotten). True if a useful one was committed (plan again)."""
+    def _surface(self, prompt: np.ndarray, namespace: str, restorable: int) -> bool:
+        """Tell deferred rows a lookup would restore from (``restorable``: what it restores
+        now) to commit (rows nobody writes any more ended at the ``sweep``). True if one was
+        committed (plan again)."""
         surfaced = False
         for row in self.book.deferred():
-            orphan = active is not None and row.uid not in active
-            useful = deferral.surfaces(row.deferral, prompt, namespace, restorable)
-            if (orphan or useful) and self.surface(row, orphan=orphan):
-                surfaced = surfaced or useful
+            if deferral.surfaces(row.deferral, prompt, namespace, restorable) and self.surface(row, orphan=False):
+                surfaced = True
         return surfaced
 
     def surface(self, row: Session, *, orphan: bool) -> bool:
@@ -124,6 +141,7 @@ class BatchRows:
             self.commit_prompt(row, found[0], found[1], adopt=False, reason=reason)
         else:  # its row is gone and nothing saw it leave: no entry, never garbage
             row.deferral = None
+            self._let_go(row)
             self.book.tidy(row)
             log.warning("apc_lineage deferred entry of %d tokens lost: its row left unseen",
                         deferred.pending.final)
@@ -266,6 +284,10 @@ class BatchRows:
             head = rows.capture(layout, prompt_cache, batch_idx, pending.final)
             row.deferral = Deferred(pending, head, list(prompt_cache) if lone else [], uid,
                                     time.monotonic(), shared=not lone)
+            if lone:  # its own buffer, adopted at its commit
+                self.runtime.cache.defer(row, f"deferred:{uid}")
+            else:  # the entry it restored at the head of: its reply is appended there
+                self._hold_base(row, appending.restored_base(pending))
             committed = True
         else:
             room = self._reply_capacity(pending, uid) if reuse else 0
@@ -280,9 +302,10 @@ class BatchRows:
         self._decoding(row, head, uid, "prefill end")
         if row.reply is not None and base is not None:  # its reply is appended there
             row.reply.base = base
+            self._hold_base(row, base)
         self.commits.note_commit(row, start)
         if uid is None:  # the single-sequence path: no later event will come
-            self.book.end(row, "prefill end")
+            self._end(row, "prefill end")
         else:
             self.book.tidy(row)
         return committed
@@ -320,6 +343,7 @@ class BatchRows:
         reply, row.reply = row.reply, None
         if reply is not None and self._keep_reply(reply, batch, idx, alone=alone, deferred=row.deferral):
             row.deferral = None
+            self._let_go(row)
             self.book.tidy(row)
         else:
             self._commit_prompt(row, list(batch.prompt_cache), idx, adopt=alone, reason="end")
@@ -344,8 +368,10 @@ class BatchRows:
             room = self._reply_capacity(row.pending, row.uid) if row.reply is not None else 0
             elapsed = deferral.resolve(self.runtime.layout, self.settings, deferred, caches, idx,
                                        adopt=adopt, reason=reason, store=self._store, room=room)
+            self._let_go(row)  # its buffer is an entry now (or dropped), the base it restored absorbed
             if row.reply is not None and deferred.stored is not None:  # its reply appends there
                 row.reply.base = deferred.stored
+                self._hold_base(row, deferred.stored)
             if elapsed is not None and row.record is not None and not row.timed:
                 row.record.commit_ms += elapsed
         self.book.tidy(row)
@@ -429,7 +455,7 @@ class BatchRows:
             self.commit_finished(row, batch, i, alone=alone)
             if row.loan is not None:
                 self._end_loan(row, batch.prompt_cache if alone else None, reason="end")
-            self.book.end(row, "leaving")
+            self._end(row, "leaving")
 
     def verified_leaving(self, batch: Any, uids: Sequence[Any]) -> None:
         """Rows ``uids`` of a speculative batch finished: ``leaving`` over its rows as the last
@@ -448,7 +474,7 @@ class BatchRows:
                     self.commit_prompt(row, row.deferral.caches, 0, adopt=True, reason="end")
                 if row.loan is not None:
                     self._end_loan(row, None, reason="end")
-                self.book.end(row, "leaving")
+                self._end(row, "leaving")
         if view is not None:
             going = set(uids)
             self.leaving(view, [i for i, uid in enumerate(view.uids) if uid not in going])
@@ -480,7 +506,31 @@ class BatchRows:
             self.commit_prompt(row, found[0], found[1], adopt=False, reason="removed")
         if row.loan is not None:
             self._end_loan(row, None, reason="removed")
-        self.book.end(row, "removed")
+        self._end(row, "removed")
+
+    # ------------------------------------------------------------------ commit holds
+
+    def _hold_base(self, row: Session, base: Optional[appending.Base]) -> None:
+        """The entry ``row``'s reply will be appended to (``base``, if still stored as it was)
+        is its hold until it commits or ends (``LineageCache.base``: not evicted nor rewound
+        meanwhile, decision 0013)."""
+        entry = appending.base_entry(self.runtime.cache, base)
+        if entry is not None:
+            self.runtime.cache.base(row, entry)
+
+    def _let_go(self, row: Session) -> None:
+        """``row``'s commit holds (``BASE``, ``DEFERRED``) are let go: it committed, or has ended."""
+        self.runtime.cache.release(row, (BASE, DEFERRED))
+
+    def _end(self, row: Session, event: str) -> None:
+        """``event`` ended the row: its commit holds let go (the rest, at the book's
+        ``release``, once it is forgotten), and ENDED (a deferral left waits for its commit)."""
+        if row.deferral is None:
+            self._let_go(row)
+        if row.state == SessionState.ENDED:
+            self.book.tidy(row)
+        else:
+            self.book.end(row, event)
 
 
 __all__ = ["BatchRows", "Commits"]

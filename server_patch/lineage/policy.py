@@ -607,13 +607,13 @@ class LineageCache:
             self._holds.take(owner, entry.id, 0, resident=True, kind=BASE)
             return True
 
-    def defer(self, owner: Hashable, key: str, nbytes: int) -> None:
-        """``owner`` (a lone decoding row) holds its own buffer (``nbytes``, ``key`` naming it)
-        to be adopted as its entry at its commit: a hold of kind ``DEFERRED`` until that commit
-        or ``release(owner)``. Not counted in the RAM budget (decision 0013: mlx-vlm's batch
-        memory while the row decodes, the entry's once committed) and pinning nothing."""
+    def defer(self, owner: Hashable, key: str) -> None:
+        """``owner`` (a lone decoding row) holds its own buffer (``key`` naming it) to be
+        adopted as its entry at its commit: a hold of kind ``DEFERRED`` until that commit or
+        ``release(owner)``. Not counted in the RAM budget (decision 0013: mlx-vlm's batch memory
+        while the row decodes, the entry's once committed) and pinning nothing."""
         with self.lock:
-            self._holds.take(owner, key, nbytes, resident=False, kind=DEFERRED)
+            self._holds.take(owner, key, 0, resident=False, kind=DEFERRED)
 
     def release(self, owner: Hashable, kinds: Iterable[str] | None = None) -> int:
         """Everything ``owner`` holds (of ``kinds``, ``holds``' kinds; default: all) is let go

@@ -81,7 +81,7 @@ def test_a_base_held_entry_is_not_rewound_and_an_operators_evict_still_wins():
 def test_a_deferral_counts_nothing_pins_nothing_and_release_lets_it_go(pressed):
     cache, entries = pressed
     used = cache.ram_used
-    cache.defer("row", "deferred:7", 10 ** 9)  # a lone row's own buffer: mlx-vlm's memory while it decodes
+    cache.defer("row", "deferred:7")  # a lone row's own buffer: mlx-vlm's memory while it decodes
     assert cache.ram_used == used and [h.kind for h in cache._holds.of("row")] == [DEFERRED]
     assert cache.base("row", entries[0])
     assert cache.release("row") == 2 and cache._holds.of("row") == []
