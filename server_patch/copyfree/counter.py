@@ -47,6 +47,7 @@ Method = Callable[..., object]
 ENV = "APC_COPY_COUNTER"
 ENV_FILE = "APC_COPY_COUNTER_FILE"
 
+# Whether mlx-vlm's classes are wrapped: the process's, on purpose (they are the process's classes).
 _wrapped = False
 
 
