@@ -12,9 +12,11 @@ in place: at most the reply (``max_tokens`` rows) plus, for a deferred row, its 
 The new entry absorbs the old one and owns the buffer, spare rows left, so the next turn is
 still lent it.
 
-The buffer is taken under the cache's loan receipt (``LineageCache.lend``: refused while the
-entry is lent, queued for writing or gone), so the disk writer never reads a half-swapped
-handle and nothing evicts the entry meanwhile. After the store the receipt ends; if the old
+From the row's prompt end to its commit the base entry is the row's hold of kind ``BASE``
+(``LineageCache.base``, decision 0013): RAM pressure evicts other entries, and no rewind moves
+its head. The buffer is taken under the cache's loan receipt (``LineageCache.lend``: refused
+while the entry is lent, queued for writing or gone), so the disk writer never reads a
+half-swapped handle and nothing evicts the entry meanwhile. After the store the receipt ends; if the old
 entry is still held (the store kept an identical entry instead, or refused), the buffer goes
 back to it, rows ``[0, B)`` untouched. Anything else (no base, no room, a quantized layer, a
 buffer whose rows moved) is the whole-row copy, counted (``reply_row_copies``) so an operator sees it.

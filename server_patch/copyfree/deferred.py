@@ -6,7 +6,9 @@ decoding batch, or its rows are concatenated into a shared batch). With reply re
 sharing its batch is deferred too, found by uid when needed and copied out once when it ends.
 A lookup that would restore from a deferred entry commits it first (``surfaces``), by a copy,
 so deferral never hides a restore point. A request's deferral is its row's ``deferral``
-(``integration.session``); these are the mechanics.
+(``integration.session``), and what it holds of the cache meanwhile is a hold (decision 0013):
+a lone row's buffer one of kind ``DEFERRED``, the entry a shared row's reply will be appended to
+one of kind ``BASE`` (``integration.batch_rows``); these are the mechanics.
 
 When a tracked row ends and its cache provably holds prompt + the ids it was fed
 (``replies.validated``), ``commit_reply`` moves its entry's head past the reply: a lone row's

@@ -9,8 +9,9 @@ pipelining makes the ids it reports exactly the ones the cache took: ``_step`` f
 the id sampled last is never fed and never reported.
 
 A row is tracked from its prefill end until it leaves the decoding batch (its row's ``reply``,
-``integration.session``); a lookup forgets the replies of rows no batch holds any more, so a
-row whose leaving was never seen costs nothing but its reply.
+``integration.session``); a row no batch holds any more at a lookup has ended unseen
+(``BatchRows.sweep``, the one sweep), so a row whose leaving was never seen costs nothing but
+its reply.
 """
 
 from __future__ import annotations
