@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from apcctl.core.client import AdminClient, AdminError
-from apcctl.tinymodel.corpus import training_corpus
+from apcctl.lab.tinymodel.corpus import training_corpus
 
 Messages = list[dict[str, str]]
 

@@ -34,8 +34,8 @@ def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``apcctl.tinymodel.build`` preset "tiny", seed 0, built once (a few seconds) and reused."""
-    from apcctl.tinymodel.build import build_model
+    """``apcctl.lab.tinymodel.build`` preset "tiny", seed 0, built once (a few seconds) and reused."""
+    from apcctl.lab.tinymodel.build import build_model
 
     return build_model(tmp_path_factory.mktemp("tiny-model") / "tiny", "tiny", seed=0)
 

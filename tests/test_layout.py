@@ -12,7 +12,7 @@
 * ``server_patch.boundaries`` imports neither MLX nor mlx-vlm, and ``server_patch.lineage`` no
   mlx-vlm, not even through what they import (checked on the parsed graph and in a fresh
   interpreter).
-* Inside ``apcctl``, the research lab (``sim``, ``bench``, ``tinymodel``, ``template_check``,
+* Inside ``apcctl``, the research lab (``apcctl.lab``: ``sim``, ``bench``, ``tinymodel``, ``template_check``,
   ``drafter_check``, ``model_check``, ``model_matrix``) and the operator CLI (``core``, ``config``, ``service``,
   ``fleet``, the demo's traffic) meet only in the commands; the lab's layers point one way.
 * ``server_patch`` never imports the CLI (``apcctl``) or the dashboard (``tui``).
@@ -157,10 +157,16 @@ def test_the_parser_sees_the_imports_it_should():
     assert any(not i.eager for i in all_imports())
 
 
+# Packages that only group packages: their parts are one level further down.
+GROUPS = ("apcctl.lab",)
+
+
 def _unit(module: str) -> str:
     """The part a module belongs to for the package-level check: its top-level sub-package
-    (``server_patch.admin``, ``apcctl.sim``) or, for a top-level module, itself."""
-    return ".".join(module.split(".")[:2])
+    (``server_patch.admin``, ``apcctl.core``) or, for a top-level module, itself; inside a group
+    (``apcctl.lab``) its sub-package or module there (``apcctl.lab.sim``)."""
+    depth = 3 if any(module.startswith(group + ".") for group in GROUPS) else 2
+    return ".".join(module.split(".")[:depth])
 
 
 def import_graph(package: str, lazy: bool, level: str) -> dict[str, set[str]]:
@@ -184,7 +190,7 @@ def import_graph(package: str, lazy: bool, level: str) -> dict[str, set[str]]:
 # finder holds them), the disk tier's location and volume to ``server_patch.disk_paths`` (the
 # lineage config sizes its disk cap from it), how a request ended to ``observe.outcomes`` (the
 # timing record writes it, the admin answers parse it), and the simulator's conversations to
-# ``apcctl.sim.conversation`` (the trace generator and the client patterns both build on them).
+# ``apcctl.lab.sim.conversation`` (the trace generator and the client patterns both build on them).
 KNOWN_CYCLES: dict[tuple[str, str, bool], list[list[str]]] = {}
 
 
@@ -224,13 +230,14 @@ def test_the_neutral_packages_import_only_the_leaves():
 # core). The tiny models are the floor (with the corpus and the agent prompts every layer above
 # writes from); the chat-template and drafter checks and the model matrix read them; the model check uses the
 # template check; the simulator sizes a model through the model check; the benches drive servers.
-LAB_LAYERS = (("apcctl.tinymodel",), ("apcctl.template_check", "apcctl.drafter_check", "apcctl.model_matrix"),
-              ("apcctl.model_check",),
-              ("apcctl.sim", "apcctl.bench"))
+LAB_LAYERS = (("apcctl.lab.tinymodel",), ("apcctl.lab.template_check", "apcctl.lab.drafter_check", "apcctl.lab.model_matrix"),
+              ("apcctl.lab.model_check",),
+              ("apcctl.lab.sim", "apcctl.lab.bench"))
 LAB = tuple(part for layer in LAB_LAYERS for part in layer)
+LAB_PACKAGE = "apcctl.lab"  # every lab module lives in it, and is in a layer
 # What of the lab the operator's side may use: the corpus (word lists, data), for the demo's
 # agent traffic. The commands (``apcctl.commands``, ``apcctl.cli``) are the surface for both.
-LAB_DATA = ("apcctl.tinymodel.corpus",)
+LAB_DATA = ("apcctl.lab.tinymodel.corpus",)
 SURFACE = ("apcctl.commands", "apcctl.cli")
 
 
@@ -243,6 +250,8 @@ def test_the_lab_stands_apart_from_the_operator_cli():
     operator CLI (core, config, service, fleet, the demo's traffic) meet only in the commands:
     the lab imports nothing of the operator's side but the core, the operator's side nothing of
     the lab but its data, at load or call time; inside the lab, a layer never imports a later one."""
+    unlayered = [m for m in modules("apcctl") if _within(m, LAB_PACKAGE) and m != LAB_PACKAGE and _lab_layer(m) is None]
+    assert not unlayered, f"lab modules in no layer of LAB_LAYERS: {unlayered}"
     imports = [i for i in all_imports("apcctl") if _top(i.target) == "apcctl" and _unit(i.source) != _unit(i.target)]
     lab_up = [i for i in imports if _lab_layer(i.source) is not None and
               (_lab_layer(i.target) is None and not _within(i.target, CORE)
@@ -254,8 +263,8 @@ def test_the_lab_stands_apart_from_the_operator_cli():
     assert not operator_in, operator_in
     seen = {(_unit(i.source), _unit(i.target)) for i in imports}
     # The parser sees the arrows these rules are about.
-    assert {("apcctl.sim", "apcctl.model_check"), ("apcctl.model_check", "apcctl.template_check"),
-            ("apcctl.commands", "apcctl.sim"), ("apcctl.agent_traffic", "apcctl.tinymodel")} <= seen
+    assert {("apcctl.lab.sim", "apcctl.lab.model_check"), ("apcctl.lab.model_check", "apcctl.lab.template_check"),
+            ("apcctl.commands", "apcctl.lab.sim"), ("apcctl.agent_traffic", "apcctl.lab.tinymodel")} <= seen
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -327,7 +327,7 @@ def test_the_copy_counter_flag_is_the_launchers_not_mlx_vlms() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from apcctl.tinymodel.build import build_model
+    from apcctl.lab.tinymodel.build import build_model
 
     return build_model(tmp_path_factory.mktemp("overlay-model") / "tiny", "tiny", seed=0)
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from apcctl.tinymodel.build import STAMP_FILE, build_model
-from apcctl.tinymodel.config import cache_bytes, make_config
-from apcctl.tinymodel.fingerprint import weights_fingerprint
-from apcctl.tinymodel.presets import PRESETS
-from apcctl.tinymodel.template import CHAT_TEMPLATE
-from apcctl.tinymodel.vocab import (
+from apcctl.lab.tinymodel.build import STAMP_FILE, build_model
+from apcctl.lab.tinymodel.config import cache_bytes, make_config
+from apcctl.lab.tinymodel.fingerprint import weights_fingerprint
+from apcctl.lab.tinymodel.presets import PRESETS
+from apcctl.lab.tinymodel.template import CHAT_TEMPLATE
+from apcctl.lab.tinymodel.vocab import (
     CONTROL_TOKENS,
     EOS_TOKENS,
     MARKUP_TOKENS,
@@ -274,8 +274,8 @@ DATA_DIGESTS = {
 def test_data_files_give_builder_version_2_template_vocabulary_and_corpus() -> None:
     import hashlib
 
-    from apcctl.tinymodel.build import BUILDER_VERSION
-    from apcctl.tinymodel.corpus import training_corpus
+    from apcctl.lab.tinymodel.build import BUILDER_VERSION
+    from apcctl.lab.tinymodel.corpus import training_corpus
 
     derived = {"chat_template": CHAT_TEMPLATE, "vocabulary": json.dumps(vocabulary()),
                "training_corpus": json.dumps(training_corpus())}
@@ -302,7 +302,7 @@ def test_tiny_and_bench_weigh_exactly_as_builder_2s(preset: str, tmp_path: Path)
 def test_the_spec_twin_differs_from_tiny_only_on_the_dominant_path(tiny: Path, tmp_path: Path) -> None:
     from safetensors.numpy import load_file
 
-    from apcctl.tinymodel.weights import path_features
+    from apcctl.lab.tinymodel.weights import path_features
 
     spec = build_model(tmp_path / "spec", "tiny-spec", seed=0)
     assert (spec / "config.json").read_bytes() == (tiny / "config.json").read_bytes()
@@ -320,7 +320,7 @@ def test_the_spec_twin_differs_from_tiny_only_on_the_dominant_path(tiny: Path, t
 
 
 def test_no_gain_adds_no_path() -> None:
-    from apcctl.tinymodel.weights import add_dominant_path, init_weights
+    from apcctl.lab.tinymodel.weights import add_dominant_path, init_weights
 
     config = make_config(PRESETS["tiny"], {t: i for i, t in enumerate(CONTROL_TOKENS + MARKUP_TOKENS)}, 512)
     weights = init_weights(config, 0)
@@ -338,8 +338,8 @@ def test_every_data_file_is_declared_package_data() -> None:
     from importlib import resources
 
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-    globs = pyproject["tool"]["setuptools"]["package-data"]["apcctl.tinymodel"]
-    names = [f"data/{f.name}" for f in resources.files("apcctl.tinymodel").joinpath("data").iterdir()]
+    globs = pyproject["tool"]["setuptools"]["package-data"]["apcctl.lab.tinymodel"]
+    names = [f"data/{f.name}" for f in resources.files("apcctl.lab.tinymodel").joinpath("data").iterdir()]
     assert len(names) >= 5
     assert [n for n in names if not any(fnmatch.fnmatch(n, g) for g in globs)] == []
 

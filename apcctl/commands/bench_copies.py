@@ -1,6 +1,6 @@
 """``apcctl bench copies``: what a shared row's reply commit and a warm turn's merge copy cost.
 
-The bench itself is ``apcctl.bench.reply_copy`` (in-process, on the bench preset's cache
+The bench itself is ``apcctl.lab.bench.reply_copy`` (in-process, on the bench preset's cache
 shapes): the whole-row copy a shared row's end used to make, the reply-rows-only append it makes
 now, and the merge copy in one piece and in slices, side by side in one run. Not a test:
 nothing asserts a time.
@@ -35,7 +35,7 @@ def copies(context: int, reply: int, slice_rows: int, repeat: int, victim: int, 
     the reply's rows, the merge in one piece and per slice; a row joining a decoding batch and
     leaving it (mlx-vlm's extend and filter, and the copy-free join and leave), the next decode
     write after each, and a join into a buffer with room."""
-    from apcctl.bench import batch_copies, reply_copy
+    from apcctl.lab.bench import batch_copies, reply_copy
 
     with click.progressbar(length=2, label="timing the copies", file=sys.stderr) as bar:
         out = reply_copy.run(context, reply, slice_rows, repeat)

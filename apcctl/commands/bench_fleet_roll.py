@@ -43,7 +43,7 @@ def bench_fleet_roll(model: str | None, servers: int, requests: int, agents: int
     """
     from apcctl.core.gateway import POLICIES
     from apcctl.fleet.roll_bench import TIERS, run_roll_bench
-    from apcctl.tinymodel.build import build_model
+    from apcctl.lab.tinymodel.build import build_model
 
     if policy not in POLICIES:
         raise click.BadParameter(f"one of {', '.join(POLICIES)}", param_hint="--policy")

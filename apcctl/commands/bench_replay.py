@@ -30,11 +30,11 @@ DEFAULT_POLICIES = "lineage,lineage-nosegments,stock,post-baseline,periodic,orac
 def replay_cmd(trace: Path | None, policies: str, model_config: str, prefill_rate: float,
                lineage_settings: tuple[str, ...], as_json: bool) -> None:
     """Replay TRACE (default: the bundled agent trace) against cache policies with sized state."""
-    from apcctl.sim.policies import POLICY_NAMES
-    from apcctl.sim.replay import replay
-    from apcctl.sim.report import print_report, summarize
-    from apcctl.sim.sizes import load_sizes
-    from apcctl.sim.trace import bundled_trace_path, read_trace
+    from apcctl.lab.sim.policies import POLICY_NAMES
+    from apcctl.lab.sim.replay import replay
+    from apcctl.lab.sim.report import print_report, summarize
+    from apcctl.lab.sim.sizes import load_sizes
+    from apcctl.lab.sim.trace import bundled_trace_path, read_trace
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICY_NAMES]
@@ -84,34 +84,34 @@ def _lineage_config(settings: tuple[str, ...]) -> LineageConfig | None:
 @click.option("--minutes", type=float, default=30.0, show_default=True)
 @click.option("--template", default=None, metavar="FILE",
               help="Render the prompts with this chat template (apcctl/templates: qwen3.jinja, glm45.jinja) "
-                   "and the tiny BPE tokenizer, with the server's boundary finder (apcctl.sim.tracegen_rendered); "
+                   "and the tiny BPE tokenizer, with the server's boundary finder (apcctl.lab.sim.tracegen_rendered); "
                    "default: the synthetic GLM-layout trace.")
 @click.option("--no-system-points", is_flag=True,
               help="With --template: the finder without points inside the system text (the before).")
 @click.option("--drift", is_flag=True,
-              help="The drift actor (apcctl.sim.drift_actor): per client change of issue 37 a first request and "
+              help="The drift actor (apcctl.lab.sim.drift_actor): per client change of issue 37 a first request and "
                    "the changed one (kind drift:NAME), rendered with --template (default qwen3.jinja).")
 def trace_gen_cmd(out: Path, seed: int, scale: str, minutes: float, template: str | None,
                   no_system_points: bool, drift: bool) -> None:
     """Write a deterministic agent trace to OUT (JSONL, prompts stored as deltas)."""
-    from apcctl.sim.trace import write_trace
+    from apcctl.lab.sim.trace import write_trace
 
     if drift:
-        from apcctl.sim import drift_actor
-        from apcctl.sim.tracegen_rendered import TEMPLATES
+        from apcctl.lab.sim import drift_actor
+        from apcctl.lab.sim.tracegen_rendered import TEMPLATES
 
         if (template or "qwen3.jinja") not in TEMPLATES:
             raise click.BadParameter(f"unknown {template}; known: {', '.join(TEMPLATES)}", param_hint="--template")
         requests, meta = drift_actor.generate(seed=seed, template=template or "qwen3.jinja")
     elif template is not None:
-        from apcctl.sim.tracegen_rendered import TEMPLATES
-        from apcctl.sim.tracegen_rendered import generate as generate_rendered
+        from apcctl.lab.sim.tracegen_rendered import TEMPLATES
+        from apcctl.lab.sim.tracegen_rendered import generate as generate_rendered
 
         if template not in TEMPLATES:
             raise click.BadParameter(f"unknown {template}; known: {', '.join(TEMPLATES)}", param_hint="--template")
         requests, meta = generate_rendered(seed=seed, template=template, system_points=not no_system_points)
     else:
-        from apcctl.sim.tracegen import generate
+        from apcctl.lab.sim.tracegen import generate
 
         requests, meta = generate(seed=seed, scale=scale, minutes=minutes)
     write_trace(out, requests, meta)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from apcctl.tinymodel.presets import SPEC_PRESETS
+from apcctl.lab.tinymodel.presets import SPEC_PRESETS
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -31,9 +31,9 @@ def register(main: click.Group, bench: click.Group) -> None:
 def spec(model_dir: Path | None, preset: str, context: int, questions: int, max_tokens: int,
          workdir: Path | None, startup_timeout: float, as_json: bool) -> None:
     """Warm TTFT, decode tokens/s, accepted drafts per round and prefilled tokens, drafter off and on."""
-    from apcctl.bench import spec as bench
-    from apcctl.tinymodel.build import build_model
-    from apcctl.tinymodel.drafter import build_drafter
+    from apcctl.lab.bench import spec as bench
+    from apcctl.lab.tinymodel.build import build_model
+    from apcctl.lab.tinymodel.drafter import build_drafter
 
     model_dir = build_model(model_dir or Path(tempfile.gettempdir()) / f"apcctl-{preset}-model", preset=preset, seed=0)
     drafter = build_drafter(model_dir)

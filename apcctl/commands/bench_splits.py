@@ -20,7 +20,7 @@ def _seeds(text: str) -> list[int]:
 
 @click.command("splits")
 @click.option("--family", default="deepseek_v4", show_default=True,
-              help="The tiny random model of this mlx-vlm family (apcctl.tinymodel).")
+              help="The tiny random model of this mlx-vlm family (apcctl.lab.tinymodel).")
 @click.option("--seeds", default="0-2", show_default=True, help="Model and prompt seeds: 0-4 or 0,2,5.")
 @click.option("--prompts", default=6, show_default=True, type=click.IntRange(1, 100), help="Prompts per seed.")
 @click.option("--splits", default=4, show_default=True, type=click.IntRange(1, 50),
@@ -30,8 +30,8 @@ def bench_splits(family: str, seeds: str, prompts: int, splits: int, as_json: bo
     """Prefill random prompts in one call, with random cuts and with the canary's cuts, and
     report the worst logit difference between two split sets (absolute and over the logit
     scale), a one-wrong-token control, and the canary tolerance this family gets."""
-    from apcctl.bench.splits import measure_tiny
-    from apcctl.tinymodel.families import FAMILIES, NOT_SPLIT_INVARIANT
+    from apcctl.lab.bench.splits import measure_tiny
+    from apcctl.lab.tinymodel.families import FAMILIES, NOT_SPLIT_INVARIANT
     from server_patch.canary.compare import SPLIT_RTOL
 
     if family not in FAMILIES and family not in NOT_SPLIT_INVARIANT:

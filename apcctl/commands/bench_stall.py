@@ -1,6 +1,6 @@
 """``apcctl bench stall``: how long a decoding stream stalls for another session's cache work.
 
-The bench itself is ``apcctl.bench.stall``; stock and patched run side by side. Not a test:
+The bench itself is ``apcctl.lab.bench.stall``; stock and patched run side by side. Not a test:
 nothing asserts a time.
 """
 
@@ -52,9 +52,9 @@ def stall(model_dir: Path | None, quick: bool, context: int | None, tokens: int 
     """A stream's inter-token gaps (p50/p99/max) alone and while another session restores,
     prefills, ends a shared row or commits under a full budget, and a request's TTFT while the
     canary loads a disk point; stock and patched side by side."""
-    from apcctl.bench import stall as bench
-    from apcctl.bench.ttft import BenchError
-    from apcctl.tinymodel.build import build_model
+    from apcctl.lab.bench import stall as bench
+    from apcctl.lab.bench.ttft import BenchError
+    from apcctl.lab.tinymodel.build import build_model
 
     sizes = QUICK if quick else FULL
     chosen_modes = _names(modes, list(bench.MODES), "--modes")

@@ -17,7 +17,7 @@ def bench_templates(variants: tuple[str, ...], as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from apcctl.sim import template_study as ts
+    from apcctl.lab.sim import template_study as ts
 
     known = {v.name: v for v in (*ts.VARIANTS, *ts.TINY_VARIANTS)}
     unknown = [name for name in variants if name not in known]

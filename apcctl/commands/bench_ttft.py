@@ -1,8 +1,8 @@
 """``apcctl bench ttft``: warm-turn time to first token, stock and patched (reply reuse on and off).
 
-The bench itself is ``apcctl.bench.ttft`` (servers, turns, the split read from
-``/admin/requests`` and mlx-vlm's ``/metrics``), ``apcctl.bench.ttft_forward`` (the suffix
-forward in-process) and ``apcctl.bench.ttft_report`` (tables). Not a test: nothing asserts a time.
+The bench itself is ``apcctl.lab.bench.ttft`` (servers, turns, the split read from
+``/admin/requests`` and mlx-vlm's ``/metrics``), ``apcctl.lab.bench.ttft_forward`` (the suffix
+forward in-process) and ``apcctl.lab.bench.ttft_report`` (tables). Not a test: nothing asserts a time.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ def register(main: click.Group, bench: click.Group) -> None:
 def ttft(model_dir: Path | None, context: int, questions: int, max_tokens: int, modes: str, repeat: int,
          workdir: Path | None, startup_timeout: float, as_json: bool) -> None:
     """Warm-turn time to first token, tokens restored and prefilled, KV bytes copied per turn."""
-    from apcctl.bench import ttft as bench
-    from apcctl.bench.ttft_report import render
-    from apcctl.tinymodel.build import build_model
+    from apcctl.lab.bench import ttft as bench
+    from apcctl.lab.bench.ttft_report import render
+    from apcctl.lab.tinymodel.build import build_model
 
     selected = [m.strip() for m in modes.split(",") if m.strip()]
     unknown = sorted(set(selected) - set(bench.MODES))

@@ -144,7 +144,7 @@ def demo(max_requests: int, duration: float | None, no_dashboard: bool, port: in
     Example:
       apcctl demo --no-dashboard --requests 20
     """
-    from apcctl.tinymodel.build import build_model
+    from apcctl.lab.tinymodel.build import build_model
 
     # Its own directory, outside servers/, so 'apcctl status --all' never lists the demo.
     server = ManagedServer(NAME, root=state_dir())

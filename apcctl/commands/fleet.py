@@ -383,7 +383,7 @@ def bench_fleet(model: str | None, servers: int, requests: int, trace: str, max_
     import tempfile
 
     from apcctl.fleet.bench import run_bench
-    from apcctl.tinymodel.build import build_model
+    from apcctl.lab.tinymodel.build import build_model
 
     root = Path(tempfile.mkdtemp(prefix="apcctl-bench-fleet-"))  # servers, disk tiers, logs: kept only on failure
     model = model or str(build_model(root / "model", "tiny"))

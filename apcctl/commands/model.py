@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from apcctl.tinymodel.presets import PRESETS, SPEC_PRESETS
+from apcctl.lab.tinymodel.presets import PRESETS, SPEC_PRESETS
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -31,9 +31,9 @@ def model() -> None:
                    f"only for {' and '.join(SPEC_PRESETS)}.")
 def build(out: Path, preset: str, seed: int, drafter: bool) -> None:
     """Build a model into OUT (reused when OUT already holds this preset and seed)."""
-    from apcctl.tinymodel.build import build_model
-    from apcctl.tinymodel.config import cache_bytes
-    from apcctl.tinymodel.fingerprint import weights_fingerprint
+    from apcctl.lab.tinymodel.build import build_model
+    from apcctl.lab.tinymodel.config import cache_bytes
+    from apcctl.lab.tinymodel.fingerprint import weights_fingerprint
 
     if drafter and preset not in SPEC_PRESETS:
         raise click.UsageError(f"--drafter follows the target's dominant path, which only "
@@ -52,7 +52,7 @@ def build(out: Path, preset: str, seed: int, drafter: bool) -> None:
         f"{at_16k.projected / 16384:,.0f} B/token"
     )
     if drafter:
-        from apcctl.tinymodel.drafter import build_drafter, fit_report
+        from apcctl.lab.tinymodel.drafter import build_drafter, fit_report
 
         report = fit_report(build_drafter(path).parent) or {}
         click.echo(f"drafter {path / 'mtp'}  glm5_next_mtp, constructed on the target's dominant path; "
@@ -64,7 +64,7 @@ def build(out: Path, preset: str, seed: int, drafter: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
 def fingerprint(model_dir: Path, as_json: bool) -> None:
     """Print the sha256 over config.json and the weight files of MODEL_DIR."""
-    from apcctl.tinymodel.fingerprint import weights_fingerprint
+    from apcctl.lab.tinymodel.fingerprint import weights_fingerprint
 
     try:
         digest = weights_fingerprint(model_dir)
@@ -91,14 +91,14 @@ def check(model_dir: Path, as_json: bool, draft_model: str | None, draft_kind: s
     (found or given) with whether the lineage serves it. Exit code 1 when the layout is not
     supported or a given drafter is not served (the server would refuse either at start).
     """
-    from apcctl.model_check import check_model_dir, format_report
+    from apcctl.lab.model_check import check_model_dir, format_report
 
     try:
         report = check_model_dir(model_dir)
     except (FileNotFoundError, ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
         raise click.ClickException(f"cannot build {model_dir} from its config.json: "
                                    f"{type(exc).__name__}: {exc}") from exc
-    from apcctl.drafter_check import drafter_report, format_drafter
+    from apcctl.lab.drafter_check import drafter_report, format_drafter
 
     drafter = drafter_report(model_dir, draft_model, draft_kind)
     if as_json:
@@ -115,7 +115,7 @@ def check(model_dir: Path, as_json: bool, draft_model: str | None, draft_kind: s
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
 def matrix(markdown: bool, as_json: bool) -> None:
     """Every model family of the installed mlx-vlm: its cache classes and who restores them."""
-    from apcctl.model_matrix import matrix_rows, render_markdown, rows_as_dicts
+    from apcctl.lab.model_matrix import matrix_rows, render_markdown, rows_as_dicts
 
     rows = matrix_rows()
     if markdown:

@@ -106,8 +106,8 @@ def _show(s: dict[str, Any]) -> None:
 def _what_if(directory: Path, since: float, until: float, overrides: str, sizes: str, as_json: bool) -> None:
     """``--what-if``: the window's traffic with the current and the proposed settings."""
     from apcctl.journal_report import read_journal
-    from apcctl.sim.sizes import load_sizes
-    from apcctl.sim.whatif import parse_overrides, what_if
+    from apcctl.lab.sim.sizes import load_sizes
+    from apcctl.lab.sim.whatif import parse_overrides, what_if
 
     try:
         proposed = parse_overrides(overrides)

@@ -14,7 +14,7 @@ lost token gets one reason, from the policy's own records:
   kept (``reply not re-rendered``: the template renders it otherwise), or ``other``.
 
 ``ladder`` gives each lost span to the nearest point above it that could have served it.
-Plain Python + numpy, no mlx: the server and the simulator (``apcctl/sim``) share it.
+Plain Python + numpy, no mlx: the server and the simulator (``apcctl/lab/sim``) share it.
 """
 
 from __future__ import annotations

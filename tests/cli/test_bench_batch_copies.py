@@ -9,7 +9,7 @@ import json
 
 from click.testing import CliRunner
 
-from apcctl.bench import batch_copies
+from apcctl.lab.bench import batch_copies
 from apcctl.cli import main
 
 

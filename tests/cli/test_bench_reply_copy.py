@@ -1,4 +1,4 @@
-"""``python -m apcctl.bench.reply_copy``: the bytes each copy moves, on the bench preset's shapes.
+"""``python -m apcctl.lab.bench.reply_copy``: the bytes each copy moves, on the bench preset's shapes.
 
 Times are the bench's output, never asserted; what is checked is that it copies what it says:
 the whole row, only the reply's rows, and the merge in the number of slices it names.
@@ -6,7 +6,7 @@ the whole row, only the reply's rows, and the merge in the number of slices it n
 
 from __future__ import annotations
 
-from apcctl.bench import reply_copy
+from apcctl.lab.bench import reply_copy
 
 
 def test_the_bench_times_the_row_copy_the_append_and_the_merge_on_their_own_bytes():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from apcctl.bench import stall
+from apcctl.lab.bench import stall
 from apcctl.cli import main
 
 pytestmark = pytest.mark.server
@@ -112,7 +112,7 @@ def test_the_table_has_a_row_per_scenario_and_mode(result: dict) -> None:
 
 
 def test_a_page_cache_drop_says_how_much_of_the_files_stayed_resident(tmp_path: Path) -> None:
-    from apcctl.bench import pagecache
+    from apcctl.lab.bench import pagecache
 
     (tmp_path / "tier").mkdir()
     path = tmp_path / "tier" / "entry.safetensors"

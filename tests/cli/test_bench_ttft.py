@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from apcctl.bench import ttft as bench
+from apcctl.lab.bench import ttft as bench
 
 pytestmark = pytest.mark.server
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from apcctl.tinymodel import families as tiny_families
+from apcctl.lab.tinymodel import families as tiny_families
 from apcctl.cli import main
-from apcctl.model_check import PROBE_TOKENS, check_language_model, check_model_dir
+from apcctl.lab.model_check import PROBE_TOKENS, check_language_model, check_model_dir
 from server_patch.state.families import all_families, inspect_family, model_families
 from server_patch.state.layout import CacheLayout
 from server_patch.state.registry import UnsupportedCacheError, check_options, codec_for
@@ -149,7 +149,7 @@ def test_check_language_model_of_an_unprobeable_model_still_classifies():
 
 
 def test_replay_sizes_of_a_checked_model(tmp_path):
-    from apcctl.sim.sizes import load_sizes, sizes_from_report
+    from apcctl.lab.sim.sizes import load_sizes, sizes_from_report
 
     report = check_model_dir(_write_config(tmp_path, "qwen3_5"))
     sizes = sizes_from_report(report)
@@ -176,10 +176,10 @@ def test_full_size_glm5_next_config_checks_without_weights_and_matches_the_simul
     probe's sizes agree with the simulator's independent derivation from the config."""
     from importlib import resources
 
-    from apcctl.sim.sizes import load_sizes
+    from apcctl.lab.sim.sizes import load_sizes
 
     (tmp_path / "config.json").write_text(
-        resources.files("apcctl.sim").joinpath("configs", "glm5_next_full.json").read_text())
+        resources.files("apcctl.lab.sim").joinpath("configs", "glm5_next_full.json").read_text())
     report = check_model_dir(tmp_path)
     sim = load_sizes("full")
     assert report.supported and len(report.layers) == 45

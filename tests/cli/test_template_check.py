@@ -11,13 +11,13 @@ import pytest
 from click.testing import CliRunner
 
 from apcctl.cli import main
-from apcctl.sim.template_study import template_source
-from apcctl.template_check import NO_TOOLS, SYSTEM_FIRST, TOOLS_FIRST, check_template, check_with, template_order
+from apcctl.lab.sim.template_study import template_source
+from apcctl.lab.template_check import NO_TOOLS, SYSTEM_FIRST, TOOLS_FIRST, check_template, check_with, template_order
 
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory) -> Path:
-    from apcctl.tinymodel.servable import build_family_dir
+    from apcctl.lab.tinymodel.servable import build_family_dir
 
     return build_family_dir("qwen3_5", tmp_path_factory.mktemp("tmpl") / "model")
 

@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from apcctl.cli import main
-from apcctl.sim import drift_actor
-from apcctl.sim.tracegen_rendered import _Renderer
+from apcctl.lab.sim import drift_actor
+from apcctl.lab.sim.tracegen_rendered import _Renderer
 from server_patch.drift import DriftDetector
 
 

@@ -5,7 +5,7 @@ tools block for the drift finder; they are never restore points."""
 
 from __future__ import annotations
 
-from apcctl.sim.tracegen_rendered import _Renderer
+from apcctl.lab.sim.tracegen_rendered import _Renderer
 from server_patch.boundaries import Kind
 from server_patch.boundaries.kinds import LABELS
 from tests.drift.test_drift_numbering import A1, U1, U2, turns

@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from apcctl.sim.tracegen_rendered import _Renderer
-from apcctl.tinymodel.agent_prompts import words
+from apcctl.lab.sim.tracegen_rendered import _Renderer
+from apcctl.lab.tinymodel.agent_prompts import words
 from server_patch.boundaries import Kind
 from server_patch.drift import DriftDetector
 

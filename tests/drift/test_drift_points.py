@@ -8,9 +8,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from apcctl.sim.patterns import Step, build
-from apcctl.sim.replay import replay_policy
-from apcctl.sim.sizes import load_sizes
+from apcctl.lab.sim.patterns import Step, build
+from apcctl.lab.sim.replay import replay_policy
+from apcctl.lab.sim.sizes import load_sizes
 from server_patch.boundaries import Kind
 from server_patch.boundaries.system_points import add_points
 from server_patch.drift import DriftDetector, DriftSettings

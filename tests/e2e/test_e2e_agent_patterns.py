@@ -4,7 +4,7 @@ The same requests go to a patched server and to a stock one (``APC_LINEAGE=0``, 
 with a 256-token periodic stride on both (``APC_LINEAGE_PERIODIC_STRIDE``,
 ``APC_CHECKPOINT_INTERVAL_TOKENS``) so that stock's periodic checkpoints exist on the tiny model
 too, and each answer is compared with a cold prefill of the same prompt (a fresh tenant). The
-patterns (``apcctl.sim.patterns`` has them for the simulator):
+patterns (``apcctl.lab.sim.patterns`` has them for the simulator):
 
 * ``abort``: four turns, a long user turn whose streamed reply the client aborts and drops,
   then a new user message straight after the long one (user after user): stock restores its

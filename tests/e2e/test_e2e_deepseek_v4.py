@@ -15,7 +15,7 @@ from tests.server_harness import PatchedServer, cached_tokens, reply_text, text
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    from apcctl.tinymodel.servable import build_family_dir
+    from apcctl.lab.tinymodel.servable import build_family_dir
 
     model_dir = build_family_dir("deepseek_v4", tmp_path_factory.mktemp("ds4") / "model")
     srv = PatchedServer(model_dir, env={"TOP_LOGPROBS_K": "5"}, log_dir=tmp_path_factory.mktemp("e2e-ds4"))

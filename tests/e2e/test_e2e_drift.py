@@ -1,6 +1,6 @@
 """End to end, real HTTP on the tiny model: the server names what the client changed (issue 37).
 
-Each case of the drift actor (``apcctl.sim.drift_actor``) is one tenant (drift is found only
+Each case of the drift actor (``apcctl.lab.sim.drift_actor``) is one tenant (drift is found only
 within a namespace) sending a turn, then a prompt changed the way a real client changes it; the
 second request's record in ``/admin/requests``
 must name the cause and the segment (a message's number and role exactly), carry a decoded diff without control characters, and the
@@ -18,7 +18,7 @@ from click.testing import CliRunner, Result
 from prometheus_client.parser import text_string_to_metric_families
 
 from apcctl.cli import main
-from apcctl.sim import drift_actor
+from apcctl.lab.sim import drift_actor
 from apcctl.commands.codes import ExitStatus
 from tests.server_harness import ADMIN_TOKEN, PatchedServer, reply_text, text
 
@@ -55,7 +55,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_each_cause_named_from_admin_requests(server: PatchedServer) -> None:
-    """The drift actor's cases (``apcctl.sim.drift_actor``), each in its own namespace."""
+    """The drift actor's cases (``apcctl.lab.sim.drift_actor``), each in its own namespace."""
     cases: dict[str, tuple[str, str]] = {}
     drifts: dict[str, dict[str, Any]] = {}
     for case in drift_actor.cases():

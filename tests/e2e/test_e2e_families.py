@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from apcctl.tinymodel.servable import SERVED_END_TO_END
+from apcctl.lab.tinymodel.servable import SERVED_END_TO_END
 
 from tests.server_harness import (PatchedServer, assert_next_turn_restored, assert_same_output, cached_tokens,
                             reply_text, text)
@@ -21,7 +21,7 @@ PARAMS = {"max_tokens": 4, "logprobs": True, "top_logprobs": 5}
 
 @pytest.fixture(scope="module", params=[f for f in SERVED_END_TO_END if f != "qwen3_5"])
 def server(request, tmp_path_factory: pytest.TempPathFactory):
-    from apcctl.tinymodel.servable import build_family_dir
+    from apcctl.lab.tinymodel.servable import build_family_dir
 
     family = request.param
     model_dir = build_family_dir(family, tmp_path_factory.mktemp(family) / "model")

@@ -26,7 +26,7 @@ _cold = itertools.count()
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory):
-    from apcctl.tinymodel.servable import build_family_dir
+    from apcctl.lab.tinymodel.servable import build_family_dir
 
     return build_family_dir("qwen3_5", tmp_path_factory.mktemp("qwen35-q") / "model", overrides=OVERRIDES)
 

@@ -226,8 +226,8 @@ def recorded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 def test_what_if_with_the_current_settings_reproduces_the_servers_restores(recorded) -> None:
     from apcctl.journal_report import read_journal
-    from apcctl.sim.sizes import load_sizes
-    from apcctl.sim.whatif import what_if
+    from apcctl.lab.sim.sizes import load_sizes
+    from apcctl.lab.sim.whatif import what_if
 
     _, records, journal = recorded
     result = what_if(read_journal(journal), load_sizes("tiny"), {})

@@ -1,7 +1,7 @@
 """End to end, real HTTP on the tiny model: the live oracle is the simulator's seen oracle on the
 bundled trace (issue 26).
 
-The bundled trace (``apcctl/sim/traces/agents.jsonl``, 1.7M prompt tokens) is far too
+The bundled trace (``apcctl/lab/sim/traces/agents.jsonl``, 1.7M prompt tokens) is far too
 large to prefill on a 2-core CPU in a test, so this replays a deterministic prefix of it: the
 first ``REQUESTS`` requests, in time order, of its ``aider`` agent (3.7k to 6.4k tokens each,
 about 15k to prefill: about 35 s with the server's start on this shared 2-core machine). That
@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from apcctl.sim.policies.oracle import OraclePolicy
-from apcctl.sim.policies.seen import SeenOraclePolicy
-from apcctl.sim.trace import Request, bundled_trace_path, read_trace
-from apcctl.tinymodel.corpus import WORDS
+from apcctl.lab.sim.policies.oracle import OraclePolicy
+from apcctl.lab.sim.policies.seen import SeenOraclePolicy
+from apcctl.lab.sim.trace import Request, bundled_trace_path, read_trace
+from apcctl.lab.tinymodel.corpus import WORDS
 from tests.server_harness import PatchedServer
 
 pytestmark = pytest.mark.server

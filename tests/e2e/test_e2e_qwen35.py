@@ -1,7 +1,7 @@
 """End to end on qwen3_5 (Gated DeltaNet hybrid), the family most Mac users run.
 
 Real patched server, real HTTP, a random qwen3_5 directory with its own BPE tokenizer and
-ChatML template (``apcctl.tinymodel.servable``): a growing conversation restores its entry, a new
+ChatML template (``apcctl.lab.tinymodel.servable``): a growing conversation restores its entry, a new
 session lands on the system-prompt anchor, a second system-prompt variant restores at the
 divergence, and an image prompt restores only inside its own media namespace. Every warm
 answer equals a cold prefill's (a fresh tenant: nothing to restore from).
@@ -23,7 +23,7 @@ _cold_tenants = itertools.count()
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    from apcctl.tinymodel.servable import build_qwen35
+    from apcctl.lab.tinymodel.servable import build_qwen35
 
     model_dir = build_qwen35(tmp_path_factory.mktemp("qwen35") / "model")
     srv = PatchedServer(model_dir, env={"TOP_LOGPROBS_K": "5"},

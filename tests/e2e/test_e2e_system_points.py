@@ -30,7 +30,7 @@ _cold = itertools.count()
 
 
 def conversation(date: str, user_seed: int) -> list[dict]:
-    from apcctl.sim.tracegen_rendered import system_prompt
+    from apcctl.lab.sim.tracegen_rendered import system_prompt
 
     return [{"role": "system", "content": system_prompt(date=date, rules=RULES)},
             {"role": "user", "content": text(30, user_seed)}]
@@ -64,7 +64,7 @@ def measure(server: PatchedServer) -> dict:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from apcctl.tinymodel.servable import build_family_dir
+    from apcctl.lab.tinymodel.servable import build_family_dir
 
     return build_family_dir("qwen3_5", tmp_path_factory.mktemp("sysfirst") / "model")
 
@@ -118,7 +118,7 @@ def test_with_the_tools_after_the_system_text_a_late_change_restores_before_the_
     (a segment the first request captured), and equals a cold prefill."""
     import shutil
 
-    from apcctl.sim.tracegen_rendered import tools
+    from apcctl.lab.sim.tracegen_rendered import tools
 
     qwen = tmp_path / "qwen-tools"
     shutil.copytree(model_dir, qwen)
@@ -155,7 +155,7 @@ def report(model_dir: Path) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["report"]:
-    from apcctl.tinymodel.servable import build_family_dir
+    from apcctl.lab.tinymodel.servable import build_family_dir
 
     report(Path(sys.argv[2]) if len(sys.argv) > 2 else
            build_family_dir("qwen3_5", Path(tempfile.mkdtemp(prefix="sysfirst-model-")) / "model"))

@@ -197,7 +197,7 @@ def both(model_dir: Path, log_dir: Path, env: dict[str, str] | None = None,
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from apcctl.tinymodel.build import build_model
+    from apcctl.lab.tinymodel.build import build_model
 
     return build_model(tmp_path_factory.mktemp("seg-e2e") / "tiny", "tiny", seed=0)
 
@@ -292,7 +292,7 @@ def _serve(argv: list[str]) -> None:
 def _report() -> None:
     import tempfile
 
-    from apcctl.tinymodel.build import build_model
+    from apcctl.lab.tinymodel.build import build_model
 
     root = Path(tempfile.mkdtemp(prefix="seg-e2e-"))
     model_dir = build_model(root / "tiny", "tiny", seed=0)

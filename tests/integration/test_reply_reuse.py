@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from apcctl.sim.policies.lineage import LineagePolicy
-from apcctl.sim.sizes import load_sizes
-from apcctl.sim.trace import Request
+from apcctl.lab.sim.policies.lineage import LineagePolicy
+from apcctl.lab.sim.sizes import load_sizes
+from apcctl.lab.sim.trace import Request
 from server_patch.lineage import FINAL, LineageCache, LineageConfig, SizedKV, SizedSnapshot
 from server_patch.lineage.flow import Admission
 from tests.lineage.test_lineage_policy import Clock

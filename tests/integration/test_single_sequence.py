@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from apcctl.tinymodel.build import build_model
+from apcctl.lab.tinymodel.build import build_model
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -2,7 +2,7 @@
 
 Random agent-shaped traces (turns, aborts with the partial reply kept or dropped, user after
 user, edits of the last message, regenerates, sub-agents, aider's moving reminder) run through
-the lineage policy (the server's own request flow, ``apcctl.sim.policies.lineage``) at its
+the lineage policy (the server's own request flow, ``apcctl.lab.sim.policies.lineage``) at its
 default checkpoint budget and through the model of stock 0.7.10's cache with its cache on.
 """
 
@@ -13,12 +13,12 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from apcctl.sim.patterns import STEP_KINDS, Step, build
-from apcctl.sim.policies.lineage import LineagePolicy
-from apcctl.sim.policies.seen import SeenOraclePolicy
-from apcctl.sim.policies.stock import make_stock
-from apcctl.sim.sizes import load_sizes
-from apcctl.sim.trace import Request
+from apcctl.lab.sim.patterns import STEP_KINDS, Step, build
+from apcctl.lab.sim.policies.lineage import LineagePolicy
+from apcctl.lab.sim.policies.seen import SeenOraclePolicy
+from apcctl.lab.sim.policies.stock import make_stock
+from apcctl.lab.sim.sizes import load_sizes
+from apcctl.lab.sim.trace import Request
 from server_patch.lineage import DIVERGENCE, PERIODIC, LineageConfig
 from server_patch.lineage.flow import Admission
 from tests.lineage_checked import checked_lineage  # noqa: F401 (the fixture below)

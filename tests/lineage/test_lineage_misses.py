@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from apcctl.sim.policies.lineage import LineagePolicy
-from apcctl.sim.policies.seen import SeenOraclePolicy
-from apcctl.sim.sizes import load_sizes
-from apcctl.sim.trace import read_trace
+from apcctl.lab.sim.policies.lineage import LineagePolicy
+from apcctl.lab.sim.policies.seen import SeenOraclePolicy
+from apcctl.lab.sim.sizes import load_sizes
+from apcctl.lab.sim.trace import read_trace
 from server_patch.lineage import DiskRecord, Entry, LineageCache, LineageConfig, SizedKV, SizedSnapshot
 from server_patch.lineage.flow import Admission
 from server_patch.lineage.misses import Lost, ladder

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from apcctl.sim.policies.lineage import LineagePolicy
-from apcctl.sim.sizes import load_sizes
-from apcctl.sim.trace import Request
+from apcctl.lab.sim.policies.lineage import LineagePolicy
+from apcctl.lab.sim.sizes import load_sizes
+from apcctl.lab.sim.trace import Request
 from server_patch.lineage import LineageConfig
 from tests.integration.test_reply_reuse import WORD, verbatim_model  # noqa: F401 (a fixture: the re-rendering template)
 from tests.lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
@@ -155,7 +155,7 @@ def test_the_live_oracle_is_the_seen_oracle_of_what_the_server_processed(server_
     """Issue 26: each request's oracle on the server is the seen oracle (every earlier prompt,
     and every earlier prompt + the reply it was fed) rounded down to the shadow block, and what
     it restored less is explained to the token."""
-    from apcctl.sim.policies.seen import SeenOraclePolicy
+    from apcctl.lab.sim.policies.seen import SeenOraclePolicy
 
     block = server_run["config"]["shadow_block_tokens"]
     seen = SeenOraclePolicy()

@@ -349,7 +349,7 @@ def test_a_prompt_without_its_own_note_uses_a_siblings_shared_boundaries():
 def tiny_processor(tmp_path_factory: pytest.TempPathFactory):
     from mlx_vlm import load
 
-    from apcctl.tinymodel.build import build_model
+    from apcctl.lab.tinymodel.build import build_model
 
     model, processor = load(str(build_model(tmp_path_factory.mktemp("seg") / "tiny", "tiny", seed=0)))
     return model.config, processor

@@ -119,9 +119,9 @@ def test_the_rendered_qwen3_trace_restores_more_with_system_points():
     """``apcctl bench trace-gen --template qwen3.jinja`` (with and without system points),
     replayed through the lineage policy: the late variants' first requests restore inside the
     system text, and the whole trace needs fewer prefill tokens."""
-    from apcctl.sim.replay import replay_policy
-    from apcctl.sim.sizes import load_sizes
-    from apcctl.sim.tracegen_rendered import generate
+    from apcctl.lab.sim.replay import replay_policy
+    from apcctl.lab.sim.sizes import load_sizes
+    from apcctl.lab.sim.tracegen_rendered import generate
 
     sizes = load_sizes("tiny")
     runs, firsts = {}, {}
@@ -143,7 +143,7 @@ def test_trace_gen_renders_with_a_template_and_refuses_an_unknown_one(tmp_path):
     from click.testing import CliRunner
 
     from apcctl.cli import main
-    from apcctl.sim.trace import read_trace
+    from apcctl.lab.sim.trace import read_trace
 
     out = tmp_path / "qwen3.jsonl"
     result = CliRunner().invoke(main, ["bench", "trace-gen", str(out), "--template", "qwen3.jinja"])

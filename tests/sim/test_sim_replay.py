@@ -10,12 +10,12 @@ import pytest
 from click.testing import CliRunner
 
 from apcctl.commands import bench_replay
-from apcctl.sim.policies import POLICY_NAMES
-from apcctl.sim.policies.oracle import OraclePolicy
-from apcctl.sim.replay import replay
-from apcctl.sim.sizes import load_sizes, ram_to_hold
-from apcctl.sim.trace import Request, Trace, bundled_trace_path, read_trace, write_trace
-from apcctl.sim.tracegen import generate
+from apcctl.lab.sim.policies import POLICY_NAMES
+from apcctl.lab.sim.policies.oracle import OraclePolicy
+from apcctl.lab.sim.replay import replay
+from apcctl.lab.sim.sizes import load_sizes, ram_to_hold
+from apcctl.lab.sim.trace import Request, Trace, bundled_trace_path, read_trace, write_trace
+from apcctl.lab.sim.tracegen import generate
 from server_patch.lineage import LineageConfig
 from tests.lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
 

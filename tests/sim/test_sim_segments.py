@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from apcctl.sim import tracegen_firstsight as fs
-from apcctl.sim.replay import replay, replay_policy
-from apcctl.sim.report import summarize
-from apcctl.sim.tracegen_firstsight import bundled_firstsight_path
-from apcctl.sim.sizes import load_sizes
-from apcctl.sim.trace import bundled_trace_path, encode, parse_lines, read_trace
-from apcctl.sim.conversation import SYSTEM, USER
+from apcctl.lab.sim import tracegen_firstsight as fs
+from apcctl.lab.sim.replay import replay, replay_policy
+from apcctl.lab.sim.report import summarize
+from apcctl.lab.sim.tracegen_firstsight import bundled_firstsight_path
+from apcctl.lab.sim.sizes import load_sizes
+from apcctl.lab.sim.trace import bundled_trace_path, encode, parse_lines, read_trace
+from apcctl.lab.sim.conversation import SYSTEM, USER
 from server_patch.lineage.lookup import common_prefix_len
 from tests.lineage_checked import checked_lineage  # noqa: F401 (the fixture below)
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from apcctl.sim.sizes import load_sizes, sizes_from_config
+from apcctl.lab.sim.sizes import load_sizes, sizes_from_config
 
 
 def test_full_size_glm5_next_by_hand():

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from apcctl.sim.policies.exact import GIB, ExactSnapshotPolicy, Snapshot, SnapshotDisk
-from apcctl.sim.policies.base import Ledger
-from apcctl.sim.policies.post_baseline import make_post_baseline, post_store_points
-from apcctl.sim.policies.stock import make_stock, stock_store_points
-from apcctl.sim.sizes import load_sizes
-from apcctl.sim.trace import Request
+from apcctl.lab.sim.policies.exact import GIB, ExactSnapshotPolicy, Snapshot, SnapshotDisk
+from apcctl.lab.sim.policies.base import Ledger
+from apcctl.lab.sim.policies.post_baseline import make_post_baseline, post_store_points
+from apcctl.lab.sim.policies.stock import make_stock, stock_store_points
+from apcctl.lab.sim.sizes import load_sizes
+from apcctl.lab.sim.trace import Request
 
 TINY = load_sizes("tiny")
 

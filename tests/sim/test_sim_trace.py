@@ -7,9 +7,9 @@ import io
 import numpy as np
 import pytest
 
-from apcctl.sim.patterns import CLIENT_AGENTS
-from apcctl.sim.prefix import PrefixSet
-from apcctl.sim.trace import (Request, bundled_trace_path, encode, parse_lines, read_trace, tokenize_text,
+from apcctl.lab.sim.patterns import CLIENT_AGENTS
+from apcctl.lab.sim.prefix import PrefixSet
+from apcctl.lab.sim.trace import (Request, bundled_trace_path, encode, parse_lines, read_trace, tokenize_text,
                              write_trace)
 
 
@@ -73,7 +73,7 @@ def test_bundled_trace_is_small_and_full_scale():
 def test_the_bundled_trace_is_the_generators_seed_7_trace():
     """``apcctl bench trace-gen agents.jsonl --seed 7 --scale full --minutes 30`` (docs/benchmarks.md):
     every actor, the generation prompts and the reminder blocks included."""
-    from apcctl.sim.tracegen import generate
+    from apcctl.lab.sim.tracegen import generate
 
     bundled = read_trace(bundled_trace_path())
     made, meta = generate(seed=7, scale="full", minutes=30)

@@ -7,9 +7,9 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from apcctl.sim.patterns import CLIENT_AGENTS as CLIENTS
-from apcctl.sim.trace import encode
-from apcctl.sim.tracegen import ANCHOR_SLACK, SCALES, USER, generate, make_personas
+from apcctl.lab.sim.patterns import CLIENT_AGENTS as CLIENTS
+from apcctl.lab.sim.trace import encode
+from apcctl.lab.sim.tracegen import ANCHOR_SLACK, SCALES, USER, generate, make_personas
 from server_patch.lineage.lookup import common_prefix_len
 
 

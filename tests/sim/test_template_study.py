@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from apcctl.commands import bench_templates
-from apcctl.sim import template_study as ts
+from apcctl.lab.sim import template_study as ts
 
 BY_NAME = {v.name: v for v in ts.VARIANTS}
 CASES = {c.name: c for c in ts.CASES}

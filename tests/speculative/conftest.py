@@ -14,13 +14,13 @@ import pytest
 
 @pytest.fixture(scope="session")
 def spec_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from apcctl.tinymodel.build import build_model
+    from apcctl.lab.tinymodel.build import build_model
 
     return build_model(tmp_path_factory.mktemp("spec-model") / "tiny-spec", "tiny-spec", seed=0)
 
 
 @pytest.fixture(scope="session")
 def spec_drafter_dir(spec_model_dir: Path) -> Path:
-    from apcctl.tinymodel.drafter import build_drafter
+    from apcctl.lab.tinymodel.drafter import build_drafter
 
     return build_drafter(spec_model_dir)

@@ -16,7 +16,7 @@ FLOOR = 0.5  # accepted drafts per round; the constructed drafter measured ~1.6 
 
 
 def _prompts(processor) -> list[str]:
-    from apcctl.tinymodel.agent_prompts import system_prompt, words
+    from apcctl.lab.tinymodel.agent_prompts import system_prompt, words
 
     import random
 

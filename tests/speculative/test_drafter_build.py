@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from apcctl.tinymodel.drafter import build_drafter, fit_report, is_drafter_built
-from apcctl.tinymodel.fingerprint import weights_fingerprint
+from apcctl.lab.tinymodel.drafter import build_drafter, fit_report, is_drafter_built
+from apcctl.lab.tinymodel.fingerprint import weights_fingerprint
 
 
 def test_mlx_vlm_loads_the_drafter_as_an_mtp_drafter_of_its_target(spec_model_dir: Path, spec_drafter_dir: Path) -> None:

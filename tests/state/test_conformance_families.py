@@ -2,7 +2,7 @@
 each restore kind equals a cold prefill.
 
 For each family a tiny random model is built from the family's own config class
-(``apcctl.tinymodel.families``). One scripted conversation drives the real lineage policy over real
+(``apcctl.lab.tinymodel.families``). One scripted conversation drives the real lineage policy over real
 handles (``CacheLayout`` split/build, ``DiskStore`` files) so that every restore kind happens
 once: entry head, final (an absorbed head), periodic, segment, divergence, anchor, and a disk
 entry and a disk checkpoint after a restart. After each restore the last-position logits must
@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from apcctl.tinymodel import families as tiny_families
-from apcctl.tinymodel.families import (
+from apcctl.lab.tinymodel import families as tiny_families
+from apcctl.lab.tinymodel.families import (
     DEEPSEEK_V4_REASON, FAMILIES, MUSE_SPARK_REASON, build_language_model, forward, not_built,
 )
 from server_patch.disk.store import DiskStore

@@ -120,7 +120,7 @@ def test_packed_handles_size_copy_and_trim_their_used_rows_only():
 def qwen():
     """A tiny qwen3_5 whose attention heads ``mx.quantize`` can pack (head_dim 64), with an
     attention layer that is not the last (mlx-vlm keeps the last layer in float)."""
-    from apcctl.tinymodel.families import build_language_model
+    from apcctl.lab.tinymodel.families import build_language_model
 
     return build_language_model("qwen3_5", overrides={"head_dim": 64, "full_attention_interval": 2})
 
@@ -136,7 +136,7 @@ def test_the_layout_packs_the_layers_mlx_vlm_quantizes(qwen):
 
 
 def _prefill(model, cache, tokens: np.ndarray, step: int) -> mx.array:
-    from apcctl.tinymodel.families import forward
+    from apcctl.lab.tinymodel.families import forward
 
     out = None
     for start in range(0, len(tokens), step):
@@ -229,7 +229,7 @@ QUANTIZABLE = {"qwen3_5": {"head_dim": 64, "full_attention_interval": 2}, "nemot
 def test_every_restore_kind_and_a_disk_restart_equal_cold_under_kv_bits(family, tmp_path):
     """The conformance script (tests/state/test_conformance_families.py) on packed layers: RAM
     entry, anchor, divergence and periodic restores, then disk files read by a new store."""
-    from apcctl.tinymodel.families import build_language_model
+    from apcctl.lab.tinymodel.families import build_language_model
     from server_patch.disk.store import DiskStore
     from server_patch.lineage import LineageCache, LineageConfig
     from tests.state.test_conformance_families import ANCHOR_LEN, ATOL, CONFIG, Driver, _tokens

@@ -530,7 +530,7 @@ def test_overlay_routes_attend_through_dispatcher() -> None:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from mlx_vlm import load
 
-    from apcctl.tinymodel.build import build_model
+    from apcctl.lab.tinymodel.build import build_model
 
     model, _ = load(str(build_model(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0)))
     return model
@@ -580,7 +580,7 @@ def test_warm_conversation_generates_the_same_tokens(tiny_model: Any, monkeypatc
 def test_patched_server_replies_like_stock_and_profiles_on_request(tmp_path: Path) -> None:
     """Through the real server: same greedy replies as stock over a warm conversation (APC
     hits included), and one profile record per forward only while the flag file exists."""
-    from apcctl.tinymodel.build import build_model
+    from apcctl.lab.tinymodel.build import build_model
     from tests.server_harness import PatchedServer
 
     model_dir = build_model(tmp_path / "model", "tiny", seed=0)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from apcctl.bench.splits import measure, measure_tiny
-from apcctl.tinymodel.families import build_language_model, forward
+from apcctl.lab.bench.splits import measure, measure_tiny
+from apcctl.lab.tinymodel.families import build_language_model, forward
 from server_patch.canary import check as C
 from server_patch.canary import points as P
 from server_patch.canary.compare import SPLIT_RTOL, TOLERANCES, tolerance_for

@@ -1,0 +1,152 @@
+"""What mlx-vlm's decoding batch copies when a row joins it and when a row leaves it (issue 40).
+
+On the ``bench`` preset's cache shapes (random rows; copy cost depends on bytes, not values),
+in-process, each timed to the end of its compute (``mx.eval``):
+
+* ``join``: a row of ``context`` tokens (the other session's restored turn) joins a decoding
+  batch of one ``victim``-token row: ``BatchKVCache.extend`` pads both to the longer row and
+  concatenates them into a new buffer (every row already in the batch is copied, and the short
+  one grows to the long one's width);
+* ``leave``: that row leaves again: ``BatchKVCache.filter`` gathers the rows kept (the short
+  row, still at the long one's width) into a new buffer, then drops the left padding (a view);
+* ``headroom join``: the alternative, a batch buffer allocated ahead with room for the joiner:
+  the join writes only the new row's tokens into its slot (``slice_update``), nothing else moves.
+
+Only the KV children (``KVCache`` → ``BatchKVCache``), which hold the bytes; the pooled and
+recurrent children are small. Not a test: nothing asserts a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from apcctl.lab.bench.reply_copy import _stats, bench_layout, timed
+
+
+def _kv_children(probe: list[Any]) -> list[Any]:
+    from mlx_vlm.models.cache import CacheList, KVCache
+
+    children = [c for cache in probe for c in (cache.caches if type(cache) is CacheList else [cache])]
+    return [c for c in children if type(c) is KVCache and c.keys is not None]
+
+
+def _row(child: Any, tokens: int, capacity: int) -> Any:
+    """A one-row ``BatchKVCache`` shaped like ``child`` holding ``tokens`` random rows."""
+    from mlx_vlm.models.cache import BatchKVCache
+
+    batch = BatchKVCache([0])
+    k, v = child.keys, child.values
+    batch.keys = mx.random.normal((1, k.shape[1], capacity, k.shape[3])).astype(k.dtype)
+    batch.values = mx.random.normal((1, v.shape[1], capacity, v.shape[3])).astype(v.dtype)
+    batch._idx, batch.offset = tokens, mx.array([tokens])
+    return batch
+
+
+def _arrays(batches: list[Any]) -> list[mx.array]:
+    return [x for b in batches for x in (b.keys, b.values)]
+
+
+def _step_capacity(tokens: int) -> int:
+    return -(-tokens // 256) * 256
+
+
+def _token(children: list[Any]) -> list[tuple[mx.array, mx.array]]:
+    """One decode step's new token for every row of each child (what ``update_and_fetch`` writes)."""
+    return [(mx.zeros((c.keys.shape[0], c.keys.shape[1], 1, c.keys.shape[3]), c.keys.dtype),
+             mx.zeros((c.values.shape[0], c.values.shape[1], 1, c.values.shape[3]), c.values.dtype))
+            for c in children]
+
+
+def _next_write(rows: list[Any]) -> list[mx.array]:
+    """The next decode step's cache write after a join or leave, evaluated: where MLX copies a
+    buffer that is a view of another (it cannot write a view in place), this is that copy."""
+    tokens = _token(rows)
+    mx.eval([x for pair_ in tokens for x in pair_])
+    return [x for r, (k, v) in zip(rows, tokens) for x in r.update_and_fetch(k, v)]
+
+
+def _join_leave(children: list[Any], context: int, victim: int, repeat: int,
+                join: Any, leave: Any, ahead: Any = None) -> dict[str, Any]:
+    """``repeat`` rounds of: a ``context``-token row joins a ``victim``-token decoding row
+    (``join(row, joining)``), one decode write, the long row leaves (``leave(row, keep)``),
+    one decode write; each timed to the end of its compute. ``ahead(joining arrays)``, untimed,
+    runs first (what a stager does off the generation thread)."""
+    out: dict[str, Any] = {"join": [], "join_next": [], "leave": [], "leave_next": []}
+    for _ in range(repeat):
+        rows = [_row(c, victim, _step_capacity(victim)) for c in children]
+        joining = [_row(c, context, _step_capacity(context) + 256) for c in children]
+        mx.eval(_arrays(rows) + _arrays(joining))
+        if ahead is not None:
+            ahead(_arrays(joining))
+        out["join"] += timed(lambda: [join(r, j) for r, j in zip(rows, joining)] and _arrays(rows), 1)
+        out["joint_bytes"] = sum(int(x.nbytes) for x in _arrays(rows))
+        del joining
+        out["join_next"] += timed(lambda: _next_write(rows), 1)
+        keep = mx.array([0], mx.int32)
+        out["leave"] += timed(lambda: [leave(r, keep) for r in rows] and _arrays(rows), 1)
+        out["kept_bytes"] = sum(int(x.nbytes) for x in _arrays(rows))
+        out["leave_next"] += timed(lambda: _next_write(rows), 1)
+        del rows
+    return out
+
+
+def run(context: int, victim: int, repeat: int) -> dict[str, Any]:
+    from server_patch.copyfree import batch
+    from server_patch.copyfree.spares import JointSpares
+
+    _, probe, _ = bench_layout(context)
+    children = _kv_children(probe)
+    per_token = sum(int(c.keys.nbytes + c.values.nbytes) // int(c.keys.shape[2]) for c in children)
+
+    stock = _join_leave(children, context, victim, repeat, lambda r, j: r.extend(j), lambda r, k: r.filter(k))
+    copyfree = _join_leave(children, context, victim, repeat, batch.extend_kv, batch.filter_kv)
+    as_view = _join_leave(children, context, victim, repeat, batch.extend_kv,
+                          lambda r, k: batch.filter_kv(r, k, view=True))
+    made_ahead = JointSpares()  # what a runtime's stager makes for its staged turn's join
+    spare = _join_leave(children, context, victim, repeat, lambda r, j: batch.extend_kv(r, j, made_ahead),
+                        batch.filter_kv, made_ahead.reserve)
+    made_ahead.drop()
+
+    headroom_ms, headroom_bytes = [], 0
+    for _ in range(repeat):
+        room = _step_capacity(context + 256)
+        rows = [_row(c, victim, room) for c in children]
+        joining = [_row(c, context, _step_capacity(context)) for c in children]
+        buffers = [(mx.concatenate([r.keys, mx.zeros_like(r.keys)]), mx.concatenate([r.values, mx.zeros_like(r.values)]))
+                   for r in rows]  # the batch buffer with a free slot, allocated ahead (off the step)
+        mx.eval([x for pair_ in buffers for x in pair_] + _arrays(joining))
+
+        def write() -> list[mx.array]:
+            out = []
+            for (k, v), j in zip(buffers, joining):
+                k[1:2, :, :context, :] = j.keys[..., :context, :]
+                v[1:2, :, :context, :] = j.values[..., :context, :]
+                out += [k, v]
+            return out
+
+        headroom_ms += timed(write, 1)
+        headroom_bytes = per_token * context
+        del rows, joining, buffers
+
+    # Stock: the joint buffer is written twice over (pad, then concatenate); the kept row is
+    # gathered at the joint width, then narrowed. Copy-free: one zero-filled joint buffer and
+    # each row's tokens written once; the kept row copied from its first used column.
+    return {"context": context, "victim": victim, "kv_bytes_per_token": per_token,
+            "join_ms": _stats(stock["join"]), "join_bytes": stock["joint_bytes"],
+            "join_next_ms": _stats(stock["join_next"]),
+            "leave_ms": _stats(stock["leave"]), "leave_bytes": stock["joint_bytes"] // 2,
+            "leave_next_ms": _stats(stock["leave_next"]),
+            "copyfree_join_ms": _stats(copyfree["join"]), "copyfree_join_bytes": copyfree["joint_bytes"],
+            "copyfree_join_rows_bytes": per_token * (context + victim),
+            "copyfree_join_next_ms": _stats(copyfree["join_next"]),
+            "copyfree_leave_ms": _stats(copyfree["leave"]), "copyfree_leave_bytes": copyfree["kept_bytes"],
+            "copyfree_leave_next_ms": _stats(copyfree["leave_next"]),
+            "view_leave_ms": _stats(as_view["leave"]), "view_leave_next_ms": _stats(as_view["leave_next"]),
+            "spare_join_ms": _stats(spare["join"]), "spare_join_bytes": spare["joint_bytes"],
+            "spare_join_next_ms": _stats(spare["join_next"]),
+            "headroom_join_ms": _stats(headroom_ms), "headroom_join_bytes": headroom_bytes}
+
+
+__all__ = ["run"]
