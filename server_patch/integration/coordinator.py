@@ -35,14 +35,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 from mlx_vlm.apc_coordinator import APCCoordinator
+
 
 from server_patch.failclosed import fail_closed
 from server_patch.copyfree import pool
 from server_patch.copyfree.settings import CopyFreeSettings
 from server_patch.integration import waits
 from server_patch.integration.batch_rows import BatchRows
-from server_patch.integration.generator import GeneratorView
+from server_patch.integration.generator import GeneratorView, RowBatch
 from server_patch.integration.loading import DiskLoads
 from server_patch.integration.pending import Pending, RequestKey, namespace_of, request_key
 from server_patch.integration.prefill import Prefills
@@ -99,7 +101,7 @@ class LineageCoordinator(APCCoordinator):
 
     # ------------------------------------------------------------------ admission
 
-    def admissible(self, queue: list, extra_hash_of: Callable[[dict], int], limit: int, *,
+    def admissible(self, queue: list[Any], extra_hash_of: Callable[[dict[str, Any]], int], limit: int, *,
                    decoding: int = 0) -> int:
         """How many of mlx-vlm's queued sequences, from the first, to admit now (``queue`` is
         reordered in place: a prompt whose disk restore point still loads goes behind the
@@ -110,7 +112,7 @@ class LineageCoordinator(APCCoordinator):
 
         return lineage.loads.admissible(queue, _prompt_of(extra_hash_of), limit, idle=decoding == 0)
 
-    def prefetch(self, queue: list, extra_hash_of: Callable[[dict], int], limit: int, *, busy: bool,
+    def prefetch(self, queue: list[Any], extra_hash_of: Callable[[dict[str, Any]], int], limit: int, *, busy: bool,
                  blocked: bool) -> None:
         """Every step, admitting or not: the first queued prompts' disk loads and staged copies
         start (``DiskLoads.prefetch``); ``busy``: rows decode or a prompt batch prefills;
@@ -121,7 +123,7 @@ class LineageCoordinator(APCCoordinator):
     @waits.unit(waits.Work.RESTORE, waits.lookup)
     def lookup(self, token_ids: Sequence[int], *, extra_hash: int, safe_lookup_min: int,
                suffix_is_text_only: Callable[[int], bool],
-               prefix_has_media: Callable[[int], bool], uid: Any = None) -> Optional[dict]:
+               prefix_has_media: Callable[[int], bool], uid: Optional[int] = None) -> Optional[dict[str, Any]]:
         """``uid``: mlx-vlm's id of the queued sequence (None on the single-sequence path)."""
         if (lineage := self.lineage) is None:
             return super().lookup(token_ids, extra_hash=extra_hash, safe_lookup_min=safe_lookup_min,
@@ -144,6 +146,7 @@ class LineageCoordinator(APCCoordinator):
         if disk is not None:
             disk.tell(admission)
         plan = admission.plan
+        assert plan is not None  # ``admit`` planned it
         if not lineage.book.lent_to(key) and plan.entry is not None and plan.entry.id not in reclaimed:
             plan = admission.rewind(rows.may_rewind)
         if plan.hit and lineage.runtime.refuses(plan.kind):  # a failed canary check (ON_FAIL=cold): cold
@@ -153,7 +156,8 @@ class LineageCoordinator(APCCoordinator):
             try:
                 warm, lease = rows.restore(mine, key, plan, reclaimed)
             except Exception as exc:  # fail closed: a cold prefill, never garbage (a lent entry raises)
-                fail_closed(exc, f"apc_lineage restore of {plan.entry.id} at {plan.length}", log=log)
+                entry_id = plan.entry.id if plan.entry is not None else "?"  # a hit restores an entry
+                fail_closed(exc, f"apc_lineage restore of {entry_id} at {plan.length}", log=log)
         if warm is None:  # a lent entry's rows are a loan in the way; media, a failed build: other
             admission.refuse(Lost.LOAN if plan.entry is not None and plan.entry.lent else Lost.OTHER)
         row = lineage.book.admit(Pending(prompt, namespace, admission.plan, admission=admission), record,
@@ -165,11 +169,13 @@ class LineageCoordinator(APCCoordinator):
         if warm is None:
             admission.cold()
             miss = admission.miss
+            assert miss is not None  # ``cold`` explained it
             record.oracle, record.lost, record.lost_why = miss.oracle, miss.lost, miss.detail
             return None
         kv_admission = rows.admission_of(row, lease)
         admission.restored(kv_admission)
         miss = admission.miss
+        assert miss is not None and plan.entry is not None  # ``restored`` explained it; a warm row has its entry
         record.oracle, record.lost, record.lost_why = miss.oracle, miss.lost, miss.detail
         record.restore_kind = DISK if admission.tier == DISK else plan.kind
         record.restored_tokens, record.entry_id = plan.length, plan.entry.id
@@ -178,14 +184,15 @@ class LineageCoordinator(APCCoordinator):
                 "extra_hash": extra_hash, "full_input_ids": list(token_ids), "cache_plan": self.plan,
                 ROW: row}
 
-    def merge_rows(self, picks: Sequence[Optional[dict]], prefix_lens: Sequence[int], *,
-                   kv_quant_config: Optional[dict] = None):
+    def merge_rows(self, picks: Sequence[Optional[dict[str, Any]]], prefix_lens: Sequence[int], *,
+                   kv_quant_config: Optional[dict[str, Any]] = None) -> tuple[Optional[list[Any]], int]:
         lineage = self.lineage
         if lineage is None:
             return super().merge_rows(picks, prefix_lens, kv_quant_config=kv_quant_config)
         start = time.perf_counter()
         found = [p.get(ROW) if p is not None else None for p in picks]
-        result = None
+        result: Optional[tuple[Optional[list[Any]], int]] = None
+
         if self.copyfree.enabled and kv_quant_config is None:
             result = self._merge_copyfree(lineage.rows, picks, found, prefix_lens)
         if result is None:
@@ -196,8 +203,9 @@ class LineageCoordinator(APCCoordinator):
                 row.record.admission_ms += merge_ms
         return result
 
-    def _merge_copyfree(self, rows: BatchRows, picks: Sequence[Optional[dict]],
-                        found: Sequence[Optional[Session]], prefix_lens: Sequence[int]):
+    def _merge_copyfree(self, rows: BatchRows, picks: Sequence[Optional[dict[str, Any]]],
+                        found: Sequence[Optional[Session]],
+                        prefix_lens: Sequence[int]) -> Optional[tuple[list[Any], int]]:
         """One copy per restored row, into buffers sized for prefix + suffix + reserve."""
         memory = self.manager.memory_plan
         if len(prefix_lens) == len(memory.lengths):
@@ -214,7 +222,7 @@ class LineageCoordinator(APCCoordinator):
             self.manager.stats.restored_tokens += sum(prefix_lens)
         return caches, max(prefix_lens) if prefix_lens else 0
 
-    def bind_rows(self, uids: Sequence[Any], metas: Sequence[Optional[dict]]) -> None:
+    def bind_rows(self, uids: Sequence[int], metas: Sequence[Optional[dict[str, Any]]]) -> None:
         """Each row of a prompt batch just built is PREFILLING (found by its uid; a row looked
         up without one is named by it here); a prompt restored at its own prompt end is at
         its prefill end already, its reply tracked."""
@@ -235,7 +243,7 @@ class LineageCoordinator(APCCoordinator):
         return lineage.prefills.lengths(token_ids, media_token_ids, final) if final > 0 else []
 
     def store_checkpoint(self, token_ids: Sequence[int], prompt_cache: Sequence[Any], *,
-                         extra_hash: int = 0, batch_idx: Optional[int] = None, uid: Any = None) -> bool:
+                         extra_hash: int = 0, batch_idx: Optional[int] = None, uid: Optional[int] = None) -> bool:
         if (lineage := self.lineage) is None:
             return super().store_checkpoint(token_ids, prompt_cache, extra_hash=extra_hash,
                                             batch_idx=batch_idx)
@@ -243,8 +251,8 @@ class LineageCoordinator(APCCoordinator):
         committed = [lineage.rows.prefill_end(row, prompt_cache, batch_idx, uid) for row in ending]
         return any(committed) or took
 
-    def commit(self, prompt_cache, token_ids, *, batch_idx=None, extra_hash=0,
-               skip_first_n_tokens=0, blocks_in_use=()) -> bool:
+    def commit(self, prompt_cache: Sequence[Any], token_ids: Sequence[int], *, batch_idx: Optional[int] = None,
+               extra_hash: int = 0, skip_first_n_tokens: int = 0, blocks_in_use: Sequence[Any] = ()) -> bool:
         if self.lineage is None:
             return super().commit(prompt_cache, token_ids, batch_idx=batch_idx, extra_hash=extra_hash,
                                   skip_first_n_tokens=skip_first_n_tokens, blocks_in_use=blocks_in_use)
@@ -254,7 +262,7 @@ class LineageCoordinator(APCCoordinator):
 
     # ------------------------------------------------------------------ the generator's hooks
 
-    def rows_decoded(self, batch: Any, tokens: Sequence[int]) -> None:
+    def rows_decoded(self, batch: RowBatch, tokens: Sequence[int]) -> None:
         """``GenerationBatch.next``: ``tokens[i]`` was just fed to row ``batch.uids[i]``."""
         if self.lineage is not None:
             self.lineage.book.decoded(list(batch.uids), tokens)
@@ -270,7 +278,7 @@ class LineageCoordinator(APCCoordinator):
         if self.lineage is not None:
             self.lineage.rows.verified_round(batch, verify_input, accepted, active)
 
-    def speculative_rows_leaving(self, batch: Any, uids: Sequence[Any]) -> None:
+    def speculative_rows_leaving(self, batch: Any, uids: Sequence[int]) -> None:
         """Rows of a speculative batch finished: they stop writing their caches now."""
         if self.lineage is not None:
             self.lineage.rows.verified_leaving(batch, uids)
@@ -280,24 +288,24 @@ class LineageCoordinator(APCCoordinator):
         if self.lineage is not None:
             self.lineage.rows.joining(existing, incoming)
 
-    def request_removed(self, uid: Any) -> None:
+    def request_removed(self, uid: int) -> None:
         """A request is taken out of the prompt batch mid-prefill."""
         if self.lineage is not None:
             self.lineage.rows.removed(uid)
 
     # ------------------------------------------------------------------ the server's request events
 
-    def prefill_completed(self, uid: Any, request_id: Any, prompt_time_s: float) -> None:
+    def prefill_completed(self, uid: int, request_id: object, prompt_time_s: float) -> None:
         """The row's prefill ended (the server's prompt-time report): its restore line."""
         if self.lineage is not None:
             self.lineage.book.prefill_completed(uid, request_id, prompt_time_s)
 
-    def first_token(self, uid: Any, request_id: Any, ttft_s: float) -> None:
+    def first_token(self, uid: int, request_id: object, ttft_s: float) -> None:
         """The row's first token reached its client: its record is finished."""
         if self.lineage is not None:
             self.lineage.book.first_token(uid, request_id, ttft_s)
 
-    def cancelled(self, uid: Any, request_id: Any, queued_tokens: int | None) -> None:
+    def cancelled(self, uid: int, request_id: object, queued_tokens: int | None) -> None:
         """The request was cancelled and the generator let it go; ``queued_tokens``: its
         prompt length if it was still queued (it never reached a lookup), else None."""
         if (lineage := self.lineage) is None:
@@ -309,15 +317,16 @@ class LineageCoordinator(APCCoordinator):
             lineage.book.cancelled(uid, request_id)
 
 
-def _prompt_of(extra_hash_of: Callable[[dict], int]) -> Callable[[tuple], tuple[Any, str]]:
+def _prompt_of(extra_hash_of: Callable[[dict[str, Any]], int]) -> Callable[[Sequence[Any]], tuple[np.ndarray, str]]:
     """A queued sequence's tokens and namespace (``extra_hash_of``: the generator's hash of its
     prompt kwargs)."""
-    def prompt_of(sequence: tuple) -> tuple[Any, str]:  # (uid, ids, max_tokens, prompt_kwargs, ...)
+    # mlx-vlm's queued sequence (uid, ids, max_tokens, prompt_kwargs, ...): an untyped tuple.
+    def prompt_of(sequence: Sequence[Any]) -> tuple[np.ndarray, str]:
         return as_tokens(sequence[1]), namespace_of(extra_hash_of(sequence[3] or {}))
 
     return prompt_of
 
 
-def _key_of(meta: dict) -> RequestKey:
+def _key_of(meta: dict[str, Any]) -> RequestKey:
     """The request key of a lookup answer or a row's metadata (both carry ``extra_hash``)."""
     return request_key(namespace_of(meta.get("extra_hash", 0)), as_tokens(meta["full_input_ids"]))

@@ -25,6 +25,12 @@ class RowBatch(Protocol):
     prompt_cache: list[Any]
 
 
+class PromptBatch(RowBatch, Protocol):
+    """mlx-vlm's ``PromptProcessingBatch``: its rows, and one chunk of their prefill."""
+
+    def prompt_step(self) -> int: ...
+
+
 class GeneratorView:
     """A weak view of the attached generator: rows by uid, and whether it is plain."""
 
@@ -97,5 +103,6 @@ class GeneratorView:
         return active
 
 
-__all__ = ["GeneratorView", "RowBatch"]
+__all__ = ["GeneratorView", "PromptBatch", "RowBatch"]
+
 

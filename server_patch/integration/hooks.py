@@ -28,21 +28,24 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from server_patch.copyfree import pool
 from server_patch.failclosed import fail_closed
 from server_patch.integration import waits
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     from server_patch.integration.coordinator import LineageCoordinator
+    from server_patch.integration.generator import PromptBatch, RowBatch
     from server_patch.integration.parts import Parts
 
 log = logging.getLogger("server_patch.lineage")
 copyfree_log = logging.getLogger("server_patch.copyfree")
 
 
-def _lineage(coordinator: Any) -> "LineageCoordinator | None":
+def _lineage(coordinator: object) -> "LineageCoordinator | None":
     """``coordinator`` if it is the lineage cache's, else None (stock APC, or no APC)."""
     from server_patch.integration.coordinator import LineageCoordinator
 
@@ -125,7 +128,7 @@ def kv_rows_leave(cache: Any, batch_indices: Any) -> bool:
     return True
 
 
-def admissible(coordinator: Any, queue: list, extra_hash_of: Callable[[dict], int], limit: int,
+def admissible(coordinator: object, queue: list[Any], extra_hash_of: Callable[[dict[str, Any]], int], limit: int,
                decoding: int = 0) -> int:
     """How many of the generator's queued sequences, from the first, it admits now (at most
     ``limit``); ``queue`` may be reordered in place (``LineageCoordinator.admissible``). Stock's
@@ -156,12 +159,12 @@ def prefetch(generator: Any) -> None:
         fail_closed(exc, "apc_lineage prefetch", log=log)
 
 
-def generator_started(coordinator: Any, generator: Any) -> None:
+def generator_started(coordinator: object, generator: object) -> None:
     """A ``BatchGenerator`` built its coordinator: the coordinator learns who else decodes."""
     _tell(coordinator, "apc_copyfree attach", lambda lineage: lineage.attach_generator(generator))
 
 
-def stock_stats(manager: Any, snapshot: dict) -> dict:
+def stock_stats(manager: Any, snapshot: dict[str, Any]) -> dict[str, Any]:
     """mlx-vlm's ``APCManager.stats_snapshot`` (``GET /metrics``' ``apc``): behind a lineage cache
     its counters are the lineage cache's (``admin.stock_stats``); stock's own otherwise."""
     if (runtime := manager.lineage_runtime) is None:
@@ -187,7 +190,7 @@ def cache_cleared(manager: Any) -> None:
         fail_closed(exc, "apc_lineage cache reset", log=log)
 
 
-def _waits_of(coordinator: Any) -> Optional[waits.Waits]:
+def _waits_of(coordinator: object) -> Optional[waits.Waits]:
     """The waits book of ``coordinator``'s rows (``integration.waits``; None for stock's, or a
     lineage coordinator with no cache of its own)."""
     lineage = _lineage(coordinator)
@@ -195,7 +198,7 @@ def _waits_of(coordinator: Any) -> Optional[waits.Waits]:
     return cache.book.waits if cache is not None else None
 
 
-def _staging(lineage: "LineageCoordinator", queued: bool = True) -> Any:
+def _staging(lineage: "LineageCoordinator", queued: bool = True) -> AbstractContextManager[None]:
     """The queue's turn on the generation thread (its loads and staged copies started or
     checked) as one ``stage`` unit, charged to every live row; untimed with nothing queued (a
     step's bookkeeping, not another's work: a gap holds none of it)."""
@@ -205,7 +208,7 @@ def _staging(lineage: "LineageCoordinator", queued: bool = True) -> Any:
     return book.timed(waits.Work.STAGE, waits.Owners()) if book is not None else contextlib.nullcontext()
 
 
-def _prefilling(generator: Any, prompt_batch: Any) -> tuple[Any, waits.Owners]:
+def _prefilling(generator: Any, prompt_batch: RowBatch) -> tuple[Optional[waits.Waits], waits.Owners]:
     """Whose prefill chunk it is (the prompt batch's rows), and the waits of the rows it holds
     up (``integration.waits``; None for a stock coordinator's)."""
     return _waits_of(generator.apc), waits.Owners(uids=tuple(prompt_batch.uids))
@@ -221,7 +224,7 @@ def _settle(book: waits.Waits, batch: Any, kind: str, owners: waits.Owners) -> N
         batch._eval_pending_state()
 
 
-def prefill_step(generator: Any, prompt_batch: Any) -> int:
+def prefill_step(generator: Any, prompt_batch: PromptBatch) -> int:
     """One prefill chunk (``_prefill_chunk``), after the decoding rows' pending step is
     computed (their own ``step``, not the chunk: the chunk is timed to the end of its compute)."""
     try:
@@ -233,7 +236,7 @@ def prefill_step(generator: Any, prompt_batch: Any) -> int:
 
 
 @waits.unit(waits.Work.PREFILL, _prefilling)
-def _prefill_chunk(generator: Any, prompt_batch: Any) -> int:
+def _prefill_chunk(generator: Any, prompt_batch: PromptBatch) -> int:
     """One ``prompt_step`` of the generator's prompt batch, sized so the rows decoding meanwhile
     wait at most ``APC_DECODE_STALL_MS`` (``server_patch.pacing``, with the lineage runtime's
     pacer); a stock coordinator's prefill keeps mlx-vlm's full chunk. The step itself is
@@ -253,7 +256,7 @@ def _prefill_chunk(generator: Any, prompt_batch: Any) -> int:
     return pacing.step(pacer, prompt_batch, decoding)
 
 
-def lookup(coordinator: Any, token_ids: Sequence[int], uid: Any, **lookup_kwargs: Any) -> Any:
+def lookup(coordinator: Any, token_ids: Sequence[int], uid: Optional[int], **lookup_kwargs: Any) -> Any:
     """A queued sequence's lookup at admission: the lineage coordinator gets mlx-vlm's ``uid``
     too, the name of the request's row from the queue to its end (issue 35: identical prompts
     are separate rows); stock's answers as it would. Raises what the lookup raises, as stock's."""
@@ -262,24 +265,24 @@ def lookup(coordinator: Any, token_ids: Sequence[int], uid: Any, **lookup_kwargs
     return coordinator.lookup(token_ids, **lookup_kwargs)
 
 
-def rows_bound(coordinator: Any, uids: Sequence[Any], metas: Sequence[dict]) -> None:
+def rows_bound(coordinator: object, uids: Sequence[int], metas: Sequence[Optional[dict[str, Any]]]) -> None:
     """A prompt batch was built: each row's uid is bound to its lookup (timing records, loans)."""
     if (lineage := _lineage(coordinator)) is not None:
         lineage.bind_rows(uids, metas)
 
 
-def batches_joining(coordinator: Any, existing: Any, incoming: Any) -> None:
+def batches_joining(coordinator: object, existing: Any, incoming: Any) -> None:
     """Before a finished prompt batch joins (or becomes) the decoding batch."""
     _tell(coordinator, "apc_copyfree join hook", lambda lineage: lineage.batches_joining(existing, incoming))
 
 
-def rows_leaving(coordinator: Any, batch: Any, keep: Sequence[int]) -> None:
+def rows_leaving(coordinator: object, batch: Any, keep: Sequence[int]) -> None:
     """Before ``GenerationBatch.filter`` drops the rows not in ``keep``."""
     pool.touch()
     _tell(coordinator, "apc_copyfree leave hook", lambda lineage: lineage.rows_leaving(batch, keep))
 
 
-def rows_decoded(coordinator: Any, batch: Any, tokens: Sequence[int]) -> None:
+def rows_decoded(coordinator: object, batch: RowBatch, tokens: Sequence[int]) -> None:
     """After each decode step: the ids it fed (0.7.10 keeps no generated ids; reply reuse), and
     each row's inter-token gap ends (``waits.Waits.close_gaps``)."""
     _tell(coordinator, "apc_copyfree decode hook", lambda lineage: lineage.rows_decoded(batch, tokens))
@@ -290,7 +293,7 @@ def rows_decoded(coordinator: Any, batch: Any, tokens: Sequence[int]) -> None:
         log.debug("apc_lineage gaps not closed: %s", exc)
 
 
-def speculative_round(coordinator: Any, batch: Any, verify_input: Any, accepted: Sequence[int],
+def speculative_round(coordinator: object, batch: Any, verify_input: Any, accepted: Sequence[int],
                       active: Sequence[int]) -> None:
     """After ``_mtp_rounds_batch`` committed a round of ``SpeculativeGenerationBatch`` ``batch``:
     cache row ``j`` kept ``verify_input[j, :accepted[j] + 1]`` and is ``batch._all_uids[active[j]]``."""
@@ -298,7 +301,7 @@ def speculative_round(coordinator: Any, batch: Any, verify_input: Any, accepted:
           lambda lineage: lineage.speculative_round(batch, verify_input, accepted, active))
 
 
-def speculative_rows_leaving(coordinator: Any, batch: Any, uids: Sequence[Any]) -> None:
+def speculative_rows_leaving(coordinator: object, batch: Any, uids: Sequence[int]) -> None:
     """Rows ``uids`` of a ``SpeculativeGenerationBatch`` finished (before it filters or releases
     its cache)."""
     if uids:
@@ -393,12 +396,12 @@ def prompt_generation(method: Callable[..., Any]) -> Callable[..., Any]:
     return timed
 
 
-def request_removed(coordinator: Any, uid: Any) -> None:
+def request_removed(coordinator: object, uid: int) -> None:
     """Before a cancelled request's row leaves the prompt batch mid-prefill."""
     _tell(coordinator, "apc_copyfree remove hook", lambda lineage: lineage.request_removed(uid))
 
 
-def _tell(coordinator: Any, hook: str, call: Callable[["LineageCoordinator"], Any], *,
+def _tell(coordinator: object, hook: str, call: Callable[["LineageCoordinator"], object], *,
           record: bool = False) -> None:
     """``call`` the lineage coordinator (nothing for stock's). A failure never reaches mlx-vlm:
     a copy-free hook fails closed (``failclosed``), a timing ``record`` hook logs at debug."""
@@ -416,20 +419,20 @@ def _tell(coordinator: Any, hook: str, call: Callable[["LineageCoordinator"], An
 # ---------------------------------------------------------------------- the server's request events
 
 
-def prefill_completed(coordinator: Any, uid: Any, info: dict, prompt_time_s: float) -> None:
+def prefill_completed(coordinator: object, uid: int, info: Mapping[str, object], prompt_time_s: float) -> None:
     """The row's prefill ended: its restore line and prefill time."""
     request_id = info.get("request_id", uid)
     _tell(coordinator, "apc_lineage prefill hook",
           lambda lineage: lineage.prefill_completed(uid, request_id, prompt_time_s), record=True)
 
 
-def first_token(coordinator: Any, uid: Any, request_id: Any, ttft_s: float) -> None:
+def first_token(coordinator: object, uid: int, request_id: object, ttft_s: float) -> None:
     """The row's first token went to its client: its timing record is finished."""
     _tell(coordinator, "apc_lineage first-token hook",
           lambda lineage: lineage.first_token(uid, request_id, ttft_s), record=True)
 
 
-def queued_tokens(batch_gen: Any, uid: Any) -> int | None:
+def queued_tokens(batch_gen: Any, uid: int) -> int | None:
     """The prompt length of ``uid`` while it still waits in the generator's queue (its prefill,
     and so its lookup, not started), else None: read before a cancel removes it."""
     try:
@@ -441,7 +444,7 @@ def queued_tokens(batch_gen: Any, uid: Any) -> int | None:
     return None
 
 
-def cancelled(coordinator: Any, uid: Any, info: dict, queued_tokens: int | None = None) -> None:
+def cancelled(coordinator: object, uid: int, info: Mapping[str, object], queued_tokens: int | None = None) -> None:
     """A request was cancelled and the generator let it go: its record says so (one cancelled
     while queued never reached the cache, so its record is made here and counted)."""
     request_id = info.get("request_id", uid)
@@ -452,13 +455,14 @@ def cancelled(coordinator: Any, uid: Any, info: dict, queued_tokens: int | None 
 # ---------------------------------------------------------------------- idle, unload, shutdown
 
 
-def idle(parts: "Parts", generator: Any) -> None:
+def idle(parts: "Parts", generator: object) -> None:
     """The generation loop found no active request: the canary may run (a part of) a check
     on the open runtime. Never raises (the canary's own guard)."""
     parts.canary.on_idle(generator, parts.runtimes.current)
 
 
-def model_unloading(parts: "Parts", manager: Any) -> None:
+def model_unloading(parts: "Parts", manager: object) -> None:
+
     """mlx-vlm unloads the model of APC ``manager``: its runtime is closed (written) first."""
     parts.runtimes.retire(manager)
 

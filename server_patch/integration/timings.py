@@ -13,7 +13,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, TypedDict
 
 from server_patch import clock
 from server_patch.integration.request_metrics import RequestMetrics
@@ -21,6 +21,10 @@ from server_patch.observe import ledger
 from server_patch.observe.outcomes import Outcome, Phase, Stored
 from server_patch.integration.waits import GAPS_KEPT, OWN_STEP, UNATTRIBUTED
 from server_patch.lineage import COLD
+from server_patch.observe.ledger import Totals
+
+# One inter-token gap (``RequestTiming.close_gap``); ``worst_gap`` is {} before the first.
+Gap = TypedDict("Gap", {"ms": float, "from": float, "to": float, "parts": dict[str, float]}, total=False)
 
 log = logging.getLogger("server_patch.lineage")
 
@@ -55,14 +59,14 @@ class RequestTiming:
     commit_ms: float = 0.0
     ttft_ms: float = 0.0
     request_id: str = ""
-    uid: Any = None
+    uid: Optional[int] = None
     captures: list[str] = field(default_factory=list)
     # Reply reuse: generated tokens its entry kept past the prompt when the request ended
     # (0: none, or the entry stayed at the prompt end). Set after the first token is logged.
     reply_tokens: int = 0
     # With the copy counter on (APC_COPY_COUNTER=1): the running totals at lookup, then, from
     # the first token on, the bytes copied since by "op.kind" ({} with the counter off).
-    copies: Any = field(default_factory=ledger.mark)
+    copies: Optional[Totals] = field(default_factory=ledger.mark)
     # ``Outcome`` ("" for a request that reached its first token and went on); for a cancelled
     # one, the ``Phase`` it was in and what its entry kept (``Stored``).
     outcome: str = ""
@@ -86,8 +90,8 @@ class RequestTiming:
     # (``integration.waits``: its own ``step``, others' work by kind, ``unattributed``):
     # ``{"ms", "from", "to" (the server's monotonic seconds), "parts": {part: ms}}``. The
     # largest, the ``GAPS_KEPT`` largest that held others' work (largest first), and how many.
-    worst_gap: dict[str, Any] = field(default_factory=dict)
-    gaps: list[dict[str, Any]] = field(default_factory=list)
+    worst_gap: Gap = field(default_factory=lambda: Gap())
+    gaps: list[Gap] = field(default_factory=list)
     gap_count: int = 0
     ended: bool = False
     # The book's own marks, not in the JSON: in the ring (``TimingBook._finish``), and the
@@ -107,8 +111,8 @@ class RequestTiming:
             return
         ms = (now - began) * 1000
         named = {part: round(v, 3) for part, v in sorted(parts.items(), key=lambda kv: -kv[1])}
-        gap = {"ms": round(ms, 3), "from": began, "to": now,
-               "parts": {**named, UNATTRIBUTED: round(ms - sum(parts.values()), 3)}}
+        gap: Gap = {"ms": round(ms, 3), "from": began, "to": now,
+                    "parts": {**named, UNATTRIBUTED: round(ms - sum(parts.values()), 3)}}
         self.gap_count += 1
         if ms > self.worst_gap.get("ms", -1.0):
             self.worst_gap = gap
@@ -126,7 +130,7 @@ class RequestTiming:
 PRIVATE = ("uid", "finished", "delay_mark", "gap_from", "gap_parts")  # fields of a record its JSON leaves out
 
 
-def _fmt(**fields: Any) -> str:
+def _fmt(**fields: object) -> str:
     return " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
 
 
@@ -154,7 +158,7 @@ class TimingBook:
         with self._lock:
             return RequestTiming(next(self._seq), clock.wall(), prompt_tokens)
 
-    def log_restore(self, record: RequestTiming, request_id: Any, prefill_s: float) -> None:
+    def log_restore(self, record: RequestTiming, request_id: object, prefill_s: float) -> None:
         """Its prefill ended: the restore line."""
         record.request_id = str(request_id)
         record.prefill_ms = prefill_s * 1000
@@ -163,7 +167,7 @@ class TimingBook:
             prompt=record.prompt_tokens, lookup_ms=record.lookup_ms,
             admission_ms=record.admission_ms, kv=record.kv_admission or "-", entry=record.entry_id or "-"))
 
-    def finish(self, record: RequestTiming, request_id: Any, ttft_s: float) -> None:
+    def finish(self, record: RequestTiming, request_id: object, ttft_s: float) -> None:
         """Its first token: the timing line, the histograms, the ring and the listeners."""
         record.request_id = record.request_id or str(request_id)
         record.ttft_ms = ttft_s * 1000
@@ -178,12 +182,12 @@ class TimingBook:
             log.debug("apc_lineage request metrics failed: %s", exc)
         self._finish(record)
 
-    def finished_record(self, uid: Any) -> RequestTiming | None:
+    def finished_record(self, uid: Optional[int]) -> RequestTiming | None:
         """The newest finished record of ``uid`` still in the ring."""
         with self._lock:
             return next((r for r in reversed(self.ring) if r.uid == uid), None)
 
-    def cancel(self, record: RequestTiming, request_id: Any, phase: Phase) -> RequestTiming:
+    def cancel(self, record: RequestTiming, request_id: object, phase: Phase) -> RequestTiming:
         """``record``'s request was cancelled (its client went away) in ``phase``: in prefill
         (no first token) its record ends here and goes to the ring and the listeners like any
         other (not to the latency histograms: it has no first token); in decode (already
@@ -202,7 +206,8 @@ class TimingBook:
             self._notify(record, self.outcome_listeners)
         return record
 
-    def cancelled_queued(self, request_id: Any, prompt_tokens: int) -> RequestTiming:
+    def cancelled_queued(self, request_id: object, prompt_tokens: int) -> RequestTiming:
+
         """A request cancelled while queued (before its prefill, so before any lookup opened
         its record): its record is made now, with the next sequence number, and ends here."""
         with self._lock:
