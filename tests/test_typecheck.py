@@ -3,7 +3,9 @@
 mypy (pinned in the test extra) checks what ``[tool.mypy]`` in pyproject.toml names: strict on
 the lineage policy (``server_patch.lineage``), the copy ledger (``server_patch.observe``) and
 the HTTP plumbing (``server_patch.infra``: token, ASGI gate, traffic gate), the packages whose
-params and results every other part builds on. ruff checks the whole tree
+params and results every other part builds on, and on the request's session and door
+(``server_patch.integration``) and the copy-free buffers (``server_patch.copyfree``), typed
+with the real classes (``Any`` only for mlx-vlm's untyped objects). ruff checks the whole tree
 with a small rule set (syntax errors and pyflakes: unused imports, undefined names). Both read
 their settings from pyproject.toml, so running ``mypy`` or ``ruff check`` by hand gives the
 same answer as this test.
@@ -18,7 +20,9 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STRICT = ("server_patch.lineage.*", "server_patch.observe.*", "server_patch.infra.*")
+STRICT = ("server_patch.lineage.*", "server_patch.observe.*", "server_patch.infra.*", "server_patch.integration.*",
+          "server_patch.copyfree.*")
+
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -38,7 +38,7 @@ its view first: measured 0.33 ms a step) and a free row as wide as the batch hel
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import mlx.core as mx
 
@@ -90,7 +90,8 @@ def extend_kv(cache: Any, other: Any, joint: JointSpares | None = None) -> None:
     cache._idx = write_index
 
 
-def filter_kv(cache: Any, batch_indices: Any, *, view: bool = False) -> None:
+def filter_kv(cache: Any, batch_indices: mx.array | Sequence[int], *, view: bool = False) -> None:
+
     """``cache.filter(batch_indices)``: the kept rows, from the first column a kept row uses.
 
     ``view``: a contiguous range of kept rows stays a view of the old buffer (``bench copies``
@@ -131,10 +132,12 @@ def _kept(buffer: mx.array, index: mx.array, span: Optional[tuple[int, int]], sh
     return rows if view else mx.take(narrowed, mx.arange(first, end), axis=0)
 
 
-def _as_list(batch_indices: Any) -> list[int]:
+def _as_list(batch_indices: mx.array | Sequence[int]) -> list[int]:
     if isinstance(batch_indices, mx.array):
-        return [int(i) for i in batch_indices.tolist()]
+        # mlx types tolist() for any shape; a 1-D index array's is a list of ints
+        return [int(i) for i in cast(list[int], batch_indices.tolist())]
     return [int(i) for i in batch_indices]
+
 
 
 def _rows(cache: Any) -> int:

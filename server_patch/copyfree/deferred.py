@@ -37,6 +37,7 @@ from server_patch.state import rows
 from server_patch.state.layout import CacheLayout, MlxKV, MlxSnapshot
 
 if TYPE_CHECKING:
+    from server_patch.integration.generator import RowBatch
     from server_patch.integration.pending import Pending
     from server_patch.lineage.policy import LineageCache
 
@@ -63,7 +64,8 @@ class ReplyStore(Protocol):
     """Commits a row's state past its reply (the flow's ``commit_reply``)."""
 
     def __call__(self, pending: Pending, fed: np.ndarray, /, *, kv: MlxKV, head: MlxSnapshot,
-                 prompt_head: MlxSnapshot, captures: dict[int, tuple[str, Any]]) -> object: ...
+                 prompt_head: MlxSnapshot, captures: dict[int, tuple[str, MlxSnapshot]]) -> object: ...
+
 
 
 def resolve(layout: CacheLayout, settings: CopyFreeSettings, deferred: Deferred, caches: list[Any], idx: int, *,
@@ -99,7 +101,8 @@ def surfaces(deferred: Deferred, prompt: np.ndarray, namespace: str, restorable:
     return deferred.pending.namespace == namespace and best_restore(deferred.pending, prompt) > restorable
 
 
-def commit_reply(layout: CacheLayout, settings: CopyFreeSettings, reply: Reply, batch: Any, idx: int, *,
+def commit_reply(layout: CacheLayout, settings: CopyFreeSettings, reply: Reply, batch: RowBatch, idx: int, *,
+
                  alone: bool, deferred: Optional[Deferred], store: ReplyStore,
                  settle: Callable[[], None], cache: Optional[LineageCache] = None) -> bool:
     """Move the row's entry past its reply: adopt a lone row's buffer (views); for a row of a

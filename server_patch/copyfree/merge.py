@@ -28,6 +28,7 @@ from mlx_vlm.models.cache import BatchKVCache, CacheList, KVCache
 from server_patch.copyfree import batch
 from server_patch.copyfree.spares import JointSpares
 from server_patch.observe import ledger
+from server_patch.state.registry import Arrays
 from server_patch.state.rows import leaf_caches
 
 MIN_BUCKET = 256
@@ -72,8 +73,8 @@ def merge_rows(row_caches: Sequence[Sequence[Any]], prefix_lens: Sequence[int],
     return out
 
 
-def stage_rows(layers: Sequence[Sequence[dict]], kv_children: Sequence[Sequence[bool]], length: int,
-               cap: int, joint: JointSpares | None = None) -> tuple[list[list[dict]], list[list[dict]]]:
+def stage_rows(layers: Sequence[Sequence[Arrays]], kv_children: Sequence[Sequence[bool]], length: int,
+               cap: int, joint: JointSpares | None = None) -> tuple[list[list[Arrays]], list[list[Arrays]]]:
     """Rows ``[:length]`` of each float KV child of ``layers`` (an entry's ``MlxKV.layers``;
     ``kv_children`` marks those children) copied into fresh buffers of ``cap`` rows, evaluated:
     the merge's copy of a lone restored row, made ahead. Returns ``CacheLayout.build_lent``'s
@@ -82,11 +83,12 @@ def stage_rows(layers: Sequence[Sequence[dict]], kv_children: Sequence[Sequence[
     ``joint``: the runtime's spares, where the zero buffers of the joint batch the staged row
     will join are made too (while rows decode; None: none are made).
     Any thread may call it: it reads evaluated arrays and writes only its own."""
-    taken: list[list[dict]] = []
-    kept: list[list[dict]] = []
+    taken: list[list[Arrays]] = []
+    kept: list[list[Arrays]] = []
     nbytes = 0
     for layer, flags in zip(layers, kv_children, strict=True):
-        taken_layer, kept_layer = [], []
+        taken_layer: list[Arrays] = []
+        kept_layer: list[Arrays] = []
         for child, is_kv in zip(layer, flags, strict=True):
             keys, values = child.get("keys"), child.get("values")
             if is_kv and isinstance(keys, mx.array) and isinstance(values, mx.array):
@@ -126,8 +128,9 @@ def _merge(entries: list[Any], prefix_lens: Sequence[int], cap: int, in_place: i
     if all(type(e) is CacheList for e in entries):
         children = [_merge([e.caches[j] for e in entries], prefix_lens, cap, in_place)
                     for j in range(len(entries[0].caches))]
-        return None if any(c is None for c in children) else CacheList(*children)
-    return merge_cache_entries(entries, prefix_lens)  # small snapshot layers: stock merges
+        # mlx-vlm's CacheList and merge_cache_entries are untyped
+        return None if any(c is None for c in children) else CacheList(*children)  # type: ignore[no-untyped-call]
+    return merge_cache_entries(entries, prefix_lens)  # type: ignore[no-untyped-call]  # stock merges snapshots
 
 
 def merge_kv(rows: Sequence[KVCache], cap: int) -> BatchKVCache:
@@ -136,27 +139,28 @@ def merge_kv(rows: Sequence[KVCache], cap: int) -> BatchKVCache:
     Same layout as ``BatchKVCache.merge`` (row i right-aligned at the longest prefix, offset
     = its own length), but with ``cap - longest`` spare rows after ``_idx``.
     """
-    lengths = [0 if r.keys is None else int(r.offset) for r in rows]
+    buffers = [_kv_buffers(r) for r in rows]
+    lengths = [0 if b is None else int(r.offset) for r, b in zip(rows, buffers)]
     longest = max(lengths)
     if longest == 0:
         return BatchKVCache([0] * len(rows))
-    template = next(r for r in rows if r.keys is not None)
-    batch, heads = len(rows), int(template.keys.shape[1])
-    dk, dv, dtype = int(template.keys.shape[3]), int(template.values.shape[3]), template.keys.dtype
+    template_keys, template_values = next(b for b in buffers if b is not None)
+    batch, heads = len(rows), int(template_keys.shape[1])
+    dk, dv, dtype = int(template_keys.shape[3]), int(template_values.shape[3]), template_keys.dtype
     cap = max(cap, longest)
     padding = [longest - n for n in lengths]
     if batch == 1:
-        keys = padded(template.keys[..., :longest, :], cap - longest)
-        values = padded(template.values[..., :longest, :], cap - longest)
+        keys = padded(template_keys[..., :longest, :], cap - longest)
+        values = padded(template_values[..., :longest, :], cap - longest)
     else:
         keys = mx.zeros((batch, heads, cap, dk), dtype=dtype)
         values = mx.zeros((batch, heads, cap, dv), dtype=dtype)
-        for i, (pad, n, row) in enumerate(zip(padding, lengths, rows)):
-            if n:
-                keys[i: i + 1, :, pad: pad + n] = row.keys[..., :n, :]
-                values[i: i + 1, :, pad: pad + n] = row.values[..., :n, :]
+        for i, (pad, n, found) in enumerate(zip(padding, lengths, buffers)):
+            if n and found is not None:  # a row with rows has its buffers
+                keys[i: i + 1, :, pad: pad + n] = found[0][..., :n, :]
+                values[i: i + 1, :, pad: pad + n] = found[1][..., :n, :]
     cache = BatchKVCache(padding)
-    cache.keys, cache.values = keys, values
+    _set_kv(cache, keys, values)
     cache.offset += longest
     cache._idx = longest
     if ledger.enabled():
@@ -171,7 +175,7 @@ def adopt_kv(row: KVCache) -> BatchKVCache:
     them from the row once every layer merged)."""
     length = int(row.offset)
     cache = BatchKVCache([0])
-    cache.keys, cache.values = row.keys, row.values
+    _set_kv(cache, row.keys, row.values)
     cache.offset += length
     cache._idx = length
     return cache
@@ -185,8 +189,25 @@ def padded(rows: mx.array, spare: int) -> mx.array:
     return mx.concatenate([rows, mx.zeros(shape, dtype=rows.dtype)], axis=2)
 
 
+def _kv_buffers(row: KVCache) -> tuple[mx.array, mx.array] | None:
+    """A ``KVCache``'s keys and values (mlx-vlm sets both or neither); None while it is empty."""
+    if row.keys is None or row.values is None:
+        return None
+    return row.keys, row.values
+
+
+def _set_kv(cache: BatchKVCache, keys: Optional[mx.array], values: Optional[mx.array]) -> None:
+    """``cache``'s buffers are ``keys``/``values``."""
+    # mlx-vlm's BatchKVCache.__init__ types them as None (the value it starts with)
+    cache.keys, cache.values = keys, values  # type: ignore[assignment]
+
+
+
 def _row_bytes(row: KVCache) -> int:
-    if row.keys is None:
+    found = _kv_buffers(row)
+    if found is None:
         return 0
-    rows = int(row.keys.shape[2]) or 1
-    return (int(row.keys.nbytes) + int(row.values.nbytes)) // rows
+    keys, values = found
+    rows = int(keys.shape[2]) or 1
+    return (int(keys.nbytes) + int(values.nbytes)) // rows
+

@@ -17,7 +17,7 @@ its reply.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from server_patch.state.layout import CacheLayout, MlxSnapshot
 
 if TYPE_CHECKING:
     from server_patch.copyfree.append import Base
+    from server_patch.integration.generator import RowBatch
     from server_patch.integration.pending import Pending
     from server_patch.integration.timings import RequestTiming
 
@@ -46,7 +47,8 @@ class Reply:
         return int(self.pending.tokens.shape[0]) + len(self.fed)
 
 
-def validated(layout: CacheLayout, reply: Reply, batch: Any, idx: int) -> Optional[np.ndarray]:
+def validated(layout: CacheLayout, reply: Reply, batch: RowBatch, idx: int) -> Optional[np.ndarray]:
+
 
     """The fed reply ids, if row ``idx`` of ``batch`` provably holds prompt + exactly those:
     the generator counted as many tokens as were reported, and every KV cache of the row

@@ -25,7 +25,7 @@ import threading
 from contextlib import contextmanager
 from contextvars import ContextVar
 from itertools import count as counter
-from typing import Any, Hashable, Iterable, Iterator, Optional, Protocol, Sequence
+from typing import Hashable, Iterable, Iterator, Optional, Protocol, Sequence
 
 import mlx.core as mx
 
@@ -111,7 +111,7 @@ class JointSpares:
             mx.clear_cache()
         return dropped
 
-    def take(self, shape: tuple[int, int, int, int], dtype: Any) -> mx.array:
+    def take(self, shape: tuple[int, int, int, int], dtype: mx.Dtype) -> mx.array:
         """A zero buffer of at least ``shape``: a spare made ahead if one fits (taken out of the
         list, so the join's writes are its only reference and land in place), else a new one.
         A spare fits at most twice as wide as needed: an unrelated short join beside a staged
@@ -152,13 +152,14 @@ def of_this_join() -> JointSpares | None:
     return _JOINING.get()
 
 
-def _nbytes(shape: Sequence[int], dtype: Any) -> int:
+def _nbytes(shape: Sequence[int], dtype: mx.Dtype) -> int:
     size = int(dtype.size)
     for n in shape:
         size *= int(n)
     return size
 
 
-def buffer(spares: JointSpares | None, shape: tuple[int, int, int, int], dtype: Any) -> mx.array:
+def buffer(spares: JointSpares | None, shape: tuple[int, int, int, int], dtype: mx.Dtype) -> mx.array:
+
     """A zero buffer of at least ``shape``: one of ``spares`` if one fits, else a new one."""
     return spares.take(shape, dtype) if spares is not None else mx.zeros(shape, dtype=dtype)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence, cast
 
 import numpy as np
 
@@ -40,17 +40,20 @@ from server_patch.copyfree import deferred as deferral
 from server_patch.copyfree import lease as lending
 from server_patch.copyfree import merge as copyfree_merge
 from server_patch.copyfree.deferred import Deferred
+from server_patch.copyfree.lease import Lease
 from server_patch.copyfree.replies import Reply
 from server_patch.copyfree.settings import CopyFreeSettings
 from server_patch.integration import waits
-from server_patch.integration.generator import GeneratorView
+from server_patch.integration.generator import GeneratorView, RowBatch
 from server_patch.integration.pending import Pending, RequestKey
 from server_patch.integration.session import SessionBook, Session, SessionState
 from server_patch.integration.runtime import LineageRuntime
 from server_patch.lineage import DISK, KVAdmission, RestorePlan, flow
 from server_patch.lineage.holds import BASE, DEFERRED
+from server_patch.lineage.model import Entry
 from server_patch.speculative.rounds import RoundBook
 from server_patch.state import rows
+from server_patch.state.layout import MlxKV, MlxSnapshot
 
 log = logging.getLogger("server_patch.lineage")
 
@@ -58,12 +61,13 @@ log = logging.getLogger("server_patch.lineage")
 class Commits(Protocol):
     """Where a row's state becomes an entry (the request flow's commits)."""
 
-    def store(self, pending: Pending, kv: Any, head: Any) -> bool:
+    def store(self, pending: Pending, kv: MlxKV, head: MlxSnapshot) -> bool:
         """At the prompt end."""
         ...
 
-    def store_reply(self, pending: Pending, fed: np.ndarray, **state: Any) -> Any:
-        """Past the reply: ``kv``, ``head``, ``prompt_head``, ``captures``."""
+    def store_reply(self, pending: Pending, fed: np.ndarray, /, *, kv: MlxKV, head: MlxSnapshot,
+                    prompt_head: MlxSnapshot, captures: dict[int, tuple[str, MlxSnapshot]]) -> Optional[Entry]:
+        """Past the reply."""
         ...
 
     def note_commit(self, row: Session, start: float) -> None:
@@ -119,7 +123,8 @@ class BatchRows:
         committed (plan again)."""
         surfaced = False
         for row in self.book.deferred():
-            if deferral.surfaces(row.deferral, prompt, namespace, restorable) and self.surface(row, orphan=False):
+            if row.deferral is not None and deferral.surfaces(row.deferral, prompt, namespace, restorable) \
+                    and self.surface(row, orphan=False):
                 surfaced = True
         return surfaced
 
@@ -148,7 +153,7 @@ class BatchRows:
             return False
         return True
 
-    def _sweep_loans(self, entry: Any, reclaimed: set[str], active: Optional[set[Any]]) -> bool:
+    def _sweep_loans(self, entry: Optional[Entry], reclaimed: set[str], active: Optional[set[int]]) -> bool:
         """Before a lookup builds anything: end the loan of ``entry`` (the rows this prompt
         needs; its id goes into ``reclaimed``), loans whose borrower is not ``active`` any
         more, and loans never merged (their batch was not a lone row). True if an entry had
@@ -156,6 +161,8 @@ class BatchRows:
         dropped = False
         for row in self.book.lent():
             lease = row.loan
+            if lease is None:  # ``lent`` holds rows with a loan
+                continue
             if entry is lease.entry:
                 reason = "shared"
                 reclaimed.add(lease.entry.id)
@@ -211,7 +218,7 @@ class BatchRows:
         return copyfree_merge.capacity(prompt_len + self.settings.decode_reserve + headroom)
 
     def restore(self, row: Optional[Session], key: RequestKey, plan: RestorePlan,
-                reclaimed: set[str]) -> tuple[list[Any], Any]:
+                reclaimed: set[str]) -> tuple[list[Any], Optional[Lease]]:
         """The restored row caches (truncated views, the buffers staged while ``row``, the
         request's row if it has one yet, queued, or the entry's own lent buffers) and the loan
         (a ``Lease``, None otherwise). ``key``: its request key. Raises if they cannot be built
@@ -230,7 +237,9 @@ class BatchRows:
             lease = lending.lend_entry(self.runtime.layout, self.runtime.cache, plan)
             if lease is not None:
                 return lease.holder, lease
-        return self.runtime.layout.build(entry.kv, plan.state, plan.length), None
+        # the real cache's handles are the mlx ones (the simulator's sized ones never get here)
+        kv, state = cast(MlxKV, entry.kv), cast(MlxSnapshot, plan.state)
+        return self.runtime.layout.build(kv, state, plan.length), None
 
     @waits.unit(waits.Work.RESTORE, waits.merged_rows)
     def merge(self, found: Sequence[Optional[Session]], row_caches: Sequence[Sequence[Any]],
@@ -254,10 +263,12 @@ class BatchRows:
             if caches is None:
                 self._end_loan(lone, reason="fallback")
             else:
-                lone.loan.holder, lone.loan.merged = list(caches), True
+                lease = lone.loan
+                assert lease is not None  # ``lent`` holds rows with a loan
+                lease.holder, lease.merged = list(caches), True
         return caches
 
-    def admission_of(self, row: Optional[Session], lease: Any) -> KVAdmission:
+    def admission_of(self, row: Optional[Session], lease: Optional[Lease]) -> KVAdmission:
         """How a restored row's KV reaches the batch: its entry's buffer, a staged copy, or the
         merge's copy."""
         if lease is not None:
@@ -268,7 +279,7 @@ class BatchRows:
 
     @waits.unit(waits.Work.COMMIT, waits.one_row)
     def prefill_end(self, row: Session, prompt_cache: Sequence[Any], batch_idx: Optional[int],
-                    uid: Any) -> bool:
+                    uid: Optional[int]) -> bool:
         """Commit the row's entry at its prompt end: deferred (a lone row; with reply reuse a
         shared one that restored at an entry's head, whose buffer its reply is appended to when
         it ends) or copied out now (with reply reuse into buffers with room for the reply, so
@@ -310,23 +321,23 @@ class BatchRows:
             self.book.tidy(row)
         return committed
 
-    def resent(self, row: Session, uid: Any) -> None:
+    def resent(self, row: Session, uid: int) -> None:
         """A prompt restored at its own prompt end has nothing to prefill: it is at its prefill
         end now, its restored state its prompt-end snapshot (no store will commit it)."""
-        self._decoding(row, row.pending.plan.state, uid, "resend")
+        self._decoding(row, cast(MlxSnapshot, row.pending.plan.state), uid, "resend")
 
-    def _decoding(self, row: Session, head: Any, uid: Any, event: str) -> None:
+    def _decoding(self, row: Session, head: MlxSnapshot, uid: Optional[int], event: str) -> None:
         """Past the prefill end: its reply tracked from ``head``."""
         row.move(SessionState.DECODING, event)
         self.track_reply(row, head, uid)
 
-    def _store(self, pending: Pending, kv: Any, head: Any) -> bool:
+    def _store(self, pending: Pending, kv: MlxKV, head: MlxSnapshot) -> bool:
         """The one store of a prompt-end entry."""
         committed = self.commits.store(pending, kv, head)
         self._settle_loans()  # a loan whose entry the commit absorbed is over
         return committed
 
-    def _deferrable(self, prompt_cache: Sequence[Any], uid: Any) -> bool:
+    def _deferrable(self, prompt_cache: Sequence[Any], uid: Optional[int]) -> bool:
         """A lone row whose cache holds only verified rows when read (``GeneratorView.verified``):
         its buffer is its own to hand over."""
         if not (self.settings.enabled and self.settings.adopt) or uid is None or not self.generator.verified():
@@ -336,7 +347,8 @@ class BatchRows:
     # ------------------------------------------------------------------ the two commit verbs
 
     @waits.unit(waits.Work.COMMIT, waits.one_row)
-    def commit_finished(self, row: Session, batch: Any, idx: int, *, alone: bool) -> None:
+    def commit_finished(self, row: Session, batch: RowBatch, idx: int, *, alone: bool) -> None:
+
         """Row ``idx`` of ``batch`` leaves the decoding batch: its entry moves past its reply
         where the row checks out, else its deferred prompt-end state is committed (its buffer
         adopted where ``alone``, else copied)."""
@@ -350,7 +362,7 @@ class BatchRows:
 
     @waits.unit(waits.Work.COMMIT, waits.one_row)
     def commit_prompt(self, row: Session, caches: list[Any], idx: Optional[int], *, adopt: bool, reason: str,
-                      copied: Optional[tuple[Any, Any]] = None) -> bool:
+                      copied: Optional[tuple[MlxKV, MlxSnapshot]] = None) -> bool:
         """Row's prompt-end state becomes its entry: at the prefill end its own copy
         (``copied``: the KV copied out of ``caches`` row ``idx`` and its head, ``reason``
         prefill-end), stored as it is; later its deferred state (``reason``: join, removed,
@@ -379,7 +391,7 @@ class BatchRows:
 
     # ------------------------------------------------------------------ reply reuse
 
-    def reply_reuse(self, pending: Pending, uid: Any) -> bool:
+    def reply_reuse(self, pending: Pending, uid: Optional[int]) -> bool:
         """Whether this row's entry may move past its reply when it ends. Off, explicitly:
         ``APC_LINEAGE_REPLY_REUSE=0``; the single-sequence path (no uid: its loop has no
         decode hook); a draft model whose committed rounds are not reported
@@ -390,7 +402,7 @@ class BatchRows:
             return False
         return pending.final == int(pending.tokens.shape[0]) - config.entry_offset
 
-    def track_reply(self, row: Session, head: Any, uid: Any) -> None:
+    def track_reply(self, row: Session, head: MlxSnapshot, uid: Optional[int]) -> None:
         """Record the ids row ``uid`` is fed from now on (``head``: its prompt-end state)."""
         if self.reply_reuse(row.pending, uid):
             row.reply = Reply(row.pending, head, row.record)
@@ -400,11 +412,11 @@ class BatchRows:
         grows by the ids its row's cache kept."""
         self.rounds.committed(batch, verify_input, accepted, active, self._fed)
 
-    def _fed(self, uid: Any, ids: list[int]) -> None:
+    def _fed(self, uid: int, ids: list[int]) -> None:
         if (row := self.book.by_uid(uid)) is not None and row.reply is not None:
             row.reply.fed.extend(ids)
 
-    def _base_has_room(self, pending: Pending, uid: Any) -> bool:
+    def _base_has_room(self, pending: Pending, uid: Optional[int]) -> bool:
         """A row that restored at an entry's head whose buffer has room for its whole reply
         (an entry loaded from disk, or copied exactly, has none): it may defer to its end."""
         base = appending.restored_base(pending)
@@ -413,7 +425,7 @@ class BatchRows:
                     self.settings.spare_allowed(pending.final))
         return base is not None and lending.has_room(base.kv, int(pending.tokens.shape[0]) + reply)
 
-    def _reply_capacity(self, pending: Pending, uid: Any) -> int:
+    def _reply_capacity(self, pending: Pending, uid: Optional[int]) -> int:
         """Rows a prompt-end copy of a tracked row allocates so its reply appends in place."""
         return appending.reply_capacity(self.settings, pending.final, int(pending.tokens.shape[0]),
                                         self.generator.max_tokens_of(uid))
@@ -430,6 +442,7 @@ class BatchRows:
     def _end_loan(self, row: Session, caches: Optional[Sequence[Any]] = None, *, reason: str) -> bool:
         """Give the row's lent rows back to their entry (or drop the entry if they are gone)."""
         lease, row.loan = row.loan, None
+        assert lease is not None  # called for a row holding a loan
         kept = lending.end(self.runtime.layout, self.runtime.cache, lease, caches, reason=reason)
         self.book.tidy(row)
         return kept
@@ -437,13 +450,14 @@ class BatchRows:
     def _settle_loans(self) -> None:
         """Loans whose entry was absorbed or evicted are over."""
         for row in self.book.lent():
-            if lending.absorbed(self.runtime.cache, row.loan):
+            if row.loan is not None and lending.absorbed(self.runtime.cache, row.loan):
+
                 row.loan = None
                 self.book.tidy(row)
 
     # ------------------------------------------------------------------ rows going away
 
-    def leaving(self, batch: Any, keep: Sequence[int]) -> None:
+    def leaving(self, batch: RowBatch, keep: Sequence[int]) -> None:
         """``GenerationBatch.filter``: rows not in ``keep`` stop writing their caches now.
         A tracked row's entry moves past its reply; otherwise a deferred one is committed at
         its prompt end. The row has ended."""
@@ -457,7 +471,7 @@ class BatchRows:
                 self._end_loan(row, batch.prompt_cache if alone else None, reason="end")
             self._end(row, "leaving")
 
-    def verified_leaving(self, batch: Any, uids: Sequence[Any]) -> None:
+    def verified_leaving(self, batch: Any, uids: Sequence[int]) -> None:
         """Rows ``uids`` of a speculative batch finished: ``leaving`` over its rows as the last
         committed round left them (``RoundBook.view``). A row that view does not hold (no round
         yet, or bookkeeping that does not match the cache) keeps its prompt-end entry: its
@@ -494,7 +508,8 @@ class BatchRows:
                 if row.loan is not None:
                     self._end_loan(row, batch.prompt_cache if alone else None, reason="join")
 
-    def removed(self, uid: Any) -> None:
+    def removed(self, uid: int) -> None:
+
         """A request is taken out of the prompt batch mid-prefill: its loan ends now, it will
         feed no reply, and a deferred row sharing the batch is committed now, while it is there.
         The row has ended (a lone row's deferral waits for a lookup to adopt it)."""

@@ -160,7 +160,9 @@ class LineageCoordinator(APCCoordinator):
                 fail_closed(exc, f"apc_lineage restore of {entry_id} at {plan.length}", log=log)
         if warm is None:  # a lent entry's rows are a loan in the way; media, a failed build: other
             admission.refuse(Lost.LOAN if plan.entry is not None and plan.entry.lent else Lost.OTHER)
+        assert admission.plan is not None  # ``admit`` planned it; ``refuse`` and ``rewind`` replan
         row = lineage.book.admit(Pending(prompt, namespace, admission.plan, admission=admission), record,
+
                                  lease, uid=uid)
         if lease is not None:  # lent before its row was named: the row's hold from now on
             lineage.runtime.cache.own(lease.loan, row)

@@ -101,6 +101,25 @@ def _load_checked(store: DiskStore) -> Callable[[DiskRecord], Answer]:
     return load
 
 
+def _load_of(row: Session) -> Load:
+    """A LOADING row's load: set with the row (``SessionBook.loading``) until its lookup."""
+    assert row.load is not None, "a loading row has its load"
+    return row.load
+
+
+def _stage_of(row: Session) -> staging.Stage:
+    """A STAGING row's staged copy: set with the row (``SessionBook.staging``, or a load
+    that staged its copy) until its lookup."""
+    assert row.stage is not None, "a staging row has its stage"
+    return row.stage
+
+
+def _begun(load: Load) -> float:
+    """When ``load``'s read started: its turn came (``DiskLoads._turn`` said so first)."""
+    assert load.begun is not None, "a load is polled only once its turn came"
+    return load.begun
+
+
 class DiskLoads:
     """The queued prompts of one runtime whose restore points are loading, or staging (where
     ``rows``, the runtime's ``BatchRows``, is given: it says which plans the merge would copy).
@@ -229,10 +248,10 @@ class DiskLoads:
             if row is None:
                 return True
         if row.state == SessionState.STAGING:
-            return self._stager().poll(row.stage, IDLE_WAIT_S if idle else 0.0)
+            return self._stager().poll(_stage_of(row), IDLE_WAIT_S if idle else 0.0)
         disk = self.runtime.disk
         assert disk is not None  # a row loads only where the runtime has a disk tier (``_look_ahead``)
-        load = row.load
+        load = _load_of(row)
         if load.done:
 
             return True
@@ -253,7 +272,7 @@ class DiskLoads:
             load.answer, load.done = answer, True
             if busy and self._stage_loaded(row, prompt, namespace):
                 return False
-        elif (clock.steady() - load.begun) * 1000 >= settings.value("APC_DISK_LOAD_WAIT_MS"):
+        elif (clock.steady() - _begun(load)) * 1000 >= settings.value("APC_DISK_LOAD_WAIT_MS"):
             load.late = load.done = True
             self.loads.forget(disk, load.record)
             self.release(row)
@@ -262,7 +281,7 @@ class DiskLoads:
     def _loaded_for_another(self, row: Session) -> bool:
         """Another waiting row (an identical prompt) holds this row's file read and not yet
         promoted: this one waits for that promotion instead of reading the file again."""
-        record_id = row.load.record.id
+        record_id = _load_of(row).record.id
         return any(other is not row and other.load is not None and other.load.answer is not None
                    and other.load.record.id == record_id for other in self.book.rows())
 
@@ -271,7 +290,7 @@ class DiskLoads:
         from before the read until its lookup admits it, so the file's bytes are counted in the
         RAM budget while it loads and, once promoted, no other load or commit evicts it. A load
         the budget cannot hold beside the others' waits (its bound counts from its start)."""
-        load = row.load
+        load = _load_of(row)
         if load.begun is None:
             if not self.runtime.cache.hold(row, load.record.id, load.record.nbytes):
                 return False
@@ -291,10 +310,12 @@ class DiskLoads:
         copy is staged too, the row going on waiting (LOADING -> STAGING), so neither the load
         nor the copy runs on the generation thread. False: admitted as before (the lookup
         promotes what was loaded)."""
-        load = row.load
+        load = _load_of(row)
         if self.stagings is None or self.rows is None or not 0 < staging.min_tokens() <= load.length:
             return False  # too short to stage: the lookup promotes it, as before
-        entry = self.runtime.cache.promote(load.record, load.answer[0], reason=load.answer[1])
+        answer = load.answer
+        assert answer is not None  # ``ready`` calls this once its poll answered
+        entry = self.runtime.cache.promote(load.record, answer[0], reason=answer[1])
         load.answer = None  # in the cache now, or gone: the lookup plans from what the cache holds
         if entry is None:
             return False
@@ -317,6 +338,7 @@ class DiskLoads:
         if plan.tier == DISK:
             if self.runtime.disk is None or self.runtime.refuses(DISK):
                 return None
+            assert plan.record is not None  # a disk plan names its file
             load = Load(plan.record, plan.length, clock.steady(), self.book.decode_steps)
             return self.book.loading(pending, load, uid)
         stage = self._stage(plan, self.book.decode_steps) if busy and self.stagings is not None else None
@@ -327,7 +349,7 @@ class DiskLoads:
         leaves the queue): its request holds the copy's bytes (``LineageCache.reserve``), and
         the entry's rows while the stager reads them (the copy's receipt, a ``LENT`` hold that
         ends with the copy, ``staging.Stagings``)."""
-        stage = row.stage
+        stage = _stage_of(row)
         entry = stage.entry
         nbytes = entry.kv.nbytes * stage.capacity // max(1, entry.length)  # the rows it copies, with room
         self.runtime.cache.reserve(row, f"staged:{entry.id}", nbytes)
@@ -351,7 +373,7 @@ class DiskLoads:
     def _rejected(self, row: Session, why: str, prompt: np.ndarray, namespace: str) -> None:
         """Its file failed validation: forgotten (as a lookup's own load would), and the next
         disk file the prompt would restore from starts loading, if any."""
-        load = row.load
+        load = _load_of(row)
         self.runtime.cache.promote(load.record, None, reason=why)
         load.rejected.append((load.length, why or "failed validation"))
         self.release(row)
@@ -360,7 +382,9 @@ class DiskLoads:
         if plan is None:
             load.done = True
         else:
+            assert plan.record is not None  # a disk plan names its file
             load.record, load.length = plan.record, plan.length
+
 
     def _forget_gone(self, queued: set[int]) -> None:
         """Waiting rows whose uid is no longer queued (cancelled meanwhile): ended, their work

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from server_patch.lineage.policy import LineageCache
 
 RequestKey = tuple[str, int, int]  # (namespace, prompt length, hash of the token bytes)
+PromptKey = tuple[Optional[str], int, int]  # a ``Pending``'s key: no namespace until a store names it
 
 
 def prompt_key(tokens: np.ndarray) -> tuple[int, int]:
@@ -61,7 +62,7 @@ class Pending:
     admission: Optional[Admission] = None  # the request flow (``flow``), kept from the lookup on
 
     @property
-    def key(self) -> tuple[Optional[str], int, int]:
+    def key(self) -> PromptKey:
         return (self.namespace, *prompt_key(self.tokens))
 
     def flow(self, cache: LineageCache) -> Admission:
@@ -79,4 +80,5 @@ class Pending:
             self.admission.namespace = namespace
 
 
-__all__ = ["Pending", "RequestKey", "namespace_of", "prompt_key", "request_key"]
+__all__ = ["Pending", "PromptKey", "RequestKey", "namespace_of", "prompt_key", "request_key"]
+

@@ -22,7 +22,9 @@ from server_patch.integration.runtime import LineageRuntime
 from server_patch.lineage import ANCHOR, COLD, RestorePlan, as_tokens
 from server_patch.lineage.flow import Admission, cold
 from server_patch.state import rows
+from server_patch.lineage.model import Entry
 from server_patch.state.layout import MlxKV, MlxSnapshot
+
 
 
 class Prefills:
@@ -108,9 +110,11 @@ class Prefills:
                                           anchor_label=pending.anchor_label)
         return entry is not None
 
-    def store_reply(self, pending: Pending, fed: np.ndarray, **state: Any) -> Any:
+    def store_reply(self, pending: Pending, fed: np.ndarray, /, *, kv: MlxKV, head: MlxSnapshot,
+                    prompt_head: MlxSnapshot, captures: dict[int, tuple[str, MlxSnapshot]]) -> Optional[Entry]:
         """The state past the reply becomes the entry; the prompt end stays its checkpoint."""
-        return self.flow(pending).commit_reply(fed, anchor_label=pending.anchor_label, **state)
+        return self.flow(pending).commit_reply(fed, kv=kv, head=head, prompt_head=prompt_head, captures=captures,
+                                               anchor_label=pending.anchor_label)
 
     @staticmethod
     def note_commit(row: Session, start: float) -> None:

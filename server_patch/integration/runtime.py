@@ -11,7 +11,9 @@ import logging
 import threading
 from collections import OrderedDict, deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+
+import numpy as np
 
 from server_patch import clock, pacing
 from server_patch.disk_paths import default_disk_root, disk_enabled
@@ -133,7 +135,8 @@ class LineageRuntime:
         """Whether a request must prefill ``kind`` cold (a failed canary check, ``APC_CANARY_ON_FAIL=cold``)."""
         return self.canary is not None and self.canary.refuses(kind)
 
-    def boundaries(self, prompt_token_ids: Any) -> SegmentInfo:
+
+    def boundaries(self, prompt_token_ids: np.ndarray) -> SegmentInfo:
         """Anchor and segment boundaries of one prompt, from the server's boundary finder (the
         parts hand it over); a runtime no server built (a library caller) has one of its own,
         which has noted no request."""
@@ -150,7 +153,7 @@ class LineageRuntime:
                 self._boundaries.popitem(last=False)
         return found
 
-    def drift_points(self, prompt: Any, namespace: str) -> list[int]:
+    def drift_points(self, prompt: np.ndarray, namespace: str) -> list[int]:
         """Restore points absorbing what clients change (``DriftDetector.points``)."""
         from server_patch.boundaries import Kind
 
@@ -159,12 +162,13 @@ class LineageRuntime:
         blocks = [p for p, kind in self.boundaries(prompt).kinds.items() if kind == Kind.BLOCK]
         return self.drift.points(as_tokens(prompt), namespace, gen_start, blocks)
 
-    def drift_of(self, prompt: Any, namespace: str) -> dict[str, Any]:
+    def drift_of(self, prompt: np.ndarray, namespace: str) -> dict[str, Any]:
         """What ``prompt`` changed against the nearest earlier sequence of ``namespace`` (the
         request record's ``drift``, ``server_patch.drift``); {} when nothing, or off."""
         if not self.drift.config.enabled:
             return {}
         info = self.boundaries(prompt)
+        assert self.finder is not None  # ``boundaries`` made one where none was handed over
         template = self.finder.template
         return self.drift.observe(prompt, namespace, kinds=info.kinds, gen_start=template.gen_start(prompt),
                                   decode=template.decoder())
@@ -226,7 +230,14 @@ def _weights_of(model_dir: Path | str | None) -> tuple[str | None, str]:
         return None, str(exc)
 
 
-def runtime_for(manager: Any, language_model: Any, model_dir: Path | str | None = None) -> LineageRuntime:
+class APCManagerView(Protocol):
+    """What the patch reads of mlx-vlm's ``APCManager`` (untyped upstream): the field the
+    overlay's ``apc.py`` edit adds to hold its lineage runtime."""
+
+    lineage_runtime: Optional[LineageRuntime]
+
+
+def runtime_for(manager: APCManagerView, language_model: Any, model_dir: Path | str | None = None) -> LineageRuntime:
     """The runtime of ``manager`` (one per APC manager, i.e. per loaded model), built on first
     use and kept in the manager's own ``lineage_runtime`` field (the overlay's ``apc.py`` edit
     adds it; ``POST /v1/cache/reset``'s ``manager.clear()`` clears it through the door);
@@ -238,7 +249,8 @@ def runtime_for(manager: Any, language_model: Any, model_dir: Path | str | None 
         return manager.lineage_runtime
 
 
-def runtime_of(manager: Any) -> LineageRuntime | None:
+def runtime_of(manager: Optional[APCManagerView]) -> LineageRuntime | None:
+
     """The runtime ``runtime_for`` built for ``manager``, if any (None for stock APC)."""
     return manager.lineage_runtime if manager is not None else None
 

@@ -41,14 +41,21 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
 from server_patch.failclosed import fail_closed
-from server_patch.integration.pending import Pending, prompt_key
+from server_patch.integration.pending import Pending, PromptKey, prompt_key
 from server_patch.integration.timings import DECODE, PREFILL, RequestTiming, TimingBook
 from server_patch.integration.waits import Waits
+
+if TYPE_CHECKING:
+    from server_patch.copyfree.deferred import Deferred
+    from server_patch.copyfree.lease import Lease
+    from server_patch.copyfree.replies import Reply
+    from server_patch.integration.loading import Load
+    from server_patch.integration.staging import Stage
 
 log = logging.getLogger("server_patch.lineage")
 
@@ -84,27 +91,27 @@ class SessionStateError(RuntimeError):
 
 @dataclass(eq=False)
 class Session:
-    """One request's whole life in the cache. ``loan``: a ``copyfree.lease.Lease``;
-    ``deferral``: a ``copyfree.deferred.Deferred``; ``reply``: a ``copyfree.replies.Reply``."""
+    """One request's whole life in the cache: its loan, its deferred prompt-end entry and its
+    tracked reply (``copyfree``'s mechanics), its wait in the queue, its timing record."""
 
     pending: Pending
     record: Optional[RequestTiming] = None
-    uid: Any = None
+    uid: Optional[int] = None  # mlx-vlm's uid of its sequence (None: the single-sequence path)
     state: SessionState = SessionState.ADMITTED
-    loan: Any = None
-    deferral: Any = None
-    reply: Any = None
+    loan: Optional[Lease] = None
+    deferral: Optional[Deferred] = None
+    reply: Optional[Reply] = None
     timed: bool = False  # its record is finished (first token, or cancelled before it)
     seq: int = 0  # the book's order (oldest first)
     history: list[SessionState] = field(default_factory=list)  # the states it left, in order
-    load: Any = None  # while LOADING and until its lookup: its ``integration.loading.Load``
-    stage: Any = None  # while STAGING and until its lookup: its ``integration.staging.Stage``
+    load: Optional[Load] = None  # while LOADING and until its lookup
+    stage: Optional[Stage] = None  # while STAGING and until its lookup
     staged: bool = False  # its restored caches hold a staged buffer: the merge adopts it, no copy
     scope: object = None  # the book's scope it lives in (``SessionBook.scope``): its uid is unique there
-    request_id: Any = None  # the HTTP request's id, once the server reports an event of it
+    request_id: object = None  # the HTTP request's id, once the server reports an event of it
 
     @property
-    def key(self) -> tuple[Optional[str], int, int]:
+    def key(self) -> PromptKey:
         return self.pending.key
 
     @property
@@ -148,7 +155,7 @@ class SessionBook:
     (``sessions`` sees them all)."""
 
     def __init__(self, timings: Optional[TimingBook] = None, limit: int = ROWS_MAX,
-                 release: Optional[Callable[[Any], Any]] = None) -> None:
+                 release: Optional[Callable[[Session], object]] = None) -> None:
         """``timings``: the ring of finished records (a new one by default); ``release``: the
         cache's ``LineageCache.release``, called with a row once it is forgotten (everything its
         request still holds of the cache is let go: the one sweep at a request's end)."""
@@ -156,7 +163,7 @@ class SessionBook:
         self._release = release
         self._forgotten: list[Session] = []  # forgotten under the lock, released after it (``_let_go``)
         self._rows: OrderedDict[int, Session] = OrderedDict()  # every scope's
-        self._by_uid: dict[tuple[object, Any], Session] = {}  # by (scope, uid)
+        self._by_uid: dict[tuple[object, int], Session] = {}  # by (scope, uid)
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
         self._limit = limit
@@ -191,24 +198,25 @@ class SessionBook:
 
     # ------------------------------------------------------------------ admission and binding
 
-    def loading(self, pending: Pending, load: Any, uid: Any = None) -> Session:
+    def loading(self, pending: Pending, load: Load, uid: Optional[int] = None) -> Session:
         """Queued prompt ``uid`` whose restore point's file is loading (``load``): a LOADING row."""
         return self.waiting(pending, SessionState.LOADING, uid, load=load)
 
-    def staging(self, pending: Pending, stage: Any, uid: Any = None) -> Session:
+    def staging(self, pending: Pending, stage: Stage, uid: Optional[int] = None) -> Session:
         """Queued prompt ``uid`` whose RAM restore's rows are being copied (``stage``): a STAGING row."""
         return self.waiting(pending, SessionState.STAGING, uid, stage=stage)
 
-    def waiting(self, pending: Pending, state: SessionState, uid: Any = None, **work: Any) -> Session:
+    def waiting(self, pending: Pending, state: SessionState, uid: Optional[int] = None, *,
+                load: Optional[Load] = None, stage: Optional[Stage] = None) -> Session:
         """A queued prompt that waits (``WAITING``) for work done off the generation thread."""
         with self._lock:
             row = self._add(Session(pending, state=state, uid=uid, seq=next(self._seq), scope=self._scope,
-                                    **work))
+                                    load=load, stage=stage))
         self._let_go()
         return row
 
-    def admit(self, pending: Pending, record: Optional[RequestTiming] = None, loan: Any = None,
-              uid: Any = None) -> Session:
+    def admit(self, pending: Pending, record: Optional[RequestTiming] = None, loan: Optional[Lease] = None,
+              uid: Optional[int] = None) -> Session:
         """Looked-up prompt ``uid`` (or one planned cold without a lookup): ADMITTED. Its row
         waiting in the queue is admitted (its load finished, failed or ran past the bound);
         a second lookup of the same uid admits its row again (its plan and record are the new
@@ -236,7 +244,7 @@ class SessionBook:
         self._bound()
         return row
 
-    def _unbound(self, key: Any) -> Optional[Session]:
+    def _unbound(self, key: Optional[PromptKey]) -> Optional[Session]:
         """The newest row with request ``key`` and no uid (a prompt no queue named)."""
         return next((r for r in reversed(self._mine()) if r.uid is None and r.key == key), None)
 
@@ -250,7 +258,7 @@ class SessionBook:
         for row in forgettable[:max(0, excess)]:
             self._drop(row)
 
-    def bind(self, key: Any, uid: Any) -> Optional[Session]:
+    def bind(self, key: PromptKey, uid: int) -> Optional[Session]:
         """Row ``uid`` is in a prompt batch now: PREFILLING. A row admitted without a uid (a
         lookup that had none) with request ``key`` is named ``uid`` here."""
         with self._lock:
@@ -268,17 +276,19 @@ class SessionBook:
 
     # ------------------------------------------------------------------ finding rows
 
-    def by_key(self, key: Any) -> Optional[Session]:
+    def by_key(self, key: PromptKey) -> Optional[Session]:
         """The newest row with request ``key`` (identical prompts are rows of their own: a
         uid names one; this is for a prompt no queue named, and for tests)."""
         with self._lock:
             return next((r for r in reversed(self._mine()) if r.key == key), None)
 
-    def by_uid(self, uid: Any) -> Optional[Session]:
+    def by_uid(self, uid: Optional[int]) -> Optional[Session]:
+        if uid is None:  # no row is found by no uid (none is filed under None)
+            return None
         with self._lock:
             return self._by_uid.get((self._scope, uid))
 
-    def queued(self, uid: Any, key: Any) -> Optional[Session]:
+    def queued(self, uid: Optional[int], key: Optional[PromptKey]) -> Optional[Session]:
         """The row a lookup of ``uid`` (``key``: its request key) finds already there: the one
         that waited in the queue, or its earlier lookup's; without a uid, an unbound one."""
         with self._lock:
@@ -298,7 +308,7 @@ class SessionBook:
     def replying(self) -> list[Session]:
         return [r for r in self.rows() if r.reply is not None]
 
-    def lent_to(self, key: Any) -> bool:
+    def lent_to(self, key: PromptKey) -> bool:
         """Some row of request ``key`` holds a loan (the same prompt is running on it)."""
         return any(r.key == key for r in self.lent())
 
@@ -362,7 +372,7 @@ class SessionBook:
         for row in rows:
             self._release(row)
 
-    def decoded(self, uids: Sequence[Any], tokens: Sequence[int]) -> None:
+    def decoded(self, uids: Sequence[int], tokens: Sequence[int]) -> None:
         """One decode step: ``tokens[i]`` was fed to row ``uids[i]`` (its tracked reply grows).
         A step of another shape than this hook was written for stops the tracking of its rows."""
         self.decode_steps += 1
@@ -371,10 +381,10 @@ class SessionBook:
         for row, i in tracked:
             if len(uids) != len(tokens):
                 row.reply = None
-            else:
+            elif row.reply is not None:  # it is: ``tracked`` holds rows with a reply
                 row.reply.fed.append(int(tokens[i]))
 
-    def forget_replies(self, active: Iterable[Any]) -> None:
+    def forget_replies(self, active: Iterable[int]) -> None:
         """Stop tracking replies of rows no batch holds any more (their leaving was never seen)."""
         alive = set(active)
         for row in self.replying():
@@ -383,32 +393,38 @@ class SessionBook:
 
     # ------------------------------------------------------------------ the record's events
 
-    def _open_record(self, uid: Any) -> Optional[Session]:
+    def _open_record(self, uid: Optional[int]) -> Optional[tuple[Session, RequestTiming]]:
+        """Row ``uid`` and its record, if it has one not finished yet."""
         row = self.by_uid(uid)
-        return row if row is not None and row.record is not None and not row.timed else None
+        return (row, row.record) if row is not None and row.record is not None and not row.timed else None
 
-    def prefill_completed(self, uid: Any, request_id: Any, prefill_s: float) -> None:
+    def prefill_completed(self, uid: Optional[int], request_id: object, prefill_s: float) -> None:
         """The server's prompt-time report: the record's restore line."""
-        if (row := self._open_record(uid)) is not None:
+        if (found := self._open_record(uid)) is not None:
+            row, record = found
             row.request_id = request_id
-            self.timings.log_restore(row.record, request_id, prefill_s)
+            self.timings.log_restore(record, request_id, prefill_s)
 
-    def first_token(self, uid: Any, request_id: Any, ttft_s: float) -> None:
+    def first_token(self, uid: Optional[int], request_id: object, ttft_s: float) -> None:
         """The first token reached the client: the record is finished."""
-        if (row := self._open_record(uid)) is not None:
+        if (found := self._open_record(uid)) is not None:
+            row, record = found
             row.request_id = request_id
             self._timed(row)
-            self.timings.finish(row.record, request_id, ttft_s)
+            self.timings.finish(record, request_id, ttft_s)
 
-    def cancelled(self, uid: Any, request_id: Any) -> Optional[RequestTiming]:
+    def cancelled(self, uid: Optional[int], request_id: object) -> Optional[RequestTiming]:
         """Request ``uid`` was cancelled (called once the generator let it go): a record with
         no first token ends here, cancelled in prefill; one already finished is marked
         cancelled in decode where it lies in the ring (``TimingBook.cancel``)."""
-        if (row := self._open_record(uid)) is not None:
+        if (found := self._open_record(uid)) is not None:
+            row, record = found
             self._timed(row)
-            return self.timings.cancel(row.record, request_id, PREFILL)
-        record = self.timings.finished_record(uid)
-        return self.timings.cancel(record, request_id, DECODE) if record is not None else None
+            return self.timings.cancel(record, request_id, PREFILL)
+
+        finished = self.timings.finished_record(uid)
+        return self.timings.cancel(finished, request_id, DECODE) if finished is not None else None
+
 
     def _timed(self, row: Session) -> None:
         row.timed = True
