@@ -24,7 +24,6 @@ STRICT = ("server_patch.lineage.*", "server_patch.observe.*", "server_patch.infr
           "server_patch.copyfree.*")
 
 
-
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=900)
 

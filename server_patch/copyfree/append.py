@@ -180,7 +180,6 @@ def append_reply(layout: CacheLayout, cache: LineageCache, base: Optional[Base],
 
 
 def _lent_part(layers: list[list[Arrays]]) -> list[list[Arrays]]:
-
     """The ``keys``/``values`` arrays of a handle's layers: what ``MlxKV.give_back`` takes back."""
     return [[{k: ref(v) for k, v in child.items() if k in ("keys", "values")} for child in layer]
             for layer in layers]

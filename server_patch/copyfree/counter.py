@@ -43,7 +43,6 @@ log = logging.getLogger("server_patch.copyfree")
 # A method of an mlx-vlm cache class this wraps: any signature, any result (counted by shape).
 Method = Callable[..., object]
 
-
 ENV = "APC_COPY_COUNTER"
 ENV_FILE = "APC_COPY_COUNTER_FILE"
 
@@ -103,7 +102,6 @@ def collect_arrays(value: object, out: list[mx.array]) -> None:
 
 
 def _add_caches(op: str, caches: object) -> None:
-
     items = caches if isinstance(caches, (list, tuple)) else [caches]
     kv = state = 0
     for cache in items:

@@ -67,7 +67,6 @@ class ReplyStore(Protocol):
                  prompt_head: MlxSnapshot, captures: dict[int, tuple[str, MlxSnapshot]]) -> object: ...
 
 
-
 def resolve(layout: CacheLayout, settings: CopyFreeSettings, deferred: Deferred, caches: list[Any], idx: int, *,
             adopt: bool, reason: str, store: Callable[[Pending, MlxKV, MlxSnapshot], bool],
             room: int = 0) -> Optional[float]:
@@ -102,7 +101,6 @@ def surfaces(deferred: Deferred, prompt: np.ndarray, namespace: str, restorable:
 
 
 def commit_reply(layout: CacheLayout, settings: CopyFreeSettings, reply: Reply, batch: RowBatch, idx: int, *,
-
                  alone: bool, deferred: Optional[Deferred], store: ReplyStore,
                  settle: Callable[[], None], cache: Optional[LineageCache] = None) -> bool:
     """Move the row's entry past its reply: adopt a lone row's buffer (views); for a row of a
@@ -138,7 +136,6 @@ def commit_reply(layout: CacheLayout, settings: CopyFreeSettings, reply: Reply, 
     finally:
         if appended is not None and cache is not None:  # only appended where a cache was given
             appended.finish(cache)
-
     settle()
     mode = "adopt" if adopt else "append" if appended is not None else "copy"
     copied = f" appended_rows={appended.rows}" if appended is not None else ""
@@ -157,7 +154,6 @@ def commit_reply(layout: CacheLayout, settings: CopyFreeSettings, reply: Reply, 
 
 
 def best_restore(pending: Pending, prompt: np.ndarray) -> int:
-
     """The longest restore point a deferred entry (head at ``final``, its captures) offers."""
     common = common_prefix_len(prompt, pending.tokens[:pending.final])
     lengths = [pending.final, *pending.taken]

@@ -128,7 +128,6 @@ def end(layout: CacheLayout, cache: LineageCache, lease: Lease, caches: Optional
 
 
 def absorbed(cache: LineageCache, lease: Lease) -> bool:
-
     """Whether the loan is over because its entry left the cache (the borrower's own entry
     absorbed it, or it was evicted): the buffer belongs to whoever writes it now. If so, the
     receipt is returned."""

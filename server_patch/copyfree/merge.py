@@ -202,7 +202,6 @@ def _set_kv(cache: BatchKVCache, keys: Optional[mx.array], values: Optional[mx.a
     cache.keys, cache.values = keys, values  # type: ignore[assignment]
 
 
-
 def _row_bytes(row: KVCache) -> int:
     found = _kv_buffers(row)
     if found is None:
@@ -210,4 +209,3 @@ def _row_bytes(row: KVCache) -> int:
     keys, values = found
     rows = int(keys.shape[2]) or 1
     return (int(keys.nbytes) + int(values.nbytes)) // rows
-

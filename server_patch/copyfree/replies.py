@@ -48,8 +48,6 @@ class Reply:
 
 
 def validated(layout: CacheLayout, reply: Reply, batch: RowBatch, idx: int) -> Optional[np.ndarray]:
-
-
     """The fed reply ids, if row ``idx`` of ``batch`` provably holds prompt + exactly those:
     the generator counted as many tokens as were reported, and every KV cache of the row
     holds that many rows. None otherwise (the entry then stays at the prompt end)."""

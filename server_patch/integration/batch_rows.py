@@ -348,7 +348,6 @@ class BatchRows:
 
     @waits.unit(waits.Work.COMMIT, waits.one_row)
     def commit_finished(self, row: Session, batch: RowBatch, idx: int, *, alone: bool) -> None:
-
         """Row ``idx`` of ``batch`` leaves the decoding batch: its entry moves past its reply
         where the row checks out, else its deferred prompt-end state is committed (its buffer
         adopted where ``alone``, else copied)."""
@@ -451,7 +450,6 @@ class BatchRows:
         """Loans whose entry was absorbed or evicted are over."""
         for row in self.book.lent():
             if row.loan is not None and lending.absorbed(self.runtime.cache, row.loan):
-
                 row.loan = None
                 self.book.tidy(row)
 
@@ -509,7 +507,6 @@ class BatchRows:
                     self._end_loan(row, batch.prompt_cache if alone else None, reason="join")
 
     def removed(self, uid: int) -> None:
-
         """A request is taken out of the prompt batch mid-prefill: its loan ends now, it will
         feed no reply, and a deferred row sharing the batch is committed now, while it is there.
         The row has ended (a lone row's deferral waits for a lookup to adopt it)."""

@@ -73,7 +73,6 @@ class GeneratorView:
             batch: Optional[RowBatch] = getattr(generator, name, None)
             uids = list(getattr(batch, "uids", None) or ())
             if batch is not None and uid in uids:
-
                 return batch, uids.index(uid)
         return None
 
@@ -104,5 +103,3 @@ class GeneratorView:
 
 
 __all__ = ["GeneratorView", "PromptBatch", "RowBatch"]
-
-

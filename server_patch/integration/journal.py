@@ -46,7 +46,6 @@ L = TypeVar("L")  # a listener
 
 if TYPE_CHECKING:
     from server_patch.integration.runtime import LineageRuntime
-
     from server_patch.integration.timings import RequestTiming
     from server_patch.lineage import Event
 
@@ -237,7 +236,6 @@ def attach(runtime: LineageRuntime) -> JournalRecorder | None:
     recorder.started()
     assert recorder.start_line is not None  # ``started`` wrote it
     log.info("apc_lineage journal %s", journal.path)
-
     # The live oracle's shadow, from earlier runs of this model (``shadow_warmup``).
     shadow_warmup.start(runtime.cache.misses, journal_files(journal.directory), runtime.fingerprint,
                         recorder.start_line)

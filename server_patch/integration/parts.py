@@ -62,7 +62,6 @@ class Runtimes:
                 self._open[id(manager)] = runtime
 
     def retire(self, manager: object) -> None:
-
         """mlx-vlm unloads the model of APC ``manager`` (a switch, ``POST /unload``): close its
         runtime before stock clears the manager, so what it held unwritten reaches the disk.
         Never raises."""

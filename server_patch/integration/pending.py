@@ -66,7 +66,6 @@ class Pending:
         return (self.namespace, *prompt_key(self.tokens))
 
     def flow(self, cache: LineageCache) -> Admission:
-
         """Its one admission: the lookup's, or (a prompt planned without a lookup) one built
         here, once, at its plan in ``cache``."""
         if self.admission is None:
@@ -81,4 +80,3 @@ class Pending:
 
 
 __all__ = ["Pending", "PromptKey", "RequestKey", "namespace_of", "prompt_key", "request_key"]
-

@@ -26,7 +26,6 @@ from server_patch.lineage.model import Entry
 from server_patch.state.layout import MlxKV, MlxSnapshot
 
 
-
 class Prefills:
     """The prefilling rows of one runtime (``SessionBook``), and where their state is committed."""
 
@@ -102,7 +101,6 @@ class Prefills:
     # ------------------------------------------------------------------ commits
 
     def store(self, pending: Pending, kv: MlxKV, head: MlxSnapshot) -> bool:
-
         """The state at the prompt end becomes the lineage's entry."""
         if pending.wanted.get(pending.final) == ANCHOR:
             pending.taken[pending.final] = (ANCHOR, head)

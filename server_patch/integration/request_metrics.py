@@ -89,6 +89,5 @@ class RequestMetrics:
             self.waited.labels(work).observe(max(0.0, float(record.waited.get(work, 0.0))) / 1000)
 
     def collect(self) -> Iterable[Metric]:
-
         for metric in (*self.all(), self.waited, self.drift, self.drift_tokens):
             yield from metric.collect()

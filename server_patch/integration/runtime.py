@@ -135,7 +135,6 @@ class LineageRuntime:
         """Whether a request must prefill ``kind`` cold (a failed canary check, ``APC_CANARY_ON_FAIL=cold``)."""
         return self.canary is not None and self.canary.refuses(kind)
 
-
     def boundaries(self, prompt_token_ids: np.ndarray) -> SegmentInfo:
         """Anchor and segment boundaries of one prompt, from the server's boundary finder (the
         parts hand it over); a runtime no server built (a library caller) has one of its own,
@@ -250,7 +249,6 @@ def runtime_for(manager: APCManagerView, language_model: Any, model_dir: Path | 
 
 
 def runtime_of(manager: Optional[APCManagerView]) -> LineageRuntime | None:
-
     """The runtime ``runtime_for`` built for ``manager``, if any (None for stock APC)."""
     return manager.lineage_runtime if manager is not None else None
 

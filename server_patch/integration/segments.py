@@ -29,7 +29,6 @@ def wrap_apply_chat_template(apply: Callable[..., Any], finder: SegmentFinder) -
 
     @functools.wraps(apply)
     def wrapper(processor: object, config: object, prompt: object, *args: object, **kwargs: object) -> object:
-
         result = apply(processor, config, prompt, *args, **kwargs)
         if not args:
             note_request(finder, apply, processor, config, prompt, kwargs, result)

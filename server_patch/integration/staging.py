@@ -123,7 +123,6 @@ class Stagings:
         job = _Job(f"stage-{next(_ids)}", cast(MlxKV, entry.kv).layers, kv_children, plan.length, capacity,
                    self.runtime.spares)
         stage = Stage(entry, plan.length, plan.state, job, clock.steady(), steps, receipt)
-
         try:
             self.poll(stage)  # submitted
         except Exception:

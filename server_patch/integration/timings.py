@@ -207,7 +207,6 @@ class TimingBook:
         return record
 
     def cancelled_queued(self, request_id: object, prompt_tokens: int) -> RequestTiming:
-
         """A request cancelled while queued (before its prefill, so before any lookup opened
         its record): its record is made now, with the next sequence number, and ends here."""
         with self._lock:

@@ -257,7 +257,6 @@ def merged_rows(batch_rows: BatchRows, found: Sequence[Optional[Session]], *_: o
 
 
 def one_row(batch_rows: BatchRows, row: Session, *_: object, **__: object) -> tuple[Optional[Waits], Owners]:
-
     """``BatchRows.prefill_end(row, ...)`` / ``commit(row, ...)``: that row's commit."""
     return batch_rows.book.waits, Owners(rows=(row,))
 
