@@ -38,7 +38,6 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 from mlx_vlm.apc_coordinator import APCCoordinator
 
-
 from server_patch.failclosed import fail_closed
 from server_patch.copyfree import pool
 from server_patch.copyfree.settings import CopyFreeSettings
@@ -48,7 +47,7 @@ from server_patch.integration.generator import GeneratorView, RowBatch
 from server_patch.integration.loading import DiskLoads
 from server_patch.integration.pending import Pending, RequestKey, namespace_of, request_key
 from server_patch.integration.prefill import Prefills
-from server_patch.integration.session import SessionBook, Session
+from server_patch.integration.session import WAITING, SessionBook, Session
 from server_patch.integration.runtime import LineageRuntime, runtime_for
 from server_patch.lineage import DISK, as_tokens
 from server_patch.lineage.flow import Admission
@@ -99,6 +98,25 @@ class LineageCoordinator(APCCoordinator):
         """The batch generator this coordinator serves (weakly): who else is decoding."""
         self.generator.attach(generator)
 
+    def close(self) -> None:
+        """mlx-vlm is done with this coordinator (its batch generator closed, or its
+        single-sequence call ended): no event of its rows will come, so its scope of the book
+        is closed (``SessionBook.close``). Each session not over ends by the event nobody saw:
+        one waiting in the queue left it (``DiskLoads.end_waiting``), any other left its batch
+        unseen (``BatchRows.left_unseen``: its loan given back, a lone row's deferred state
+        committed, a shared one's lost); then they all leave the book, their holds let go."""
+        if (lineage := self.lineage) is None:
+            return
+
+        def ending(row: Session) -> None:
+            if row.state in WAITING:
+                lineage.loads.end_waiting(row)
+            else:
+                lineage.rows.left_unseen(row)
+
+        if (closed := lineage.book.close(ending)) is not None:
+            log.info("apc_lineage scope closed: %d sessions left the book", closed)
+
     # ------------------------------------------------------------------ admission
 
     def admissible(self, queue: list[Any], extra_hash_of: Callable[[dict[str, Any]], int], limit: int, *,
@@ -129,6 +147,8 @@ class LineageCoordinator(APCCoordinator):
             return super().lookup(token_ids, extra_hash=extra_hash, safe_lookup_min=safe_lookup_min,
                                   suffix_is_text_only=suffix_is_text_only,
                                   prefix_has_media=prefix_has_media)
+        if lineage.book.refuses("lookup"):  # its generator closed (``close``): a cold prefill, no session
+            return None
         start = time.perf_counter()
         prompt, namespace = as_tokens(token_ids), namespace_of(extra_hash)
         key = request_key(namespace, prompt)
@@ -162,7 +182,6 @@ class LineageCoordinator(APCCoordinator):
             admission.refuse(Lost.LOAN if plan.entry is not None and plan.entry.lent else Lost.OTHER)
         assert admission.plan is not None  # ``admit`` planned it; ``refuse`` and ``rewind`` replan
         row = lineage.book.admit(Pending(prompt, namespace, admission.plan, admission=admission), record,
-
                                  lease, uid=uid)
         if lease is not None:  # lent before its row was named: the row's hold from now on
             lineage.runtime.cache.own(lease.loan, row)
@@ -194,7 +213,6 @@ class LineageCoordinator(APCCoordinator):
         start = time.perf_counter()
         found = [p.get(ROW) if p is not None else None for p in picks]
         result: Optional[tuple[Optional[list[Any]], int]] = None
-
         if self.copyfree.enabled and kv_quant_config is None:
             result = self._merge_copyfree(lineage.rows, picks, found, prefix_lens)
         if result is None:

@@ -11,7 +11,9 @@ None of these raises into mlx-vlm: a failure is logged (and re-raised under
 ``APC_TEST_FAULTS=1``, ``server_patch.failclosed``) or, for the timing records, logged at debug.
 
 * built with the server: ``build_parts`` (the ``ServerRuntime`` field), ``install_admin``,
-  ``wrap_apply_chat_template``; ``coordinator`` (the factory in generate/ar.py, dispatch.py);
+  ``wrap_apply_chat_template``; ``coordinator`` (the factory in generate/ar.py, dispatch.py)
+  and its end, ``coordinator_closed`` (a batch generator's ``close``; ``closing`` around a
+  single-sequence call);
 * the batch generator's queue: ``admissible`` (a prompt whose disk restore point loads, or
   whose merge copy stages, waits), ``prefetch`` (every step: their loads and copies start);
 * the batch generator's prefill: ``prefill_step`` (decode-aware chunks, ``server_patch.pacing``);
@@ -26,9 +28,10 @@ None of these raises into mlx-vlm: a failure is logged (and re-raised under
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from server_patch.copyfree import pool
 from server_patch.failclosed import fail_closed
@@ -92,6 +95,26 @@ def coordinator(manager: Any, model: Any) -> Any:
     if parts is not None and built.runtime is not None:
         parts.runtimes.adopt(manager, built.runtime, parts)
     return built
+
+
+def coordinator_closed(coordinator: object) -> None:
+    """mlx-vlm is done with ``coordinator``: its batch generator closed (the server closes an
+    idle one and builds a new one for the next request, whose uids start again at 0; or the
+    generator was dropped, ``__del__``), or its single-sequence call ended. Its scope of the
+    runtime's book is closed: its sessions end and leave the book, their holds let go
+    (``LineageCoordinator.close``). Again, or a stock coordinator: nothing."""
+    _tell(coordinator, "apc_lineage scope close", lambda lineage: lineage.close())
+
+
+@contextlib.contextmanager
+def closing(coordinator: object) -> Iterator[None]:
+    """Around a single-sequence call's prefill and decode (``stream_generate``, whose
+    coordinator lives for that call): ``coordinator_closed`` when it ends, however it ends
+    (finished, its consumer gone, or raising)."""
+    try:
+        yield
+    finally:
+        coordinator_closed(coordinator)
 
 
 # ---------------------------------------------------------------------- the batch generator's rows
@@ -202,8 +225,6 @@ def _staging(lineage: "LineageCoordinator", queued: bool = True) -> AbstractCont
     """The queue's turn on the generation thread (its loads and staged copies started or
     checked) as one ``stage`` unit, charged to every live row; untimed with nothing queued (a
     step's bookkeeping, not another's work: a gap holds none of it)."""
-    import contextlib
-
     book = _waits_of(lineage) if queued else None
     return book.timed(waits.Work.STAGE, waits.Owners()) if book is not None else contextlib.nullcontext()
 

@@ -229,7 +229,7 @@ class DiskLoads:
         still waiting, ends there."""
         row = self.book.by_uid(uid)
         if row is not None and row.state in WAITING:
-            self._end_waiting(row)
+            self.end_waiting(row)
 
     def ready(self, prompt: np.ndarray, namespace: str, *, idle: bool = False, busy: bool = True,
               uid: Optional[int] = None) -> bool:
@@ -253,7 +253,6 @@ class DiskLoads:
         assert disk is not None  # a row loads only where the runtime has a disk tier (``_look_ahead``)
         load = _load_of(row)
         if load.done:
-
             return True
         if (twin := self.runtime.cache.get(load.record.id)) is not None and twin.length >= load.length:
             # an identical prompt's load promoted this very file already
@@ -385,15 +384,16 @@ class DiskLoads:
             assert plan.record is not None  # a disk plan names its file
             load.record, load.length = plan.record, plan.length
 
-
     def _forget_gone(self, queued: set[int]) -> None:
         """Waiting rows whose uid is no longer queued (cancelled meanwhile): ended, their work
         dropped."""
         for row in self.book.rows():
             if row.state in WAITING and row.uid not in queued:
-                self._end_waiting(row)
+                self.end_waiting(row)
 
-    def _end_waiting(self, row: Session) -> None:
+    def end_waiting(self, row: Session) -> None:
+        """Waiting row ``row`` left the queue unadmitted (cancelled, or its generator closed):
+        its load and staged copy dropped, what they held let go, and it has ended."""
         if self.runtime.disk is not None and row.load is not None:
             self.loads.forget(self.runtime.disk, row.load.record)
         if row.stage is not None:
@@ -445,7 +445,6 @@ class RequestDisk:
         admission.promoted.update(self.promoted)
 
     def load_checked(self, record: DiskRecord) -> Answer:
-
         load, self.load = self.load, None  # taken once: its arrays go to the cache or nowhere
         if load is not None and load.record.id == record.id:
             if load.late:

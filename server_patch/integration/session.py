@@ -41,7 +41,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -87,6 +87,10 @@ _NEXT: dict[SessionState, frozenset[SessionState]] = {
 
 class SessionStateError(RuntimeError):
     """A row was asked to move where its state does not lead."""
+
+
+class ScopeClosedError(RuntimeError):
+    """A session was asked of a scope whose coordinator is done (``SessionBook.close``)."""
 
 
 @dataclass(eq=False)
@@ -168,6 +172,7 @@ class SessionBook:
         self._seq = itertools.count(1)
         self._limit = limit
         self._scope: object = None  # the book's own scope; ``scope()`` makes others
+        self._closed = False  # this scope's coordinator is done: no session is added (``close``)
         self.decode_steps = 0  # decode steps seen (``decoded``): how long a LOADING row waited
         self.waits = Waits(self)  # what each row waited for others' work (``integration.waits``)
 
@@ -176,6 +181,7 @@ class SessionBook:
         ring; its own uids, its own rows to find, decode steps and waits."""
         scoped = copy.copy(self)  # shares the containers, the lock and the ring
         scoped._scope = object()
+        scoped._closed = False
         scoped.decode_steps = 0
         scoped.waits = Waits(scoped)
         return scoped
@@ -238,6 +244,8 @@ class SessionBook:
         return row
 
     def _add(self, row: Session) -> Session:
+        if self._closed:  # its generator is gone: no event of it will ever end this row
+            raise ScopeClosedError(f"row {row.uid!r} added to a closed scope")
         self._rows[row.seq] = row
         if row.uid is not None:
             self._by_uid[(row.scope, row.uid)] = row
@@ -333,6 +341,55 @@ class SessionBook:
 
     # ------------------------------------------------------------------ endings
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def refuses(self, event: str) -> bool:
+        """Whether this scope is closed: ``event`` (a lookup) gets no session, failing closed
+        (a cold prefill; raised under ``APC_TEST_FAULTS=1``)."""
+        if not self._closed:
+            return False
+        try:
+            raise ScopeClosedError(f"{event} in a closed scope")
+        except ScopeClosedError as exc:
+            fail_closed(exc, "apc_lineage session", log=log)
+        return True
+
+    def close(self, ending: Callable[[Session], object]) -> Optional[int]:
+        """This scope's coordinator is done (its batch generator closed, or its single-sequence
+        call ended: no event of its rows will come): no session is added to it any more, each
+        of its sessions not over is ended by ``ending`` (the coordinator's: its loan given
+        back, its deferral committed or dropped, ``LineageCoordinator.close``), a record with
+        no first token is cancelled in prefill, and every session of the scope leaves the
+        book, what it holds of the cache let go (``release``). Idempotent: mlx-vlm closes a
+        generator again from its ``__del__``. Returns how many sessions the scope had (None:
+        closed before)."""
+        with self._lock:
+            if self._closed:
+                return None
+            self._closed = True
+            rows = self._mine()
+        try:
+            for row in rows:
+                self._close_row(row, ending)
+        finally:
+            with self._lock:
+                for row in self._mine():
+                    self._drop(row)
+            self._let_go()
+        return len(rows)
+
+    def _close_row(self, row: Session, ending: Callable[[Session], object]) -> None:
+        try:
+            if not row.over:
+                ending(row)
+        except Exception as exc:  # it leaves all the same: what it holds is let go at ``release``
+            fail_closed(exc, f"apc_lineage closing row {row.uid!r}", log=log)
+        if row.record is not None and not row.timed and row.uid is not None:
+            row.timed = True
+            self.timings.cancel(row.record, row.request_id if row.request_id is not None else row.uid, PREFILL)
+
     def end(self, row: Session, event: str) -> None:
         """``event`` (leaving, removed, a prefill end with no uid) ended the row: ENDED, and
         forgotten once its record is finished too."""
@@ -384,13 +441,6 @@ class SessionBook:
             elif row.reply is not None:  # it is: ``tracked`` holds rows with a reply
                 row.reply.fed.append(int(tokens[i]))
 
-    def forget_replies(self, active: Iterable[int]) -> None:
-        """Stop tracking replies of rows no batch holds any more (their leaving was never seen)."""
-        alive = set(active)
-        for row in self.replying():
-            if row.uid not in alive:
-                row.reply = None
-
     # ------------------------------------------------------------------ the record's events
 
     def _open_record(self, uid: Optional[int]) -> Optional[tuple[Session, RequestTiming]]:
@@ -421,14 +471,12 @@ class SessionBook:
             row, record = found
             self._timed(row)
             return self.timings.cancel(record, request_id, PREFILL)
-
         finished = self.timings.finished_record(uid)
         return self.timings.cancel(finished, request_id, DECODE) if finished is not None else None
-
 
     def _timed(self, row: Session) -> None:
         row.timed = True
         self.tidy(row)
 
 
-__all__ = ["ROWS_MAX", "WAITING", "Session", "SessionBook", "SessionState", "SessionStateError"]
+__all__ = ["ROWS_MAX", "WAITING", "ScopeClosedError", "Session", "SessionBook", "SessionState", "SessionStateError"]

@@ -221,9 +221,12 @@ def test_a_row_is_trusted_only_if_its_cache_holds_prompt_plus_every_fed_id(model
     from tests.fake_model import prefill, random_tokens
     from server_patch.copyfree.replies import Reply, validated
     from server_patch.integration.pending import Pending
-    from server_patch.integration.session import SessionBook
+    from server_patch.copyfree.settings import CopyFreeSettings
+    from server_patch.integration.batch_rows import BatchRows
+    from server_patch.integration.generator import GeneratorView
+    from server_patch.integration.session import SessionBook, SessionState
     from server_patch.integration.timings import TimingBook
-    from server_patch.lineage import COLD, RestorePlan
+    from server_patch.lineage import COLD, LineageCache, LineageConfig, RestorePlan
 
     prompt, generated = random_tokens(40, seed=3), random_tokens(5, seed=4)
     caches = model.make_cache()
@@ -248,9 +251,17 @@ def test_a_row_is_trusted_only_if_its_cache_holds_prompt_plus_every_fed_id(model
     short = Reply(reply.pending, None, fed=reply.fed[:-1])  # a step the hook did not see
     assert validated(layout, short, batch(4), 0) is None
     assert book.replying() == []
-    tracked(9, prompt[:-1])
-    book.forget_replies(active=[7])  # uid 9 left no batch we saw: forgotten
-    assert book.replying() == []
+    left = tracked(9, prompt[:-1])
+    assert left.move(SessionState.DECODING, "store")
+    class Generator:  # the batch generator, held weakly: uid 7 decodes, uid 9 is in no batch
+        _generation_batch, _prompt_batch = SimpleNamespace(uids=[7]), None
+
+    generator = Generator()
+    view = GeneratorView()
+    view.attach(generator)
+    runtime = SimpleNamespace(cache=LineageCache(LineageConfig()))
+    BatchRows(runtime, CopyFreeSettings.from_env(), view, None, book).sweep()
+    assert book.replying() == [] and left.state == SessionState.ENDED  # uid 9 left no batch we saw: forgotten
 
 
 # ----------------------------------------------------------------------------- real server

@@ -32,7 +32,7 @@ from server_patch.disk.loader import BackgroundLoads
 from server_patch.integration.coordinator import LineageCoordinator
 from server_patch.integration.staging import STAGER_THREAD
 from server_patch.integration.pending import Pending
-from server_patch.integration.session import SessionBook, SessionState, SessionStateError
+from server_patch.integration.session import ScopeClosedError, SessionBook, SessionState, SessionStateError
 from server_patch.integration.timings import CANCELLED, PREFILL, TimingBook
 from server_patch.lineage import COLD, LineageCache, LineageConfig, RestorePlan
 from server_patch.lineage.flow import Admission
@@ -219,14 +219,19 @@ def test_a_request_has_one_admission_from_its_lookup_to_its_reply_commit(server,
     assert built == [row.pending.admission] and row.pending.admission.plan is row.pending.plan
 
 
+def lent_next_turn(s, seed: int) -> tuple[Any, Any, np.ndarray]:
+    """A lone turn served as uid 1 (random tokens from ``seed`` on), nothing being written,
+    then its next turn admitted as uid 2, lent the entry: (the entry, uid 2's row, the prompt)."""
+    prompt, reply = random_tokens(40, seed=seed), random_tokens(5, seed=seed + 1)
+    serve_turn(s, 1, prompt, reply)
+    (entry,) = s.cache.entries()
+    s.disk.land()  # nothing is being written
+    admit(s, 2, np.concatenate([prompt, reply, random_tokens(12, seed=seed + 2)]))
+    return entry, s.book.by_uid(2), prompt
+
+
 def test_the_next_turn_is_lent_the_entry_and_a_removal_mid_prefill_gives_the_rows_back(server):
-    prompt, reply = random_tokens(40, seed=3), random_tokens(5, seed=4)
-    serve_turn(server, 1, prompt, reply)
-    (entry,) = server.cache.entries()
-    server.disk.land()  # nothing is being written
-    turn = np.concatenate([prompt, reply, random_tokens(12, seed=5)])
-    admit(server, 2, turn)
-    row = server.book.by_uid(2)
+    entry, row, _ = lent_next_turn(server, 3)
     assert row.record.kv_admission == "lent" and row.loan is not None and row.loan.merged
     assert entry.lent and entry.loans == 1
     server.coordinator.request_removed(2)
@@ -240,12 +245,7 @@ def test_a_loan_is_a_hold_of_its_row_which_its_admission_keeps(server):
     """Issue 35: the loan is a hold of kind ``LENT`` (``lineage.holds``) owned by the request's
     row from its lookup on (lent before the row was named, then handed to it); the admission
     lets go of the row's load and reservation, not of its loan."""
-    prompt, reply = random_tokens(40, seed=43), random_tokens(5, seed=44)
-    serve_turn(server, 1, prompt, reply)
-    (entry,) = server.cache.entries()
-    server.disk.land()
-    admit(server, 2, np.concatenate([prompt, reply, random_tokens(12, seed=45)]))
-    row = server.book.by_uid(2)
+    entry, row, _ = lent_next_turn(server, 43)
     assert row.loan is not None and row.loan.loan.owner is row and entry.lent
     assert server.cache.release(row, (LOAD, RESERVED)) == 0 and entry.lent  # nothing but its loan
     server.coordinator.request_removed(2)  # its loan ends by its own event: the rows given back
@@ -419,6 +419,51 @@ def test_every_coordinator_of_a_runtime_keeps_its_sessions_in_the_runtimes_one_b
     other.first_token(1, "req-other", 0.02)  # the other generator's uid 1: its session, not ours
     assert theirs.timed and not first.timed and theirs.request_id == "req-other"
     assert [r.seq for r in runtime.book.timings.all()] == [theirs.record.seq]
+
+
+def test_closing_a_coordinator_ends_its_sessions_and_lets_go_of_their_loans_and_deferrals(server, monkeypatch):
+    """mlx-vlm closes a batch generator (the server, an idle one before it builds the next)
+    and ends a single-sequence call: no event of its rows will come. The door closes the
+    coordinator's scope: a lent row gives its rows back, a lone deferred row's state is
+    committed (its buffer adopted), their open records are cancelled in prefill, every
+    session of the scope leaves the book with no hold left; another coordinator's sessions
+    stay, and the closed scope refuses new sessions (fail closed: a cold prefill)."""
+    from server_patch.integration import hooks
+
+    entry, lent, prompt = lent_next_turn(server, 51)
+    assert lent.loan is not None and entry.lent
+    alone = random_tokens(40, seed=54)
+    caches, lengths = admit(server, 3, alone)
+    prefill_and_store(server, 3, alone, caches, lengths)
+    deferred = server.book.by_uid(3)
+    assert deferred.deferral is not None and deferred.reply is not None
+    runtime = server.coordinator.lineage.runtime
+    other = LineageCoordinator(Manager(), server.model, runtime=runtime)  # the next generator's
+    other.lookup(random_tokens(30, seed=55), extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
+                 prefix_has_media=lambda n: False, uid=2)
+    theirs = other.lineage.book.by_uid(2)
+
+    server.generator._prompt_batch = server.generator._generation_batch = None  # the generator closes
+    hooks.coordinator_closed(server.coordinator)
+    assert (lent.state, lent.loan, entry.lent) == (ENDED, None, False) and server.cache.holds(entry)
+    assert (deferred.state, deferred.deferral, deferred.reply) == (ENDED, None, None)
+    (adopted,) = [e for e in server.cache.entries() if e is not entry]  # the lone row's state, committed
+    assert np.array_equal(adopted.tokens, alone[:-1])
+    assert all((r.record.outcome, r.record.phase) == (CANCELLED, PREFILL) for r in (lent, deferred))
+    assert server.cache.release(lent) == 0 and server.cache.release(deferred) == 0  # no hold left
+    assert server.book.rows() == [] and runtime.book.sessions() == [theirs]
+    assert theirs.state == ADMITTED and not theirs.timed  # another scope's session stays
+    hooks.coordinator_closed(server.coordinator)  # again (mlx-vlm's __del__ closes once more): nothing
+    assert runtime.book.sessions() == [theirs]
+
+    monkeypatch.setenv("APC_TEST_FAULTS", "0")
+    assert server.coordinator.lookup(prompt, extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
+                                     prefix_has_media=lambda n: False, uid=4) is None  # cold
+    assert server.book.rows() == [] and not entry.lent
+    monkeypatch.setenv("APC_TEST_FAULTS", "1")
+    with pytest.raises(ScopeClosedError):
+        server.book.admit(cold(prompt), uid=5)
+    assert runtime.book.sessions() == [theirs]
 
 
 def test_a_lookup_without_a_uid_is_named_by_its_bind(server):

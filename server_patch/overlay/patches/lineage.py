@@ -7,7 +7,10 @@
 * generate/ar.py, generate/dispatch.py: the batched and single-sequence paths build their
   coordinator through the door (the lineage cache's where it applies); a queued sequence's
   lookup passes its uid (the name of the request's row from the queue to its end), a prompt
-  batch's rows are bound by it, and checkpoint stores pass it too.
+  batch's rows are bound by it, and checkpoint stores pass it too. The coordinator's end goes
+  through the door too: a batch generator's ``close`` (the server closes an idle one before it
+  builds the next) and the end of a single-sequence call close its scope of the runtime's
+  book (``hooks.coordinator_closed``: its sessions end and leave the book).
 * server/__init__.py: ``apply_chat_template`` also notes each request's system+tools prefix in
   the server's boundary finder.
 * server/generation.py: prefill-completed and first-token times go to the coordinator of the
@@ -90,6 +93,18 @@ FILE_PATCHES = (
             new="            return _apc_door.lookup(coordinator, ids_list, uid, **lookup_kwargs)\n",
         ),
         Edit(
+            name="lineage.generator_closed",
+            old=(
+                "    def close(self):\n"
+                "        if self._wire_stack is not None:\n"
+            ),
+            new=(
+                "    def close(self):\n"
+                "        _apc_door.coordinator_closed(getattr(self, \"apc\", None))\n"
+                "        if self._wire_stack is not None:\n"
+            ),
+        ),
+        Edit(
             name="lineage.bind_rows",
             old="        self._apc_coordinator = apc_coordinator\n        self._apc_mode = apc_mode\n",
             new=(
@@ -105,6 +120,14 @@ FILE_PATCHES = (
             name="lineage.single_coordinator",
             old="        apc_coordinator = _apc.APCCoordinator(apc_manager, model.language_model)\n",
             new="        apc_coordinator = _apc_door.coordinator(apc_manager, model.language_model)\n",
+        ),
+        Edit(
+            name="lineage.single_closed",
+            old="    with wired_limit(model, [generation_stream]):\n        detokenizer = make_streaming_detokenizer(processor)\n",
+            new=(
+                "    with wired_limit(model, [generation_stream]), _apc_door.closing(apc_coordinator):\n"
+                "        detokenizer = make_streaming_detokenizer(processor)\n"
+            ),
         ),
     ),
     patch_of(
