@@ -466,6 +466,25 @@ def test_closing_a_coordinator_ends_its_sessions_and_lets_go_of_their_loans_and_
     assert runtime.book.sessions() == [theirs]
 
 
+def test_a_single_sequence_call_closes_its_scope_however_it_ends_and_a_queued_row_leaves_the_queue(server):
+    """The single-sequence path's coordinator lives for one ``stream_generate`` call: the door's
+    ``closing`` around its prefill and decode closes its scope when the call ends, raising or
+    not. A row still waiting in the queue (its load) ends as one that left it, its holds let go."""
+    from server_patch.integration import hooks
+
+    prompt = random_tokens(40, seed=56)
+    server.coordinator.lookup(prompt, extra_hash=0, safe_lookup_min=0, suffix_is_text_only=lambda n: True,
+                              prefix_has_media=lambda n: False)  # no uid: the single-sequence path
+    (single,) = server.book.rows()
+    queued = server.book.loading(cold(random_tokens(30, seed=57)), load=object(), uid=9)
+    server.cache.reserve(queued, "loading:x", 1000)
+    with pytest.raises(RuntimeError, match="the consumer failed"):
+        with hooks.closing(server.coordinator):
+            raise RuntimeError("the consumer failed")
+    assert (single.state, queued.state, queued.load) == (ENDED, ENDED, None)
+    assert server.book.closed and server.book.rows() == [] and server.cache.budgets()["loading_bytes"] == 0
+
+
 def test_a_lookup_without_a_uid_is_named_by_its_bind(server):
     """The single-sequence path's lookup has no uid: its row is found by its request key until
     a bind names it (a second lookup of the same key before then is the same row)."""
