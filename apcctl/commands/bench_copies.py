@@ -52,6 +52,7 @@ def copies(context: int, reply: int, slice_rows: int, repeat: int, victim: int, 
                                   ("leave it again (filter)", "leave", out["batch"]),
                                   ("join, copy-free (each row once)", "copyfree_join", out["batch"]),
                                   ("join, copy-free, buffer made ahead", "spare_join", out["batch"]),
+                                  ("join of a lent row, buffer made ahead", "lent_join", out["batch"]),
                                   ("leave, copy-free (kept row at its width)", "copyfree_leave", out["batch"]),
                                   ("join into a buffer with room", "headroom_join", out["batch"]))]
     render.console().print(render.table(("COPY", "BYTES", "MIN ms", "MEDIAN ms", "MAX ms"), rows,

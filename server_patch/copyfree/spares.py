@@ -7,6 +7,18 @@ mapped instead of allocating, and faulting in, a buffer of the joint batch's siz
 generation thread. Only the latest staging's spares are kept; once the buffer pool has been idle
 (``pool.idle``) the runtime's ticker drops any a join never took (``drop_if_idle``).
 
+Every other join gets its set the same way once its shapes are known: when a prompt batch (a
+lent or cold joiner, a mixed batch, a third row, a decoding row wider than the joiner) starts
+prefilling while rows decode, ``ahead`` is asked its join's shapes (``batch.joint_shapes``, on
+the generation thread: a few integers per layer) and the stager ``make``s them
+(``integration.joins_ahead``), replacing a set held unless that one fits already (a staged
+turn's). Until that join (``joined``, the door's, after every join) a staging's 2-row guess does
+not replace it; a set made after its join came (the join allocated: its suffix prefill was
+shorter than the making), or one its join did not fit (a row left meanwhile), is let go. The
+"at most twice as wide" rule of ``take`` holds for these sets too: their width is an upper
+bound at most a step or so past the join's need, for up to one allocation step (256) of decode
+steps during the prefill.
+
 The spares are a runtime's own (``LineageRuntime.spares``, issue 35): its stager makes them, and
 its generator's join takes them. mlx-vlm's ``BatchKVCache.extend`` has no runtime in scope, so
 the door names the joining generator's spares for the length of its ``_extend_generation_batch``
@@ -21,7 +33,9 @@ the join has taken the last of them, or when they are dropped or replaced.
 
 from __future__ import annotations
 
+import logging
 import threading
+import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
 from itertools import count as counter
@@ -32,7 +46,9 @@ import mlx.core as mx
 from server_patch.copyfree import pool
 
 
+log = logging.getLogger("server_patch.copyfree")
 SPARES_KEY = "joint spares"  # the RESERVED hold's key in the RAM budget
+Shape = tuple[tuple[int, ...], mx.Dtype]  # one joint buffer: its shape and dtype
 
 
 class Budget(Protocol):
@@ -47,14 +63,21 @@ _sets = counter(1)
 
 
 class JointSpares:
-    """One runtime's joint batch buffers made ahead (the latest staging's), counted in
-    ``budget`` (its RAM budget; None: counted nowhere, as in a bench)."""
+    """One runtime's joint batch buffers made ahead (the latest staging's, or the set asked for
+    the next join's known shapes), counted in ``budget`` (its RAM budget; None: counted nowhere,
+    as in a bench)."""
 
     def __init__(self, budget: Optional[Budget] = None) -> None:
         self._lock = threading.Lock()
         self._spares: list[mx.array] = []
         self.budget = budget
         self._owner: Optional[Hashable] = None  # the budget's owner of the current set
+        # The prompt batch whose join's set is asked for (``ahead``) and that set's ticket, until
+        # a join (``joined``): staging's guesses stay out meanwhile, and a set made after its
+        # join is let go at once.
+        self._joiner: Optional[weakref.ref[object]] = None
+        self._ticket: Optional[int] = None
+        self._taken = 0  # buffers joins took since the last ``joined``
 
     def reserve(self, buffers: Sequence[mx.array], rows: int = 2) -> None:
         """Zero buffers of ``rows`` rows shaped like each of ``buffers`` (a staged row's KV
@@ -63,14 +86,76 @@ class JointSpares:
         writes the long row's tokens into memory already mapped instead of allocating (and
         faulting in) a buffer of the joint batch's size on the generation thread. Replaces the
         spares of an earlier staging; ``drop_if_idle`` drops any a join never took."""
-        shapes = [((rows, *b.shape[1:]), b.dtype) for b in buffers]
-        owner = ("joint spares", next(_sets))
+        shapes: list[Shape] = [((rows, *b.shape[1:]), b.dtype) for b in buffers]
+        with self._lock:
+            if self._ticket is not None:  # a known join's set is asked for: it is that join's shape
+                return
+        self._make(shapes, (SPARES_KEY, next(_sets)), None)
+
+    def asked(self, joiner: object) -> bool:
+        """Whether ``ahead`` was asked for ``joiner``'s join already (and it has not joined)."""
+        with self._lock:
+            return self._joiner is not None and self._joiner() is joiner
+
+    def ahead(self, joiner: object, shapes: Sequence[Shape]) -> Optional[int]:
+        """On the generation thread, when a prompt batch (``joiner``) starts prefilling while
+        rows decode: its join's buffers will have ``shapes`` (``batch.joint_shapes``). The
+        ticket for ``make`` (to run off the thread), or None where the set held fits them all
+        already (a staged turn's) or nothing is to be made."""
+        with self._lock:
+            self._joiner, self._ticket = weakref.ref(joiner), next(_sets)
+            if not shapes or self._fits_all(shapes):
+                return None
+            return self._ticket
+
+    def make(self, ticket: int, shapes: Sequence[Shape]) -> bool:
+        """Off the generation thread (the runtime's stager): the zero buffers ``ahead`` asked
+        for under ``ticket``, evaluated, replacing the set held; nothing where that join has
+        happened meanwhile or a later one asked (its bytes let go at once if that happened
+        while they were made). Whether they are held now."""
+        with self._lock:
+            if ticket != self._ticket:
+                return False
+        return self._make(shapes, (SPARES_KEY, ticket), ticket)
+
+    def joined(self) -> int:
+        """After a join (taking what fits): the set asked for it is spent, and what it left
+        (it fit no buffer: a row left the batch meanwhile, or a prefill outran its estimate)
+        is dropped; a staged turn's set is kept for its own join. The count dropped."""
+        with self._lock:
+            ticket, self._ticket, self._joiner = self._ticket, None, None
+            taken, self._taken = self._taken, 0
+            spent = ticket is not None and self._owner == (SPARES_KEY, ticket)
+            count = len(self._spares) if spent else 0
+        if spent:
+            self._let_go(self._swap([], None))
+        if taken or count:
+            log.info("apc_copyfree join: %d joint buffers made ahead taken, %d left over dropped", taken, count)
+        return count
+
+    def _make(self, shapes: Sequence[Shape], owner: Hashable, ticket: Optional[int]) -> bool:
         self._let_go(self._swap([], None))  # the earlier set's bytes leave the budget first
         if self.budget is not None:  # counted before it exists: the budget makes room for it
             self.budget.reserve(owner, SPARES_KEY, sum(_nbytes(shape, dtype) for shape, dtype in shapes))
         made = [mx.zeros(shape, dtype=dtype) for shape, dtype in shapes]
         mx.eval(made)
+        with self._lock:
+            late = ticket is not None and ticket != self._ticket
+        if late:  # its join came first (it allocated): these would fit no other
+            self._let_go(owner)
+            return False
         self._let_go(self._swap(made, owner))
+        return True
+
+    def _fits_all(self, shapes: Sequence[Shape]) -> bool:
+        """Under ``_lock``: each of ``shapes`` has a buffer of its own in the set held."""
+        free = list(self._spares)
+        for shape, dtype in shapes:
+            found = next((i for i, spare in enumerate(free) if _fits(spare, shape, dtype)), None)
+            if found is None:
+                return False
+            free.pop(found)
+        return True
 
     def _swap(self, made: list[mx.array], owner: Optional[Hashable]) -> Optional[Hashable]:
         """``made`` (of ``owner``) are the spares now; the owner of those they replaced."""
@@ -118,13 +203,12 @@ class JointSpares:
         turn does not take (and hold) the staged turn's wide buffers. The join that takes the
         last of a set lets its budget hold go (the buffers are the decoding batch's from then on,
         which the budget does not count; a set taken in part stays counted whole until dropped)."""
-        rows, heads, width, dim = shape
         taken, emptied = None, None
         with self._lock:
             for i, spare in enumerate(self._spares):
-                if (spare.dtype == dtype and int(spare.shape[0]) == rows and int(spare.shape[1]) == heads
-                        and int(spare.shape[3]) == dim and width <= int(spare.shape[2]) <= 2 * width):
+                if _fits(spare, shape, dtype):
                     taken = self._spares.pop(i)
+                    self._taken += 1
                     if not self._spares:
                         emptied, self._owner = self._owner, None
                     break
@@ -152,6 +236,14 @@ def of_this_join() -> JointSpares | None:
     return _JOINING.get()
 
 
+def _fits(spare: mx.array, shape: Sequence[int], dtype: mx.Dtype) -> bool:
+    """``spare`` serves a join needing ``shape``: the same rows, heads and dim, and a width from
+    the one needed to twice it (an unrelated short join leaves a long turn's buffer alone)."""
+    rows, heads, width, dim = (int(n) for n in shape)
+    return (spare.dtype == dtype and int(spare.shape[0]) == rows and int(spare.shape[1]) == heads
+            and int(spare.shape[3]) == dim and width <= int(spare.shape[2]) <= 2 * width)
+
+
 def _nbytes(shape: Sequence[int], dtype: mx.Dtype) -> int:
     size = int(dtype.size)
     for n in shape:
@@ -160,6 +252,5 @@ def _nbytes(shape: Sequence[int], dtype: mx.Dtype) -> int:
 
 
 def buffer(spares: JointSpares | None, shape: tuple[int, int, int, int], dtype: mx.Dtype) -> mx.array:
-
     """A zero buffer of at least ``shape``: one of ``spares`` if one fits, else a new one."""
     return spares.take(shape, dtype) if spares is not None else mx.zeros(shape, dtype=dtype)

@@ -79,6 +79,14 @@ class BackgroundLoads:
             log.warning("lineage disk: background load of %s failed: %s", record.id, exc)
             return True, (None, f"load failed: {exc}")
 
+    def run(self, job: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """``job(*args)`` on the loader's thread, in turn with its loads, answered to nobody: a
+        job whose result its owner keeps itself (``JointSpares.make``: the joint buffers made
+        ahead); a failure is logged, as the worker logs a failed job."""
+        future = self._submit(job, *args)
+        future.add_done_callback(_log_failure)
+        return future
+
     def forget(self, store: Any, record: Any) -> None:
         """Nobody will ask for ``record``'s load again (its request left the queue): dropped
         once it finishes, as a stale one."""
@@ -88,6 +96,11 @@ class BackgroundLoads:
     def pending(self) -> int:
         with self._lock:
             return sum(1 for f in self._pending.values() if not f.done())
+
+
+def _log_failure(future: concurrent.futures.Future[Any]) -> None:
+    if not future.cancelled() and (exc := future.exception()) is not None:
+        log.warning("lineage disk: a background job failed: %s: %s", type(exc).__name__, exc)
 
 
 __all__ = ["CHECKS_THREAD", "THREAD_NAME", "BackgroundLoads"]

@@ -253,7 +253,20 @@ def prefill_step(generator: Any, prompt_batch: PromptBatch) -> int:
             _settle(book, generator._generation_batch, waits.OWN_STEP, waits.Owners())
     except Exception as exc:  # a timing record never fails the chunk (the chunk raises as it would)
         log.debug("apc_lineage waits: pending step not settled before a chunk: %s", exc)
+    _join_ahead(generator, prompt_batch)
     return _prefill_chunk(generator, prompt_batch)
+
+
+def _join_ahead(generator: Any, prompt_batch: PromptBatch) -> None:
+    """The prompt batch's join's buffers asked of the runtime's stager while rows decode
+    (``integration.joins_ahead``); a failure leaves the join to allocate them, as before."""
+    try:
+        if (lineage := _lineage(generator.apc)) is not None and lineage.runtime is not None:
+            from server_patch.integration import joins_ahead
+
+            joins_ahead.ask(lineage.runtime, generator, prompt_batch)
+    except Exception as exc:
+        fail_closed(exc, "apc_copyfree joint buffers ahead", log=copyfree_log)
 
 
 @waits.unit(waits.Work.PREFILL, _prefilling)
@@ -375,7 +388,8 @@ def batch_join(method: Callable[..., Any]) -> Callable[..., Any]:
     rows' own ``step``, the joiners' first token as their ``prefill``) to the joined caches
     computed (mlx-vlm's extend only builds them: its copy would run in the next decode step).
     The rows' copy-free join (``kv_rows_join``) takes the joint buffers this generator's runtime
-    made ahead (``LineageRuntime.spares``), named for the length of the call."""
+    made ahead (``LineageRuntime.spares``), named for the length of the call; after it, a set
+    made for it that it did not take is let go (``JointSpares.joined``)."""
 
     @functools.wraps(method)
     def joined(generator: Any, gen_batch: Any) -> Any:
@@ -384,7 +398,11 @@ def batch_join(method: Callable[..., Any]) -> Callable[..., Any]:
         lineage = _lineage(generator.apc)
         runtime = lineage.runtime if lineage is not None else None
         with spares.joining(runtime.spares if runtime is not None else None):
-            return timed(generator, gen_batch)
+            try:
+                return timed(generator, gen_batch)
+            finally:
+                if runtime is not None:
+                    runtime.spares.joined()  # the set asked for this join is spent
 
     def timed(generator: Any, gen_batch: Any) -> Any:
         book = _waits_of(generator.apc)
@@ -483,7 +501,6 @@ def idle(parts: "Parts", generator: object) -> None:
 
 
 def model_unloading(parts: "Parts", manager: object) -> None:
-
     """mlx-vlm unloads the model of APC ``manager``: its runtime is closed (written) first."""
     parts.runtimes.retire(manager)
 

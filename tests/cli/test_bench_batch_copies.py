@@ -27,6 +27,9 @@ def test_the_join_and_the_leave_move_every_row_at_the_long_rows_width() -> None:
     assert out["copyfree_join_rows_bytes"] == (300 + 20) * per_token
     assert out["copyfree_join_bytes"] == out["spare_join_bytes"] == 2 * width * per_token
     assert out["copyfree_leave_bytes"] == (width - (300 - 20)) * per_token
+    # A lent joiner (its entry's buffer: 300 + reserve 256 + lend headroom 512, in 256 steps)
+    # joins into the buffers asked for from both batches' shapes, at that width.
+    assert out["lent_join_bytes"] == 2 * 1280 * per_token
 
 
 def test_bench_copies_prints_the_batch_rows_too() -> None:
@@ -38,3 +41,4 @@ def test_bench_copies_prints_the_batch_rows_too() -> None:
     assert "join a 200-token decoding row (extend)" in table.output and "join into a buffer with room" in table.output
     assert "join, copy-free (each row once)" in table.output and "after the copy-free leave" in table.output
     assert "join, copy-free, buffer made ahead" in table.output
+    assert "join of a lent row, buffer made ahead" in table.output

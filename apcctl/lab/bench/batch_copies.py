@@ -68,18 +68,19 @@ def _next_write(rows: list[Any]) -> list[mx.array]:
 
 
 def _join_leave(children: list[Any], context: int, victim: int, repeat: int,
-                join: Any, leave: Any, ahead: Any = None) -> dict[str, Any]:
+                join: Any, leave: Any, ahead: Any = None, capacity: int = 0) -> dict[str, Any]:
     """``repeat`` rounds of: a ``context``-token row joins a ``victim``-token decoding row
     (``join(row, joining)``), one decode write, the long row leaves (``leave(row, keep)``),
-    one decode write; each timed to the end of its compute. ``ahead(joining arrays)``, untimed,
-    runs first (what a stager does off the generation thread)."""
+    one decode write; each timed to the end of its compute. ``ahead(rows, joining)``, untimed,
+    runs first (what a stager does off the generation thread). ``capacity``: the joiner's
+    buffer rows (default: the merge's, its context and a decode reserve)."""
     out: dict[str, Any] = {"join": [], "join_next": [], "leave": [], "leave_next": []}
     for _ in range(repeat):
         rows = [_row(c, victim, _step_capacity(victim)) for c in children]
-        joining = [_row(c, context, _step_capacity(context) + 256) for c in children]
+        joining = [_row(c, context, capacity or _step_capacity(context) + 256) for c in children]
         mx.eval(_arrays(rows) + _arrays(joining))
         if ahead is not None:
-            ahead(_arrays(joining))
+            ahead(rows, joining)
         out["join"] += timed(lambda: [join(r, j) for r, j in zip(rows, joining)] and _arrays(rows), 1)
         out["joint_bytes"] = sum(int(x.nbytes) for x in _arrays(rows))
         del joining
@@ -90,6 +91,26 @@ def _join_leave(children: list[Any], context: int, victim: int, repeat: int,
         out["leave_next"] += timed(lambda: _next_write(rows), 1)
         del rows
     return out
+
+
+def _lent_capacity(context: int) -> int:
+    """A lent entry buffer's rows: the merge's capacity with the lend headroom (defaults)."""
+    from server_patch.copyfree.merge import capacity
+    from server_patch.copyfree.settings import CopyFreeSettings
+
+    settings = CopyFreeSettings()
+    return capacity(context + settings.decode_reserve + settings.lend_headroom)
+
+
+def _asked(spares: Any, rows: list[Any], joining: list[Any]) -> None:
+    """What the runtime does for a joiner without a staged copy: the join's shapes at its first
+    chunk (here its last column left), made as the stager makes them."""
+    from server_patch.copyfree import batch
+
+    shapes = batch.joint_shapes(rows, joining, 0)
+    ticket = spares.ahead(joining[0], shapes)  # a prompt batch's stand-in: its first layer
+    if ticket is not None:
+        spares.make(ticket, shapes)
 
 
 def run(context: int, victim: int, repeat: int) -> dict[str, Any]:
@@ -106,7 +127,12 @@ def run(context: int, victim: int, repeat: int) -> dict[str, Any]:
                           lambda r, k: batch.filter_kv(r, k, view=True))
     made_ahead = JointSpares()  # what a runtime's stager makes for its staged turn's join
     spare = _join_leave(children, context, victim, repeat, lambda r, j: batch.extend_kv(r, j, made_ahead),
-                        batch.filter_kv, made_ahead.reserve)
+                        batch.filter_kv, lambda r, j: made_ahead.reserve(_arrays(j)))
+    made_ahead.drop()
+    # A lent joiner (its entry's buffer, with the lend headroom): its buffers are asked for at
+    # its first prefill chunk, from the shapes both batches have then (``integration.joins_ahead``).
+    lent = _join_leave(children, context, victim, repeat, lambda r, j: batch.extend_kv(r, j, made_ahead),
+                       batch.filter_kv, lambda r, j: _asked(made_ahead, r, j), capacity=_lent_capacity(context))
     made_ahead.drop()
 
     headroom_ms, headroom_bytes = [], 0
@@ -146,6 +172,8 @@ def run(context: int, victim: int, repeat: int) -> dict[str, Any]:
             "view_leave_ms": _stats(as_view["leave"]), "view_leave_next_ms": _stats(as_view["leave_next"]),
             "spare_join_ms": _stats(spare["join"]), "spare_join_bytes": spare["joint_bytes"],
             "spare_join_next_ms": _stats(spare["join_next"]),
+            "lent_join_ms": _stats(lent["join"]), "lent_join_bytes": lent["joint_bytes"],
+            "lent_join_next_ms": _stats(lent["join_next"]),
             "headroom_join_ms": _stats(headroom_ms), "headroom_join_bytes": headroom_bytes}
 
 
