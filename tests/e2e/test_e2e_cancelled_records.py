@@ -3,9 +3,9 @@
 A streamed request with a long new suffix whose client goes away while it is prefilled (a
 client read timeout shorter than the prefill) used to be counted in ``status`` but missing
 from ``/admin/requests`` and the journal (a gap in the sequence numbers): its record was only
-ever finished at its first token. The prefill runs in small steps (``PREFILL_STEP_SIZE``) so
-the cancel lands between two of them; the client closes its socket once the server logged the
-prefill's start.
+ever finished at its first token. The prefill runs in small chunks (``--prefill-step-size``:
+mlx-vlm's CLI sets ``PREFILL_STEP_SIZE`` from it, 2,048 by default) so the cancel lands between
+two of them; the client closes its socket once the server logged the prefill's start.
 
 A request cancelled while still queued (inserted behind another's prefill, which the generator
 finishes first) never reached a lookup; it gets a record too, and ``hits.requests`` counts it.
@@ -20,7 +20,8 @@ import socket
 from apcctl.journal_report import read_journal, summarize
 from tests.server_harness import HOST, PatchedServer, wait_for
 
-LONG = " ".join(f"word{i % 97} item{i}" for i in range(1500))
+LONG = " ".join(f"word{i % 97} item{i}" for i in range(400))  # 4,646 tokens: 19 chunks of STEP
+STEP = ["--prefill-step-size", "256"]
 
 
 def prefills_started(server: PatchedServer) -> int:
@@ -70,8 +71,8 @@ def records(server: PatchedServer) -> list[dict]:
 
 def test_a_request_cancelled_in_prefill_has_a_record(tiny_model_dir, tmp_path):
     journal = tmp_path / "journal"
-    env = {"PREFILL_STEP_SIZE": "16", "APC_JOURNAL_DIR": str(journal)}
-    with PatchedServer(tiny_model_dir, env=env, log_dir=tmp_path / "logs") as server:
+    env = {"APC_JOURNAL_DIR": str(journal)}
+    with PatchedServer(tiny_model_dir, env=env, args=STEP, log_dir=tmp_path / "logs") as server:
         server.chat([{"role": "user", "content": "Hello"}], max_tokens=2)
         cancel_during_prefill(server, LONG)
         wait_for(lambda: any(r.get("outcome") == "cancelled" for r in records(server)),
@@ -106,8 +107,8 @@ def test_a_request_cancelled_in_prefill_has_a_record(tiny_model_dir, tmp_path):
 
 def test_a_request_cancelled_while_queued_has_a_record_and_is_counted(tiny_model_dir, tmp_path):
     journal = tmp_path / "journal"
-    env = {"PREFILL_STEP_SIZE": "8", "APC_JOURNAL_DIR": str(journal)}
-    with PatchedServer(tiny_model_dir, env=env, log_dir=tmp_path / "logs") as server:
+    env = {"APC_JOURNAL_DIR": str(journal)}
+    with PatchedServer(tiny_model_dir, env=env, args=STEP, log_dir=tmp_path / "logs") as server:
         server.chat([{"role": "user", "content": "Hello"}], max_tokens=2)
         busy = send_stream(server, LONG)  # its prefill holds the generator for many steps
         # Taken in behind it, so still queued (the generator prefills one batch at a time):
