@@ -2,16 +2,20 @@
 bundled trace (issue 26).
 
 The bundled trace (``apcctl/lab/sim/traces/agents.jsonl``, 1.7M prompt tokens) is far too
-large to prefill on a 2-core CPU in a test, so this replays a deterministic prefix of it: the
-first ``REQUESTS`` requests, in time order, of its ``aider`` agent (3.7k to 6.4k tokens each,
-about 15k to prefill: about 35 s with the server's start on this shared 2-core machine). That
-slice is representative of what the oracle has to get right: aider's moving reminder makes
-every turn diverge *inside* the previous prompt (the oracle is a mid-prompt common prefix, not
-a whole earlier prompt), and the slice ends with the first two requests of a second session,
-which shares only the system prompt with the first. Whole-prompt resends and reply reuse are
-covered by tests/e2e/test_e2e_oracle.py; on this slice the trace's seen oracle equals its plain
-oracle (aider's replies are not re-rendered verbatim: asserted), so the tiny model's own
-replies, which differ from the trace's, change nothing.
+large to prefill on a 2-core CPU in a test, so this replays a deterministic slice of it, in time
+order: the first ``FIRST_SESSION`` requests of its ``aider`` agent's first session and the first
+``SECOND_SESSION`` of its second (3.7k to 4.3k tokens each, about 6.4k to prefill). That slice is
+representative of what the oracle has to get right: aider's moving reminder makes every turn
+diverge *inside* the previous prompt (the oracle is a mid-prompt common prefix, not a whole
+earlier prompt), and the second session shares only the system prompt with the first. The
+slice's oracles are the whole trace's: what the second session shares with the first is the
+system prompt, already in the first session's first request, and the requests of the first
+session left out come after those kept, so no kept request's oracle was set by one left out
+(the second check below proves it). It was the first 12 aider requests (about 15k tokens to
+prefill); more turns of the same session add size, not cases. Whole-prompt resends and reply
+reuse are covered by tests/e2e/test_e2e_oracle.py; on this slice the trace's seen oracle equals
+its plain oracle (aider's replies are not re-rendered verbatim: asserted), so the tiny model's
+own replies, which differ from the trace's, change nothing.
 
 Each trace token is sent as one tiny-model word (one token each), the prompt as one user message,
 so the server's prompt is the chat template's 3 opening tokens, the trace's tokens one for one,
@@ -37,7 +41,8 @@ from tests.server_harness import PatchedServer
 
 pytestmark = pytest.mark.server
 AGENT = "aider"
-REQUESTS = 12
+FIRST_SESSION, SECOND_SESSION = 3, 2
+REQUESTS = FIRST_SESSION + SECOND_SESSION
 BLOCK = 16  # APC_LINEAGE_SHADOW_BLOCK_TOKENS's default
 OPENING, CLOSING = 3, 3  # the tiny template's [gMASK]<sop><|user|> and <|assistant|><think></think>
 # Server-side token stand-ins for the template's own tokens: never a word's index.
@@ -61,7 +66,11 @@ def test_the_live_oracle_is_the_seen_oracle_on_the_bundled_trace(tiny_model_dir:
     seen, plain = SeenOraclePolicy(), OraclePolicy()  # over the whole bundled trace; seen keeps replies
     trace_seen = {req.index: seen.serve(req).reused for req in trace}
     trace_plain = {req.index: plain.serve(req).reused for req in trace}
-    picked = [req for req in trace if req.agent == AGENT][:REQUESTS]
+    agent = [req for req in trace if req.agent == AGENT]
+    first, second = list(dict.fromkeys(req.conv for req in agent))[:2]
+    picked = ([req for req in agent if req.conv == first][:FIRST_SESSION]
+              + [req for req in agent if req.conv == second][:SECOND_SESSION])
+    assert [req.t for req in picked] == sorted(req.t for req in picked)  # replayed in time order
     assert len(picked) == REQUESTS and [req.kind for req in picked].count("new_session") == 2
     assert all(trace_seen[req.index] == trace_plain[req.index] for req in picked)  # no reply re-rendered
 
