@@ -12,6 +12,8 @@ from pathlib import Path
 
 import click
 
+from apcctl.commands.against import against_option, against_tree
+
 QUICK = {"preset": "tiny", "context": 600, "tokens": 24, "commits": 3, "repeat": 1}
 FULL = {"preset": "bench", "context": 4096, "tokens": 120, "commits": 5, "repeat": 3}
 SCENARIOS = "cold-prefill,ram-restore,disk-restore,shared-row-end,full-budget,full-budget-normal,canary-load"
@@ -46,13 +48,15 @@ def register(main: click.Group, bench: click.Group) -> None:
               help="Keep the server logs here (default: a temp dir).")
 @click.option("--startup-timeout", default=300.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@against_option
 def stall(model_dir: Path | None, quick: bool, context: int | None, tokens: int | None, commits: int | None,
           repeat: int | None, modes: str, scenarios: str, workdir: Path | None, startup_timeout: float,
-          as_json: bool) -> None:
+          as_json: bool, against_ref: str | None) -> None:
     """A stream's inter-token gaps (p50/p99/max) alone and while another session restores,
     prefills, ends a shared row or commits under a full budget, and a request's TTFT while the
     canary loads a disk point; stock and patched side by side."""
     from apcctl.lab.bench import stall as bench
+    from apcctl.lab.bench.against import compare_stall, stall_lines
     from apcctl.lab.bench.ttft import BenchError
     from apcctl.lab.tinymodel.build import build_model
 
@@ -66,11 +70,17 @@ def stall(model_dir: Path | None, quick: bool, context: int | None, tokens: int 
     workdir = workdir or Path(tempfile.mkdtemp(prefix="apcctl-stall-"))
     workdir.mkdir(parents=True, exist_ok=True)
     echo = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
-    try:
-        result = bench.run(model_dir, chosen_modes, chosen, plan, workdir, startup_timeout, echo)
-    except BenchError as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(json.dumps(result) if as_json else bench.render(result))
+    with against_tree(against_ref, workdir) as other:
+        trees = {other.mode: other.tree} if other else {}
+        chosen_modes += [m for m in ("patched", *trees) if trees and m not in chosen_modes]
+        try:
+            result = bench.run(model_dir, chosen_modes, chosen, plan, workdir, startup_timeout, echo, trees)
+        except BenchError as exc:
+            raise click.ClickException(str(exc)) from None
+    if other:
+        result["against"] = {"ref": other.ref, "commit": other.commit, **compare_stall(result, other.mode)}
+    click.echo(json.dumps(result) if as_json else "\n".join(
+        [bench.render(result), *(stall_lines(result["against"]) if other else [])]))
 
 
 def _names(raw: str, known: list[str], hint: str) -> list[str]:

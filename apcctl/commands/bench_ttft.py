@@ -14,6 +14,8 @@ from pathlib import Path
 
 import click
 
+from apcctl.commands.against import against_option, against_tree
+
 DEFAULT_CONTEXT = 4096  # 16384 works too; the cold prefill of the bench preset is slow on a CPU
 
 
@@ -24,7 +26,8 @@ def register(main: click.Group, bench: click.Group) -> None:
 
 @click.command("ttft")
 @click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="A bench-preset model directory (default: built once in a temp cache dir).")
+              help="A model directory, used as it is when it holds a config.json (default: the bench "
+                   "preset, built once in a temp cache dir).")
 @click.option("--context", default=DEFAULT_CONTEXT, show_default=True, type=click.IntRange(16),
               help="Tokens of the conversation.")
 @click.option("--questions", default=6, show_default=True, type=click.IntRange(1), help="Warm turns after the cold one.")
@@ -37,10 +40,12 @@ def register(main: click.Group, bench: click.Group) -> None:
               help="Keep the server logs and counter files here (default: a temp dir).")
 @click.option("--startup-timeout", default=300.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the tables.")
+@against_option
 def ttft(model_dir: Path | None, context: int, questions: int, max_tokens: int, modes: str, repeat: int,
-         workdir: Path | None, startup_timeout: float, as_json: bool) -> None:
+         workdir: Path | None, startup_timeout: float, as_json: bool, against_ref: str | None) -> None:
     """Warm-turn time to first token, tokens restored and prefilled, KV bytes copied per turn."""
     from apcctl.lab.bench import ttft as bench
+    from apcctl.lab.bench.against import compare_ttft, ttft_lines
     from apcctl.lab.bench.ttft_report import render
     from apcctl.lab.tinymodel.build import build_model
 
@@ -49,17 +54,26 @@ def ttft(model_dir: Path | None, context: int, questions: int, max_tokens: int, 
     if unknown or not selected:
         raise click.BadParameter(f"unknown mode(s) {', '.join(unknown) or '(none)'}; "
                                  f"known: {', '.join(bench.MODES)}", param_hint="--modes")
-    model_dir = build_model(model_dir or Path(tempfile.gettempdir()) / "apcctl-bench-model", preset="bench", seed=0)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="apcctl-ttft-"))
     workdir.mkdir(parents=True, exist_ok=True)
     echo = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
-    try:
-        result = bench.run(model_dir, selected, context, questions, max_tokens, repeat, workdir,
-                           startup_timeout, echo)
-    except bench.BenchError as exc:
-        raise click.ClickException(str(exc)) from None
+    with against_tree(against_ref, workdir) as other:
+        if model_dir is None or not (model_dir / "config.json").is_file():
+            model_dir = build_model(model_dir or Path(tempfile.gettempdir()) / "apcctl-bench-model", preset="bench",
+                                    seed=0)
+        trees = {other.mode: other.tree} if other else {}
+        selected += [m for m in ("patched", *trees) if trees and m not in selected]
+        try:
+            result = bench.run(model_dir, selected, context, questions, max_tokens, repeat, workdir,
+                               startup_timeout, echo, trees)
+        except bench.BenchError as exc:
+            raise click.ClickException(str(exc)) from None
+    if other:
+        result["against"] = {"ref": other.ref, "commit": other.commit, **compare_ttft(result, other.mode)}
     if as_json:
         click.echo(json.dumps(result))
     else:
         click.echo(render(result))
+        if other:
+            click.echo("\n".join(ttft_lines(result["against"])))
         click.echo(f"logs and counter files: {workdir} (load average {os.getloadavg()[0]:.1f})")

@@ -34,10 +34,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any, Callable
+from contextlib import ExitStack
 
 from apcctl.lab.bench import pagecache, stall_canary, stall_gaps
 from apcctl.lab.bench.stall_session import (Gaps, Loaded, Plan, Session, ask_to_disk, disk_root,
                                         event_conversation, lineage_stats)
+from apcctl.lab.bench.against import base_mode, groups
 from apcctl.lab.bench.ttft import BenchServer, next_turn
 
 SCENARIOS = ("cold-prefill", "ram-restore", "disk-restore", "shared-row-end", "full-budget", "full-budget-normal",
@@ -164,7 +166,7 @@ def scenario_row(session: Session, name: str) -> dict[str, Any]:
 
 def server_env(mode: str, scenarios: list[str], budget_bytes: int) -> dict[str, str]:
     """The extra settings one server of ``mode`` needs for ``scenarios``."""
-    env: dict[str, str] = dict(MODES[mode][1])
+    env: dict[str, str] = dict(MODES[base_mode(mode)][1])
     if any(s in DISK_SCENARIOS + BUDGET_SCENARIOS for s in scenarios):
         env.update({"APC_DISK_ENABLED": "1"} if mode == "stock" else {"APC_LINEAGE_DISK": "1"})
     if any(s in BUDGET_SCENARIOS for s in scenarios) and mode != "stock":
@@ -184,22 +186,29 @@ def _entry_bytes(server: BenchServer) -> int:
     return max(sizes or [0])
 
 
-def run_scenarios(model_dir: Path, mode: str, scenarios: list[str], plan: Plan, workdir: Path,
-                  timeout: float, budget_bytes: int, echo: Callable[[str], None]) -> tuple[list[dict[str, Any]], int]:
-    """One server of ``mode`` through ``scenarios``; the rows and the biggest entry it held."""
+def run_scenarios(model_dir: Path, modes: list[str], scenarios: list[str], plan: Plan, workdir: Path,
+                  timeout: float, budget_bytes: int, echo: Callable[[str], None],
+                  trees: dict[str, Path] | None = None) -> tuple[list[dict[str, Any]], int]:
+    """A server per mode of ``modes`` through ``scenarios``, side by side, scenario by scenario
+    (the order reversed every other one: ``--against``); the rows and the biggest entry held."""
     rows: list[dict[str, Any]] = []
     entry_bytes = 0
     tag = "-".join(scenarios)
-    with BenchServer(model_dir, MODES[mode][0], workdir / f"{mode}-{tag}", timeout,
-                     env=server_env(mode, scenarios, budget_bytes)) as server:
-        session = Session(server, plan, model_dir)
-        session.victim_times()  # warm: the victim's own prompt is cached from here on
-        for name in scenarios:
-            row = {"scenario": name, "mode": mode, **scenario_row(session, name)}
-            if server.patched and not entry_bytes:
-                entry_bytes = _entry_bytes(server)
-            rows.append(row)
-            echo(f"  {mode} {name}: {_summary(row)}")
+    with ExitStack() as stack:
+        sessions = {mode: Session(stack.enter_context(BenchServer(
+            model_dir, MODES[base_mode(mode)][0], workdir / f"{mode}-{tag}", timeout,
+            env=server_env(mode, scenarios, budget_bytes), tree=(trees or {}).get(mode))), plan, model_dir)
+            for mode in modes}
+        for session in sessions.values():
+            session.victim_times()  # warm: the victim's own prompt is cached from here on
+        for i, name in enumerate(scenarios):
+            for mode in modes if i % 2 == 0 else modes[::-1]:
+                session = sessions[mode]
+                row = {"scenario": name, "mode": mode, **scenario_row(session, name)}
+                if session.server.patched and not entry_bytes:
+                    entry_bytes = _entry_bytes(session.server)
+                rows.append(row)
+                echo(f"  {mode} {name}: {_summary(row)}")
     return rows, entry_bytes
 
 
@@ -207,11 +216,11 @@ def of_mode(mode: str, scenarios: list[str]) -> list[str]:
     """The scenarios ``mode`` runs: all, but only ``PACED_SCENARIOS`` for ``patched-unpaced``,
     and ``PATCHED_ONLY`` ones only for ``patched``."""
     return [s for s in scenarios if (mode != "patched-unpaced" or s in PACED_SCENARIOS)
-            and (mode == "patched" or s not in PATCHED_ONLY)]
+            and (base_mode(mode) == "patched" or s not in PATCHED_ONLY)]
 
 
 def run(model_dir: Path, modes: list[str], scenarios: list[str], plan: Plan, workdir: Path, timeout: float,
-        echo: Callable[[str], None]) -> dict[str, Any]:
+        echo: Callable[[str], None], trees: dict[str, Path] | None = None) -> dict[str, Any]:
     """Every mode through the scenarios: one server per mode for the plain and disk scenarios,
     another per budget scenario (its RAM budget is about two of the first server's entries)."""
     plain = [s for s in scenarios if s not in BUDGET_SCENARIOS]
@@ -219,16 +228,17 @@ def run(model_dir: Path, modes: list[str], scenarios: list[str], plan: Plan, wor
     result: dict[str, Any] = {"plan": plan.__dict__, "modes": modes, "scenarios": scenarios, "rows": [],
                               "load_avg": list(os.getloadavg()), "workdir": str(workdir)}
     entry_bytes = 0
-    for mode in modes:
-        if of_mode(mode, plain):
-            rows, held = run_scenarios(model_dir, mode, of_mode(mode, plain), plan, workdir, timeout, 0, echo)
+    for group in groups(modes):  # a ``patched@REF`` of ``trees`` beside ``patched`` (``bench.against``)
+        if of_mode(group[0], plain):
+            rows, held = run_scenarios(model_dir, group, of_mode(group[0], plain), plan, workdir, timeout, 0, echo,
+                                       trees)
             result["rows"] += rows
             entry_bytes = max(entry_bytes, held)
     budget = int(2.5 * entry_bytes) if entry_bytes else 4 * 2**20
     result["budget_bytes"] = budget
     for name in budgeted:
-        for mode in (m for m in modes if of_mode(m, [name])):
-            rows, _ = run_scenarios(model_dir, mode, [name], plan, workdir, timeout, budget, echo)
+        for group in (g for g in groups(modes) if of_mode(g[0], [name])):
+            rows, _ = run_scenarios(model_dir, group, [name], plan, workdir, timeout, budget, echo, trees)
             result["rows"] += rows
     result["load_avg_end"] = list(os.getloadavg())
     return result

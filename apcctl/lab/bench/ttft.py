@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -39,6 +40,7 @@ import psutil
 from apcctl.core.client import AdminClient, AdminError
 from apcctl.core.hosts import free_port
 from apcctl.core.manage import file_tail, terminate
+from apcctl.lab.bench.against import base_mode, groups
 from server_patch.observe import ledger
 
 QUESTION = "Which word follows item {n}?"
@@ -90,8 +92,9 @@ class BenchServer:
     """One server of ``mode`` with the copy counter on (``--copy-counter``), on a free loopback port."""
 
     def __init__(self, model_dir: Path, mode: str, workdir: Path, timeout: float = 300.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, tree: Path | None = None) -> None:
         self.model_dir, self.mode, self.timeout = model_dir, mode, timeout
+        self.tree = tree  # another revision's worktree the server runs from (``--against``)
         self.port = free_port()
         self.token = secrets.token_hex(16)
         self.log_path = workdir / f"server-{mode}.log"
@@ -104,7 +107,9 @@ class BenchServer:
             "APC_LINEAGE_DISK_PATH": str(workdir / f"lineage-disk-{mode}"), "APC_ADMIN_TOKEN": self.token,
             "PYTHONUNBUFFERED": "1",
         })
-        for key, value in {**MODES[mode], **(env or {})}.items():
+        if tree is not None:
+            self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
+        for key, value in {**MODES[base_mode(mode)], **(env or {})}.items():
             if value is None:
                 self.env.pop(key, None)
             else:
@@ -121,8 +126,8 @@ class BenchServer:
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "server_patch.launch", "--model", str(self.model_dir),
-                 "--port", str(self.port), f"--copy-counter={self.counter_path}"], cwd=self.log_path.parent, env=self.env, stdout=log,
-                stderr=subprocess.STDOUT)
+                 "--port", str(self.port), f"--copy-counter={self.counter_path}"],
+                cwd=self.tree or self.log_path.parent, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -290,20 +295,32 @@ def run_turn(server: BenchServer, index: int, messages: list[dict[str, str]], ma
 def run_mode(model_dir: Path, mode: str, context: int, questions: int, max_tokens: int, workdir: Path,
              timeout: float, echo: Callable[[str], None]) -> tuple[list[Turn], list[list[dict[str, str]]]]:
     """The turns of one server, and the messages each turn sent."""
-    turns: list[Turn] = []
-    sent: list[list[dict[str, str]]] = []
-    with BenchServer(model_dir, mode, workdir, timeout) as server:
-        messages = conversation(context, model_dir)
-        cursor: dict[str, int] = {}
+    return run_modes(model_dir, [mode], context, questions, max_tokens, workdir, timeout, echo)[mode]
+
+
+def run_modes(model_dir: Path, modes: list[str], context: int, questions: int, max_tokens: int, workdir: Path,
+              timeout: float, echo: Callable[[str], None], trees: dict[str, Path] | None = None
+              ) -> dict[str, tuple[list[Turn], list[list[dict[str, str]]]]]:
+    """Per mode, the turns of its server and the messages each turn sent: the servers run side by
+    side, turn by turn, the order reversed every other turn (``--against``: the box's load falls on
+    both alike); ``trees``: the modes whose server runs from another revision's worktree."""
+    out: dict[str, tuple[list[Turn], list[list[dict[str, str]]]]] = {m: ([], []) for m in modes}
+    with ExitStack() as stack:
+        servers = {m: stack.enter_context(BenchServer(model_dir, m, workdir, timeout, tree=(trees or {}).get(m)))
+                   for m in modes}
+        messages = {m: conversation(context, model_dir) for m in modes}
+        cursors: dict[str, dict[str, int]] = {m: {} for m in modes}
         for i in range(questions + 1):
-            sent.append(messages)
-            turn, text = run_turn(server, i, messages, max_tokens, cursor)
-            turns.append(turn)
-            echo(f"  {mode} turn {i}: prompt {turn.prompt_tokens} restored {turn.restored_tokens} "
-                 f"prefilled {turn.prefilled_tokens} reply {turn.reply_tokens}; ttft {turn.ttft_ms:.0f} ms, "
-                 f"KV copied {kv_copied(turn.turn_copies) / 1e6:.1f} MB")
-            messages = next_turn(messages, text, i)
-    return turns, sent
+            for mode in modes if i % 2 == 0 else modes[::-1]:
+                turns, sent = out[mode]
+                sent.append(messages[mode])
+                turn, text = run_turn(servers[mode], i, messages[mode], max_tokens, cursors[mode])
+                turns.append(turn)
+                echo(f"  {mode} turn {i}: prompt {turn.prompt_tokens} restored {turn.restored_tokens} "
+                     f"prefilled {turn.prefilled_tokens} reply {turn.reply_tokens}; ttft {turn.ttft_ms:.0f} ms, "
+                     f"KV copied {kv_copied(turn.turn_copies) / 1e6:.1f} MB")
+                messages[mode] = next_turn(messages[mode], text, i)
+    return out
 
 
 # ------------------------------------------------------------------------------ summary
@@ -385,17 +402,21 @@ def ttft_target(summary: dict[str, Any], forward: dict[str, Any]) -> dict[str, A
 
 
 def run(model_dir: Path, modes: list[str], context: int, questions: int, max_tokens: int, repeat: int,
-        workdir: Path, timeout: float, echo: Callable[[str], None]) -> dict[str, Any]:
-    """The whole bench: every mode's turns, summaries, the in-process forwards and the targets."""
+        workdir: Path, timeout: float, echo: Callable[[str], None],
+        trees: dict[str, Path] | None = None) -> dict[str, Any]:
+    """The whole bench: every mode's turns, summaries, the in-process forwards and the targets;
+    a ``patched@REF`` mode of ``trees`` runs interleaved with ``patched`` (``bench.against``)."""
     result: dict[str, Any] = {"context": context, "max_tokens": max_tokens, "modes": modes, "turns": {},
                               "summary": {}, "workdir": str(workdir), "load_avg": list(os.getloadavg())}
     turns: dict[str, list[Turn]] = {}
     sent: dict[str, list[list[dict[str, str]]]] = {}
-    for mode in modes:
-        echo(f"{mode} server: cold turn of ~{context:,} tokens, then {questions} short questions")
-        turns[mode], sent[mode] = run_mode(model_dir, mode, context, questions, max_tokens, workdir, timeout, echo)
-        result["turns"][mode] = [t.as_dict() for t in turns[mode]]
-        result["summary"][mode] = summarize(turns[mode])
+    for group in groups(modes):
+        echo(f"{' + '.join(group)} server: cold turn of ~{context:,} tokens, then {questions} short questions")
+        for mode, (mode_turns, mode_sent) in run_modes(model_dir, group, context, questions, max_tokens,
+                                                       workdir, timeout, echo, trees).items():
+            turns[mode], sent[mode] = mode_turns, mode_sent
+            result["turns"][mode] = [t.as_dict() for t in mode_turns]
+            result["summary"][mode] = summarize(turns[mode])
     cases = forward_cases(turns, sent)
     result["forward"] = []
     if repeat > 0 and cases:

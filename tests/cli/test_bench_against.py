@@ -1,0 +1,77 @@
+"""``apcctl bench ttft --against REF`` on the tiny model: the server of another revision runs as
+``patched@REF`` from that revision's worktree beside ``patched``, turn by turn, and the ratio of
+their medians is reported; an unknown REF is a usage error. Real servers; never a time threshold.
+
+The revision is a commit of a scratch repository holding this checkout's ``server_patch`` with one
+line added (it prints ``MARKER`` at start): that line in the ``patched@HEAD`` server's log, and not
+in ``patched``'s, shows the server ran from the worktree.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from apcctl.cli import main
+
+pytestmark = pytest.mark.server
+
+REPO = Path(__file__).resolve().parents[2]
+MARKER = "server_patch of the revision bench --against checked out"
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture()
+def scratch_repo(tmp_path: Path) -> Path:
+    """A repository whose HEAD holds this checkout's committed ``server_patch``, marked."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    archive = subprocess.run(["git", "archive", "HEAD", "server_patch"], cwd=REPO, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(repo)], input=archive.stdout, check=True)
+    launch = repo / "server_patch" / "launch.py"
+    launch.write_text(launch.read_text().replace("\nimport io\n", f"\nimport io\nprint({MARKER!r}, flush=True)\n", 1))
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "marked")
+    return repo
+
+
+def test_against_head_runs_both_servers_interleaved_and_reports_the_ratio(
+        tiny_model_dir: Path, scratch_repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(scratch_repo)
+    workdir = tmp_path / "work"
+    out = CliRunner().invoke(main, ["bench", "ttft", "--model", str(tiny_model_dir), "--context", "64",
+                                    "--questions", "2", "--max-tokens", "2", "--repeat", "0", "--modes", "patched",
+                                    "--workdir", str(workdir), "--against", "HEAD", "--json"])
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["modes"] == ["patched", "patched@HEAD"]
+    assert result["against"]["commit"] == _git(scratch_repo, "rev-parse", "HEAD")
+    assert MARKER in (workdir / "server-patched@HEAD.log").read_text()  # it ran from the worktree
+    assert MARKER not in (workdir / "server-patched.log").read_text()
+    for mode in result["modes"]:  # both servers served every turn, the warm ones restored
+        turns = result["turns"][mode]
+        assert len(turns) == 3 and all(t["restored_tokens"] > 0 for t in turns[1:])
+    ttft = result["against"]["ttft_ms"]
+    assert ttft["pairs"] == 2 and ttft["min"] <= ttft["max"]
+    base, other = (result["summary"][m]["ttft_ms"] for m in result["modes"])
+    assert ttft["ratio"] == round(other / base, 2)
+    assert not list(workdir.glob("tree-*")) and str(workdir) not in _git(scratch_repo, "worktree", "list")
+
+
+def test_an_unknown_revision_or_no_repository_is_a_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    args = ["bench", "ttft", "--model", str(tmp_path / "unused"), "--workdir", str(tmp_path / "work")]
+    monkeypatch.chdir(REPO)
+    out = CliRunner().invoke(main, [*args, "--against", "no-such-revision-xyz"])
+    assert out.exit_code == 2 and "unknown revision 'no-such-revision-xyz'" in out.output
+    monkeypatch.chdir(tmp_path)
+    out = CliRunner().invoke(main, [*args, "--against", "HEAD"])
+    assert out.exit_code == 2 and "not in one" in out.output
+    assert not (tmp_path / "unused").exists()  # refused before any model or server
