@@ -32,14 +32,14 @@ next turn while a short stream decodes. Nothing here asserts a time.
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
-from contextlib import ExitStack
 
 from apcctl.lab.bench import pagecache, stall_canary, stall_gaps
+from apcctl.lab.bench.against import base_mode, groups
 from apcctl.lab.bench.stall_session import (Gaps, Loaded, Plan, Session, ask_to_disk, disk_root,
                                         event_conversation, lineage_stats)
-from apcctl.lab.bench.against import base_mode, groups
 from apcctl.lab.bench.ttft import BenchServer, next_turn
 
 SCENARIOS = ("cold-prefill", "ram-restore", "disk-restore", "shared-row-end", "full-budget", "full-budget-normal",
