@@ -7,14 +7,18 @@ off the generation thread (issue 29, ``server_patch.integration.loading``).
 * A file that fails validation, and a load slower than ``APC_DISK_LOAD_WAIT_MS`` (held until
   the request has gone cold), both fall back to a cold prefill with a cold prefill's answer; the
   slow one's file is kept, and a later request restores from it.
+
+One server writes the conversation once (``written``); each restarted server starts on its own
+copy of that directory, as a restart on the same directory would find it.
 """
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -42,6 +46,24 @@ def _conversation(tiny_model_dir: Path, disk: Path, log_dir: Path, seed: int) ->
     assert len(_files(disk)) == 2, _files(disk)  # the conversation entry and the anchor
     return turn1 + [{"role": "assistant", "content": reply_text(a1)},
                     {"role": "user", "content": text(60, seed + 3)}]
+
+
+class Written(NamedTuple):
+    """A disk directory a stopped server wrote a conversation to, and that conversation's next turn."""
+    disk: Path
+    turn2: list[dict]
+
+    def copy(self, to: Path) -> Path:
+        """A directory of one's own holding the same files (the store rebuilds its index from them)."""
+        shutil.copytree(self.disk, to)
+        assert len(_files(to)) == 2, _files(to)
+        return to
+
+
+@pytest.fixture(scope="module")
+def written(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Written:
+    root = tmp_path_factory.mktemp("disk-loading-written")
+    return Written(root / "lineage-disk", _conversation(tiny_model_dir, root / "lineage-disk", root / "one", 3301))
 
 
 def _records(server: PatchedServer) -> list[dict[str, Any]]:
@@ -87,10 +109,9 @@ def streamed_while_held(stream: Any, hold: Path) -> int:
 
 
 @pytest.mark.server
-def test_a_disk_restore_waits_in_the_queue_while_another_stream_decodes(tiny_model_dir: Path,
-                                                                       tmp_path: Path) -> None:
-    disk, hold = tmp_path / "lineage-disk", tmp_path / "hold"
-    turn2 = _conversation(tiny_model_dir, disk, tmp_path / "one", 3301)
+def test_a_disk_restore_waits_in_the_queue_while_another_stream_decodes(tiny_model_dir: Path, tmp_path: Path,
+                                                                       written: Written) -> None:
+    disk, hold, turn2 = written.copy(tmp_path / "lineage-disk"), tmp_path / "hold", written.turn2
     hold.write_text("")
     env = _env(disk, APC_TEST_FAULTS="1", APC_TEST_FAULT_DISK_LOAD_HOLD_FILE=str(hold))
     second = PatchedServer(tiny_model_dir, env=env, log_dir=tmp_path / "two")
@@ -124,10 +145,10 @@ def test_a_disk_restore_waits_in_the_queue_while_another_stream_decodes(tiny_mod
 
 
 @pytest.mark.server
-def test_a_rejected_file_and_a_load_past_the_bound_fall_back_to_cold(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_rejected_file_and_a_load_past_the_bound_fall_back_to_cold(tiny_model_dir: Path, tmp_path: Path,
+                                                                     written: Written) -> None:
     # A load slower than the bound: held until the request has gone cold, then released.
-    disk, hold = tmp_path / "slow-disk", tmp_path / "hold"
-    turn2 = _conversation(tiny_model_dir, disk, tmp_path / "one", 3401)
+    disk, hold, turn2 = written.copy(tmp_path / "slow-disk"), tmp_path / "hold", written.turn2
     hold.write_text("")
     env = _env(disk, APC_TEST_FAULTS="1", APC_TEST_FAULT_DISK_LOAD_HOLD_FILE=str(hold),
                APC_DISK_LOAD_WAIT_MS="200")
@@ -154,8 +175,7 @@ def test_a_rejected_file_and_a_load_past_the_bound_fall_back_to_cold(tiny_model_
         second.stop()
 
     # A file that fails validation (bit rot in the conversation entry): cold, the file removed.
-    disk = tmp_path / "rotten-disk"
-    turn2 = _conversation(tiny_model_dir, disk, tmp_path / "three", 3501)
+    disk = written.copy(tmp_path / "rotten-disk")
     entry_file = max(_files(disk), key=lambda p: p.stat().st_size)
     _flip_tensor_byte(entry_file)
     third = PatchedServer(tiny_model_dir, env=_env(disk, APC_TEST_FAULTS="1"), log_dir=tmp_path / "four")
