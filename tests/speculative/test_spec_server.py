@@ -91,9 +91,11 @@ def test_warm_turn_with_a_drafter_equals_cold_and_no_drafter(kind: str, servers:
 
 @pytest.mark.server
 def test_disk_restore_with_a_drafter_equals_no_drafter(spec_model_dir: Path, spec_drafter_dir: Path,
-                                                       tmp_path: Path) -> None:
+                                                       servers: dict[str, PatchedServer], tmp_path: Path) -> None:
+    """Two drafter servers in turn on one disk directory; the module's server without a drafter
+    answers the same turn cold."""
     disk = tmp_path / "disk"
-    turn0 = [{"role": "system", "content": text(300, 391)}, {"role": "user", "content": text(200, 392)}]
+    turn0 = [{"role": "system", "content": text(150, 391)}, {"role": "user", "content": text(100, 392)}]
     first = PatchedServer(spec_model_dir, env=_env(disk), log_dir=tmp_path / "one",
                           args=_drafter_args(spec_drafter_dir))
     try:
@@ -105,20 +107,17 @@ def test_disk_restore_with_a_drafter_equals_no_drafter(spec_model_dir: Path, spe
                      {"role": "user", "content": text(80, 393)}]
     second = PatchedServer(spec_model_dir, env=_env(disk), log_dir=tmp_path / "two",
                            args=_drafter_args(spec_drafter_dir))
-    plain = PatchedServer(spec_model_dir, env=_env(tmp_path / "disk-plain"), log_dir=tmp_path / "plain")
     try:
         second.start()
-        plain.start()
         warm, line = second.chat_restore(turn1, tenant="disk", **PARAMS)
         assert line["kind"] == "disk" and int(line["restored"]) > 0, line
         _assert_speculated(warm)
         cold = _cold(second, turn1)
         assert_same_tokens(warm, cold)
         assert acceptance(warm) == acceptance(cold)
-        assert_same_tokens(warm, _cold(plain, turn1))
+        assert_same_tokens(warm, _cold(servers["plain"], turn1))
     finally:
         second.stop()
-        plain.stop()
 
 
 @pytest.mark.server
