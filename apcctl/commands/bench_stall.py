@@ -16,7 +16,7 @@ from apcctl.commands.against import against_option, against_tree
 
 QUICK = {"preset": "tiny", "context": 600, "tokens": 24, "commits": 3, "repeat": 1}
 FULL = {"preset": "bench", "context": 4096, "tokens": 120, "commits": 5, "repeat": 3}
-SCENARIOS = "cold-prefill,ram-restore,disk-restore,shared-row-end,full-budget,full-budget-normal,canary-load"
+SCENARIOS = "cold-prefill,ram-restore,ram-lent,disk-restore,shared-row-end,full-budget,full-budget-normal,canary-load"
 
 
 def register(main: click.Group, bench: click.Group) -> None:

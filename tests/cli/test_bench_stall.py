@@ -50,6 +50,7 @@ def test_the_events_did_what_their_names_say(result: dict) -> None:
     assert rows[("cold-prefill", "patched")]["event_cached_tokens"] == 0
     for mode in result["modes"]:  # the next turn restored its conversation (RAM, then disk)
         assert rows[("ram-restore", mode)]["event_cached_tokens"] > 0
+        assert rows[("ram-lent", mode)]["event_cached_tokens"] > 0  # its third turn
         assert rows[("disk-restore", mode)]["event_cached_tokens"] > 0
     budgeted = (("full-budget", "patched"), ("full-budget", "patched-unpaced"), ("full-budget-normal", "patched"))
     for scenario, mode in budgeted:

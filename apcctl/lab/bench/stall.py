@@ -6,6 +6,8 @@ stream decodes ``tokens`` tokens alone, then again while an *event* runs in anot
 
 * ``cold-prefill``: a cold prompt of ``context`` tokens (its prefill chunks);
 * ``ram-restore``: that conversation's next turn, restored from RAM (the merge copy);
+* ``ram-lent``: its third turn, the second served alone first: restored from RAM lent its
+  entry's buffer (``kv=lent``: no staged copy, its join's buffers made at its first chunk);
 * ``disk-restore``: the same, restored from the disk tier (flushed, RAM reset first, the
   files dropped from the page cache just before the turn: ``bench.pagecache``);
 * ``shared-row-end``: that conversation's next turn joins the victim's batch and ends while the
@@ -42,8 +44,8 @@ from apcctl.lab.bench.stall_session import (Gaps, Loaded, Plan, Session, ask_to_
                                         event_conversation, lineage_stats)
 from apcctl.lab.bench.ttft import BenchServer, next_turn
 
-SCENARIOS = ("cold-prefill", "ram-restore", "disk-restore", "shared-row-end", "full-budget", "full-budget-normal",
-             "canary-load")
+SCENARIOS = ("cold-prefill", "ram-restore", "ram-lent", "disk-restore", "shared-row-end", "full-budget",
+             "full-budget-normal", "canary-load")
 # Mode -> (the bench server's mode, extra settings): ``patched-unpaced`` is patched with
 # decode-aware prefill off (``APC_DECODE_STALL_MS=0``), for its throughput cost side by side;
 # ``patched-stock-join`` with mlx-vlm's own join and leave (``APC_COPYFREE_JOIN=0``, issue 40).
@@ -53,7 +55,7 @@ MODES: dict[str, tuple[str, dict[str, str]]] = {
 }
 # What ``patched-unpaced`` runs: the scenarios whose event prefills (its only difference from
 # ``patched`` is the prefill's pacing); a shared row's end and the canary's load have none to pace.
-PACED_SCENARIOS = ("cold-prefill", "ram-restore", "disk-restore", "full-budget")
+PACED_SCENARIOS = ("cold-prefill", "ram-restore", "ram-lent", "disk-restore", "full-budget")
 DISK_SCENARIOS = ("disk-restore", "canary-load")
 BUDGET_SCENARIOS = ("full-budget", "full-budget-normal")  # a server each: their writers differ
 # ``patched`` only: stock's ``full-budget`` has no slow writer already.
@@ -78,6 +80,15 @@ def _restore(session: Session, tag: str, *, from_disk: bool) -> dict[str, Any]:
         prepared["before"] = lambda: dropped.append(pagecache.drop(disk_root(session.server)))
         prepared["report"] = lambda loaded: {"page_cache": dropped[-1].as_dict() | {"label": dropped[-1].label}}
     return prepared
+
+
+def _lent(session: Session) -> dict[str, Any]:
+    """The conversation's third turn: the second, served alone, left its entry's buffer with room
+    for the next, so the third is lent it (issue 40's rounds 2-3)."""
+    first = event_conversation(session, "lent")
+    second = next_turn(first, session.ask(first)[0], 0)
+    third = next_turn(second, session.ask(second)[0], 1)
+    return {"event": lambda: session.ask(third)[1]}
 
 
 def _shared_row_end(session: Session) -> dict[str, Any]:
@@ -131,6 +142,7 @@ def _full_budget(session: Session) -> dict[str, Any]:
 PREPARE: dict[str, Callable[[Session], dict[str, Any]]] = {
     "cold-prefill": _cold_prefill,
     "ram-restore": lambda s: _restore(s, "ram", from_disk=False),
+    "ram-lent": _lent,
     "disk-restore": lambda s: _restore(s, "disk", from_disk=True),
     "shared-row-end": _shared_row_end,
     "full-budget": _full_budget,
