@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 from click.testing import CliRunner, Result
@@ -182,22 +183,35 @@ def test_a_recorded_start_takes_new_shell_variables_and_names_the_ones_it_does_n
 # ---------------------------------------------------------------------- real servers
 
 
-@pytest.mark.server
-def test_serve_of_a_stopped_server_starts_its_recorded_command(cli_env: Path, tiny_model_dir: Path) -> None:
-    """Item 2: a plain ``serve --server NAME`` after a stop keeps the disk path, the -e values and
-    what followed --; a flag given now overrides the record, and the output says what changed."""
+@pytest.fixture(scope="module")
+def served_again(cli_env: Path, tiny_model_dir: Path) -> Iterator[dict[str, Any]]:
+    """One ``apcctl serve`` server for the module's two tests of a managed server (a stop and starts
+    from its record, a failed restart rolled back): each leaves it running its recorded command."""
     disk = cli_env / "kept-disk"
     first = json.loads(run("serve", "--server", "again", "--model", str(tiny_model_dir), "--port",
                            str(free_port()), "--disk-path", str(disk), "-e", "APC_LINEAGE_ANCHOR_MAX_ENTRIES=3",
                            "--json", "--", "--max-kv-size", "65536").stdout)
-    before = ManagedServer("again").spec()
+    spec = ManagedServer("again").spec()
+    assert spec is not None
+    try:
+        yield {"disk": disk, "url": first["url"], "spec": spec}
+    finally:
+        run("stop", "--server", "again")
+
+
+@pytest.mark.server
+def test_serve_of_a_stopped_server_starts_its_recorded_command(served_again: dict[str, Any]) -> None:
+    """Item 2: a plain ``serve --server NAME`` after a stop keeps the disk path, the -e values and
+    what followed --; a flag given now overrides the record, and the output says what changed."""
+    disk, before = served_again["disk"], ManagedServer("again").spec()
+    assert before is not None and (before.argv, before.env) == (served_again["spec"].argv, served_again["spec"].env)
     run("stop", "--server", "again")
     again = run("serve", "--server", "again")  # no --model, no config file: the record says it all
     try:
         assert "the recorded command" in again.stderr and "unchanged" in again.stderr
         after = ManagedServer("again").spec()
         assert after is not None and before is not None
-        assert (after.argv, after.env, after.url) == (before.argv, before.env, first["url"])
+        assert (after.argv, after.env, after.url) == (before.argv, before.env, served_again["url"])
         assert after.argv[-2:] == ["--max-kv-size", "65536"]
         status = json.loads(run("status", "--server", "again", "--json").stdout)["status"]
         assert status["sizing"]["disk"]["path"] == str(disk.resolve())
@@ -212,8 +226,9 @@ def test_serve_of_a_stopped_server_starts_its_recorded_command(cli_env: Path, ti
         spec = ManagedServer("again").spec()
         assert spec is not None and spec.port == port and spec.argv[-2:] == ["--max-kv-size", "65536"]
         assert spec.env["APC_LINEAGE_DISK_PATH"] == str(disk.resolve())
-    finally:
+    except BaseException:
         run("stop", "--server", "again")
+        raise
 
 
 @pytest.mark.server
@@ -231,7 +246,7 @@ def test_a_server_running_with_a_value_it_cannot_read_says_so(cli_env: Path, tin
 
 
 @pytest.mark.server
-def test_a_failed_restart_names_the_exception_not_the_help_after_it(cli_env: Path, tiny_model_dir: Path,
+def test_a_failed_restart_names_the_exception_not_the_help_after_it(served_again: dict[str, Any], tiny_model_dir: Path,
                                                                     tmp_path: Path) -> None:
     """Item 5: weights that exist but do not load pass the plan; the new process dies, the roll
     rolls back, and the verdict carries the exception line from the log."""
@@ -239,13 +254,16 @@ def test_a_failed_restart_names_the_exception_not_the_help_after_it(cli_env: Pat
     shutil.copytree(tiny_model_dir, broken)
     for weights in broken.glob("*.safetensors"):
         weights.write_bytes(b"not safetensors")
-    run("serve", "--server", "dies", "--model", str(tiny_model_dir), "--port", str(free_port()))
-    try:
-        out = run("restart", "--server", "dies", "--model", str(broken), code=ExitStatus.FAILED).output
-        log = ManagedServer("dies").log_path.read_text()
-        failed_start = log[:log.rindex("=== apcctl ")]  # the rollback's start is the last one
-        cause = failure_cause(failed_start)
-        assert cause and f"the server exited while starting: {cause}" in out
-        assert "rolled back" in out
-    finally:
-        run("stop", "--server", "dies")
+    running = ManagedServer("again")
+    if running.pid() is None:  # the other test's failure left it stopped
+        run("serve", "--server", "again")
+    before = running.spec()
+    assert before is not None
+    out = run("restart", "--server", "again", "--model", str(broken), code=ExitStatus.FAILED).output
+    log = running.log_path.read_text()
+    failed_start = log[:log.rindex("=== apcctl ")]  # the rollback's start is the last one
+    cause = failure_cause(failed_start)
+    assert cause and f"the server exited while starting: {cause}" in out
+    assert "rolled back" in out
+    after = running.spec()
+    assert running.pid() is not None and after is not None and after.argv == before.argv  # the command it ran
