@@ -14,8 +14,9 @@ from __future__ import annotations
 import signal
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -67,39 +68,6 @@ def _entries(server: PatchedServer, query: str) -> list[dict]:
     return body["entries"]
 
 
-@pytest.mark.server
-def test_anchor_is_written_at_once_and_serves_a_restarted_server(tiny_model_dir: Path, tmp_path: Path) -> None:
-    disk = tmp_path / "lineage-disk"
-    system = {"role": "system", "content": text(400, 311)}
-    first = PatchedServer(tiny_model_dir, env=_env(disk), log_dir=tmp_path / "one")
-    try:
-        first.start()
-        _send(first, [system, {"role": "user", "content": text(100, 312)}])
-        # The write is queued when the anchor is stored and finishes on the writer thread.
-        deadline = time.monotonic() + 30
-        anchors = _entries(first, "kind=anchor")
-        while anchors and anchors[0]["tier"] != "ram+disk" and time.monotonic() < deadline:
-            time.sleep(0.1)
-            anchors = _entries(first, "kind=anchor")
-        assert len(anchors) == 1 and anchors[0]["tier"] == "ram+disk", anchors
-    finally:
-        _stop_gracefully(first)
-
-    second = PatchedServer(tiny_model_dir, env=_env(disk), log_dir=tmp_path / "two")
-    try:
-        second.start()
-        session = [system, {"role": "user", "content": text(100, 313)}]
-        warm, line = _send(second, session)
-        assert line["kind"] == "disk", line
-        assert cached_tokens(warm) == anchors[0]["length"]
-        assert_same_output(warm, _cold(second, session))
-        # Promoted: the next session of that system prompt is a RAM anchor hit.
-        _, line = _send(second, [system, {"role": "user", "content": text(100, 314)}])
-        assert line["kind"] == "anchor" and int(line["restored"]) == anchors[0]["length"], line
-    finally:
-        second.stop()
-
-
 def _fed(answer: dict) -> int:
     """An entry's length with reply reuse: the prompt and every generated token."""
     return prompt_tokens(answer) + answer["usage"]["completion_tokens"]
@@ -134,13 +102,27 @@ def test_entry_evicted_from_ram_is_restored_from_disk(tiny_model_dir: Path, tmp_
         server.stop()
 
 
-@pytest.mark.server
-def test_restart_continues_the_conversation_from_disk(tiny_model_dir: Path, tmp_path: Path) -> None:
-    disk = tmp_path / "lineage-disk"
+@dataclass
+class Restarted:
+    """A second server on the disk directory a first one (stopped by SIGTERM) wrote."""
+    second: PatchedServer
+    turn1: list[dict]  # the conversation the first server served
+    a1: dict
+    anchor_system: dict  # the system prompt of the anchor the first server wrote at once
+    anchor: dict
+
+
+@pytest.fixture(scope="module")
+def restarted(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Restarted]:
+    """Both restart tests' first server (a conversation, then a new session's anchor) and the
+    second server they continue on: one restart for the two."""
+    root = tmp_path_factory.mktemp("e2e-disk-restart")
+    disk = root / "lineage-disk"
     system = {"role": "system", "content": text(300, 301)}
     turn0 = [system, {"role": "user", "content": text(200, 302)}]
+    anchor_system = {"role": "system", "content": text(400, 311)}
 
-    first = PatchedServer(tiny_model_dir, env=_env(disk), log_dir=tmp_path / "one")
+    first = PatchedServer(tiny_model_dir, env=_env(disk), log_dir=root / "one")
     try:
         first.start()
         a0, _ = _send(first, turn0)
@@ -151,28 +133,61 @@ def test_restart_continues_the_conversation_from_disk(tiny_model_dir: Path, tmp_
         # Nothing has been idle for the write-behind delay (30 s) yet: the conversation is in
         # RAM only; the anchor is written at once.
         assert [e["tier"] for e in _entries(first, "kind=conversation")] == ["ram"]
+
+        known = {a["id"] for a in _entries(first, "kind=anchor")}
+
+        def new_anchors() -> list[dict]:
+            return [a for a in _entries(first, "kind=anchor") if a["id"] not in known]
+
+        _send(first, [anchor_system, {"role": "user", "content": text(100, 312)}])
+        # The write is queued when the anchor is stored and finishes on the writer thread.
+        deadline = time.monotonic() + 30
+        anchors = new_anchors()
+        while anchors and anchors[0]["tier"] != "ram+disk" and time.monotonic() < deadline:
+            time.sleep(0.1)
+            anchors = new_anchors()
+        assert len(anchors) == 1 and anchors[0]["tier"] == "ram+disk", anchors
     finally:
         _stop_gracefully(first)
     assert "shutdown flush failed" not in first.log_text(), first.log_tail()
-    assert len(_files(disk)) == 2, _files(disk)  # the conversation entry and the anchor
+    assert len(_files(disk)) == 4, _files(disk)  # each session's conversation entry and anchor
 
-    second = PatchedServer(tiny_model_dir, env=_env(disk), log_dir=tmp_path / "two")
+    second = PatchedServer(tiny_model_dir, env=_env(disk), log_dir=root / "two")
     try:
         second.start()
-        turn2 = turn1 + [{"role": "assistant", "content": reply_text(a1)},
-                         {"role": "user", "content": text(60, 304)}]
-        warm, line = _send(second, turn2)
-        assert line["kind"] == "disk", line
-        assert cached_tokens(warm) in (prompt_tokens(a1) - 1, _fed(a1)), (line, a1["usage"])
-        assert_same_output(warm, _cold(second, turn2))
-
-        # Promoted into RAM: the next turn is an ordinary entry hit.
-        turn3 = turn2 + [{"role": "assistant", "content": reply_text(warm)},
-                         {"role": "user", "content": text(30, 305)}]
-        nxt, line = _send(second, turn3)
-        assert line["kind"] == "entry" and cached_tokens(nxt) in (prompt_tokens(warm) - 1, _fed(warm))
+        yield Restarted(second, turn1, a1, anchor_system, anchors[0])
     finally:
         second.stop()
+
+
+@pytest.mark.server
+def test_anchor_is_written_at_once_and_serves_a_restarted_server(restarted: Restarted) -> None:
+    second, system, anchor = restarted.second, restarted.anchor_system, restarted.anchor
+    session = [system, {"role": "user", "content": text(100, 313)}]
+    warm, line = _send(second, session)
+    assert line["kind"] == "disk", line
+    assert cached_tokens(warm) == anchor["length"]
+    assert_same_output(warm, _cold(second, session))
+    # Promoted: the next session of that system prompt is a RAM anchor hit.
+    _, line = _send(second, [system, {"role": "user", "content": text(100, 314)}])
+    assert line["kind"] == "anchor" and int(line["restored"]) == anchor["length"], line
+
+
+@pytest.mark.server
+def test_restart_continues_the_conversation_from_disk(restarted: Restarted) -> None:
+    second, turn1, a1 = restarted.second, restarted.turn1, restarted.a1
+    turn2 = turn1 + [{"role": "assistant", "content": reply_text(a1)},
+                     {"role": "user", "content": text(60, 304)}]
+    warm, line = _send(second, turn2)
+    assert line["kind"] == "disk", line
+    assert cached_tokens(warm) in (prompt_tokens(a1) - 1, _fed(a1)), (line, a1["usage"])
+    assert_same_output(warm, _cold(second, turn2))
+
+    # Promoted into RAM: the next turn is an ordinary entry hit.
+    turn3 = turn2 + [{"role": "assistant", "content": reply_text(warm)},
+                     {"role": "user", "content": text(30, 305)}]
+    nxt, line = _send(second, turn3)
+    assert line["kind"] == "entry" and cached_tokens(nxt) in (prompt_tokens(warm) - 1, _fed(warm))
 
 
 @pytest.mark.server
