@@ -48,7 +48,10 @@ def live_app(server: PatchedServer) -> tuple[DashboardApp, AdminClient]:
 
 
 @sync
-async def test_tables_fill_from_the_poll_and_the_event_stream(server: PatchedServer) -> None:
+async def test_tables_fill_from_the_server_and_a_pin_then_an_evict_through_the_dialog_change_it(
+        server: PatchedServer) -> None:
+    """One server and one app for both (their setup is the same traffic): the tables fill from the
+    poll and the event stream, then the dialog's pin and evict reach the server."""
     traffic(server)
     app, client = live_app(server)
     async with app.run_test(size=SIZE) as pilot:
@@ -79,14 +82,8 @@ async def test_tables_fill_from_the_poll_and_the_event_stream(server: PatchedSer
         await pilot.pause()
         assert app.query_one("#pane-lineages").table.selected_key == warm["entry_id"]
 
-
-@sync
-async def test_pin_then_evict_through_the_dialog_change_the_server(server: PatchedServer) -> None:
-    traffic(server)
-    app, client = live_app(server)
-    target = next(e["id"] for e in client.entries() if e["kind"] == "conversation" and e["tier"] != "disk")
-    async with app.run_test(size=SIZE) as pilot:
-        await settle(pilot)
+        # Pin, then evict, through the dialog: each changes what the server holds.
+        target = next(e["id"] for e in client.entries() if e["kind"] == "conversation" and e["tier"] != "disk")
         await pilot.press("2")
         table = app.query_one("#pane-lineages").table
         await wait_for(pilot, lambda: table.select_key(target))
