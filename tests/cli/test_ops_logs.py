@@ -110,16 +110,28 @@ class Follower:
         self.process.wait(timeout=10)
 
 
-@pytest.mark.server
-def test_server_log_rotates_while_it_runs_and_logs_follow_reads_across(isolated: Path, tiny_model_dir: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+LOG_MAX_BYTES, LOG_BACKUPS = 2048, 3
+
+
+@pytest.fixture(scope="module")
+def rotating(cli_env: Path, tiny_model_dir: Path) -> dict:
+    """``apcctl serve -s logs``, its log rotating at 2 KiB with 3 backups: one server for the
+    module (``cli_env`` stops it at the end)."""
     from tests.server_harness import free_port
 
-    max_bytes, backups = 2048, 3
-    monkeypatch.setenv("APC_LOG_MAX_BYTES", str(max_bytes))
-    monkeypatch.setenv("APC_LOG_BACKUPS", str(backups))
-    served = json.loads(apcctl("serve", "-s", "logs", "--model", str(tiny_model_dir), "--port", str(free_port()),
-                               "--json"))
+    patch = pytest.MonkeyPatch()
+    patch.setenv("APC_LOG_MAX_BYTES", str(LOG_MAX_BYTES))
+    patch.setenv("APC_LOG_BACKUPS", str(LOG_BACKUPS))
+    try:
+        return json.loads(apcctl("serve", "-s", "logs", "--model", str(tiny_model_dir), "--port", str(free_port()),
+                                 "--json"))
+    finally:
+        patch.undo()
+
+
+@pytest.mark.server
+def test_server_log_rotates_while_it_runs_and_logs_follow_reads_across(rotating: dict, tiny_model_dir: Path) -> None:
+    served, max_bytes, backups = rotating, LOG_MAX_BYTES, LOG_BACKUPS
     log = Path(served["log"])
     follower = Follower("logs")
     try:
@@ -139,7 +151,6 @@ def test_server_log_rotates_while_it_runs_and_logs_follow_reads_across(isolated:
         follower.wait_for(r"apc_lineage restore")  # Python logging goes to the same rotating file
     finally:
         follower.stop()
-        apcctl("stop", "-s", "logs")
     numbers = [int(m.group(1)) for line in follower.seen for m in [re.search(r"GET /health\?n=(\d+) ", line)] if m]
     assert numbers == list(range(count)), "every access line once, in order, across the rotations"
     rotated = sorted(log.parent.glob("server.log.*"))
@@ -206,19 +217,17 @@ def test_apcctl_server_is_a_name_or_a_url_for_serve_too(isolated: Path, tmp_path
 
 
 @pytest.mark.server
-def test_a_missing_token_file_is_named_not_a_bare_401(isolated: Path, tmp_path: Path, tiny_model_dir: Path) -> None:
-    from tests.server_harness import ADMIN_TOKEN, PatchedServer
-
+def test_a_missing_token_file_is_named_not_a_bare_401(rotating: dict, isolated: Path, tmp_path: Path) -> None:
+    """A configured server (the module's, reached by its URL from another state dir) whose token file is missing."""
     missing = tmp_path / "nowhere" / "admin-token"
     config = tmp_path / "apcctl.toml"
-    with PatchedServer(tiny_model_dir, log_dir=tmp_path / "srv") as server:
-        config.write_text(f'[servers.main]\nurl = "{server.base_url}"\ntoken_file = "{missing}"\n')
-        result = CliRunner().invoke(main, ["status", "--config", str(config)])
-        assert result.exit_code == ExitStatus.AUTH
-        assert f"token_file {missing} does not exist" in result.output
-        missing.parent.mkdir()
-        missing.write_text(ADMIN_TOKEN)
-        assert CliRunner().invoke(main, ["status", "--config", str(config)]).exit_code == 0
+    config.write_text(f'[servers.main]\nurl = "{rotating["url"]}"\ntoken_file = "{missing}"\n')
+    result = CliRunner().invoke(main, ["status", "--config", str(config)])
+    assert result.exit_code == ExitStatus.AUTH
+    assert f"token_file {missing} does not exist" in result.output
+    missing.parent.mkdir()
+    missing.write_text((Path(rotating["state_dir"]) / "admin-token").read_text())
+    assert CliRunner().invoke(main, ["status", "--config", str(config)]).exit_code == 0
 
 
 def test_shell_completion_is_clicks_own() -> None:
