@@ -4,7 +4,8 @@ their medians is reported; an unknown REF is a usage error. Real servers; never 
 
 The revision is a commit of a scratch repository holding this checkout's ``server_patch`` with one
 line added (it prints ``MARKER`` at start): that line in the ``patched@HEAD`` server's log, and not
-in ``patched``'s, shows the server ran from the worktree.
+in ``patched``'s, shows the server ran from the worktree. ``bench stall``'s comparison is checked
+on rows as the bench writes them (its servers are the same ``BenchServer``).
 """
 
 from __future__ import annotations
@@ -75,3 +76,24 @@ def test_an_unknown_revision_or_no_repository_is_a_usage_error(tmp_path: Path, m
     out = CliRunner().invoke(main, [*args, "--against", "HEAD"])
     assert out.exit_code == 2 and "not in one" in out.output
     assert not (tmp_path / "unused").exists()  # refused before any model or server
+
+
+def test_stall_compares_each_scenario_and_splits_parts_only_where_both_servers_split() -> None:
+    from apcctl.lab.bench.against import compare_stall, groups, stall_lines
+
+    def row(mode: str, p50: float, worst: dict | None) -> dict:
+        gaps = {"tokens": 9, "p50": p50, "p99": 2 * p50, "max": 3 * p50}
+        return {"scenario": "cold-prefill", "mode": mode, "alone": gaps, "with_event": gaps, "event_ms": p50,
+                "server_gaps": {"worst_gap": worst} if worst else None}
+
+    assert groups(["stock", "patched", "patched@X"]) == [["stock"], ["patched", "patched@X"]]
+    split = {"ms": 30.0, "parts": {"prefill": 20.0, "step": 10.0}}
+    result = {"scenarios": ["cold-prefill"], "rows": [row("patched", 10, split), row("patched@X", 15, None)]}
+    cmp = compare_stall(result, "patched@X")["scenarios"]["cold-prefill"]
+    assert cmp["gap_p50"] == cmp["gap_max"] == cmp["event_ms"] == 1.5
+    assert cmp["worst_gap_ms"] is None and cmp["parts_ms"] == {} and cmp["split_by"] == ["patched"]
+    assert "split by patched only" in "\n".join(stall_lines(compare_stall(result, "patched@X")))
+    result["rows"][1] = row("patched@X", 15, {"ms": 60.0, "parts": {"prefill": 50.0, "join": 10.0}})
+    cmp = compare_stall(result, "patched@X")["scenarios"]["cold-prefill"]
+    assert cmp["worst_gap_ms"] == 2.0
+    assert cmp["parts_ms"] == {"join": [10, 0], "prefill": [50, 20], "step": [0, 10]}

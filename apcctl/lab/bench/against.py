@@ -127,8 +127,9 @@ def compare_stall(result: dict[str, Any], mode: str) -> dict[str, Any]:
         worst_b = (b.get("server_gaps") or {}).get("worst_gap") or {}
         cmp["worst_gap_ms"] = ratio(worst_o.get("ms"), worst_b.get("ms"))
         parts_o, parts_b = worst_o.get("parts") or {}, worst_b.get("parts") or {}
-        cmp["parts_ms"] = {p: [round(parts_o.get(p, 0.0)), round(parts_b.get(p, 0.0))]
-                           for p in sorted(set(parts_o) | set(parts_b))}
+        cmp["parts_ms"] = {p: [round(parts_o.get(p, 0.0)), round(parts_b.get(p, 0.0))]  # both split it, or none
+                           for p in sorted(set(parts_o) | set(parts_b))} if parts_o and parts_b else {}
+        cmp["split_by"] = [m for m, parts in ((mode, parts_o), (BASE, parts_b)) if parts]
         out["scenarios"][scenario] = cmp
     return out
 
@@ -157,5 +158,6 @@ def stall_lines(cmp: dict[str, Any]) -> list[str]:
         lines.append(f"  {scenario:<18} gap with event p50 {_x(c['gap_p50'])} p99 {_x(c['gap_p99'])} "
                      f"max {_x(c['gap_max'])} (alone max {_x(c['alone_max'])}); event {_x(c['event_ms'])}; "
                      f"server's worst gap {_x(c['worst_gap_ms'])}" + (f" (ms, {cmp['mode']}/{cmp['base']}: "
-                                                                      f"{parts})" if parts else ""))
+                                                                      f"{parts})" if parts else "")
+                     + ("" if parts or len(c["split_by"]) != 1 else f" (split by {c['split_by'][0]} only)"))
     return lines
