@@ -45,6 +45,15 @@ def test_every_scenario_runs_on_both_servers_with_the_gaps_of_the_same_stream(re
         assert rows[("cold-prefill", mode)]["event_prefill_tps"] > 0
 
 
+def test_a_budget_scenario_needing_no_setting_of_its_own_shares_its_modes_server(result: dict) -> None:
+    """Stock's full-budget (no budget, no writer to slow) runs on stock's one server; patched
+    modes start a server per budget scenario (its budget and writer)."""
+    servers = sorted(p.name for p in Path(result["workdir"]).iterdir() if p.is_dir())
+    stock = [name for name in servers if name.startswith("stock-")]
+    assert len(stock) == 1 and stock[0].endswith("-canary-load-full-budget"), servers
+    assert "patched-full-budget" in servers and "patched-unpaced-full-budget" in servers, servers
+
+
 def test_the_events_did_what_their_names_say(result: dict) -> None:
     rows = {(r["scenario"], r["mode"]): r for r in result["rows"]}
     assert rows[("cold-prefill", "patched")]["event_cached_tokens"] == 0
