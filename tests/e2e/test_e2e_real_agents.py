@@ -24,8 +24,8 @@ environment holds nothing from the developer's shell but ``PATH``. It skips only
 What the agent sends is trimmed with qwen-code's own options, not edited on the wire. Untrimmed,
 its first request is ~56k characters (an 18k-character system prompt, a 10k-character first user
 message that lists its bundled skills and deferred tools, and 27k characters of 10 tool schemas:
-~36k tokens), and the first route's first turn prefilled all of it cold on the CPU, the second
-route's most of it: most of this file's ~200 s. ``--system-prompt`` replaces the built-in main prompt with one line (the agent still appends its context files), ``tools.core``
+~36k tokens), and each route's first turn prefilled all of it cold on the CPU (untrimmed, the
+routes' renderings share no restorable prefix): most of this file's ~200 s. ``--system-prompt`` replaces the built-in main prompt with one line (the agent still appends its context files), ``tools.core``
 keeps two core tools, ``read_file`` (the tool whose ``"type": [...]`` union parameters broke intake
 in issue 34) and ``glob``, and ``tools.disabled``, the tool-search bridge off and the skill levels
 off remove the other tools and the skills and deferred-tools reminders: ~6k characters a request
@@ -33,9 +33,9 @@ off remove the other tools and the skills and deferred-tools reminders: ~6k char
 protocol (both routes, the agent's own request shapes, streaming and usage), the tool schemas
 as the agent renders them (union types asserted below) and resume (turn 2 re-sends turn 1 and
 restores its prefix), none of which depends on the prompt's length; the prompt's content was the
-tiny model's to ignore. In the server's ``prompt_tokens`` a request is now ~3.9k tokens (turn 1
-3,873 over Chat Completions, 3,879 over Responses; turn 2 restores 3,271 and 3,693 of 3,907 and
-3,913); untrimmed it was ~36.2k (the tiny tokenizer on the agent's logged first request).
+tiny model's to ignore. In the server's ``prompt_tokens``, turn 1 is now 3,873 tokens over Chat
+Completions and 3,879 over Responses (it was 36,241 and 36,604, both cold); turn 2 restores
+3,271 of 3,907 and 3,693 of 3,913 (it restored 34,816 of 36,275 and 36,418 of 36,638).
 """
 
 from __future__ import annotations
