@@ -2,7 +2,8 @@
 in-process with the overlay, the copy counter on, tiny model).
 
 A subprocess per configuration: the overlay must be installed before mlx-vlm is imported,
-and the counter wraps mlx-vlm's cache classes for the whole process. It prints one JSON
+and the counter wraps mlx-vlm's cache classes for the whole process. The baselines run only
+what they are compared on: stock merge (APC_COPYFREE=0) the lone turns (A), cold A, E and F. It prints one JSON
 object; the assertions are here. No wall-clock thresholds: copies are counted in bytes.
 """
 
@@ -212,6 +213,12 @@ SCRIPT = textwrap.dedent(r"""
 
     result = {}
 
+    def done():
+        result["pool"] = pool.stats()
+        print(json.dumps(result))
+        rg.stop_and_join()
+        sys.exit(0)
+
     # A: one conversation, every request alone in its batch.
     convo = [{"role": "system", "content": text(60, 1)}, {"role": "user", "content": text(150, 2)}]
     turns, held = [], None
@@ -235,6 +242,9 @@ SCRIPT = textwrap.dedent(r"""
                          {"role": "user", "content": text(12, 10 + turn)}]
     result["alone"] = turns
     result["commits_alone"] = list(commits)
+    if mode == "stock_merge":  # the A/B baseline: its lone turns' copies and the pool's clears
+        result["kv_per_token"] = kv_per_token()
+        done()
 
     # E: a lent request is decoding when the same prompt comes again (a parallel restore):
     # the loan ends early, the borrower copies on its next write, both answers stay right.
@@ -267,9 +277,7 @@ SCRIPT = textwrap.dedent(r"""
                         "record": record_of(resend["prompt"]) if mode != "cold" else None}
 
     if mode == "cold":
-        print(json.dumps(result))
-        rg.stop_and_join()
-        sys.exit(0)
+        done()
     kv, head, arrays = held
     now = kv.prefix(kv.length).arrays() + head.arrays()
     result["first_entry_unchanged"] = len(now) == len(arrays) and all(
@@ -352,9 +360,7 @@ SCRIPT = textwrap.dedent(r"""
     result["resend"] = {"prompt": again["prompt"], "record": waited(lambda: record_of(again["prompt"])),
                         "commits": list(commits), "while_decoding": again_while_decoding}
 
-    result["pool"] = pool.stats()
-    print(json.dumps(result))
-    rg.stop_and_join()
+    done()
 """)
 
 
