@@ -106,7 +106,7 @@ def aborts_with_the_partial_reply_kept(client: Client) -> None:
 
 def aider_turns(client: Client) -> None:
     history = [system()]
-    for turn in range(6):
+    for turn in range(4):
         question = text(10 + 7 * turn, 930 + turn)
         answer = client.chat(history + [{"role": "user", "content": question + REMINDER}])
         history = history + [{"role": "user", "content": question},
@@ -115,7 +115,7 @@ def aider_turns(client: Client) -> None:
 
 def edits_of_the_last_message(client: Client) -> None:
     messages = [system(), {"role": "user", "content": text(30, 940)}]
-    for turn in range(3):
+    for turn in range(2):
         answer = client.chat(messages)
         messages = messages + [{"role": "assistant", "content": reply_text(answer)},
                                {"role": "user", "content": text(200, 941 + turn)}]
