@@ -196,16 +196,9 @@ def both(model_dir: Path, log_dir: Path, env: dict[str, str] | None = None,
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from apcctl.lab.tinymodel.build import build_model
-
-    return build_model(tmp_path_factory.mktemp("seg-e2e") / "tiny", "tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def results(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    entries: list[dict] = []
-    runs = both(model_dir, tmp_path_factory.mktemp("seg-e2e-logs"), after_entries=entries)
+def results(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    entries: list[dict] = []  # the session's tiny model: the same preset and seed ``report`` builds
+    runs = both(tiny_model_dir, tmp_path_factory.mktemp("seg-e2e-logs"), after_entries=entries)
     before, after = runs["before"], runs["after"]
     return {s.name: s for s in before}, {s.name: s for s in after}, before, after, entries
 
