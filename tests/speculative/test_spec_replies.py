@@ -113,7 +113,7 @@ def test_rows_speculating_in_one_batch_each_keep_their_own_reply(
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    blocker = Stream(draft, max_tokens=600, seed=541)
+    blocker = Stream(draft, max_tokens=300, seed=541)  # ~6 s quiet; both queue within ~0.3 s of its first token
     blocker.start()
     assert blocker.decoding.wait(300)
     queued_since = _last_seq(draft)
