@@ -46,13 +46,25 @@ def test_a_resume_restores_at_the_rebuilt_block_start() -> None:
     assert reused["lineage-nodrift"][-1] < block
 
 
-def test_drift_points_are_captured_whatever_their_gap() -> None:
+def test_drift_points_are_captured_whatever_their_gap_above_where_they_gain_enough_below() -> None:
     cache = LineageCache(LineageConfig())
+    gain = cache.config.divergence_min_gain
     tokens = np.arange(1000, 3000, dtype=np.int32)
     plan = RestorePlan(0, COLD, prompt_len=len(tokens))
     plain = {c.length for c in cache.plan_captures(tokens, plan, segments=[1500])}
     with_points = {c.length for c in cache.plan_captures(tokens, plan, segments=[1500], drift_points=[1997, 1990])}
-    assert with_points - plain == {1997, 1990}
+    # 1990 is 3 tokens below the entry's head and far above the segment at 1500: taken. 1997
+    # gains 7 tokens over 1990: a retry parting there re-prefills 7 tokens rather than every
+    # turn paying a split prefill.
+    assert with_points - plain == {1990}
+    # A warm turn whose short suffix holds its generation prompt's start (bench ttft's 21-token
+    # questions): the point gains less than a divergence point must over the restore point, so
+    # the suffix is prefilled in one forward.
+    warm = RestorePlan(1980, "entry", prompt_len=len(tokens))
+    assert 1997 - 1980 < gain
+    assert 1997 not in {c.length for c in cache.plan_captures(tokens, warm, drift_points=[1997])}
+    far = RestorePlan(1997 - gain, "entry", prompt_len=len(tokens))
+    assert 1997 in {c.length for c in cache.plan_captures(tokens, far, drift_points=[1997])}
 
 
 def test_points_off_captures_none() -> None:

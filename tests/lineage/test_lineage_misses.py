@@ -21,7 +21,7 @@ from tests.lineage_checked import checked_lineage  # noqa: F401 (the fixture bel
 
 pytestmark = pytest.mark.usefixtures("checked_lineage")
 
-TRACE = Path(__file__).resolve().parents[2] / "apcctl" / "sim" / "traces" / "agents.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "apcctl" / "lab" / "sim" / "traces" / "agents.jsonl"
 KV_PER_TOKEN, SNAP = 100, 1000
 
 
