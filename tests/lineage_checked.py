@@ -18,7 +18,7 @@ from server_patch.lineage import LineageCache
 
 VERBS = ("lookup", "note_restore", "note_cold", "note_cancelled_queued", "plan_captures", "commit",
          "commit_reply", "lend", "end", "rewind", "tick", "flush", "promote", "pin", "unpin", "evict", "drop",
-         "clear", "close", "hold", "reserve", "base", "defer", "release")
+         "clear", "close", "hold", "reserve", "reserve_spare", "base", "defer", "release")
 
 _depth = threading.local()
 checks = {"count": 0}  # how many checks ran: a test proves the wrapper is in force

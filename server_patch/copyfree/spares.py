@@ -29,8 +29,10 @@ around one call on the generation thread, which no other thread and no later cal
 
 The spares count in the runtime's RAM budget (``budget``, its ``LineageCache``): each set is a
 ``RESERVED`` hold of its own owner (``SPARES_KEY``, in ``budgets()``' ``loading_bytes`` and
-``ram_used``), reserved before its buffers are made (the budget makes room first) and let go when
-the join has taken the last of them, or when they are dropped or replaced.
+``ram_used``), reserved before its buffers are made, only in the budget's free room
+(``LineageCache.reserve_spare``: a set never evicts a cached entry nor takes the budget past its
+limit; where it does not fit, none is made and the join allocates), and let go when the join has
+taken the last of them, or when they are dropped or replaced.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ Shape = tuple[tuple[int, ...], mx.Dtype]  # one joint buffer: its shape and dtyp
 class Budget(Protocol):
     """What counts the spares in the RAM budget (``LineageCache.reserve``/``release``)."""
 
-    def reserve(self, owner: Hashable, key: str, nbytes: int) -> None: ...
+    def reserve_spare(self, owner: Hashable, key: str, nbytes: int) -> bool: ...
 
     def release(self, owner: Hashable, kinds: Iterable[str] | None = None) -> int: ...
 
@@ -137,8 +139,13 @@ class JointSpares:
 
     def _make(self, shapes: Sequence[Shape], owner: Hashable, ticket: Optional[int]) -> bool:
         self._let_go(self._swap([], None))  # the earlier set's bytes leave the budget first
-        if self.budget is not None:  # counted before it exists: the budget makes room for it
-            self.budget.reserve(owner, SPARES_KEY, sum(_nbytes(shape, dtype) for shape, dtype in shapes))
+        nbytes = sum(_nbytes(shape, dtype) for shape, dtype in shapes)
+        if self.budget is not None and not self.budget.reserve_spare(owner, SPARES_KEY, nbytes):
+            # Counted before it exists, and only in the budget's free room: a set never evicts a
+            # cached entry nor takes the budget past its limit; without one the join allocates.
+            log.info("apc_copyfree joint buffers not made ahead: %d bytes do not fit the RAM budget's free room",
+                     nbytes)
+            return False
         made = [mx.zeros(shape, dtype=dtype) for shape, dtype in shapes]
         mx.eval(made)
         with self._lock:

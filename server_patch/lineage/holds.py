@@ -27,9 +27,10 @@ owns: its staged copy) on one entry, and is of one kind:
 * ``BASE``: a decoding request holds the entry its own commit will extend in place (its reply
   appended into the buffer's spare rows, ``copyfree.append``: its prompt-end entry, or the entry
   a deferred row sharing its batch restored at the head of), from its prompt end until it
-  commits or ends (``LineageCache.base``). The entry is not evicted under RAM pressure nor
-  rewound (decision 0013: the pinned bytes are the reply entry's own, and a row holds one at a
-  time until it ends); an operator's evict or a reset still wins, and the holder copies.
+  commits or ends (``LineageCache.base``). The entry is not rewound, and under RAM pressure it
+  leaves RAM only after every conversation entry nobody holds (decision 0013, amended: the
+  budget stays a bound); when it leaves (pressure, an operator's evict, a reset) the holder
+  copies.
 * ``DEFERRED``: a lone row's own buffer, deferred to be adopted at its prompt end once nothing
   writes it (``copyfree.deferred``, ``LineageCache.defer``): no entry yet, so nothing pinned and
   nothing counted in the RAM budget (it is mlx-vlm's batch memory while the row decodes, the
@@ -54,7 +55,7 @@ LOAD = "load"  # a restore point loading, then loaded and waiting for the admiss
 RESERVED = "reserved"  # bytes outside the entries (a staged copy): reserved, never pinned
 LENT = "lent"  # the entry's KV rows out to a request: a loan's receipt
 WRITE = "write"  # the disk writer holds the entry's state until its write lands
-BASE = "base"  # the entry a decoding request's own commit extends in place: pinned until it commits
+BASE = "base"  # the entry a decoding request's own commit extends in place: evicted last until it commits
 DEFERRED = "deferred"  # a lone row's own buffer, adopted at its commit: no entry yet, nothing counted
 KINDS = (LOAD, RESERVED, LENT, WRITE, BASE, DEFERRED)
 WRITES_OWNER = "disk writer"  # the owner of every WRITE hold (a label: the writer itself is the runtime's)
@@ -69,7 +70,7 @@ FORBIDS: dict[str, frozenset[str]] = {  # the one table: what a hold of each kin
     RESERVED: frozenset(),
     LENT: frozenset({EVICT, REWIND, WRITING, LENDING}),
     WRITE: frozenset({EVICT, LENDING}),
-    BASE: frozenset({EVICT, REWIND}),
+    BASE: frozenset({REWIND}),  # not EVICT: the RAM budget stays a bound (decision 0013, amended)
     DEFERRED: frozenset(),
 }
 
@@ -140,9 +141,9 @@ class Holds:
                 or (self.based(entry_id) and verb in FORBIDS[BASE]))
 
     def pins(self, entry_id: str) -> bool:
-        """Whether a hold keeps ``entry_id`` in RAM: a request's load, a queued write, or a
-        decoding request's base (a lent entry is pinned by its ``Entry.lent``: the loan names the
-        object)."""
+        """Whether a hold keeps ``entry_id`` in RAM: a request's load or a queued write (a lent
+        entry is pinned by its ``Entry.lent``: the loan names the object; a decoding request's
+        base is evicted last, not pinned: ``LineageCache._eviction_order``)."""
         return self.forbids(entry_id, EVICT)
 
     def written(self, entry_id: str) -> None:

@@ -600,14 +600,24 @@ class LineageCache:
             self._holds.take(owner, key, nbytes, resident=False, kind=RESERVED)
             self._enforce_budgets(lossless=not self._writes_in_background())
 
+    def reserve_spare(self, owner: Hashable, key: str, nbytes: int) -> bool:
+        """``reserve`` for RAM the server can do without (the joint batch buffers made ahead,
+        ``copyfree.spares``): held only where the RAM budget has ``nbytes`` free now, so it never
+        evicts an entry nor exceeds the budget (a cached conversation is worth more than a join's
+        allocation saved); else nothing is held and False."""
+        with self.lock:
+            if self.ram_used + nbytes > self.config.ram_budget_bytes:
+                return False
+            self._holds.take(owner, key, nbytes, resident=False, kind=RESERVED)
+            return True
+
     def base(self, owner: Hashable, entry: Entry) -> bool:
         """``owner`` (a decoding request) will extend ``entry`` in place at its commit (its reply
         appended into the buffer's spare rows): a hold of kind ``BASE`` until that commit or
-        ``release(owner)``. The entry is not evicted under RAM pressure nor rewound meanwhile
-        (decision 0013: its bytes are the reply entry's own; the budget may be exceeded by
-        such entries while nothing else can leave, one per decoding row at most). An
-        operator's evict or a reset still wins: the holder then copies. False, nothing taken,
-        where ``entry`` is not stored."""
+        ``release(owner)``. The entry is not rewound meanwhile, and under RAM pressure it leaves
+        only after every conversation entry nobody holds (decision 0013, amended: the budget
+        stays a bound; an evicted base makes its row copy at its end, as an operator's evict or
+        a reset does). False, nothing taken, where ``entry`` is not stored."""
         with self.lock:
             if not self.holds(entry):
                 return False
@@ -881,13 +891,17 @@ class LineageCache:
 
     def _eviction_order(self, keep: Entry | None) -> list[Entry]:
         """Evictable entries, least recently used first: conversations, then pinned anchors,
-        then ``keep`` (the entry this pass was started for)."""
+        then ``keep`` (the entry this pass was started for), and last of all those a decoding
+        request's commit will extend (``BASE`` holds, decision 0013 amended: they leave only when
+        nothing else can, so the budget stays a bound and their row copies at its end)."""
         others = (e for e in self._entries.values() if e is not keep and self._evictable(e))
         candidates = sorted(others, key=lambda e: e.last_used)
         ordinary = [e for e in candidates if not (e.is_anchor and e.pinned)]
+        based = [e for e in ordinary if self._holds.based(e.id)]
+        unbased = [e for e in ordinary if not self._holds.based(e.id)]
         pinned = [e for e in candidates if e.is_anchor and e.pinned]
         last = [keep] if keep is not None and self.holds(keep) and self._evictable(keep) else []
-        return ordinary + pinned + last
+        return unbased + pinned + last + based
 
     def _evict_ram(self, entry: Entry, reason: str, *, write: bool = True) -> None:
         """Drop ``entry`` from RAM; what the disk lacks is written first (in the background)

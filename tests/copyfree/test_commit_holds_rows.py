@@ -30,11 +30,11 @@ def held(s, row) -> list[tuple[str, str]]:
     return [(h.kind, h.entry_id) for h in s.cache._holds.of(row)]
 
 
-def pressure(s, seed: int) -> None:
-    """Another conversation's entry committed under a budget nothing fits: every entry nobody
-    holds leaves RAM; then the budget is as it was (the pressure passed)."""
+def pressure(s, seed: int, room: int = 1) -> None:
+    """Another conversation's entry committed under a budget of ``room`` bytes (1: nothing fits,
+    every entry leaves RAM); then the budget is as it was (the pressure passed)."""
     budget = s.cache.config.ram_budget_bytes
-    s.cache.config = replace(s.cache.config, ram_budget_bytes=1)
+    s.cache.config = replace(s.cache.config, ram_budget_bytes=room)
     tokens = random_tokens(PROMPT, seed=seed)
     caches = s.model.make_cache()
     prefill(s.model, caches, tokens)
@@ -70,20 +70,34 @@ def test_a_deferral_left_unseen_is_committed_and_let_go_by_the_one_sweep(server)
     assert row.deferral is None and row.reply is None and row.state == "ended" and held(server, row) == []
 
 
-def test_a_reply_appends_base_is_held_so_pressure_evicts_others_and_the_reply_is_appended(server):
+def test_a_reply_appends_base_is_held_so_pressure_evicts_others_first_and_the_reply_is_appended(server):
     prompt, reply = random_tokens(PROMPT, seed=65), random_tokens(REPLY, seed=66)
     entry, batch = joined_and_decoded(server, prompt, reply)
     row = server.book.by_uid(1)
     assert held(server, row) == [(BASE, entry.id)]  # taken when the join adopted its prompt end
-    pressure(server, seed=67)
+    pressure(server, seed=67, room=entry.nbytes)  # room for one entry: the newer, unheld one leaves
     assert server.cache.get(entry.id) is entry, "the entry its reply extends was evicted"
-    assert server.pressed_ram == entry.nbytes > 1  # over the budget, by the held entry alone
+    assert server.pressed_ram == entry.nbytes  # within the budget
     server.coordinator.rows_leaving(batch, [0])  # row 1 ends
     (new,) = server.cache.entries()
     assert new.length == PROMPT + REPLY and not server.cache.holds(entry)  # absorbed
     assert server.cache.stats["reply_appends"] == 1 and server.cache.stats["reply_row_copies"] == 0
     assert held(server, row) == []  # let go at its commit: nothing pins the new entry
     assert server.cache._evictable(new)
+
+
+def test_a_base_leaves_when_nothing_else_can_and_the_row_copies(server):
+    """Decision 0013, amended: the RAM budget stays a bound. Under pressure nothing else can
+    relieve, the held base leaves too, and the row's end copies the whole row (exact)."""
+    prompt, reply = random_tokens(PROMPT, seed=65), random_tokens(REPLY, seed=66)
+    entry, batch = joined_and_decoded(server, prompt, reply)
+    row = server.book.by_uid(1)
+    assert held(server, row) == [(BASE, entry.id)]
+    pressure(server, seed=67)
+    assert server.cache.get(entry.id) is None and server.pressed_ram == 0
+    server.coordinator.rows_leaving(batch, [0])
+    assert server.cache.stats["reply_appends"] == 0 and server.cache.stats["reply_row_copies"] == 1
+    assert held(server, row) == []
 
 
 def test_release_lets_a_reply_base_go_and_eviction_then_wins_the_row_copies(server):

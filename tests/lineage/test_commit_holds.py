@@ -32,15 +32,16 @@ def pressed():
 
 
 def test_the_table_says_what_a_base_and_a_deferral_forbid():
-    assert FORBIDS[BASE] == {EVICT, REWIND} and FORBIDS[DEFERRED] == frozenset()
+    assert FORBIDS[BASE] == {REWIND} and FORBIDS[DEFERRED] == frozenset()  # evicted last, not pinned
+    assert EVICT not in FORBIDS[BASE]
     assert WRITING not in FORBIDS[BASE] and LENDING not in FORBIDS[BASE]  # its rows below its length stay as they are
 
 
-def test_a_base_held_entry_is_not_evicted_under_pressure_and_release_lets_it_go(pressed):
+def test_a_base_held_entry_is_evicted_after_the_others_and_release_lets_it_go(pressed):
     cache, entries = pressed
     oldest = entries[0]  # least recently used: the first to go under pressure
     assert cache.base("row", oldest)
-    serve(cache, words(800, 4700))  # a commit past the budget: only what nobody holds may go
+    serve(cache, words(800, 4700))  # a commit past the budget: what nobody holds goes first
     assert cache.get(oldest.id) is oldest, "the entry a decoding row's reply extends was evicted"
     assert cache.get(entries[1].id) is None  # the next least recently used went instead
     assert cache.release("row", (BASE,)) == 1  # the row committed (or ended): its base is let go
@@ -48,16 +49,22 @@ def test_a_base_held_entry_is_not_evicted_under_pressure_and_release_lets_it_go(
     assert cache.get(oldest.id) is None and cache.ram_used <= cache.config.ram_budget_bytes
 
 
-def test_the_budget_is_exceeded_only_by_what_decoding_rows_hold_and_only_until_they_let_go(pressed):
+def test_the_budget_stays_a_bound_when_decoding_rows_hold_every_entry(pressed):
+    """Decision 0013, amended: a base is evicted last, not pinned. With every entry held by a
+    decoding row, a commit past the budget evicts the least recently used of them (its row will
+    copy at its end) rather than exceeding the budget (a fresh-clone run of the parallel budget
+    test measured up to 40 kB over 600 kB while rows pinned their bases)."""
     cache, entries = pressed
     for i, entry in enumerate(entries):
         assert cache.base(f"row{i}", entry)
+    assert cache.ram_used > cache.config.ram_budget_bytes  # three entries, a budget of two and a half
     newest = serve(cache, words(800, 4702))[2]
-    assert all(cache.get(e.id) is e for e in entries)  # held: over the budget, transiently
-    assert newest is None and len(cache.entries()) == 3  # the one nobody holds left RAM at once (written)
-    assert cache.config.ram_budget_bytes < cache.ram_used == sum(e.nbytes for e in entries)
+    assert newest is None  # the new commit, nobody's base, left RAM first (written)
+    assert cache.ram_used <= cache.config.ram_budget_bytes
+    assert cache.get(entries[0].id) is None  # then the least recently used base: its row will copy
+    assert all(cache.get(e.id) is e for e in entries[1:])
     for i in range(3):
-        cache.release(f"row{i}")  # the one release at each row's end
+        cache.release(f"row{i}")  # the one release at each row's end: a gone base is let go too
     assert cache.ram_used <= cache.config.ram_budget_bytes
 
 
