@@ -68,6 +68,7 @@ PROBE_USER = "Ready?"
 TEMPLATE_TOKENS = 64
 RAM_TIERS = ("ram", "ram+disk")
 FAILURES = (AdminError, ManageError, psutil.Error, OSError)
+ROLLBACK_READY_S = 300.0  # the least a rollback's start waits (the default --timeout): see _roll_back
 
 
 @dataclass(frozen=True)
@@ -489,10 +490,12 @@ class _OneServer:
                 raise RestartFailed(f"{self.managed.spec_path} is gone or unreadable")
             self.managed.start(spec)
 
-    def _wait_ready(self) -> int:
-        """A new process answering /health and /admin/status: under apcctl, the one its PID file
-        names (create time and all); under a supervisor, any PID but the old one."""
-        deadline = time.monotonic() + self.timeout
+    def _wait_ready(self, timeout: float | None = None) -> int:
+        """A new process answering /health and /admin/status within ``timeout`` (default: the
+        restart's): under apcctl, the one its PID file names (create time and all); under a
+        supervisor, any PID but the old one."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             process = self.managed.process() if self.managed is not None else None
             if self.managed is not None and process is None:
@@ -507,7 +510,7 @@ class _OneServer:
                 if exc.status in (401, 403):
                     raise
             time.sleep(self.poll_s)
-        raise RestartFailed(f"not ready within {self.timeout:.0f}s")
+        raise RestartFailed(f"not ready within {timeout:.0f}s")
 
     # ------------------------------------------------------------------ after a failure
 
@@ -539,7 +542,10 @@ class _OneServer:
             if current is not None and (current.argv, current.env) != (previous.argv, previous.env):
                 kept = f"; the command that failed is kept in {managed.keep_failed(current)}"
             self.result.rollback = {"pid": managed.start(previous), "ready": False}
-            self.result.rollback.update(pid=self._wait_ready(), ready=True)
+            # The previous command served until now: its start gets at least the default wait,
+            # so a short --timeout meant to fail a bad new command fast never leaves the server
+            # down because the known-good one loads slower than that.
+            self.result.rollback.update(pid=self._wait_ready(max(self.timeout, ROLLBACK_READY_S)), ready=True)
         except (RestartFailed, *FAILURES) as exc:
             self.result.rollback["error"] = _message(exc)
             self.result.log_tail = getattr(exc, "log_tail", "") or self.result.log_tail

@@ -31,16 +31,17 @@ from apcctl.core.client import AdminClient
 from apcctl.core.hosts import free_port as unused_port, is_local_url
 from apcctl.core.manage import (PID_FILE, SHUTDOWN_FLUSH_S, ManagedServer, ServerSpec, build_spec, default_grace,
                                 shutdown_flush_s)
-from apcctl.core.restart import RestartResult, RestartStep, _reported_matches, _run, anchor_cap_full, rolling_restart
+from apcctl.core.restart import (ROLLBACK_READY_S, RestartResult, RestartStep, _OneServer, _reported_matches, _run,
+                                 anchor_cap_full, rolling_restart)
 from tests.cli.test_cli_server import run_json
 
 NAME = "fault"
 STREAMS = 3
 STREAM_TOKENS = 300  # long enough to be in flight through the probe's prefill and the drain
 RETRY_AFTER = 4
-# The wait for a new process that never answers; the rollback's start gets as long (a start takes
-# a few seconds here).
-NEVER_READY_TIMEOUT_S = 30
+# The wait for a new process that never answers; the rollback's start gets at least the default
+# wait (``ROLLBACK_READY_S``), however short this is.
+NEVER_READY_TIMEOUT_S = 8
 PROBE_MARK = "[apcctl restart probe"
 _checks = itertools.count()
 
@@ -273,15 +274,27 @@ def test_a_new_command_that_exits_at_once_is_rolled_back_to_the_previous_one(ser
 
 
 @pytest.mark.server
-def test_a_new_command_that_never_becomes_ready_is_stopped_and_rolled_back(server: Server) -> None:
+def test_a_new_command_that_never_becomes_ready_is_stopped_and_rolled_back(
+        server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     managed = ManagedServer(server.name)
     previous = managed.spec()
     assert previous is not None
     marker = f"apc-never-ready-{time.monotonic_ns()}"
     # A process that runs but never listens, like a model load that hangs.
     managed.save(replace(previous, argv=[sys.executable, "-c", f"import time; time.sleep(600)  # {marker}"]))
+    waits: list[float | None] = []  # the bound of each wait for readiness, in order
+    real_wait = _OneServer._wait_ready
+
+    def wait_ready(roll: _OneServer, timeout: float | None = None) -> int:
+        waits.append(timeout)
+        return real_wait(roll, timeout)
+
+    monkeypatch.setattr(_OneServer, "_wait_ready", wait_ready)
 
     result, steps = restart(server, timeout=NEVER_READY_TIMEOUT_S)
+    # The new command got --timeout; the previous one's start at least the default wait, so a
+    # short --timeout never leaves the server down behind a slower known-good start.
+    assert waits == [None, ROLLBACK_READY_S]
     failed = result.servers[0]
     assert not result.ok and failed.message.startswith("starting:") and "not ready within" in failed.message
     assert failed.rolled_back and failed.rollback["ready"] is True and "rolled back" in failed.message
