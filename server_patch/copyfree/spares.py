@@ -56,7 +56,7 @@ Shape = tuple[tuple[int, ...], mx.Dtype]  # one joint buffer: its shape and dtyp
 
 
 class Budget(Protocol):
-    """What counts the spares in the RAM budget (``LineageCache.reserve``/``release``)."""
+    """What counts the spares in the RAM budget (``LineageCache.reserve_spare``/``release``)."""
 
     def reserve_spare(self, owner: Hashable, key: str, nbytes: int) -> bool: ...
 
