@@ -135,10 +135,8 @@ class Session:
         if to == self.state:
             return True
         if to not in _NEXT[self.state]:
-            try:
-                raise SessionStateError(f"row {self.uid!r} {self.state} -> {to} on {event}")
-            except SessionStateError as exc:
-                fail_closed(exc, "apc_lineage row transition", log=log)
+            fail_closed(SessionStateError(f"row {self.uid!r} {self.state} -> {to} on {event}"),
+                        "apc_lineage row transition", log=log)
             return False
         self.history.append(self.state)
         self.state = to
@@ -350,10 +348,7 @@ class SessionBook:
         (a cold prefill; raised under ``APC_TEST_FAULTS=1``)."""
         if not self._closed:
             return False
-        try:
-            raise ScopeClosedError(f"{event} in a closed scope")
-        except ScopeClosedError as exc:
-            fail_closed(exc, "apc_lineage session", log=log)
+        fail_closed(ScopeClosedError(f"{event} in a closed scope"), "apc_lineage session", log=log)
         return True
 
     def close(self, ending: Callable[[Session], object]) -> Optional[int]:
