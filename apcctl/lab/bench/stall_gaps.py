@@ -22,12 +22,15 @@ POLL_S = 0.2
 
 def victim_gaps(server: BenchServer, min_gaps: int) -> dict[str, Any] | None:
     """The newest request record with at least ``min_gaps`` gaps (the victim's stream with the
-    event: the event's own requests reply a few tokens), once its row ended; None from stock."""
+    event: the event's own requests reply a few tokens), once its row ended; None from stock or
+    from a server whose records carry no gaps (an older tree's, under ``--against``)."""
     if not server.patched:
         return None
     deadline = time.monotonic() + RECORD_WAIT_S
     while True:
         records = server.get_json("/admin/requests?limit=5000").get("requests", [])
+        if records and not any("gap_count" in r for r in records):
+            return None  # a server older than the split (``bench --against``) never records gaps
         victims = [r for r in records if int(r.get("gap_count") or 0) >= min_gaps]
         newest = max(victims, key=lambda r: r["seq"], default=None)
         if (newest is not None and newest.get("ended")) or time.monotonic() > deadline:
