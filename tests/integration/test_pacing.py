@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.server_harness import PatchedServer, assert_same_output, reply_text, reply_tokens, text
+from tests.server_harness import PatchedServer, assert_same_output, reply_text, reply_tokens, text, wait_for
 from server_patch import pacing
 
 
@@ -124,13 +124,21 @@ def _chunks(server: PatchedServer) -> list[dict[str, str]]:
 
 
 class Stream(threading.Thread):
-    """A long greedy stream of another session; ``decoding`` is set at its third token."""
+    """A long greedy stream of another session; ``decoding`` is set at its third token.
+
+    ``stop`` makes it a client that went away at its next token (the server cancels the row),
+    for a test that only needs it decoding while something else happens."""
 
     def __init__(self, server: PatchedServer, max_tokens: int, seed: int = 2900) -> None:
         super().__init__(daemon=True)
         self.server, self.max_tokens, self.seed = server, max_tokens, seed
         self.decoding = threading.Event()
+        self.stopping = threading.Event()
         self.tokens = 0
+
+    def stop(self) -> None:
+        """Drop the connection at the next token read, unread rest and all; ``join`` waits for it."""
+        self.stopping.set()
 
     def run(self) -> None:
         payload = {"model": str(self.server.model_dir), "temperature": 0.0, "stream": True,
@@ -146,9 +154,30 @@ class Stream(threading.Thread):
                     self.tokens += 1
                     if self.tokens == 3:
                         self.decoding.set()
+                if self.stopping.is_set():
+                    break
         finally:
             self.decoding.set()
+            if self.stopping.is_set() and conn.sock is not None:
+                conn.sock.close()  # gone without reading the rest: the server cancels the row
             conn.close()
+
+
+def stop_streams(server: PatchedServer, *streams: Stream) -> None:
+    """Stop ``streams`` and wait until the server ended their rows (every request record it
+    holds says ``ended``): what comes next is admitted with none of them decoding."""
+    for stream in streams:
+        stream.stop()
+    for stream in streams:
+        stream.join(120)
+        assert not stream.is_alive(), "a stopped stream still reads"
+
+    def all_ended() -> bool:
+        status, body = server.admin("GET", "/requests")
+        assert status == 200, body
+        return all(record["ended"] for record in body["requests"])
+
+    wait_for(all_ended, "the stopped streams' rows ended", server)
 
 
 @pytest.mark.server
@@ -165,7 +194,7 @@ def test_a_prefill_splits_into_more_chunks_while_another_stream_decodes(tiny_mod
         assert stream.decoding.wait(120)
         paced = server.chat(messages, tenant="paced", **PARAMS)  # the same cold prefill
         during = _chunks(server)[len(alone_chunks):]
-        stream.join(300)
+        stop_streams(server, stream)  # it decoded through the paced prefill: that is all it was for
         assert stream.tokens > 3
         split = [c for c in during if c["paced"] == "1"]
         # Smaller chunks than mlx-vlm's, each no smaller than the floor, all while the stream decoded.
