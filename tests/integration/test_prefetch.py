@@ -9,7 +9,8 @@
 The real ``LineageCache``, ``SessionBook``, ``BackgroundLoads`` and ``Admission`` of
 test_row_loading.py's fixture (a gated stand-in disk); states and counts, never times. One
 real-server test: with the batch full (25 decoding streams), a conversation restored from disk
-starts its load (held by the fault hook) before any stream ends, and answers as a cold prefill.
+starts its load (held by the fault hook) before any stream ends, and answers as a cold prefill
+(the streams stopped once the load started: their rows leave, it is admitted).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from server_patch.integration.session import SessionState
 from server_patch.lineage import DISK, LineageCache, as_tokens
 from server_patch.lineage.flow import NOT_AHEAD
 from server_patch.lineage.misses import Lost
-from tests.e2e.test_e2e_disk import _cold, _env
-from tests.e2e.test_e2e_disk_loading import Chat, _conversation, _records, _stats, _wait_held
-from tests.integration.test_pacing import Stream
+from tests.e2e.test_e2e_disk import _cold, _env, _files, _send
+from tests.e2e.test_e2e_disk_loading import Chat, _records, _stats, _wait_held
+from tests.integration.test_pacing import Stream, stop_streams
 from tests.integration.test_row_loading import lookup, on_disk_only, prompt_of, queue_of, s, until_ready  # noqa: F401
 from tests.lineage.test_lineage_policy import serve, words
-from tests.server_harness import PatchedServer, reply_tokens
+from tests.server_harness import ADMIN_TOKEN, PatchedServer, reply_text, reply_tokens, text
 
 LOADING, ENDED = SessionState.LOADING, SessionState.ENDED
 
@@ -107,15 +108,33 @@ def test_a_plan_that_turns_to_another_file_restores_the_file_it_loaded():
 FULL = 25  # decoding rows past which mlx-vlm 0.7.10 admits nothing (32 rows, prompt batches of 8)
 
 
+def _on_disk_only(server: PatchedServer, disk: Path, seed: int) -> list[dict]:
+    """Two turns of a conversation on ``server``, written to its disk tier (``POST /admin/flush``)
+    and dropped from RAM (``POST /v1/cache/reset``: the files stay); the third turn's messages,
+    which restore from its file (no first server and shutdown flush to start and stop)."""
+    turn = [{"role": "system", "content": text(300, seed)}, {"role": "user", "content": text(200, seed + 1)}]
+    for count, next_seed in ((100, seed + 2), (60, seed + 3)):
+        answer, _ = _send(server, turn)
+        turn = turn + [{"role": "assistant", "content": reply_text(answer)},
+                       {"role": "user", "content": text(count, next_seed)}]
+    status, flushed = server.admin("POST", "/flush", {"timeout": 60})
+    assert status == 200 and flushed["complete"], flushed
+    assert len(_files(disk)) == 2, _files(disk)  # the conversation entry and the anchor
+    status, body = server.request("POST", "/v1/cache/reset", {}, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert status == 200, body
+    assert server.admin("GET", "/entries?tier=ram")[1]["entries"] == []
+    return turn
+
+
 @pytest.mark.server
 def test_a_disk_restore_starts_loading_while_the_batch_is_full(tiny_model_dir: Path, tmp_path: Path) -> None:
     disk, hold = tmp_path / "lineage-disk", tmp_path / "hold"
-    turn2 = _conversation(tiny_model_dir, disk, tmp_path / "one", 3701)
-    hold.write_text("")
     env = _env(disk, APC_TEST_FAULTS="1", APC_TEST_FAULT_DISK_LOAD_HOLD_FILE=str(hold))
     server = PatchedServer(tiny_model_dir, env=env, log_dir=tmp_path / "two")
     try:
         server.start()
+        turn2 = _on_disk_only(server, disk, 3701)
+        hold.write_text("")
         streams = [Stream(server, max_tokens=400, seed=3710 + i) for i in range(FULL)]
         for stream in streams:
             stream.start()
@@ -126,9 +145,10 @@ def test_a_disk_restore_starts_loading_while_the_batch_is_full(tiny_model_dir: P
         _wait_held(hold, server)  # its load started (and is held) while the batch was full
         running = sum(stream.is_alive() for stream in streams)
         hold.unlink()
+        # They kept the batch full until the load started: that is all they were for. Stopped,
+        # their rows leave and the restored conversation is admitted now, not after 400 tokens.
+        stop_streams(server, *streams)
         warm.join(300)
-        for stream in streams:
-            stream.join(300)
         assert running == FULL, "a stream ended before the load started: the batch had room"
         assert warm.answer is not None, server.log_tail()
         assert _stats(server).get(PREFETCHED, 0) >= 1
