@@ -54,6 +54,8 @@ def copies(context: int, reply: int, slice_rows: int, repeat: int, victim: int, 
                                   ("join, copy-free, buffer made ahead", "spare_join", out["batch"]),
                                   ("join of a lent row, buffer made ahead", "lent_join", out["batch"]),
                                   ("leave, copy-free (kept row at its width)", "copyfree_leave", out["batch"]),
+                                  ("short row leaves, long row copied", "long_copied_leave", out["batch"]),
+                                  ("short row leaves, long row kept in place", "long_in_place_leave", out["batch"]),
                                   ("join into a buffer with room", "headroom_join", out["batch"]))]
     render.console().print(render.table(("COPY", "BYTES", "MIN ms", "MEDIAN ms", "MAX ms"), rows,
                                         title=f"{context:,}-token context, {reply:,}-token reply"))
@@ -62,7 +64,9 @@ def copies(context: int, reply: int, slice_rows: int, repeat: int, victim: int, 
                + ", ".join(f"{name} {batch[f'{key}_ms']['median']:.1f}" for name, key in (
                    ("after extend", "join_next"), ("after filter", "leave_next"),
                    ("after the copy-free join", "copyfree_join_next"), ("after the copy-free leave", "copyfree_leave_next"),
-                   ("after a leave kept as a view", "view_leave_next"))))
+                   ("after a leave kept as a view", "view_leave_next"),
+                   ("after the long row was copied", "long_copied_leave_next"),
+                   ("after it was kept in place", "long_in_place_leave_next"))))
     if "merge_slice_ms" in out:
         click.echo(f"merge in {out['merge_slices']} slices of {slice_rows:,} rows: "
                    f"{out['merge_slice_ms']['median']:.1f} ms median each")

@@ -20,9 +20,16 @@ Here, with ``APC_COPYFREE`` and ``APC_COPYFREE_JOIN`` on (either ``=0``: mlx-vlm
   buffers at the first chunk and the runtime's stager makes them (``integration.joins_ahead``).
   ``bench copies --context 8192`` (load ~4-5): a lent joiner's join into buffers made ahead
   38 ms (median), against 641 ms allocating at the join and 843 ms for mlx-vlm's ``extend``.
-* ``filter_kv``: the padding no kept row needs is dropped first; the kept rows are then copied
-  once into their own buffer (a batch-axis slice when they are a contiguous range, a gather
-  otherwise). A view would not spare the copy, only move it into the next decode step.
+* ``filter_kv``: the padding no kept row needs is dropped first. Kept rows that are a contiguous
+  range and fill at least half of the buffer (``IN_PLACE_MIN_SHARE``: a long row that stays
+  when a short one leaves) stay where they are: ``cache.keys`` becomes a view of them
+  (``RowView``) and ``write_kv`` (the patched ``update_and_fetch``, through the door) writes each
+  next token into the old buffer itself, in place, so nothing is copied at the leave nor at the
+  next step; the rows that left are let go at the next regrow (within one allocation step of
+  decode steps, 256: mlx-vlm's regrow copies every row anyway) or when the batch ends. Other
+  kept rows are copied once into their own buffer (a batch-axis slice when contiguous, a gather
+  otherwise), which lets the joint buffer go at once. A plain view would not spare the copy:
+  MLX copies a view at its first write (``bench copies``' "view" row).
 
 The arrays over ``[:_idx]`` and the offsets, left padding and write index are exactly mlx-vlm's,
 so the masks and the logits are unchanged. Only ``BatchKVCache`` itself takes this path
@@ -43,12 +50,13 @@ its view first: measured 0.33 ms a step) and a free row as wide as the batch hel
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, cast
+from typing import Any, Literal, Optional, Sequence, cast
 
 import mlx.core as mx
 
 from server_patch.copyfree import pool, spares
 from server_patch.copyfree.spares import JointSpares, Shape
+from server_patch.state.row_view import ROW_VIEW, RowView, live_view, show
 from server_patch.state.rows import leaf_caches
 
 
@@ -91,6 +99,8 @@ def extend_kv(cache: Any, other: Any, joint: JointSpares | None = None) -> None:
             values[first: first + count, :, start:write_index, :] = side.values[..., :held, :]
         first += count
     cache.keys, cache.values = keys, values
+    for side in sides:  # a kept-in-place record is stale now: the old buffers go with it
+        setattr(side, ROW_VIEW, None)
     cache.offset = mx.concatenate([c.offset for c in sides])
     cache.left_padding = mx.concatenate([c.left_padding + (write_index - int(c._idx)) for c in sides])
     cache._idx = write_index
@@ -124,11 +134,17 @@ def joint_shapes(decoding: Sequence[Any], joining: Sequence[Any], tokens: int,
     return shapes
 
 
-def filter_kv(cache: Any, batch_indices: mx.array | Sequence[int], *, view: bool = False) -> None:
-    """``cache.filter(batch_indices)``: the kept rows, from the first column a kept row uses.
+# How a leave keeps its rows: in place where they are worth it (the default), copied into a
+# buffer of their own, or a plain view that mlx-vlm's next write copies (``bench copies``).
+Leave = Literal["in_place", "copy", "view"]
+IN_PLACE_MIN_SHARE = 0.5  # kept rows stay in place when they fill at least this much of the buffer
 
-    ``view``: a contiguous range of kept rows stays a view of the old buffer (``bench copies``
-    measures it: the next ``update_and_fetch`` then copies it)."""
+
+def filter_kv(cache: Any, batch_indices: mx.array | Sequence[int], *, leave: Leave = "in_place") -> None:
+    """``cache.filter(batch_indices)``: the kept rows, from the first column a kept row uses;
+    kept in place where they are a contiguous range filling at least ``IN_PLACE_MIN_SHARE`` of
+    the buffer, else copied once. ``leave="copy"`` always copies; ``leave="view"`` keeps a
+    plain view that mlx-vlm's next ``update_and_fetch`` copies (``bench copies`` measures both)."""
     kept = _as_list(batch_indices)
     index = mx.array(kept, dtype=mx.int32)
     cache.offset = cache.offset[index]
@@ -138,11 +154,60 @@ def filter_kv(cache: Any, batch_indices: mx.array | Sequence[int], *, view: bool
     shift = min(int(cache.left_padding.min().item()), int(cache._idx)) if kept else 0
     if cache.keys is not None:
         span = contiguous_range(kept)
-        cache.keys = _kept(cache.keys, index, span, shift, view)
-        cache.values = _kept(cache.values, index, span, shift, view)
+        if span == (0, int(cache.keys.shape[0])) and shift == 0:
+            pass  # nothing leaves and no column is dropped: nothing to move
+        elif span is not None and leave == "in_place" and _worth_keeping(cache, span, shift):
+            _keep_in_place(cache, span, shift)
+        else:  # copied: the buffer (and any older one the cache's rows were a view of) is let go
+            setattr(cache, ROW_VIEW, None)
+            cache.keys = _kept(cache.keys, index, span, shift, leave == "view")
+            cache.values = _kept(cache.values, index, span, shift, leave == "view")
     if shift > 0:
         cache._idx -= shift
         cache.left_padding = cache.left_padding - shift
+
+
+def write_kv(cache: Any, keys: mx.array, values: mx.array) -> Optional[tuple[mx.array, mx.array]]:
+    """``cache.update_and_fetch(keys, values)`` for a cache whose rows a leave kept in place:
+    the tokens written into the old buffer itself (in place: the cache's views are dropped
+    first, so the buffer has no other reference), and the views over ``[:_idx]`` returned as
+    mlx-vlm returns them. None (mlx-vlm writes) where the cache has no live ``RowView`` or the
+    tokens do not fit its width: mlx-vlm's regrow then copies the kept rows into a new buffer,
+    as it copies every row at each regrow, and the old buffer is let go."""
+    view = live_view(cache)
+    if view is None:
+        return None
+    prev, count = int(cache._idx), int(keys.shape[2])
+    if prev + count > int(cache.keys.shape[2]) or int(keys.shape[0]) != view.end - view.first:
+        setattr(cache, ROW_VIEW, None)
+        return None
+    cache.keys = cache.values = view.shown_keys = view.shown_values = None
+    rows, at = slice(view.first, view.end), view.column + prev
+    view.keys[rows, :, at: at + count, :] = keys
+    view.values[rows, :, at: at + count, :] = values
+    show(cache, view)
+    cache.offset += count
+    cache._idx += count
+    return cache.keys[..., : cache._idx, :], cache.values[..., : cache._idx, :]
+
+
+def _worth_keeping(cache: Any, span: tuple[int, int], shift: int) -> bool:
+    """The kept rows, from column ``shift``, fill at least ``IN_PLACE_MIN_SHARE`` of the buffer
+    they would keep alive (``cache.keys``, or the older buffer it is a view of)."""
+    view = live_view(cache)
+    rows, width = (int(n) for n in (cache.keys.shape[0], cache.keys.shape[2]))
+    if view is not None:
+        rows, width = int(view.keys.shape[0]), int(view.keys.shape[2])
+        shift += view.column
+    kept = (span[1] - span[0]) * (width - shift)
+    return kept >= IN_PLACE_MIN_SHARE * rows * width
+
+
+def _keep_in_place(cache: Any, span: tuple[int, int], shift: int) -> None:
+    view = live_view(cache) or RowView(cache.keys, cache.values, 0, int(cache.keys.shape[0]), 0)
+    view.first, view.end = view.first + span[0], view.first + span[1]
+    view.column += shift
+    show(cache, view)
 
 
 def contiguous_range(kept: Sequence[int]) -> Optional[tuple[int, int]]:

@@ -11,7 +11,7 @@ operations that copy, by wrapping them in the process (stock mlx-vlm and the pat
 | regrow | a cache outgrowing its buffer (``mx.concatenate``) | ``update_and_fetch`` of the KV and pooling caches |
 | cow | an in-place slice write that copied because another reference held the buffer | same, by comparing the buffer address before and after the write |
 | extract | a row copied out of a live cache | ``BatchKVCache/KVCache/BatchPoolingCache.extract``, ``state.rows`` |
-| extend, filter | rows joining or leaving a decoding batch | ``BatchKVCache.extend/filter`` |
+| extend, filter | rows joining or leaving a decoding batch (not a leave that kept its rows in place) | ``BatchKVCache.extend/filter`` |
 | anchor | an anchor's own copy of its prefix | ``MlxKV.prefix`` |
 
 Each op is split into ``kv`` (append-only rows: latent, index, pooled keys, projected) and
@@ -191,6 +191,13 @@ def _shares(x: mx.array, base: object) -> bool:
     return lo is not None and at is not None and lo <= at < lo + int(base.nbytes)
 
 
+def _inside(after: tuple[tuple[int, ...], int | None, int], before: tuple[tuple[int, ...], int | None, int] | None) -> bool:
+    """Whether the probed array ``after`` starts inside the buffer probed as ``before``."""
+    if before is None or before[1] is None or after[1] is None:
+        return False
+    return before[1] <= after[1] < before[1] + before[2]
+
+
 def _extracted(method: Method) -> Method:
     """``extract``: count only the rows that were really copied (``mx.contiguous`` shares a
     view that is already contiguous, e.g. row 0 of a one-row batch)."""
@@ -231,13 +238,14 @@ def _reserve(method: Method) -> Method:
 
 
 def _batch_op(method: Method, op: str) -> Method:
-    """``extend``/``filter``: count the live rows after the op when the buffer was rebuilt."""
+    """``extend``/``filter``: count the live rows after the op when the buffer was rebuilt (not
+    when they are a view inside the old one: a leave that kept its rows in place)."""
     @functools.wraps(method)
     def wrapper(self: object, *args: object, **kwargs: object) -> object:
         before = _probe(self, ("keys",)).get("keys")
         result = method(self, *args, **kwargs)
         after = _probe(self, ("keys",)).get("keys")
-        if after is not None and (before is None or after[:2] != before[:2]):
+        if after is not None and (before is None or after[:2] != before[:2]) and not _inside(after, before):
             add(op, cache_bytes(self)[0], kind="kv")
         return result
 

@@ -77,7 +77,7 @@ def resolve(layout: CacheLayout, settings: CopyFreeSettings, deferred: Deferred,
     start = time.perf_counter()
     final = deferred.pending.final
     capacity = rows.buffer_rows(caches)
-    adopt = adopt and settings.adoptable(final, capacity)
+    adopt = adopt and settings.adoptable(final, capacity) and not rows.kept_in_place(caches)
     try:
         kv = rows.kv_rows(layout, caches, idx, final, copy=False) if adopt else \
             appending.copy_with_room(layout, caches, idx, final, room)
@@ -117,7 +117,8 @@ def commit_reply(layout: CacheLayout, settings: CopyFreeSettings, reply: Reply, 
         return False
     pending, caches, length = reply.pending, list(batch.prompt_cache), reply.fed_length
     capacity = rows.buffer_rows(caches)
-    adopt = alone and settings.enabled and settings.adopt and settings.adoptable(length, capacity)
+    adopt = (alone and settings.enabled and settings.adopt and settings.adoptable(length, capacity)
+             and not rows.kept_in_place(caches))
     captures = dict(pending.taken) if deferred is not None else {}  # else the stored entry has them
     if deferred is not None and pending.wanted.get(pending.final) == ANCHOR:
         captures[pending.final] = (ANCHOR, reply.prompt_head)

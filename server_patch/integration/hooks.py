@@ -151,6 +151,15 @@ def kv_rows_leave(cache: Any, batch_indices: Any) -> bool:
     return True
 
 
+def kv_rows_write(cache: Any, keys: Any, values: Any) -> Any:
+    """``BatchKVCache.update_and_fetch`` of a cache whose rows a leave kept in place (it has a
+    ``copyfree.batch.RowView``): the tokens written into the old buffer, in place, and the views
+    to attend over; None leaves the write to mlx-vlm (the record is stale, or the buffer full)."""
+    from server_patch.copyfree import batch
+
+    return batch.write_kv(cache, keys, values)
+
+
 def admissible(coordinator: object, queue: list[Any], extra_hash_of: Callable[[dict[str, Any]], int], limit: int,
                decoding: int = 0) -> int:
     """How many of the generator's queued sequences, from the first, it admits now (at most

@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from server_patch.state import quantized
 from server_patch.state.options import KVQuant
+from server_patch.state.row_view import live_view
 from server_patch.state.registry import (DERIVED, Arrays, Codec, codec_for, is_composite, packed_codec,
                                          ref)
 
@@ -337,7 +338,7 @@ class CacheLayout:
                     continue
                 padding = getattr(child, "left_padding", None)
                 if int(keys.shape[0]) != 1 or int(keys.shape[2]) < length or \
-                        (padding is not None and int(padding[0].item()) != 0):
+                        (padding is not None and int(padding[0].item()) != 0) or live_view(child) is not None:
                     raise ValueError("the lent buffer's rows moved (batch shape changed)")
                 out_layer.append({"keys": ref(keys), "values": ref(child.values)})
             out.append(out_layer)

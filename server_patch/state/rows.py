@@ -27,6 +27,7 @@ from mlx_vlm.models.cache import (
 from server_patch.observe import ledger
 from server_patch.state import quantized
 from server_patch.state.layout import CacheLayout, MlxKV, MlxSnapshot
+from server_patch.state.row_view import live_view
 from server_patch.state.registry import DERIVED, ref
 
 
@@ -79,6 +80,8 @@ def _kv_row(cache: Any, idx: int | None, length: int, copy: bool) -> Any:
         held = (int(cache._idx) if kind is BatchKVCache else int(cache.offset)) - start
         if held < length:
             raise ValueError(f"row {i} holds {held} KV rows, the entry needs {length}")
+        if not copy and live_view(cache) is not None:
+            copy = True  # a view of a buffer that still holds rows that left: copied, not pinned
         if not copy and start == 0 and int(cache.keys.shape[0]) == 1:
             # The row is the whole buffer: keep all of it, spare rows included, so the turn
             # that extends this entry can be lent the buffer and append in place. The codec
@@ -208,6 +211,12 @@ def buffer_rows(caches: Sequence[Any]) -> int:
         if isinstance(keys, mx.array) and type(child) in (KVCache, BatchKVCache):
             rows = max(rows, int(keys.shape[2]))
     return rows
+
+
+def kept_in_place(caches: Sequence[Any]) -> bool:
+    """Whether a layer's rows are a view of a buffer that still holds rows that left the batch
+    (``state.row_view``): such rows are copied out, never adopted (the buffer would be pinned)."""
+    return any(live_view(child) is not None for child in leaf_caches(caches))
 
 
 def fed_lengths(layout: CacheLayout, caches: Sequence[Any], idx: int) -> set[int]:

@@ -7,13 +7,14 @@ leaves it went through. Answers and records, never a time.
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tests.integration.test_request_waits import records
-from tests.server_harness import PatchedServer, assert_same_output, reply_text, text, wait_for
+from tests.server_harness import PatchedServer, assert_same_output, cached_tokens, reply_text, text, wait_for
 
 LOGPROBS = {"logprobs": True, "top_logprobs": 5}
 
@@ -43,3 +44,38 @@ def test_rows_joining_and_leaving_a_decoding_batch_answer_as_cold(tiny_model_dir
         for name, messages, tokens in (("long", long_reply, 240), ("warm", next_turn, 24), ("short", short, 40)):
             cold = server.chat(messages, tenant=f"cold-{name}", max_tokens=tokens, **LOGPROBS)  # alone
             assert_same_output(answers[name], cold)
+
+
+@pytest.mark.server
+def test_a_long_row_that_stays_when_a_short_one_leaves_is_not_copied_and_its_next_turn_answers_as_cold(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The conversation's turn (600 tokens) decodes; a short request joins its batch and leaves
+    it first. The long row stays in the joint buffer (``filter_kv`` keeps it in place: the copy
+    counter sees no ``filter`` copy), its next tokens are written there in place (no copy-on-write),
+    its reply is committed at its end (appended to its entry, or copied out of that buffer, never
+    adopted with the short row's rows), and the conversation's next turn restores that entry and
+    answers as the same turn served cold."""
+    ledger = tmp_path / "copies.json"
+    env = {"TOP_LOGPROBS_K": "5", "APC_COPY_COUNTER": "1", "APC_COPY_COUNTER_FILE": str(ledger)}
+    with PatchedServer(tiny_model_dir, env=env, log_dir=tmp_path) as server:
+        conversation = [{"role": "system", "content": text(30, 4201)}, {"role": "user", "content": text(600, 4202)}]
+        short = [{"role": "user", "content": text(40, 4203)}]
+        with ThreadPoolExecutor(2) as pool:
+            decoding = pool.submit(server.chat, conversation, tenant="conv", max_tokens=60, **LOGPROBS)
+            wait_for(lambda: any(r.ttft_ms > 0 and not r.ended for r in records(server)), "the long row decoding", server)
+            beside = pool.submit(server.chat, short, tenant="short", max_tokens=4, **LOGPROBS)
+            first, short_answer = decoding.result(300), beside.result(300)
+        wait_for(lambda: len(records(server)) == 2 and all(r.ended for r in records(server)), "both rows ended", server)
+        long_record = max(records(server), key=lambda r: r.prompt_tokens)
+        assert long_record.waited.get("join", 0) > 0 and long_record.waited.get("leave", 0) > 0, long_record
+        copies = json.loads(ledger.read_text())
+        assert "filter.kv" not in copies, copies  # the leave moved no row of the long one
+        assert "cow.kv" not in copies, copies  # and no write after it copied the buffer it was kept in
+
+        next_turn = [*conversation, {"role": "assistant", "content": reply_text(first)},
+                     {"role": "user", "content": text(20, 4204)}]
+        warm = server.chat(next_turn, tenant="conv", max_tokens=8, **LOGPROBS)
+        assert cached_tokens(warm) > 600  # past the first turn's prompt: its reply was kept
+        for answer, messages, tokens, name in ((first, conversation, 60, "first"), (short_answer, short, 4, "short"),
+                                               (warm, next_turn, 8, "warm")):
+            assert_same_output(answer, server.chat(messages, tenant=f"cold-{name}", max_tokens=tokens, **LOGPROBS))

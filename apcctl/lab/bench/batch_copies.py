@@ -9,6 +9,9 @@ in-process, each timed to the end of its compute (``mx.eval``):
   one grows to the long one's width);
 * ``leave``: that row leaves again: ``BatchKVCache.filter`` gathers the rows kept (the short
   row, still at the long one's width) into a new buffer, then drops the left padding (a view);
+  and the other way round, the short row leaves and the long one stays: copied into a buffer of
+  its own, or kept in place (``copyfree.batch.filter_kv``'s default there) and the next token
+  written into the old buffer (``write_kv``);
 * ``headroom join``: the alternative, a batch buffer allocated ahead with room for the joiner:
   the join writes only the new row's tokens into its slot (``slice_update``), nothing else moves.
 
@@ -61,19 +64,23 @@ def _token(children: list[Any]) -> list[tuple[mx.array, mx.array]]:
 
 def _next_write(rows: list[Any]) -> list[mx.array]:
     """The next decode step's cache write after a join or leave, evaluated: where MLX copies a
-    buffer that is a view of another (it cannot write a view in place), this is that copy."""
+    buffer that is a view of another (it cannot write a view in place), this is that copy. Rows
+    a leave kept in place are written as the patched ``update_and_fetch`` writes them."""
+    from server_patch.copyfree import batch
+
     tokens = _token(rows)
     mx.eval([x for pair_ in tokens for x in pair_])
-    return [x for r, (k, v) in zip(rows, tokens) for x in r.update_and_fetch(k, v)]
+    return [x for r, (k, v) in zip(rows, tokens) for x in (batch.write_kv(r, k, v) or r.update_and_fetch(k, v))]
 
 
 def _join_leave(children: list[Any], context: int, victim: int, repeat: int,
-                join: Any, leave: Any, ahead: Any = None, capacity: int = 0) -> dict[str, Any]:
+                join: Any, leave: Any, ahead: Any = None, capacity: int = 0, kept: int = 0) -> dict[str, Any]:
     """``repeat`` rounds of: a ``context``-token row joins a ``victim``-token decoding row
-    (``join(row, joining)``), one decode write, the long row leaves (``leave(row, keep)``),
-    one decode write; each timed to the end of its compute. ``ahead(rows, joining)``, untimed,
-    runs first (what a stager does off the generation thread). ``capacity``: the joiner's
-    buffer rows (default: the merge's, its context and a decode reserve)."""
+    (``join(row, joining)``), one decode write, the long row leaves (``leave(row, keep)``; with
+    ``kept=1`` the short one leaves and the long one stays), one decode write; each timed to the
+    end of its compute. ``ahead(rows, joining)``, untimed, runs first (what a stager does off
+    the generation thread). ``capacity``: the joiner's buffer rows (default: the merge's, its
+    context and a decode reserve)."""
     out: dict[str, Any] = {"join": [], "join_next": [], "leave": [], "leave_next": []}
     for _ in range(repeat):
         rows = [_row(c, victim, _step_capacity(victim)) for c in children]
@@ -85,7 +92,7 @@ def _join_leave(children: list[Any], context: int, victim: int, repeat: int,
         out["joint_bytes"] = sum(int(x.nbytes) for x in _arrays(rows))
         del joining
         out["join_next"] += timed(lambda: _next_write(rows), 1)
-        keep = mx.array([0], mx.int32)
+        keep = mx.array([kept], mx.int32)
         out["leave"] += timed(lambda: [leave(r, keep) for r in rows] and _arrays(rows), 1)
         out["kept_bytes"] = sum(int(x.nbytes) for x in _arrays(rows))
         out["leave_next"] += timed(lambda: _next_write(rows), 1)
@@ -124,7 +131,12 @@ def run(context: int, victim: int, repeat: int) -> dict[str, Any]:
     stock = _join_leave(children, context, victim, repeat, lambda r, j: r.extend(j), lambda r, k: r.filter(k))
     copyfree = _join_leave(children, context, victim, repeat, batch.extend_kv, batch.filter_kv)
     as_view = _join_leave(children, context, victim, repeat, batch.extend_kv,
-                          lambda r, k: batch.filter_kv(r, k, view=True))
+                          lambda r, k: batch.filter_kv(r, k, leave="view"))
+    # The short row leaves and the long one stays: copied into a buffer of its own, or kept in
+    # place (the default where the kept rows fill at least half the buffer).
+    long_copied = _join_leave(children, context, victim, repeat, batch.extend_kv,
+                              lambda r, k: batch.filter_kv(r, k, leave="copy"), kept=1)
+    long_in_place = _join_leave(children, context, victim, repeat, batch.extend_kv, batch.filter_kv, kept=1)
     made_ahead = JointSpares()  # what a runtime's stager makes for its staged turn's join
     spare = _join_leave(children, context, victim, repeat, lambda r, j: batch.extend_kv(r, j, made_ahead),
                         batch.filter_kv, lambda r, j: made_ahead.reserve(_arrays(j)))
@@ -170,6 +182,10 @@ def run(context: int, victim: int, repeat: int) -> dict[str, Any]:
             "copyfree_leave_ms": _stats(copyfree["leave"]), "copyfree_leave_bytes": copyfree["kept_bytes"],
             "copyfree_leave_next_ms": _stats(copyfree["leave_next"]),
             "view_leave_ms": _stats(as_view["leave"]), "view_leave_next_ms": _stats(as_view["leave_next"]),
+            "long_copied_leave_ms": _stats(long_copied["leave"]), "long_copied_leave_bytes": long_copied["kept_bytes"],
+            "long_copied_leave_next_ms": _stats(long_copied["leave_next"]),
+            "long_in_place_leave_ms": _stats(long_in_place["leave"]), "long_in_place_leave_bytes": 0,
+            "long_in_place_leave_next_ms": _stats(long_in_place["leave_next"]),
             "spare_join_ms": _stats(spare["join"]), "spare_join_bytes": spare["joint_bytes"],
             "spare_join_next_ms": _stats(spare["join_next"]),
             "lent_join_ms": _stats(lent["join"]), "lent_join_bytes": lent["joint_bytes"],

@@ -20,7 +20,10 @@ topic's ``lineage.door_import`` imports it into ar.py), and hands it the coordin
 * models/cache.py: ``BatchKVCache.extend`` and ``filter`` (a row joining or leaving the decoding
   batch) ask the door (``kv_rows_join``, ``kv_rows_leave``) to hand a plain ``BatchKVCache`` to
   ``server_patch.copyfree.batch``, which moves each row once at its own width (issue 40);
-  ``APC_COPYFREE=0`` or ``APC_COPYFREE_JOIN=0`` keeps mlx-vlm's methods.
+  ``APC_COPYFREE=0`` or ``APC_COPYFREE_JOIN=0`` keeps mlx-vlm's methods. A leave may keep the
+  rows in place (a view of the old buffer, recorded on the cache as ``_apc_row_view``): then
+  ``update_and_fetch`` hands the write to the door (``kv_rows_write``), which writes into the old
+  buffer in place; a cache without that record writes as stock, at the cost of one attribute read.
 """
 
 from __future__ import annotations
@@ -256,6 +259,27 @@ FILE_PATCHES = (
                 "        self.offset = self.offset[batch_indices]\n"
                 "        self.left_padding = self.left_padding[batch_indices]\n"
                 "        if self._right_padding is not None:\n"
+            ),
+        ),
+        Edit(
+            name="copyfree.batch_rows_write",
+            old=(
+                "    def update_and_fetch(self, keys, values):\n"
+                "        prev = self._idx\n"
+                "        if self.keys is None or (prev + keys.shape[2]) > self.keys.shape[2]:\n"
+                "            B, n_kv_heads, _, k_head_dim = keys.shape\n"
+            ),
+            new=(
+                "    def update_and_fetch(self, keys, values):\n"
+                "        if getattr(self, \"_apc_row_view\", None) is not None:\n"
+                "            from server_patch.integration import hooks as _apc_door\n"
+                "\n"
+                "            _apc_fetched = _apc_door.kv_rows_write(self, keys, values)\n"
+                "            if _apc_fetched is not None:\n"
+                "                return _apc_fetched\n"
+                "        prev = self._idx\n"
+                "        if self.keys is None or (prev + keys.shape[2]) > self.keys.shape[2]:\n"
+                "            B, n_kv_heads, _, k_head_dim = keys.shape\n"
             ),
         ),
         Edit(
