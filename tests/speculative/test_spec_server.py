@@ -90,34 +90,29 @@ def test_warm_turn_with_a_drafter_equals_cold_and_no_drafter(kind: str, servers:
 
 
 @pytest.mark.server
-def test_disk_restore_with_a_drafter_equals_no_drafter(spec_model_dir: Path, spec_drafter_dir: Path,
-                                                       servers: dict[str, PatchedServer], tmp_path: Path) -> None:
-    """Two drafter servers in turn on one disk directory; the module's server without a drafter
-    answers the same turn cold."""
-    disk = tmp_path / "disk"
+def test_disk_restore_with_a_drafter_equals_no_drafter(spec_model_dir: Path, servers: dict[str, PatchedServer],
+                                                       tmp_path: Path) -> None:
+    """Two drafter servers in turn on one disk directory: the module's drafter server answers
+    the first turn and is stopped; a new one on its disk directory takes its place in the module
+    (the same settings: later tests are served by it) and restores the second turn from disk.
+    The module's server without a drafter answers the same turn cold."""
+    first = servers["default"]
     turn0 = [{"role": "system", "content": text(150, 391)}, {"role": "user", "content": text(100, 392)}]
-    first = PatchedServer(spec_model_dir, env=_env(disk), log_dir=tmp_path / "one",
-                          args=_drafter_args(spec_drafter_dir))
-    try:
-        first.start()
-        answer, _ = first.chat_restore(turn0, tenant="disk", **PARAMS)
-    finally:
-        first.stop(timeout=60)
+    answer, _ = first.chat_restore(turn0, tenant="disk", **PARAMS)
+    first.stop(timeout=60)
     turn1 = turn0 + [{"role": "assistant", "content": reply_text(answer)},
                      {"role": "user", "content": text(80, 393)}]
-    second = PatchedServer(spec_model_dir, env=_env(disk), log_dir=tmp_path / "two",
-                           args=_drafter_args(spec_drafter_dir))
-    try:
-        second.start()
-        warm, line = second.chat_restore(turn1, tenant="disk", **PARAMS)
-        assert line["kind"] == "disk" and int(line["restored"]) > 0, line
-        _assert_speculated(warm)
-        cold = _cold(second, turn1)
-        assert_same_tokens(warm, cold)
-        assert acceptance(warm) == acceptance(cold)
-        assert_same_tokens(warm, _cold(servers["plain"], turn1))
-    finally:
-        second.stop()
+    second = PatchedServer(spec_model_dir, env=_env(Path(first.env["APC_LINEAGE_DISK_PATH"])),
+                           log_dir=tmp_path / "two", args=first.args)
+    servers["default"] = second  # the module's fixture stops it at the end, whatever happens here
+    second.start()
+    warm, line = second.chat_restore(turn1, tenant="disk", **PARAMS)
+    assert line["kind"] == "disk" and int(line["restored"]) > 0, line
+    _assert_speculated(warm)
+    cold = _cold(second, turn1)
+    assert_same_tokens(warm, cold)
+    assert acceptance(warm) == acceptance(cold)
+    assert_same_tokens(warm, _cold(servers["plain"], turn1))
 
 
 @pytest.mark.server
