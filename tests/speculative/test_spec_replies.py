@@ -18,7 +18,7 @@ import pytest
 
 from tests.e2e import test_e2e_reply_reuse as reuse
 from tests.e2e.test_e2e_reply_reuse import converse, tokenizer  # noqa: F401 (the fixture)
-from tests.server_harness import PatchedServer, all_running, cached_tokens, text
+from tests.server_harness import PatchedServer, all_running, cached_tokens, text, wait_for
 from tests.speculative.test_spec_server import PARAMS, _cold, _drafter_args, acceptance, assert_same_tokens
 
 
@@ -91,7 +91,8 @@ def test_rows_speculating_in_one_batch_each_keep_their_own_reply(
     rounds, not its uids: the rows' replies are read back by the rounds' row order); each
     third turn restores past its own second reply and answers as cold and as without a drafter.
     They queue behind a long stream: a decoding speculative batch admits nothing, so both wait
-    and are admitted into one prompt batch when it ends."""
+    and are admitted into one prompt batch when it ends. The stream ends as soon as the server has
+    taken both from its queue (its client goes away, the server cancels the row)."""
     import threading
 
     from tests.integration.test_pacing import Stream
@@ -113,13 +114,20 @@ def test_rows_speculating_in_one_batch_each_keep_their_own_reply(
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    blocker = Stream(draft, max_tokens=300, seed=541)  # ~6 s quiet; both queue within ~0.3 s of its first token
+    blocker = Stream(draft, max_tokens=300, seed=541)  # stopped once both are queued: its length bounds a hang
     blocker.start()
     assert blocker.decoding.wait(300)
     queued_since = _last_seq(draft)
+    offset = len(draft.log_text())
     threads = [threading.Thread(target=send, args=(t, f, k)) for k, (t, f) in enumerate(zip(tenants, firsts))]
     for thread in threads:
         thread.start()
+    # mlx-vlm's generator logs each request it takes from its queue into the decoding batch's
+    # waiting prompts: both are in, so ending the stream admits them together.
+    wait_for(lambda: draft.log_text()[offset:].count("Prefill started") >= 2, "both second turns queued", draft,
+             timeout=300)
+    assert blocker.is_alive(), "the stream ended before both second turns were queued"
+    blocker.stop()
     for thread in threads:
         thread.join()
     blocker.join()
