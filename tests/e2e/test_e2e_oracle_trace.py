@@ -4,16 +4,17 @@ bundled trace (issue 26).
 The bundled trace (``apcctl/lab/sim/traces/agents.jsonl``, 1.7M prompt tokens) is far too
 large to prefill on a 2-core CPU in a test, so this replays a deterministic slice of it, in time
 order: the first ``FIRST_SESSION`` requests of its ``aider`` agent's first session and the first
-``SECOND_SESSION`` of its second (3.7k to 4.3k tokens each, about 6.4k to prefill). That slice is
-representative of what the oracle has to get right: aider's moving reminder makes every turn
+``SECOND_SESSION`` of its second (3.7k to 4k tokens each, about 8k for the server to prefill).
+That slice is representative of what the oracle has to get right: aider's moving reminder makes every turn
 diverge *inside* the previous prompt (the oracle is a mid-prompt common prefix, not a whole
 earlier prompt), and the second session shares only the system prompt with the first. The
 slice's oracles are the whole trace's: what the second session shares with the first is the
 system prompt, already in the first session's first request, and the requests of the first
 session left out come after those kept, so no kept request's oracle was set by one left out
 (the second check below proves it). It was the first 12 aider requests (about 15k tokens to
-prefill); more turns of the same session add size, not cases. Whole-prompt resends and reply
-reuse are covered by tests/e2e/test_e2e_oracle.py; on this slice the trace's seen oracle equals
+prefill), then 3 and 2; each session's second request is already a mid-prompt divergence, and
+more turns of the same session add size, not cases. Whole-prompt resends and reply reuse are
+covered by tests/e2e/test_e2e_oracle.py; on this slice the trace's seen oracle equals
 its plain oracle (aider's replies are not re-rendered verbatim: asserted), so the tiny model's
 own replies, which differ from the trace's, change nothing.
 
@@ -41,7 +42,7 @@ from tests.server_harness import PatchedServer
 
 pytestmark = pytest.mark.server
 AGENT = "aider"
-FIRST_SESSION, SECOND_SESSION = 3, 2
+FIRST_SESSION, SECOND_SESSION = 2, 2
 REQUESTS = FIRST_SESSION + SECOND_SESSION
 BLOCK = 16  # APC_LINEAGE_SHADOW_BLOCK_TOKENS's default
 OPENING, CLOSING = 3, 3  # the tiny template's [gMASK]<sop><|user|> and <|assistant|><think></think>
