@@ -28,7 +28,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.fake_model import prefill, random_tokens
-from tests.server_harness import ADMIN_TOKEN, PatchedServer, assert_same_output
+from tests.server_harness import ADMIN_TOKEN, PatchedServer, assert_same_output, text
 from server_patch.canary import check as C
 from server_patch.canary import points as P
 from server_patch.canary.compare import compare, tolerance_for
@@ -238,6 +238,9 @@ def test_every_restore_kind_of_a_healthy_cache_passes(healthy: PatchedServer) ->
     assert disk and {r["entry_id"] for r in disk} <= ids_in_ram  # loaded for the check, RAM unchanged
     assert _metric(healthy, 'apc_lineage_canary_total{result="pass"}') >= len(answer["results"])
 
+    # A short conversation of its own is now the most recently used entry: the CLI checks its
+    # few points instead of a 700-token entry's again.
+    _send(healthy, [{"role": "user", "content": text(20, 271)}], "canary-recent")
     result = _cli(healthy, "--recent", "1")  # every point of the most recent entry, as a table
     assert result.exit_code == 0, result.output
     assert "0 failed" in result.output and "pass" in result.output
