@@ -23,9 +23,11 @@ import pytest
 from tests.server_harness import PatchedServer, fed_tokens, text, words
 
 TENANT = "anchor-suite"
-# With the tools block (~410 tokens) the system + tools prefix is ~1100 tokens, so with a
-# 256-token stride the last periodic checkpoint (1024) lies before the variants' changed words.
-SYSTEM_WORDS = 690
+# With the tools block (~410 tokens) the system + tools prefix is ~850 tokens, so with a
+# 256-token stride the last periodic checkpoint (768) lies before the variants' changed words, and
+# the tools block's end (a segment point) lies more than the 256-token segment gap before the
+# anchor. (It was 690 words, ~1100 tokens: one stride more of the same text, no other case.)
+SYSTEM_WORDS = 434
 CHANGED = slice(SYSTEM_WORDS - 8, SYSTEM_WORDS - 4)  # 4 words near the end of the system text
 TOOLS = [
     {"type": "function", "function": {
@@ -185,7 +187,7 @@ def test_system_prompt_variant_reuses_nearly_all_of_its_prefix(run: Run) -> None
     assert first.cached >= first.stock_cached
     divergence = _divergence_length(run)
     if run.config == "periodic256":
-        # Both caches hold a checkpoint at 1024, before the changed words.
+        # Both caches hold a checkpoint at 768, before the changed words.
         assert first.line["kind"] == "periodic", first.line
         assert first.cached == (divergence // 256) * 256 == first.stock_cached, (first.line, divergence)
     else:
