@@ -143,7 +143,9 @@ SCRIPT = textwrap.dedent(r"""
         return found
 
     model_dir, mode = sys.argv[1], sys.argv[2]
-    LONG = 200  # tokens of a request kept decoding while another joins its batch (C, D)
+    # Tokens of a request kept decoding while another joins its batch (C, D): the joiner lives 6
+    # to 15 of its steps; C's `long_decoding` and D's `while_decoding` check it still decoded.
+    LONG = 60
     logs_commits = mode == "copyfree"  # with APC_COPYFREE=0 no "apc_copyfree commit" line is logged
     rg = ResponseGenerator(model_path=model_dir,
                            apc_manager=None if mode == "cold" else _apc.from_env(model_namespace="t"))
@@ -182,6 +184,19 @@ SCRIPT = textwrap.dedent(r"""
             if r.prompt_tokens == prompt_tokens:
                 return r.kv_admission
         return None
+
+    def mark():  # the records so far (none before the first request opens the runtime)
+        return len(current().timings.all()) if mode != "cold" and current() is not None else 0
+
+    def settled(since, count):
+        # Until the `count` requests whose records follow `since` have left their batches (each
+        # record says `ended`): by then their rows' end commits and copies are counted. Cold
+        # commits nothing.
+        def ended():
+            records = list(current().timings.all())[since:]
+            return len(records) >= count and all(r.ended for r in records)
+
+        assert mode == "cold" or waited(ended), "a request's row did not end"
 
     def grown(messages, turns, seed, last_words=12):
         # `turns` answered turns, then a new user message of `last_words` words
@@ -223,9 +238,9 @@ SCRIPT = textwrap.dedent(r"""
     convo = [{"role": "system", "content": text(60, 1)}, {"role": "user", "content": text(150, 2)}]
     turns, held = [], None
     for turn in range(4):
-        before = ledger.snapshot()
+        before, since = ledger.snapshot(), mark()
         answer = ask(convo)
-        time.sleep(0.2)
+        settled(since, 1)
         answer["copies"] = ledger.delta(ledger.snapshot(), before)
         answer["messages"] = list(convo)
         if mode != "cold":
@@ -251,6 +266,7 @@ SCRIPT = textwrap.dedent(r"""
     shared = grown([{"role": "system", "content": text(40, 70)}, {"role": "user", "content": text(120, 71)}],
                    2, 72)
     loans.clear()
+    since = mark()
     decoding, long_out = threading.Event(), {}
     t = threading.Thread(target=lambda: long_out.update(
         ask(shared, max_tokens=30, on_first=decoding, no_eos=True)))
@@ -259,7 +275,7 @@ SCRIPT = textwrap.dedent(r"""
     # a branch: the same conversation up to the lent entry, another last question
     short = ask(shared[:-1] + [{"role": "user", "content": text(12, 99)}], max_tokens=6, no_eos=True)
     t.join(300)
-    time.sleep(0.2)
+    settled(since, 2)
     result["shared"] = {"long": long_out["text"], "short": short["text"], "loans": list(loans)}
 
     # F: a lent request is cancelled mid-prefill; its entry comes back whole and serves the
@@ -300,12 +316,12 @@ SCRIPT = textwrap.dedent(r"""
             for i, (m, a) in enumerate(zip(pair, first))]
     commits.clear()
     rg.requests.expect = 2
-    before = ledger.snapshot()
+    before, since = ledger.snapshot(), mark()
     out = [None, None]
     threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, ask(pair[i]))) for i in range(2)]
     [t.start() for t in threads]
     [t.join(120) for t in threads]
-    time.sleep(0.2)
+    settled(since, 2)
     result["pair"] = {"copies": ledger.delta(ledger.snapshot(), before),
                       "records": [record_of(a["prompt"]) for a in out], "commits": list(commits),
                       "next": [record_of(ask(m + [{"role": "assistant", "content": a["text"] or "ok"},
