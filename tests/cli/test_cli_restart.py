@@ -26,6 +26,9 @@ from tests.cli.test_cli_server import chat, run, run_json, serve
 pytestmark = pytest.mark.server
 
 NAMES = ("r1", "r2")
+# The long request's decode steps: it must still be in flight at the restart's first poll, two
+# admin calls after it is seen in flight (each step is a forward pass; a poll is milliseconds).
+LONG_TOKENS = 128
 
 
 @dataclass
@@ -127,7 +130,7 @@ def test_restart_waits_for_a_request_in_flight(pair: dict[str, Server], tiny_mod
     def long_request() -> None:
         # No end-of-sequence token: exactly max_tokens decode steps, however fast the machine.
         answer = server.client.chat([{"role": "user", "content": "Tell me a long story."}], model=server.model,
-                                    max_tokens=400, temperature=0.0, logit_bias={str(t): -100 for t in eos},
+                                    max_tokens=LONG_TOKENS, temperature=0.0, logit_bias={str(t): -100 for t in eos},
                                     timeout=600)
         finished["tokens"] = answer["usage"]["completion_tokens"]
 
@@ -149,7 +152,7 @@ def test_restart_waits_for_a_request_in_flight(pair: dict[str, Server], tiny_mod
     result = rolling_restart(select(server.name), on_progress=progress, timeout=600)
     thread.join()
     assert result.ok, result.servers[0].message
-    assert finished["tokens"] == 400  # the request was never cut
+    assert finished["tokens"] == LONG_TOKENS  # the request was never cut
     # A status poll the busy server did not answer in time is a waiting step without a count.
     waiting = [s for s in steps if s.phase == "waiting" and not s.message.startswith("no answer")]
     assert waiting[0].in_flight >= 1 and waiting[-1].in_flight == 0
