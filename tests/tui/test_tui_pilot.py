@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from textual.widgets import TabbedContent
 
-from tui.app import DashboardApp, make_app
+from tests.tui.polls import quiet_app
+from tui.app import DashboardApp
 from tui.recorded import RecordedSource
 from tui.screens.confirm import ConfirmScreen
 from tui.source import SourceError
@@ -37,7 +38,7 @@ def first(source: RecordedSource, **match) -> str:
 
 @sync
 async def test_pin_asks_first_and_cancel_changes_nothing(source: RecordedSource) -> None:
-    app = make_app(source)
+    app = quiet_app(source)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         await pilot.press("2")
@@ -58,7 +59,7 @@ async def test_pin_asks_first_and_cancel_changes_nothing(source: RecordedSource)
 
 @sync
 async def test_evict_from_the_anchors_tab_removes_the_row(source: RecordedSource) -> None:
-    app = make_app(source)
+    app = quiet_app(source)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         await pilot.press("3")
@@ -74,7 +75,7 @@ async def test_evict_from_the_anchors_tab_removes_the_row(source: RecordedSource
 
 @sync
 async def test_read_only_offers_no_verbs(source: RecordedSource) -> None:
-    app = make_app(source, read_only=True, restarter=ScriptedRestarter())
+    app = quiet_app(source, read_only=True, restarter=ScriptedRestarter())
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         await pilot.press("2", "p", "x", "u", "3", "n", "4", "R")
@@ -89,7 +90,7 @@ async def test_new_anchor_from_a_json_file(source: RecordedSource, tmp_path: Pat
     path = tmp_path / "agent.json"
     tools = [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
     path.write_text(json.dumps({"system": "You are a careful reviewer.", "tools": tools}))
-    app = make_app(source)
+    app = quiet_app(source)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         await pilot.press("3", "n")
@@ -105,8 +106,8 @@ async def test_new_anchor_from_a_json_file(source: RecordedSource, tmp_path: Pat
 
 
 @sync
-async def test_filter_narrows_inverts_and_escape_clears(source: RecordedSource) -> None:
-    app = make_app(source)
+async def test_filter_narrows_inverts_and_escape_clears_and_sort_keeps_the_cursor_on_its_entry(source: RecordedSource) -> None:
+    app = quiet_app(source)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         await pilot.press("2")
@@ -122,14 +123,8 @@ async def test_filter_narrows_inverts_and_escape_clears(source: RecordedSource) 
         await pilot.press("escape")
         assert table.row_count == total and table.filter_text == ""
 
-
-@sync
-async def test_sort_keeps_the_cursor_on_its_entry(source: RecordedSource) -> None:
-    app = make_app(source)
-    async with app.run_test(size=SIZE) as pilot:
-        await settle(pilot)
-        await pilot.press("2", "down", "down")
-        table = entries_table(app)
+        # Sorting (same app: the filter is gone, the sort untouched): the cursor keeps its entry.
+        await pilot.press("down", "down")
         chosen = table.selected_key
         await pilot.press("s")
         assert table.sort_column == "label"  # the column after LAST USED
@@ -142,7 +137,7 @@ async def test_sort_keeps_the_cursor_on_its_entry(source: RecordedSource) -> Non
 
 @sync
 async def test_pause_holds_the_screen_and_resume_catches_up(source: RecordedSource) -> None:
-    app = make_app(source)
+    app = quiet_app(source)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         requests = app.query_one("#requests")
@@ -159,7 +154,7 @@ async def test_pause_holds_the_screen_and_resume_catches_up(source: RecordedSour
 
 @sync
 async def test_a_lost_server_is_retried_until_it_answers(source: RecordedSource) -> None:
-    app = make_app(source)
+    app = quiet_app(source)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         source.failing = "cannot reach http://127.0.0.1:1: connection refused"
@@ -176,7 +171,7 @@ async def test_a_lost_server_is_retried_until_it_answers(source: RecordedSource)
 @sync
 async def test_restart_runs_to_done_after_a_confirmation(source: RecordedSource) -> None:
     restarter = ScriptedRestarter(servers=("main",))
-    app = make_app(source, restarter=restarter)
+    app = quiet_app(source, restarter=restarter)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         pane = app.query_one("#pane-restart")
@@ -195,7 +190,7 @@ async def test_restart_runs_to_done_after_a_confirmation(source: RecordedSource)
 
 @sync
 async def test_the_request_table_follows_the_newest_until_the_cursor_moves(source: RecordedSource) -> None:
-    app = make_app(source)
+    app = quiet_app(source)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         requests = app.query_one("#requests")
@@ -222,7 +217,7 @@ SIZES = ((80, 24), (100, 30), (110, 40), (119, 40), (120, 40), (140, 40), (200, 
 @sync
 async def test_every_size_keeps_request_rows_and_both_graphs(source: RecordedSource) -> None:
     """80x24 and up: the request table keeps rows, the graphs keep columns, the header fits its width."""
-    app = make_app(source)
+    app = quiet_app(source)
     async with app.run_test(size=SIZES[0]) as pilot:
         await settle(pilot)
         for width, height in SIZES:
@@ -241,7 +236,7 @@ async def test_every_size_keeps_request_rows_and_both_graphs(source: RecordedSou
 
 @sync
 async def test_a_request_row_opens_its_entry(source: RecordedSource) -> None:
-    app = make_app(source)
+    app = quiet_app(source)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         tabs = app.query_one(TabbedContent)
@@ -265,8 +260,8 @@ async def test_a_request_row_opens_its_entry(source: RecordedSource) -> None:
 
 
 @sync
-async def test_t_puts_the_graphs_on_wall_clock_time(source: RecordedSource) -> None:
-    app = make_app(source)
+async def test_t_puts_the_graphs_on_wall_clock_time_and_without_a_fleet_there_is_no_fleet_tab(source: RecordedSource) -> None:
+    app = quiet_app(source)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         hits = app.query_one("#spark-hits")
@@ -280,11 +275,14 @@ async def test_t_puts_the_graphs_on_wall_clock_time(source: RecordedSource) -> N
         assert len(columns) == 60 and columns[0] is None and columns[-10:] != [None] * 10
         await pilot.press("t", "t", "t")
         assert "last 64 requests" in app.query_one("#ttft-row").border_title
+        # Without a fleet (same app, still on the Live tab) there is no Fleet tab to go to.
+        await pilot.press("6")
+        assert app.query_one(TabbedContent).active == "live" and not app.query("#pane-fleet")
 
 
 @sync
 async def test_the_log_tab_has_a_line_per_event(source: RecordedSource) -> None:
-    app = make_app(source)
+    app = quiet_app(source)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         await pilot.press("5")
@@ -321,7 +319,7 @@ class FlakyFleet:
 @sync
 async def test_the_fleet_tab_shows_each_servers_gateway_state_and_where_requests_went(source: RecordedSource) -> None:
     fleet = FlakyFleet(source.recording)
-    app = make_app(source, fleet=fleet)
+    app = quiet_app(source, fleet=fleet)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         await pilot.press("6")
@@ -350,18 +348,9 @@ async def test_the_fleet_tab_shows_each_servers_gateway_state_and_where_requests
 
 
 @sync
-async def test_without_a_fleet_there_is_no_fleet_tab(source: RecordedSource) -> None:
-    app = make_app(source)
-    async with app.run_test(size=SIZE) as pilot:
-        await settle(pilot)
-        await pilot.press("6")
-        assert app.query_one(TabbedContent).active == "live" and not app.query("#pane-fleet")
-
-
-@sync
 async def test_the_restart_tab_follows_the_roll_from_server_to_server(source: RecordedSource) -> None:
     restarter = ScriptedRestarter(servers=("fleet-1", "fleet-2", "fleet-3"), hold_at=2, hold_server="fleet-2")
-    app = make_app(source, restarter=restarter, fleet=FlakyFleet(source.recording))
+    app = quiet_app(source, restarter=restarter, fleet=FlakyFleet(source.recording))
     async with app.run_test(size=SIZE) as pilot:
         restarter.abandon = app.closing
         await settle(pilot)
