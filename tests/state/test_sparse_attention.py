@@ -30,7 +30,7 @@ from mlx_vlm.models.glm5_next.config import TextConfig
 from server_patch.sparse import dispatch, gathered, profiler, projected
 
 CHUNKS = (1, 2, 8, 16, 44, 128, 256, 512)
-CONTEXTS = (0, 40, 150, 600)  # below and above index_topk = 64
+CONTEXTS = (0, 40, 150, 300)  # below and above index_topk = 64 (300: 19 pools of 16, the last partial)
 LEFT_PADDING = (0, 5, 23)
 HIDDEN = 64
 
@@ -527,12 +527,10 @@ def test_overlay_routes_attend_through_dispatcher() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def tiny_model(tiny_model_dir: Path) -> Any:
     from mlx_vlm import load
 
-    from apcctl.lab.tinymodel.build import build_model
-
-    model, _ = load(str(build_model(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0)))
+    model, _ = load(str(tiny_model_dir))
     return model
 
 
@@ -577,13 +575,13 @@ def test_warm_conversation_generates_the_same_tokens(tiny_model: Any, monkeypatc
 
 
 @pytest.mark.server
-def test_patched_server_replies_like_stock_and_profiles_on_request(tmp_path: Path) -> None:
+def test_patched_server_replies_like_stock_and_profiles_on_request(tmp_path: Path,
+                                                                   tiny_model_dir: Path) -> None:
     """Through the real server: same greedy replies as stock over a warm conversation (APC
     hits included), and one profile record per forward only while the flag file exists."""
-    from apcctl.lab.tinymodel.build import build_model
     from tests.server_harness import PatchedServer
 
-    model_dir = build_model(tmp_path / "model", "tiny", seed=0)
+    model_dir = tiny_model_dir
     flag = tmp_path / "profile.flag"
     env = {"APC_PROFILE_FLAG": str(flag), "APC_PROFILE_LOG": str(tmp_path / "profile.jsonl")}
     transcripts = {}
