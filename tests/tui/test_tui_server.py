@@ -48,10 +48,11 @@ def live_app(server: PatchedServer) -> tuple[DashboardApp, AdminClient]:
 
 
 @sync
-async def test_tables_fill_from_the_server_and_a_pin_then_an_evict_through_the_dialog_change_it(
-        server: PatchedServer) -> None:
-    """One server and one app for both (their setup is the same traffic): the tables fill from the
-    poll and the event stream, then the dialog's pin and evict reach the server."""
+async def test_tables_fill_from_the_server_a_pin_then_an_evict_change_it_and_the_app_survives_a_restart(
+        server: PatchedServer, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """One server and one app for all three (their setup is the same traffic): the tables fill from
+    the poll and the event stream, then the dialog's pin and evict reach the server, then the
+    server is stopped and started again on its port and the app follows it there by itself."""
     traffic(server)
     app, client = live_app(server)
     async with app.run_test(size=SIZE) as pilot:
@@ -100,14 +101,8 @@ async def test_tables_fill_from_the_server_and_a_pin_then_an_evict_through_the_d
         await wait_for(pilot, lambda: target not in {e["id"] for e in client.entries()})
         await wait_for(pilot, lambda: app.state.entry(target) is None)
 
-
-@sync
-async def test_the_dashboard_survives_a_server_restart(server: PatchedServer, tiny_model_dir: Path,
-                                                       tmp_path: Path) -> None:
-    traffic(server, turns=1)
-    app, _ = live_app(server)
-    async with app.run_test(size=SIZE) as pilot:
-        await settle(pilot)
+        # The server stops and starts again on the same port: the app notices, and reconnects.
+        assert app.state.restarts_seen == 0 and app.state.connection.reconnects == 0
         first_pid = app.state.server.pid
         server.stop()
         await wait_for(pilot, lambda: app.state.connection.state == "lost")
