@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from apcctl.core import render
-from tui.app import DashboardApp, make_app
+from tests.tui.polls import quiet_app
+from tui.app import DashboardApp
 from tui.recorded import RecordedSource
 from tui.testing import settle, sync, wait_for
 
@@ -31,7 +32,7 @@ async def _arrive(pilot, app: DashboardApp, source: RecordedSource, seq: int) ->
 @pytest.mark.parametrize("key", ["home", "g"])
 @sync
 async def test_home_and_g_go_back_to_the_newest_request_and_follow_again(source: RecordedSource, key: str) -> None:
-    app = make_app(source)
+    app = quiet_app(source)
     async with app.run_test(size=(140, 40)) as pilot:
         await settle(pilot)
         requests = app.query_one("#requests")
@@ -53,7 +54,7 @@ async def test_home_and_g_go_back_to_the_newest_request_and_follow_again(source:
 
 @sync
 async def test_moving_back_to_the_first_row_follows_again(source: RecordedSource) -> None:
-    app = make_app(source)
+    app = quiet_app(source)
     async with app.run_test(size=(140, 40)) as pilot:
         await settle(pilot)
         requests = app.query_one("#requests")
@@ -67,7 +68,7 @@ async def test_moving_back_to_the_first_row_follows_again(source: RecordedSource
 async def test_the_described_entry_stays_in_view_as_the_timeline_grows(source: RecordedSource) -> None:
     """The timeline under the table is as tall as the selected entry's checkpoints need: moving
     onto a long one shrinks the table, and its cursor row must still be shown."""
-    app = make_app(source)
+    app = quiet_app(source)
     async with app.run_test(size=(100, 30)) as pilot:
         await settle(pilot)
         await pilot.press("2")
@@ -84,7 +85,7 @@ async def test_the_described_entry_stays_in_view_as_the_timeline_grows(source: R
 
 @sync
 async def test_the_evict_notification_speaks_the_dialogs_units(source: RecordedSource) -> None:
-    app = make_app(source)
+    app = quiet_app(source)
     async with app.run_test(size=(140, 40)) as pilot:
         await settle(pilot)
         await pilot.press("3")
@@ -103,7 +104,7 @@ async def test_the_evict_notification_speaks_the_dialogs_units(source: RecordedS
 async def test_a_new_servers_first_request_says_why_the_table_waits(source: RecordedSource) -> None:
     source.recording["events"] = [e for e in source.recording["events"] if e[0] != "request"]
     source.recording["status"]["idle"]["in_flight"] = 1
-    app = make_app(source)
+    app = quiet_app(source)
     async with app.run_test(size=(140, 40)) as pilot:
         await settle(pilot)
         requests = app.query_one("#requests")
@@ -116,7 +117,7 @@ async def test_a_new_servers_first_request_says_why_the_table_waits(source: Reco
 @sync
 async def test_the_callers_notices_are_shown_once(source: RecordedSource) -> None:
     said = {"now": ""}
-    app = make_app(source, notices=lambda: said["now"])
+    app = quiet_app(source, notices=lambda: said["now"])
     async with app.run_test(size=(140, 40)) as pilot:
         await settle(pilot)
         said["now"] = "demo: traffic done: 60 requests sent (0 failed)"
