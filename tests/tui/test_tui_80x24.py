@@ -12,7 +12,8 @@ from textual.pilot import Pilot
 from textual.containers import VerticalScroll
 from textual.widgets import Footer
 
-from tui.app import DashboardApp, make_app
+from tests.tui.polls import quiet_app
+from tui.app import DashboardApp
 from tui.recorded import RecordedSource
 from tui.screens.help import HelpScreen
 from tui.testing import settle, sync
@@ -28,8 +29,8 @@ def source() -> RecordedSource:
 
 @asynccontextmanager
 async def dashboard(source: RecordedSource, **options: Any) -> AsyncIterator[tuple[DashboardApp, Pilot]]:
-    """The app at 80x24, its first poll drawn."""
-    app = make_app(source, **options)
+    """The app at 80x24, its first poll drawn; it polls only when asked (``tests.tui.polls``)."""
+    app = quiet_app(source, **options)
     async with app.run_test(size=SMALL) as pilot:
         await settle(pilot)
         yield app, pilot
