@@ -9,9 +9,15 @@ entry and a disk checkpoint after a restart. After each restore the last-positio
 equal a cold prefill's. Families that are not built are listed with their reason, and the test
 asserts that list exactly, so a new family in mlx-vlm fails here instead of being skipped.
 Families whose every layer is a plain ``KVCache`` are served by mlx-vlm's own block cache.
+
+The conversation is ~100 tokens: every restore point still lies past the families' 8-token
+windows, 16-token scan chunks and 32-token attention chunks and top-k selections. deepseek_v4's
+ratio-128 layers need the ~150-token script to hold a compressed block.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -26,12 +32,29 @@ from server_patch.lineage import LineageCache, LineageConfig
 from server_patch.state.families import all_families, select
 from server_patch.state.layout import CacheLayout
 
-# Small thresholds so every kind fits in ~200 tokens.
-CONFIG = dict(periodic_stride=64, divergence_min_gain=8, segment_min_gap=16, min_tokens=16,
-              disk_write_delay_s=0.0)
-ANCHOR_LEN = 48
-SEGMENT_AT = 100
+# Small thresholds so every kind fits in one short conversation.
+CONFIG = dict(divergence_min_gain=8, segment_min_gap=16, min_tokens=16, disk_write_delay_s=0.0)
 ATOL = 1e-4
+
+
+@dataclass(frozen=True)
+class Script:
+    """Where the scripted conversation puts each restore point, in tokens."""
+
+    stride: int  # periodic checkpoints at stride and 2 * stride
+    anchor: int
+    segment: int  # a segment boundary between the periodic points, >= segment_min_gap from each
+    first: int  # the first prompt's length, past 2 * stride
+    divergence: int  # where later prompts leave the first: >= divergence_min_gain past 2 * stride
+    suffixes: tuple[int, ...]  # new tokens of the eight later prompts, in order
+
+
+#: Every family: periodic 40, 80; anchor 34; segment 60; divergence 92; prompts of 74-133 tokens.
+SHORT = Script(stride=40, anchor=34, segment=60, first=100, divergence=92,
+               suffixes=(20, 14, 26, 26, 26, 40, 14, 20))
+#: deepseek_v4 (its ratio-128 layers compress a block only past 128 tokens): periodic 64, 128.
+LONG = Script(stride=64, anchor=48, segment=100, first=150, divergence=140,
+              suffixes=(30, 20, 40, 40, 40, 60, 20, 30))
 
 #: Families beyond plain KV layers (the lineage cache's path) with no tiny model, and why.
 #: Must match exactly: a new family in mlx-vlm fails here until it is built or listed.
@@ -132,17 +155,18 @@ def test_deepseek_v4_is_not_split_invariant_but_its_cache_classes_restore(listin
     ratios = [128 if r == 4 else r for r in sizes["compress_ratios"]]
     monkeypatch.setitem(tiny_families.NOT_SPLIT_INVARIANT, "deepseek_v4",
                         {**sizes, "compress_ratios": ratios})
-    check_every_restore_kind("deepseek_v4", listing, tmp_path)
+    check_every_restore_kind("deepseek_v4", listing, tmp_path, LONG)
 
 
-def check_every_restore_kind(family: str, listing, tmp_path) -> None:
+def check_every_restore_kind(family: str, listing, tmp_path, script: Script = SHORT) -> None:
     """One scripted conversation through the lineage policy: every restore kind equals cold."""
     lm = build_language_model(family)
     # The tiny model has every cache class the family's make_cache can build.
     assert _classes(lm.make_cache()) == set(listing[family].classes)
     layout = CacheLayout.from_model(lm)
+    config = LineageConfig(periodic_stride=script.stride, **CONFIG)
     store = DiskStore(tmp_path, fingerprint="fp", layout=layout)
-    drive = Driver(lm, layout, LineageCache(LineageConfig(**CONFIG), disk=store))
+    drive = Driver(lm, layout, LineageCache(config, disk=store))
     seen = []
 
     def check(prompt, kind, tier="ram", **kw):
@@ -151,25 +175,30 @@ def check_every_restore_kind(family: str, listing, tmp_path) -> None:
         np.testing.assert_allclose(np.array(warm), np.array(cold), atol=ATOL, rtol=ATOL)
         seen.append(kind)
 
-    first = _tokens(150, 1)
-    plan, warm, cold = drive.serve(first, anchor_len=ANCHOR_LEN, segments=[SEGMENT_AT])
+    s = script
+    assert s.anchor < s.stride and s.stride + 16 <= s.segment <= 2 * s.stride - 16  # as documented
+    assert 2 * s.stride + 8 <= s.divergence < s.first and len(s.suffixes) == 8
+    n = iter(s.suffixes)
+    first = _tokens(s.first, 1)
+    plan, warm, cold = drive.serve(first, anchor_len=s.anchor, segments=[s.segment])
     assert plan.kind == "cold"
     np.testing.assert_allclose(np.array(warm), np.array(cold), atol=ATOL, rtol=ATOL)
-    second = np.concatenate([first, _tokens(30, 2)])
+    second = np.concatenate([first, _tokens(next(n), 2)])
     check(second, "entry")  # the head of the first prompt's entry
-    check(np.concatenate([first, _tokens(20, 3)]), "final")  # that head, absorbed into the second
-    check(np.concatenate([first[:140], _tokens(40, 4)]), "periodic")  # 128
-    check(np.concatenate([first[:140], _tokens(40, 5)]), "divergence")  # 140, captured just above
-    check(np.concatenate([first[:110], _tokens(40, 6)]), "segment")  # 100
-    check(np.concatenate([first[:ANCHOR_LEN], _tokens(60, 7)]), "anchor")
+    check(np.concatenate([first, _tokens(next(n), 3)]), "final")  # that head, absorbed into the second
+    check(np.concatenate([first[:s.divergence], _tokens(next(n), 4)]), "periodic")  # 2 * stride
+    # The divergence point, captured by the prompt just above.
+    check(np.concatenate([first[:s.divergence], _tokens(next(n), 5)]), "divergence")
+    check(np.concatenate([first[:s.segment + 10], _tokens(next(n), 6)]), "segment")
+    check(np.concatenate([first[:s.anchor], _tokens(next(n), 7)]), "anchor")
 
     drive.cache.flush()
     assert store.flush(timeout=60)
     restarted = DiskStore(tmp_path, fingerprint="fp", layout=layout)
-    drive.cache = LineageCache(LineageConfig(**CONFIG), disk=restarted)  # a new process
-    check(np.concatenate([second, _tokens(20, 8)]), "entry", tier="disk")  # promotes that file
-    # A checkpoint in another file beats the promoted entry's periodic point at 128.
-    check(np.concatenate([first[:140], _tokens(30, 9)]), "divergence", tier="disk")
+    drive.cache = LineageCache(config, disk=restarted)  # a new process
+    check(np.concatenate([second, _tokens(next(n), 8)]), "entry", tier="disk")  # promotes that file
+    # A checkpoint in another file beats the promoted entry's periodic point at 2 * stride.
+    check(np.concatenate([first[:s.divergence], _tokens(next(n), 9)]), "divergence", tier="disk")
     assert sorted(set(seen)) == ["anchor", "divergence", "entry", "final", "periodic", "segment"]
     store.close()
     restarted.close()
