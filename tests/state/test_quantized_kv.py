@@ -232,13 +232,17 @@ def test_every_restore_kind_and_a_disk_restart_equal_cold_under_kv_bits(family, 
     from apcctl.lab.tinymodel.families import build_language_model
     from server_patch.disk.store import DiskStore
     from server_patch.lineage import LineageCache, LineageConfig
-    from tests.state.test_conformance_families import ANCHOR_LEN, ATOL, CONFIG, Driver, _tokens
+    from tests.state.test_conformance_families import ATOL, CONFIG, LONG, Driver, _tokens
+
+    # The conformance file's 150-token script (periodic points at 64 and 128, anchor at 48): the
+    # restores below sit on it.
+    config, anchor_len = dict(CONFIG, periodic_stride=LONG.stride), LONG.anchor
 
     lm = build_language_model(family, overrides=QUANTIZABLE[family])
     layout = CacheLayout.from_model(lm, Q8)
     assert layout.packed, layout.describe()
     store = DiskStore(tmp_path, fingerprint="fp", layout=layout)
-    drive = Driver(_Quantized(lm, layout), layout, LineageCache(LineageConfig(**CONFIG), disk=store))
+    drive = Driver(_Quantized(lm, layout), layout, LineageCache(LineageConfig(**config), disk=store))
 
     def check(prompt, kind, tier="ram", **kw):
         plan, warm, cold = drive.serve(prompt, **kw)
@@ -246,17 +250,17 @@ def test_every_restore_kind_and_a_disk_restart_equal_cold_under_kv_bits(family, 
         np.testing.assert_allclose(np.array(warm), np.array(cold), atol=ATOL, rtol=ATOL)
 
     first = _tokens(150, 1)
-    check(first, "cold", anchor_len=ANCHOR_LEN)
+    check(first, "cold", anchor_len=anchor_len)
     second = np.concatenate([first, _tokens(30, 2)])
     check(second, "entry")
     check(np.concatenate([first[:140], _tokens(40, 4)]), "periodic")  # 128
     check(np.concatenate([first[:140], _tokens(40, 5)]), "divergence")  # 140: mid-group
-    check(np.concatenate([first[:ANCHOR_LEN], _tokens(60, 7)]), "anchor")
+    check(np.concatenate([first[:anchor_len], _tokens(60, 7)]), "anchor")
 
     drive.cache.flush()
     assert store.flush(timeout=60)
     restarted = DiskStore(tmp_path, fingerprint="fp", layout=layout)
-    drive.cache = LineageCache(LineageConfig(**CONFIG), disk=restarted)
+    drive.cache = LineageCache(LineageConfig(**config), disk=restarted)
     check(np.concatenate([second, _tokens(20, 8)]), "entry", tier="disk")
     # A float server (another layout) never reads these files.
     assert not list(DiskStore(tmp_path, fingerprint="fp", layout=CacheLayout.from_model(lm)).records())
