@@ -51,7 +51,10 @@ OPS_TOOLS = [tool(f"ops_{i}", 100 + i) for i in range(8)]
 MCP_TOOLS = OPS_TOOLS + [tool("mcp_search", 200), tool("mcp_fetch", 201)]
 LITE_TOOLS = OPS_TOOLS[:4] + [tool("lite_a", 210), tool("lite_b", 211)]
 SUB_TOOLS = [tool("sub_read", 220), tool("sub_write", 221)]
-OPS_SYSTEM = text(900, 1)
+# 350 words (it was 900): the ~2,470-token tools block before it still passes the 2048 periodic
+# point, and the system text still puts the anchor more than the 256-token segment gap past the
+# tools' end (the sub-agent's too); the other 550 words were prefill of the same text, no case.
+OPS_SYSTEM = text(350, 1)
 HELPER_SYSTEM = text(600, 2)
 PARAGRAPHS = [text(300, 10 + i) for i in range(4)]
 WRITER_A = "\n\n".join(PARAGRAPHS)
