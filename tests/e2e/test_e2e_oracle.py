@@ -23,7 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.server_harness import ADMIN_TOKEN, HOST, PatchedServer, text, wait_for
 
 pytestmark = pytest.mark.server
-PARAMS = {"max_tokens": 32}
+# Decoding is most of a small request's time on the tiny model: a reply is 8 tokens where only
+# its presence matters (a next turn's history, an entry's reply), 32 where a test reads it.
+SHORT_REPLY, LONG_REPLY = 8, 32
 BLOCK = 16
 RECORDED_SEEDS = (61, 71)  # the conversations the what-if journal holds
 
@@ -39,8 +41,9 @@ def last_record(server: PatchedServer) -> dict[str, Any]:
     return max(body["requests"], key=lambda r: r["seq"])
 
 
-def ask(server: PatchedServer, messages: list[dict[str, Any]], **headers: str) -> tuple[dict, dict]:
-    answer = server.chat(messages, **PARAMS, **headers)
+def ask(server: PatchedServer, messages: list[dict[str, Any]], max_tokens: int = SHORT_REPLY,
+        **headers: str) -> tuple[dict, dict]:
+    answer = server.chat(messages, max_tokens=max_tokens, **headers)
     return answer, last_record(server)
 
 
@@ -130,9 +133,9 @@ def test_an_entry_lent_to_a_running_request_is_never_a_loan_in_the_way(server: P
     the oracle had and loses nothing. (``loan`` stays a reason for a restore a loan still
     blocks; this flow never leaves one.)"""
     first = conversation(seed=151)
-    answer, _ = ask(server, first)
+    answer, _ = ask(server, first, LONG_REPLY)  # the history that makes the next reply 1,316 tokens
     second = first + [answer["choices"][0]["message"], {"role": "user", "content": text(30, seed=152)}]
-    answer, _ = ask(server, second)  # copied once into a buffer with room: the next turn is lent it
+    answer, _ = ask(server, second, LONG_REPLY)  # copied once into a buffer with room: the next turn is lent it
     history = second + [answer["choices"][0]["message"]]
     # Greedy, this turn's reply is 1,316 tokens long: the branch is looked up long before it ends.
     payload = {"model": str(server.model_dir), "messages": history + [{"role": "user", "content": text(20, seed=166)}],
@@ -159,7 +162,7 @@ def test_an_entry_lent_to_a_running_request_is_never_a_loan_in_the_way(server: P
 
 def test_a_reply_sent_back_otherwise_is_the_reply_reason(server: PatchedServer) -> None:
     messages = conversation(seed=21)
-    answer, _ = ask(server, messages)
+    answer, _ = ask(server, messages, LONG_REPLY)
     reply = answer["choices"][0]["message"]["content"]
     words = reply.split(" ")
     assert len(words) >= 8, reply
@@ -278,7 +281,11 @@ def test_a_rejected_disk_file_is_the_reason(tiny_model_dir: Path, tmp_path: Path
     with PatchedServer(tiny_model_dir, env=env, log_dir=tmp_path / "server") as running:
         first = conversation(seed=91)
         _, record = ask(running, first)
-        ask(running, conversation(seed=92))  # pushes the first out of RAM: it is written first
+        # Its file is written at once (no delay); an entry whose write is in flight is not
+        # evictable, so the next commit would push the newcomer out instead: wait for the file.
+        wait_for(lambda: any(record["entry_id"] in p.name for p in _files(disk)), "the first conversation's write",
+                 running)
+        ask(running, conversation(seed=92))  # pushes the first out of RAM
 
         def written() -> list[Path]:
             on_disk = {e["id"] for e in running.admin("GET", "/entries?kind=conversation&tier=disk")[1]["entries"]}
@@ -308,32 +315,42 @@ def test_a_suspect_kind_refused_by_the_canary_is_the_reason(tiny_model_dir: Path
     assert again["lost"] == {"canary": again["oracle"]}, again
 
 
-def test_a_thinned_checkpoint_is_the_reason(tiny_model_dir: Path, tmp_path: Path) -> None:
-    env = {"APC_LINEAGE_MAX_CHECKPOINTS": "1"}
-    with PatchedServer(tiny_model_dir, env=env, log_dir=tmp_path / "server") as running:
+@pytest.fixture(scope="module")
+def restarted(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One server's two lives (the two tests below started three servers of their own): at most
+    one checkpoint an entry, the disk tier off (nothing survives the restart but the journal). The
+    first life thins a conversation's points and branches it, and sees the conversation that the
+    second life, once it has read the journal back, is asked again."""
+    env = {"APC_LINEAGE_MAX_CHECKPOINTS": "1", "APC_LINEAGE_DISK": "0"}
+    log_dir = tmp_path_factory.mktemp("oracle-restart")
+    out: dict[str, Any] = {}
+    with PatchedServer(tiny_model_dir, env=env, log_dir=log_dir) as before:
         first = conversation(seed=111)
-        answer, _ = ask(running, first)
+        answer, _ = ask(before, first)
         messages = first
         for turn in range(3):  # later turns thin the first turn's points
             messages = messages + [answer["choices"][0]["message"],
                                    {"role": "user", "content": text(30, seed=120 + turn)}]
-            answer, _ = ask(running, messages)
-        assert running.admin("GET", "/status")[1]["lineage"]["stats"]["thinned"] > 0
+            answer, _ = ask(before, messages)
+        out["thinned"] = before.admin("GET", "/status")[1]["lineage"]["stats"]["thinned"]
         branch = first + [{"role": "assistant", "content": "."}, {"role": "user", "content": text(30, seed=130)}]
-        _, record = ask(running, branch)  # another reply to the first turn: its points are gone
+        _, out["branch"] = ask(before, branch)  # another reply to the first turn: its points are gone
+        ask(before, conversation(seed=141))
+    with PatchedServer(tiny_model_dir, env=env, log_dir=log_dir) as after:
+        ask(after, conversation(seed=142))  # the runtime starts, and reads the journal back
+        wait_for(lambda: "apc_lineage oracle warmed blocks=" in after.log_text(), "the warm-up", after)
+        _, out["again"] = ask(after, conversation(seed=141))
+    return out
+
+
+def test_a_thinned_checkpoint_is_the_reason(restarted: dict[str, Any]) -> None:
+    assert restarted["thinned"] > 0
+    record = restarted["branch"]
     assert "thinning" in record["lost"], record
     assert sum(record["lost"].values()) == record["oracle"] - record["restored_tokens"]
 
 
-def test_after_a_restart_the_oracle_remembers_and_the_restart_is_the_reason(tiny_model_dir: Path,
-                                                                            tmp_path: Path) -> None:
-    env = {"APC_LINEAGE_DISK": "0"}  # nothing survives the restart but the journal
-    messages = conversation(seed=141)
-    with PatchedServer(tiny_model_dir, env=env, log_dir=tmp_path) as before:
-        ask(before, messages)
-    with PatchedServer(tiny_model_dir, env=env, log_dir=tmp_path) as after:
-        ask(after, conversation(seed=142))  # the runtime starts, and reads the journal back
-        wait_for(lambda: "apc_lineage oracle warmed blocks=" in after.log_text(), "the warm-up", after)
-        _, again = ask(after, messages)
+def test_after_a_restart_the_oracle_remembers_and_the_restart_is_the_reason(restarted: dict[str, Any]) -> None:
+    again = restarted["again"]
     assert again["oracle"] == resend_oracle(again) > again["restored_tokens"]
     assert again["lost"] == {"restart": again["oracle"] - again["restored_tokens"]}, again
