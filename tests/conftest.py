@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+# Some images set PYTHONDONTWRITEBYTECODE (this machine's does): every one of the suite's Python
+# processes (the pytest workers, ~160 servers, the CLI runs) then compiled the project's modules
+# from source again (server_patch's alone: 0.24 s of CPU each), and pytest could not cache its
+# assertion rewrites. The suite writes bytecode as Python does by default, for itself and (through
+# ``private_home``) for the processes it starts; the caches land in the tree's ignored __pycache__.
+sys.dont_write_bytecode = False
 
 
 # Where the user's real state, config and caches live when these are unset: every test runs with
@@ -18,13 +26,14 @@ HOME_VARIABLES = ("HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME",
 @pytest.fixture(scope="session", autouse=True)
 def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """HOME and the XDG dirs under a session tmp dir, and the CLI's variables from the developer's
-    shell cleared, before any fixture (module fixtures included) or test runs."""
+    shell cleared (and PYTHONDONTWRITEBYTECODE: see above), before any fixture (module fixtures
+    included) or test runs."""
     root = tmp_path_factory.mktemp("home")
     patch = pytest.MonkeyPatch()
     for key in HOME_VARIABLES:
         (root / key.lower()).mkdir(mode=0o700)
         patch.setenv(key, str(root / key.lower()))
-    for key in (*CLI_ENV_CLEARED, "APC_STATE_DIR"):
+    for key in (*CLI_ENV_CLEARED, "APC_STATE_DIR", "PYTHONDONTWRITEBYTECODE"):
         patch.delenv(key, raising=False)
     try:
         yield root
