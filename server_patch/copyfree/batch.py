@@ -153,11 +153,11 @@ def filter_kv(cache: Any, batch_indices: mx.array | Sequence[int], *, leave: Lea
         cache._right_padding = cache._right_padding[index]
     shift = min(int(cache.left_padding.min().item()), int(cache._idx)) if kept else 0
     if cache.keys is not None:
-        span = contiguous_range(kept)
+        span, view = contiguous_range(kept), live_view(cache)
         if span == (0, int(cache.keys.shape[0])) and shift == 0:
             pass  # nothing leaves and no column is dropped: nothing to move
-        elif span is not None and leave == "in_place" and _worth_keeping(cache, span, shift):
-            _keep_in_place(cache, span, shift)
+        elif span is not None and leave == "in_place" and _worth_keeping(cache, view, span, shift):
+            _keep_in_place(cache, view, span, shift)
         else:  # copied: the buffer (and any older one the cache's rows were a view of) is let go
             setattr(cache, ROW_VIEW, None)
             cache.keys = _kept(cache.keys, index, span, shift, leave == "view")
@@ -191,10 +191,9 @@ def write_kv(cache: Any, keys: mx.array, values: mx.array) -> Optional[tuple[mx.
     return cache.keys[..., : cache._idx, :], cache.values[..., : cache._idx, :]
 
 
-def _worth_keeping(cache: Any, span: tuple[int, int], shift: int) -> bool:
+def _worth_keeping(cache: Any, view: Optional[RowView], span: tuple[int, int], shift: int) -> bool:
     """The kept rows, from column ``shift``, fill at least ``IN_PLACE_MIN_SHARE`` of the buffer
-    they would keep alive (``cache.keys``, or the older buffer it is a view of)."""
-    view = live_view(cache)
+    they would keep alive (``cache.keys``, or the older buffer ``view`` shows it from)."""
     rows, width = (int(n) for n in (cache.keys.shape[0], cache.keys.shape[2]))
     if view is not None:
         rows, width = int(view.keys.shape[0]), int(view.keys.shape[2])
@@ -203,8 +202,10 @@ def _worth_keeping(cache: Any, span: tuple[int, int], shift: int) -> bool:
     return kept >= IN_PLACE_MIN_SHARE * rows * width
 
 
-def _keep_in_place(cache: Any, span: tuple[int, int], shift: int) -> None:
-    view = live_view(cache) or RowView(cache.keys, cache.values, 0, int(cache.keys.shape[0]), 0)
+def _keep_in_place(cache: Any, view: Optional[RowView], span: tuple[int, int], shift: int) -> None:
+    """The kept rows shown in place: narrowing ``view`` (the cache's live one), or a new record
+    of the buffer the cache holds."""
+    view = view or RowView(cache.keys, cache.values, 0, int(cache.keys.shape[0]), 0)
     view.first, view.end = view.first + span[0], view.first + span[1]
     view.column += shift
     show(cache, view)

@@ -131,10 +131,13 @@ def _address(x: mx.array) -> int | None:
     return None
 
 
-def _probe(owner: object, names: tuple[str, ...]) -> dict[str, tuple[tuple[int, ...], int | None, int]]:
+Probed = tuple[tuple[int, ...], int | None, int]  # the shape, host address and size of one array
+
+
+def _probe(owner: object, names: tuple[str, ...]) -> dict[str, Probed]:
     """Shape, address and size of ``owner``'s arrays; holds no reference to them afterwards
     (a held reference would itself force the copy-on-write this looks for)."""
-    out: dict[str, tuple[tuple[int, ...], int | None, int]] = {}
+    out: dict[str, Probed] = {}
     for name in names:
         value = getattr(owner, name, None)
         if isinstance(value, mx.array) and value.size:
@@ -187,15 +190,17 @@ def _shares(x: mx.array, base: object) -> bool:
     if not isinstance(base, mx.array) or not base.size or not x.size:
         return False
     mx.eval(x, base)
-    lo, at = _address(base), _address(x)
-    return lo is not None and at is not None and lo <= at < lo + int(base.nbytes)
+    return _within(_address(x), _address(base), int(base.nbytes))
 
 
-def _inside(after: tuple[tuple[int, ...], int | None, int], before: tuple[tuple[int, ...], int | None, int] | None) -> bool:
+def _inside(after: Probed, before: Probed | None) -> bool:
     """Whether the probed array ``after`` starts inside the buffer probed as ``before``."""
-    if before is None or before[1] is None or after[1] is None:
-        return False
-    return before[1] <= after[1] < before[1] + before[2]
+    return before is not None and _within(after[1], before[1], before[2])
+
+
+def _within(at: int | None, lo: int | None, nbytes: int) -> bool:
+    """Whether address ``at`` lies in the ``nbytes`` from ``lo`` (False where one is unknown)."""
+    return lo is not None and at is not None and lo <= at < lo + nbytes
 
 
 def _extracted(method: Method) -> Method:

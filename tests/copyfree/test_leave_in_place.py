@@ -154,7 +154,7 @@ def test_a_commit_copies_rows_kept_in_place_instead_of_pinning_the_old_buffer() 
 
 
 def test_hybrid_model_logits_equal_with_leaves_kept_in_place(model: Any) -> None:
-    from tests.copyfree.test_batch_join_leave import _story
+    from tests.copyfree.test_batch_join_leave import _copyfree, _story
 
     stock = _story(model)
     wrote = []
@@ -166,8 +166,7 @@ def test_hybrid_model_logits_equal_with_leaves_kept_in_place(model: Any) -> None
         return fetched if fetched is not None else stock_update(self, keys, values)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(BatchKVCache, "extend", lambda self, other: batch.extend_kv(self, other))
-        patch.setattr(BatchKVCache, "filter", lambda self, index: batch.filter_kv(self, index))
+        _copyfree(patch)
         patch.setattr(BatchKVCache, "update_and_fetch", update)
         ours = _story(model)
     assert any(wrote), "no leave of the story kept its rows in place"
