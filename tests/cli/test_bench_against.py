@@ -11,6 +11,7 @@ on rows as the bench writes them (its servers are the same ``BenchServer``).
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -62,7 +63,9 @@ def test_against_head_runs_both_servers_interleaved_and_reports_the_ratio(
         assert len(turns) == 3 and all(t["restored_tokens"] > 0 for t in turns[1:])
     ttft = result["against"]["ttft_ms"]
     assert ttft["pairs"] == 2 and ttft["min"] <= ttft["max"]
-    base, other = (result["summary"][m]["ttft_ms"] for m in result["modes"])
+    # The ratio of the warm turns' medians (the summary's medians are rounded to 0.1 ms, which can
+    # move the second decimal: 1.27 against 1.28 was seen on a fresh clone).
+    base, other = (statistics.median(t["ttft_ms"] for t in result["turns"][m][1:]) for m in result["modes"])
     assert ttft["ratio"] == round(other / base, 2)
     assert not list(workdir.glob("tree-*")) and str(workdir) not in _git(scratch_repo, "worktree", "list")
 
