@@ -16,7 +16,8 @@ from apcctl.commands.against import against_option, against_tree
 
 QUICK = {"preset": "tiny", "context": 600, "tokens": 24, "commits": 3, "repeat": 1}
 FULL = {"preset": "bench", "context": 4096, "tokens": 120, "commits": 5, "repeat": 3}
-SCENARIOS = "cold-prefill,ram-restore,ram-lent,disk-restore,shared-row-end,full-budget,full-budget-normal,canary-load"
+SCENARIOS = ("cold-prefill,ram-restore,ram-lent,disk-restore,shared-row-end,short-visits,full-budget,"
+             "full-budget-normal,canary-load")
 
 
 def register(main: click.Group, bench: click.Group) -> None:
@@ -41,7 +42,8 @@ def register(main: click.Group, bench: click.Group) -> None:
 @click.option("--modes", default="stock,patched,patched-unpaced", show_default=True,
               help="Servers to run, in order: stock, patched, patched-unpaced (decode-aware prefill off; "
                    "only the scenarios whose event prefills), patched-stock-join (mlx-vlm's own join and "
-                   "leave, APC_COPYFREE_JOIN=0).")
+                   "leave, APC_COPYFREE_JOIN=0), patched-stock-grow (mlx-vlm's own regrow of a decoding "
+                   "batch's buffer, APC_COPYFREE_GROW=0).")
 @click.option("--scenarios", default=SCENARIOS, show_default=True,
               help="Which events to run in the other session.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -53,8 +55,9 @@ def stall(model_dir: Path | None, quick: bool, context: int | None, tokens: int 
           repeat: int | None, modes: str, scenarios: str, workdir: Path | None, startup_timeout: float,
           as_json: bool, against_ref: str | None) -> None:
     """A stream's inter-token gaps (p50/p99/max) alone and while another session restores,
-    prefills, ends a shared row or commits under a full budget, and a request's TTFT while the
-    canary loads a disk point; stock and patched side by side."""
+    prefills, ends a shared row or commits under a full budget, a long stream's while short
+    requests join and leave its batch, and a request's TTFT while the canary loads a disk point;
+    stock and patched side by side."""
     from apcctl.lab.bench import stall as bench
     from apcctl.lab.bench.against import compare_stall, stall_lines
     from apcctl.lab.bench.ttft import BenchError

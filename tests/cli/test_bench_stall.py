@@ -92,6 +92,30 @@ def test_the_shared_row_ended_while_the_victim_decoded_and_its_reply_commit_was_
             assert row["reply_commit"] == {}
 
 
+def test_short_requests_joined_and_left_the_long_stream_that_stayed(result: dict) -> None:
+    """``short-visits``: the measured stream is the long conversation's next turn; each visit
+    joined its batch while it decoded and left before it ended, and the server charged the long
+    stream the joins and leaves (with the visits), none alone."""
+    plan = stall.Plan(**result["plan"])
+    assert plan.long_tokens >= 300
+    row = next(r for r in result["rows"] if r["scenario"] == "short-visits" and r["mode"] == "patched")
+    alone, with_visits = row["alone"], row["with_event"]
+    assert alone["tokens"] == with_visits["tokens"] > plan.tokens  # the long stream, not the victim
+    visits = row["visits"]
+    assert visits["done"] == visits["joined"] == visits["left"] == plan.visits, visits
+    assert 0 < visits["long_tokens_after"] < with_visits["tokens"], visits
+    waited = row["server_gaps"]["waited"]
+    assert waited.get("join", 0) > 0 and waited.get("leave", 0) > 0, waited
+    split_alone = row["server_gaps_alone"]
+    assert split_alone["ended"] and split_alone["gap_count"] >= alone["tokens"] - 3, split_alone
+    assert split_alone["waited"].get("join", 0) == 0 and split_alone["waited"].get("leave", 0) == 0, split_alone
+    worst = split_alone["worst_gap"]
+    assert sum(worst["parts"].values()) == pytest.approx(worst["ms"], abs=0.001 * (len(worst["parts"]) + 1))
+    line = next(line for line in stall.render(result).splitlines() if line.startswith("short-visits"))
+    assert f"visits done {plan.visits}, joined {plan.visits}, left {plan.visits}" in line, line
+    assert "server's worst gap alone" in line and "waited in all" in line, line
+
+
 def test_a_request_arrived_while_the_canary_checked_a_file_it_loaded(result: dict) -> None:
     repeat = result["plan"]["repeat"]
     for mode in ("stock", "patched"):

@@ -37,6 +37,19 @@ def test_the_newest_ended_record_with_enough_gaps_is_the_victims() -> None:
     assert stall_gaps.parts_text(found["worst_gap"]) == "700 ms: join 600"
 
 
+def test_older_reads_the_stream_before_the_newest_and_parts_keep_their_names() -> None:
+    """``short-visits`` reads the long stream alone too: the record before the newest long one;
+    a part's name is printed as the server gave it (``grow`` or any other)."""
+    records = [
+        {"seq": 4, "gap_count": 30, "ended": True, "worst_gap": {"ms": 80}, "waited": {}},
+        {"seq": 5, "gap_count": 15, "ended": True, "worst_gap": {"ms": 9}},  # a visit
+        {"seq": 6, "gap_count": 30, "ended": True, "worst_gap": {"ms": 300}, "waited": {"join": 5}},
+    ]
+    alone = stall_gaps.victim_gaps(RecordsServer(records), min_gaps=27, older=1)  # type: ignore[arg-type]
+    assert alone is not None and alone["worst_gap"]["ms"] == 80 and alone["waited"] == {}
+    assert stall_gaps.largest({"grow": 40.4, "step": 90, "join": 0.2}) == "step 90, grow 40"
+
+
 def test_a_server_that_records_no_gaps_is_not_waited_out() -> None:
     server = RecordsServer([{"seq": 1, "ended": True}, {"seq": 2, "ended": True}])  # no gap_count: older
     assert stall_gaps.victim_gaps(server, min_gaps=10) is None  # type: ignore[arg-type]

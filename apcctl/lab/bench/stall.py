@@ -13,6 +13,10 @@ stream decodes ``tokens`` tokens alone, then again while an *event* runs in anot
 * ``shared-row-end``: that conversation's next turn joins the victim's batch and ends while the
   victim decodes: its reply commit (the server's counts of reply appends and whole-row copies,
   and the victim's gap at the row's end);
+* ``short-visits`` (patched servers): the other way round, the measured stream is that
+  conversation's next turn, decoding ``Plan.long_tokens`` (past a 256-step regrow), while
+  ``Plan.visits`` short requests join its batch and leave it one after another
+  (``bench.stall_visits``);
 * ``full-budget``: ``commits`` new conversations committed under a RAM budget of about two
   entries with a slow disk writer (``APC_TEST_FAULT_DISK_STALL_S``): the commits that used
   to wait for the writer;
@@ -23,6 +27,8 @@ stream decodes ``tokens`` tokens alone, then again while an *event* runs in anot
 Modes: ``stock``, ``patched`` and ``patched-unpaced`` (decode-aware prefill off): the last two
 side by side give its prefill-throughput cost (the event's computed tokens per second);
 ``patched-unpaced`` runs only the scenarios whose event prefills (``PACED_SCENARIOS``).
+``patched-stock-join`` and ``patched-stock-grow`` are patched with mlx-vlm's own join and leave,
+or its own regrow of a decoding batch's buffer.
 
 For each: the victim's inter-token gaps (p50, p99, max) alone and with the event, and the
 event's own duration at the client; patched, the server's split of the victim's worst gap
@@ -38,20 +44,23 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 
-from apcctl.lab.bench import pagecache, stall_canary, stall_gaps
+from apcctl.lab.bench import pagecache, stall_canary, stall_gaps, stall_visits
 from apcctl.lab.bench.against import base_mode, groups
 from apcctl.lab.bench.stall_session import (Gaps, Loaded, Plan, Session, ask_to_disk, disk_root,
                                         event_conversation, lineage_stats)
 from apcctl.lab.bench.ttft import BenchServer, next_turn
 
-SCENARIOS = ("cold-prefill", "ram-restore", "ram-lent", "disk-restore", "shared-row-end", "full-budget",
-             "full-budget-normal", "canary-load")
+SCENARIOS = ("cold-prefill", "ram-restore", "ram-lent", "disk-restore", "shared-row-end", "short-visits",
+             "full-budget", "full-budget-normal", "canary-load")
 # Mode -> (the bench server's mode, extra settings): ``patched-unpaced`` is patched with
 # decode-aware prefill off (``APC_DECODE_STALL_MS=0``), for its throughput cost side by side;
-# ``patched-stock-join`` with mlx-vlm's own join and leave (``APC_COPYFREE_JOIN=0``, issue 40).
+# ``patched-stock-join`` with mlx-vlm's own join and leave (``APC_COPYFREE_JOIN=0``, issue 40);
+# ``patched-stock-grow`` with mlx-vlm's own regrow of a decoding batch's buffer every 256 steps
+# (``APC_COPYFREE_GROW=0``; a server without that setting ignores it).
 MODES: dict[str, tuple[str, dict[str, str]]] = {
     "stock": ("stock", {}), "patched": ("patched", {}), "patched-unpaced": ("patched", {"APC_DECODE_STALL_MS": "0"}),
     "patched-stock-join": ("patched", {"APC_COPYFREE_JOIN": "0"}),
+    "patched-stock-grow": ("patched", {"APC_COPYFREE_GROW": "0"}),
 }
 # What ``patched-unpaced`` runs: the scenarios whose event prefills (its only difference from
 # ``patched`` is the prefill's pacing); a shared row's end and the canary's load have none to pace.
@@ -60,6 +69,10 @@ DISK_SCENARIOS = ("disk-restore", "canary-load")
 BUDGET_SCENARIOS = ("full-budget", "full-budget-normal")  # a server each: their writers differ
 # ``patched`` only: stock's ``full-budget`` has no slow writer already.
 PATCHED_ONLY = ("full-budget-normal",)
+# Every mode with a patched server (but ``patched-unpaced``: no event prefill worth pacing):
+# ``short-visits`` is read through the server's split of the long stream's gaps, which stock has
+# not, and its long stream is the bench's longest (stock's would double the quick run's time).
+SPLIT_ONLY = ("short-visits",)
 SLOW_WRITE_S = 1.0  # the full-budget server's writer sleeps this long per file
 REPLY_COUNTS = ("reply_appends", "reply_row_copies")  # how a shared row's reply commit copied
 
@@ -145,6 +158,7 @@ PREPARE: dict[str, Callable[[Session], dict[str, Any]]] = {
     "ram-lent": _lent,
     "disk-restore": lambda s: _restore(s, "disk", from_disk=True),
     "shared-row-end": _shared_row_end,
+    "short-visits": stall_visits.prepare,
     "full-budget": _full_budget,
     "full-budget-normal": _full_budget,
 }
@@ -153,7 +167,8 @@ PREPARE: dict[str, Callable[[Session], dict[str, Any]]] = {
 def gap_row(session: Session, name: str) -> dict[str, Any]:
     """A scenario of ``PREPARE``: the victim's gaps alone and with the event, the event's ms."""
     prepared = PREPARE[name](session)
-    loaded = session.during(prepared["event"], prepared.get("before"), prepared.get("victim_tokens"))
+    loaded = session.during(prepared["event"], prepared.get("before"), prepared.get("victim_tokens"),
+                            prepared.get("stream"))
     alone, with_event, value = Gaps.of(loaded.alone), Gaps.of(loaded.with_event), loaded.value
     row: dict[str, Any] = {"alone": alone.__dict__, "with_event": with_event.__dict__, "event_ms": loaded.event_ms,
                            "max_vs_alone": round(with_event.max / alone.max, 1) if alone.max else None}
@@ -167,6 +182,8 @@ def gap_row(session: Session, name: str) -> dict[str, Any]:
         row.update(prepared["report"](loaded))
     if (server_gaps := stall_gaps.victim_gaps(session.server, max(1, len(loaded.with_event) - 3))) is not None:
         row["server_gaps"] = server_gaps  # where the worst gap went, by the server's own split
+        if prepared.get("split_alone"):  # and the stream's alone, its record just before
+            row["server_gaps_alone"] = stall_gaps.victim_gaps(session.server, max(1, len(loaded.alone) - 3), older=1)
     return row
 
 
@@ -226,9 +243,10 @@ def run_scenarios(model_dir: Path, modes: list[str], scenarios: list[str], plan:
 
 def of_mode(mode: str, scenarios: list[str]) -> list[str]:
     """The scenarios ``mode`` runs: all, but only ``PACED_SCENARIOS`` for ``patched-unpaced``,
-    and ``PATCHED_ONLY`` ones only for ``patched``."""
+    ``PATCHED_ONLY`` ones only for ``patched`` and ``SPLIT_ONLY`` ones for patched servers."""
     return [s for s in scenarios if (mode != "patched-unpaced" or s in PACED_SCENARIOS)
-            and (base_mode(mode) == "patched" or s not in PATCHED_ONLY)]
+            and (base_mode(mode) == "patched" or s not in PATCHED_ONLY)
+            and (MODES[base_mode(mode)][0] == "patched" or s not in SPLIT_ONLY)]
 
 
 def _needs_nothing_more(mode: str, plain: list[str], name: str) -> bool:
@@ -290,8 +308,14 @@ def notes(row: dict[str, Any]) -> str:
         if commit:
             parts.append(f"reply appended {commit.get('reply_appends', 0)}, "
                          f"row copied {commit.get('reply_row_copies', 0)}")
+    if "visits" in row:
+        parts.append(stall_visits.notes(row))
+    if (worst := (row.get("server_gaps_alone") or {}).get("worst_gap")):
+        parts.append(f"server's worst gap alone {stall_gaps.parts_text(worst)}")
     if (worst := (row.get("server_gaps") or {}).get("worst_gap")):
         parts.append(f"server's worst gap {stall_gaps.parts_text(worst)}")
+    if "visits" in row and (waited := (row.get("server_gaps") or {}).get("waited")):
+        parts.append(f"waited in all {stall_gaps.largest(waited, limit=len(waited))}")
     stats = row.get("event_stats") or {}
     if stats:
         parts.append(f"evictions {stats.get('evictions', 0)} (unwritten {stats.get('evicted_unwritten', 0)})")
@@ -328,6 +352,9 @@ def _footer(result: dict[str, Any]) -> str:
     parts = [f"victim: {plan['tokens']} tokens", f"event conversation ~{plan['context']:,} tokens"]
     if "shared-row-end" in ran:
         parts.append(f"shared-row-end reply {Plan(**plan).shared_reply} tokens")
+    if "short-visits" in ran:
+        parts.append(f"short-visits: the long stream {Plan(**plan).long_tokens} tokens, {plan['visits']} visits of "
+                     f"~{plan['victim_context']} tokens replying {plan['visit_reply']}")
     if ran & set(BUDGET_SCENARIOS):
         parts.append(f"full-budget: {plan['commits']} commits under {result.get('budget_bytes', 0):,} bytes, "
                      f"writer {SLOW_WRITE_S:g} s per file (patched)")

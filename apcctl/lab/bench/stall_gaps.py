@@ -20,9 +20,10 @@ RECORD_WAIT_S = 30.0  # the victim's row ends right after its last token; its re
 POLL_S = 0.2
 
 
-def victim_gaps(server: BenchServer, min_gaps: int) -> dict[str, Any] | None:
+def victim_gaps(server: BenchServer, min_gaps: int, older: int = 0) -> dict[str, Any] | None:
     """The newest request record with at least ``min_gaps`` gaps (the victim's stream with the
-    event: the event's own requests reply a few tokens), once its row ended; None from stock or
+    event: the event's own requests reply a few tokens), once its row ended; ``older``: that
+    many such records before it (1: the victim's stream alone, just before). None from stock or
     from a server whose records carry no gaps (an older tree's, under ``--against``)."""
     if not server.patched:
         return None
@@ -31,8 +32,8 @@ def victim_gaps(server: BenchServer, min_gaps: int) -> dict[str, Any] | None:
         records = server.get_json("/admin/requests?limit=5000").get("requests", [])
         if records and not any("gap_count" in r for r in records):
             return None  # a server older than the split (``bench --against``) never records gaps
-        victims = [r for r in records if int(r.get("gap_count") or 0) >= min_gaps]
-        newest = max(victims, key=lambda r: r["seq"], default=None)
+        victims = sorted((r for r in records if int(r.get("gap_count") or 0) >= min_gaps), key=lambda r: -r["seq"])
+        newest = victims[older] if len(victims) > older else None
         if (newest is not None and newest.get("ended")) or time.monotonic() > deadline:
             break
         time.sleep(POLL_S)
@@ -45,10 +46,14 @@ def victim_gaps(server: BenchServer, min_gaps: int) -> dict[str, Any] | None:
 
 def parts_text(gap: dict[str, Any], limit: int = 5) -> str:
     """"734 ms: join 420, prefill 200, step 100, unattributed 14" (the largest parts first)."""
-    parts = sorted(((part, ms) for part, ms in (gap.get("parts") or {}).items() if abs(ms) >= 0.5),
-                   key=lambda kv: -abs(kv[1]))
-    shown = ", ".join(f"{part} {ms:,.0f}" for part, ms in parts[:limit])
-    return f"{gap.get('ms', 0):,.0f} ms: {shown}" if parts else ""
+    shown = largest(gap.get("parts") or {}, limit)
+    return f"{gap.get('ms', 0):,.0f} ms: {shown}" if shown else ""
 
 
-__all__ = ["parts_text", "victim_gaps"]
+def largest(parts: dict[str, float], limit: int = 5) -> str:
+    """"join 420, prefill 200, step 100" (the ``limit`` largest of ``parts``, whatever their names)."""
+    kept = sorted(((part, ms) for part, ms in parts.items() if abs(ms) >= 0.5), key=lambda kv: -abs(kv[1]))
+    return ", ".join(f"{part} {ms:,.0f}" for part, ms in kept[:limit])
+
+
+__all__ = ["largest", "parts_text", "victim_gaps"]

@@ -19,6 +19,8 @@ from apcctl.lab.bench.pagecache import sizes_under
 from apcctl.lab.bench.ttft import BenchError, BenchServer, conversation
 
 LEAD_TOKENS = 3  # the event starts once the victim has streamed this many tokens
+REGROW_STEPS = 256  # mlx-vlm's ``BatchKVCache.step``: a batch buffer regrows every this many decode steps
+VISIT_SLACK = 16  # ``short-visits``: the long stream's tokens a visit's prefill and request may take
 
 
 @dataclass
@@ -46,6 +48,8 @@ class Plan:
     commits: int  # conversations committed in ``full-budget``
     victim_context: int = 200
     repeat: int = 3  # ``canary-load``: TTFT samples alone and with the canary loading
+    visits: int = 3  # ``short-visits``: short requests, one after another, beside the long stream
+    visit_reply: int = 16  # ``short-visits``: each visit's reply
 
     @property
     def shared_reply(self) -> int:
@@ -57,6 +61,13 @@ class Plan:
         """``shared-row-end``: the victim decodes this long, so the other row (its restore, then
         its reply in the victim's batch) ends well inside the victim's stream."""
         return 3 * self.tokens
+
+    @property
+    def long_tokens(self) -> int:
+        """``short-visits``: the long stream's reply. A join leaves its joint buffer one regrow
+        step of room, so the stream decodes that much past the last visit's expected end (each
+        visit its reply and ``VISIT_SLACK``): it crosses a regrow after the visits too."""
+        return max(self.tokens, LEAD_TOKENS + self.visits * (self.visit_reply + VISIT_SLACK) + REGROW_STEPS + 32)
 
 
 @dataclass
@@ -77,9 +88,11 @@ class Session:
         self.victim = tagged(conversation(plan.victim_context, model_dir), "victim")
         self.model_dir = model_dir
 
-    def victim_times(self, started: threading.Event | None = None, tokens: int | None = None) -> list[float]:
+    def victim_times(self, started: threading.Event | None = None, tokens: int | None = None,
+                     stream: list[dict[str, str]] | None = None) -> list[float]:
         """The ``perf_counter`` time of every token of one victim reply (``tokens`` long, default
-        the plan's); ``started`` is set at its ``LEAD_TOKENS``-th."""
+        the plan's; ``stream``: other messages than the victim's); ``started`` is set at its
+        ``LEAD_TOKENS``-th."""
         times: list[float] = []
 
         def on_token(at: float) -> None:
@@ -87,7 +100,8 @@ class Session:
             if started is not None and len(times) == LEAD_TOKENS:
                 started.set()
 
-        self.server.stream(self.victim, tokens or self.plan.tokens, on_token=on_token, extra={"ignore_eos": True})
+        self.server.stream(stream or self.victim, tokens or self.plan.tokens, on_token=on_token,
+                           extra={"ignore_eos": True})
         if started is not None:
             started.set()  # a reply shorter than the lead: the event still runs
         return times
@@ -97,10 +111,11 @@ class Session:
         return text, usage
 
     def during(self, event: Callable[[], Any], before: Callable[[], Any] | None = None,
-               tokens: int | None = None) -> Loaded:
+               tokens: int | None = None, stream: list[dict[str, str]] | None = None) -> Loaded:
         """The victim alone, then with ``event`` (``before`` runs between the two, say a page
-        cache drop the alone stream must not undo); ``tokens``: the victim's reply length."""
-        alone = self.victim_times(tokens=tokens)
+        cache drop the alone stream must not undo); ``tokens``: the victim's reply length,
+        ``stream``: the measured messages when they are not the victim's (``short-visits``)."""
+        alone = self.victim_times(tokens=tokens, stream=stream)
         if before is not None:
             before()
         started = threading.Event()
@@ -117,7 +132,7 @@ class Session:
 
         thread = threading.Thread(target=run_event, daemon=True)
         thread.start()
-        loaded = self.victim_times(started, tokens)
+        loaded = self.victim_times(started, tokens, stream)
         thread.join()
         if "error" in result:
             raise BenchError(f"{self.server.mode}: the event failed: {result['error']}")
