@@ -9,6 +9,7 @@ nothing asserts a time.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
@@ -18,6 +19,16 @@ from apcctl.core import render
 def register(main: click.Group, bench: click.Group) -> None:
     del main
     bench.add_command(copies)
+
+
+_REGROWN = (("long", "1 row"), ("joint", "2 rows"))  # the lone long row; it and the decoding row
+_REGROWS = (("regrow", "mlx-vlm's update_and_fetch"), ("alloc_grow", "grow_kv allocating"),
+            ("ahead_grow", "grow_kv, buffer made ahead"))
+
+
+def _regrow_rows(batch: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """The table's regrow rows (name, key, where): a full buffer takes one more token."""
+    return [(f"regrow, {rows}: {how}", f"{key}_{suffix}", batch) for suffix, rows in _REGROWN for key, how in _REGROWS]
 
 
 @click.command("copies")
@@ -34,7 +45,8 @@ def copies(context: int, reply: int, slice_rows: int, repeat: int, victim: int, 
     """The bytes and milliseconds of each copy on the generation thread: the whole row, only
     the reply's rows, the merge in one piece and per slice; a row joining a decoding batch and
     leaving it (mlx-vlm's extend and filter, and the copy-free join and leave), the next decode
-    write after each, and a join into a buffer with room."""
+    write after each, and a join into a buffer with room; a full decoding buffer's regrow
+    (mlx-vlm's, and copyfree.grow's allocating and into buffers made ahead) and the write after."""
     from apcctl.lab.bench import batch_copies, reply_copy
 
     with click.progressbar(length=2, label="timing the copies", file=sys.stderr) as bar:
@@ -56,7 +68,8 @@ def copies(context: int, reply: int, slice_rows: int, repeat: int, victim: int, 
                                   ("leave, copy-free (kept row at its width)", "copyfree_leave", out["batch"]),
                                   ("short row leaves, long row copied", "long_copied_leave", out["batch"]),
                                   ("short row leaves, long row kept in place", "long_in_place_leave", out["batch"]),
-                                  ("join into a buffer with room", "headroom_join", out["batch"]))]
+                                  ("join into a buffer with room", "headroom_join", out["batch"]),
+                                  *_regrow_rows(out["batch"]))]
     render.console().print(render.table(("COPY", "BYTES", "MIN ms", "MEDIAN ms", "MAX ms"), rows,
                                         title=f"{context:,}-token context, {reply:,}-token reply"))
     batch = out["batch"]
@@ -67,6 +80,11 @@ def copies(context: int, reply: int, slice_rows: int, repeat: int, victim: int, 
                    ("after a leave kept as a view", "view_leave_next"),
                    ("after the long row was copied", "long_copied_leave_next"),
                    ("after it was kept in place", "long_in_place_leave_next"))))
+    click.echo("a full buffer's regrow, the rows copied: " + ", ".join(
+        f"{rows} {render.human_bytes(batch[f'regrow_{suffix}_rows_bytes'])}" for suffix, rows in _REGROWN)
+        + "; the next decode write after it (ms median): " + ", ".join(
+        f"{how}, {rows} {batch[f'{key}_{suffix}_next_ms']['median']:.1f}" for suffix, rows in _REGROWN
+        for key, how in _REGROWS))
     if "merge_slice_ms" in out:
         click.echo(f"merge in {out['merge_slices']} slices of {slice_rows:,} rows: "
                    f"{out['merge_slice_ms']['median']:.1f} ms median each")

@@ -14,6 +14,12 @@ in-process, each timed to the end of its compute (``mx.eval``):
   written into the old buffer (``write_kv``);
 * ``headroom join``: the alternative, a batch buffer allocated ahead with room for the joiner:
   the join writes only the new row's tokens into its slot (``slice_update``), nothing else moves.
+* ``regrow``: a decoding batch whose buffer is exactly full (its write index at its width: the
+  lone ``context``-token row, or the joint batch of it and the ``victim``-token row as ``extend``
+  lays them out) takes one more token: mlx-vlm's ``update_and_fetch`` concatenates every row into
+  a new buffer one allocation step wider; ``copyfree.grow.grow_kv`` writes the rows into a new
+  zero buffer (allocating, evaluated at once) or into one made ahead (``JointSpares``, made
+  before the timing, as the runtime's stager makes them: ``integration.grows_ahead``).
 
 Only the KV children (``KVCache`` → ``BatchKVCache``), which hold the bytes; the pooled and
 recurrent children are small. Not a test: nothing asserts a time.
@@ -21,7 +27,7 @@ recurrent children are small. Not a test: nothing asserts a time.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
@@ -62,15 +68,17 @@ def _token(children: list[Any]) -> list[tuple[mx.array, mx.array]]:
             for c in children]
 
 
-def _next_write(rows: list[Any]) -> list[mx.array]:
+def _next_write(rows: list[Any], write: Optional[Callable[..., Any]] = None) -> list[mx.array]:
     """The next decode step's cache write after a join or leave, evaluated: where MLX copies a
     buffer that is a view of another (it cannot write a view in place), this is that copy. Rows
-    a leave kept in place are written as the patched ``update_and_fetch`` writes them."""
+    a leave kept in place are written as the patched ``update_and_fetch`` writes them.
+    ``write(row, keys, values)``: the write itself where it is what is timed (a regrow's)."""
     from server_patch.copyfree import batch
 
     tokens = _token(rows)
     mx.eval([x for pair_ in tokens for x in pair_])
-    return [x for r, (k, v) in zip(rows, tokens) for x in (batch.write_kv(r, k, v) or r.update_and_fetch(k, v))]
+    write = write or (lambda r, k, v: batch.write_kv(r, k, v) or r.update_and_fetch(k, v))
+    return [x for r, (k, v) in zip(rows, tokens) for x in write(r, k, v)]
 
 
 def _join_leave(children: list[Any], context: int, victim: int, repeat: int,
@@ -118,6 +126,66 @@ def _asked(spares: Any, rows: list[Any], joining: list[Any]) -> None:
     ticket = spares.ahead(joining[0], shapes)  # a prompt batch's stand-in: its first layer
     if ticket is not None:
         spares.make(ticket, shapes)
+
+
+def _full(children: list[Any], context: int, victim: int, joint: bool) -> list[Any]:
+    """Each child's decoding batch with its buffer exactly full (``_idx`` at its width: the next
+    single-token write regrows): the lone ``context``-token row, or (``joint``) a ``victim``-token
+    row that it joined, as mlx-vlm's ``extend`` lays them out (the short row left-padded)."""
+    long = [_row(c, context, context) for c in children]
+    if not joint:
+        return long
+    rows = [_row(c, victim, victim) for c in children]
+    for r, j in zip(rows, long):
+        r.extend(j)
+    return rows
+
+
+def _regrow(children: list[Any], context: int, victim: int, repeat: int, joint: bool,
+            write: Callable[..., Any], ahead: Any = None) -> dict[str, Any]:
+    """``repeat`` rounds of: a full batch (``_full``) takes one token (``write(row, keys,
+    values)``: the regrow), then the next one; each timed to the end of its compute.
+    ``ahead(rows)``, untimed, runs first (what the stager does off the generation thread)."""
+    out: dict[str, Any] = {"grow": [], "grow_next": []}
+    for _ in range(repeat):
+        rows = _full(children, context, victim, joint)
+        mx.eval(_arrays(rows))
+        out["rows_bytes"] = sum(int(x.nbytes) for x in _arrays(rows))
+        if ahead is not None:
+            ahead(rows)
+        out["grow"] += timed(lambda: _next_write(rows, write), 1)
+        out["grown_bytes"] = sum(int(x.nbytes) for x in _arrays(rows))
+        out["grow_next"] += timed(lambda: _next_write(rows), 1)
+        del rows
+    return out
+
+
+def _regrows(children: list[Any], context: int, victim: int, repeat: int) -> dict[str, Any]:
+    """The regrow rows: mlx-vlm's, ``grow_kv`` allocating, ``grow_kv`` into buffers made ahead;
+    for the lone long row (``_long``) and the joint batch (``_joint``)."""
+    from server_patch.copyfree import grow
+    from server_patch.copyfree.spares import JointSpares
+
+    made = JointSpares(purpose="regrow")
+    left: list[int] = []  # buffers made ahead that a regrow did not take (it allocated instead)
+
+    def make(rows: list[Any]) -> None:
+        left.append(made.count())  # the last round's leftovers
+        shapes = grow.grow_shapes(grow.grown(rows))
+        ticket = made.ahead(rows[0], shapes)  # the decoding batch's stand-in: its first layer
+        if ticket is not None:
+            made.make(ticket, shapes)
+
+    out: dict[str, Any] = {}
+    for joint, suffix in ((False, "long"), (True, "joint")):
+        for key, write, ahead in (("regrow", lambda r, k, v: r.update_and_fetch(k, v), None),
+                                  ("alloc_grow", lambda r, k, v: grow.grow_kv(r, k, v, None), None),
+                                  ("ahead_grow", lambda r, k, v: grow.grow_kv(r, k, v, made), make)):
+            timing = _regrow(children, context, victim, repeat, joint, write, ahead)
+            out |= {f"{key}_{suffix}_ms": _stats(timing["grow"]), f"{key}_{suffix}_next_ms": _stats(timing["grow_next"]),
+                    f"{key}_{suffix}_bytes": timing["grown_bytes"], f"{key}_{suffix}_rows_bytes": timing["rows_bytes"]}
+        out[f"ahead_grow_{suffix}_left"] = max(left + [made.drop()])
+    return out
 
 
 def run(context: int, victim: int, repeat: int) -> dict[str, Any]:
@@ -190,7 +258,8 @@ def run(context: int, victim: int, repeat: int) -> dict[str, Any]:
             "spare_join_next_ms": _stats(spare["join_next"]),
             "lent_join_ms": _stats(lent["join"]), "lent_join_bytes": lent["joint_bytes"],
             "lent_join_next_ms": _stats(lent["join_next"]),
-            "headroom_join_ms": _stats(headroom_ms), "headroom_join_bytes": headroom_bytes}
+            "headroom_join_ms": _stats(headroom_ms), "headroom_join_bytes": headroom_bytes,
+            **_regrows(children, context, victim, repeat)}
 
 
 __all__ = ["run"]
