@@ -358,6 +358,8 @@ _GROUPS: tuple[_Group, ...] = (
         "lend": "Lend an entry's buffer to the lone request that extends it, so a warm turn copies no KV.",
         "join": "A row joining or leaving the decoding batch moves each KV row once, at its own width "
                 "(0: mlx-vlm's extend/filter, which copy every row at the longest row's width).",
+        "grow": "A decoding batch outgrowing its KV buffer grows into one made ahead off the generation "
+                "thread, timed as `grow` (needs APC_COPYFREE_JOIN; 0: mlx-vlm's concatenation into fresh memory).",
         "lend_headroom": "Extra rows a lone request's merge allocates, so its next turns fit in place.",
         "decode_reserve": "Rows of decode headroom the merge allocates past the prompt end.",
         "adopt_dead_fraction": "Adopt only while the rows past the entry are at most this fraction of it...",

@@ -14,6 +14,7 @@ ENV = {
     "adopt": "APC_COPYFREE_ADOPT",
     "lend": "APC_COPYFREE_LEND",
     "join": "APC_COPYFREE_JOIN",
+    "grow": "APC_COPYFREE_GROW",
     "lend_headroom": "APC_COPYFREE_LEND_HEADROOM",
     "decode_reserve": "APC_COPYFREE_DECODE_RESERVE",
     "adopt_dead_fraction": "APC_COPYFREE_ADOPT_DEAD_FRACTION",
@@ -40,6 +41,9 @@ class CopyFreeSettings:
     # A row joining or leaving the decoding batch moves each KV row once, at its own width
     # (``copyfree.batch``); 0 (or ``enabled`` 0): mlx-vlm's ``BatchKVCache.extend``/``filter``.
     join: bool = True
+    # A decoding batch outgrowing its buffer grows into one its stager made ahead, and the
+    # copy is timed as ``grow`` (``copyfree.grow``; needs ``join``); 0: mlx-vlm's concatenation.
+    grow: bool = True
     # Tokens of decode headroom the merge allocates past prompt end (stock regrows in 256 steps).
     decode_reserve: int = 256
     # Extra rows a lone request's merge allocates, so the next turns of its conversation fit

@@ -7,6 +7,9 @@ mapped instead of allocating, and faulting in, a buffer of the joint batch's siz
 generation thread. Only the latest staging's spares are kept; once the buffer pool has been idle
 (``pool.idle``) the runtime's ticker drops any a join never took (``drop_if_idle``).
 
+A decoding batch's regrow gets its set the same way from a runtime's second instance
+(``copyfree.grow``, ``integration.grows_ahead``), named for each decode step (``GROWS``).
+
 Every other join gets its set the same way once its shapes are known: when a prompt batch (a
 lent or cold joiner, a mixed batch, a third row, a decoding row wider than the joiner) starts
 prefilling while rows decode, ``ahead`` is asked its join's shapes (``batch.joint_shapes``, on
@@ -43,7 +46,7 @@ import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
 from itertools import count as counter
-from typing import Hashable, Iterable, Iterator, Optional, Protocol, Sequence
+from typing import Callable, Hashable, Iterable, Iterator, Optional, Protocol, Sequence
 
 import mlx.core as mx
 
@@ -71,7 +74,8 @@ class JointSpares:
     the next join's known shapes), counted in ``budget`` (its RAM budget; None: counted nowhere,
     as in a bench)."""
 
-    def __init__(self, budget: Optional[Budget] = None) -> None:
+    def __init__(self, budget: Optional[Budget] = None, purpose: str = "join") -> None:
+        self.purpose = purpose  # what takes them, for the log: a ``join``, a ``regrow``
         self._lock = threading.Lock()
         self._spares: list[mx.array] = []
         self.budget = budget
@@ -112,6 +116,15 @@ class JointSpares:
                 return None
             return self._ticket
 
+    def ask(self, owner: object, shapes: Sequence[Shape], run: Callable[..., object]) -> bool:
+        """``ahead`` on the generation thread, and its ``make`` handed to ``run`` (the runtime's
+        stager's: off the thread). Whether a job was handed."""
+        ticket = self.ahead(owner, shapes)
+        if ticket is None:
+            return False
+        run(self.make, ticket, shapes)
+        return True
+
     def make(self, ticket: int, shapes: Sequence[Shape]) -> bool:
         """Off the generation thread (the runtime's stager): the zero buffers ``ahead`` asked
         for under ``ticket``, evaluated, replacing the set held; nothing where that join has
@@ -134,7 +147,7 @@ class JointSpares:
         if spent:
             self._let_go(self._swap([], None))
         if taken or count:
-            log.info("apc_copyfree join: %d joint buffers made ahead taken, %d left over dropped", taken, count)
+            log.info("apc_copyfree %s: %d buffers made ahead taken, %d left over dropped", self.purpose, taken, count)
         return count
 
     def _make(self, shapes: Sequence[Shape], owner: Hashable, ticket: Optional[int]) -> bool:
@@ -225,24 +238,32 @@ class JointSpares:
         return taken if taken is not None else mx.zeros(shape, dtype=dtype)
 
 
-# The joining generator's spares, for the length of one ``_extend_generation_batch`` on its
-# thread (``joining``); None outside one: a join then allocates its buffer.
-_JOINING: ContextVar[JointSpares | None] = ContextVar("apc_joining_spares", default=None)
+class Named:
+    """Spares named for the length of one call on this thread (``naming``), for code inside it
+    that has no runtime in scope (mlx-vlm's cache methods); None outside such a call."""
+
+    def __init__(self, name: str) -> None:
+        self._var: ContextVar[JointSpares | None] = ContextVar(name, default=None)
+
+    @contextmanager
+    def naming(self, spares: JointSpares | None) -> Iterator[None]:
+        """Within this block, on this thread, the spares are ``spares`` (a runtime's)."""
+        token = self._var.set(spares)
+        try:
+            yield
+        finally:
+            self._var.reset(token)
+
+    def get(self) -> JointSpares | None:
+        return self._var.get()
 
 
-@contextmanager
-def joining(spares: JointSpares | None) -> Iterator[None]:
-    """Within this block, on this thread, the join's spares are ``spares`` (its runtime's)."""
-    token = _JOINING.set(spares)
-    try:
-        yield
-    finally:
-        _JOINING.reset(token)
-
-
-def of_this_join() -> JointSpares | None:
-    """The spares ``joining`` named for the join running on this thread, if any."""
-    return _JOINING.get()
+# The joining generator's spares, for the length of one ``_extend_generation_batch`` (a join
+# outside one allocates its buffer), and the decoding batch's regrow spares for the length of
+# one decode step (``copyfree.grow``).
+JOINS = Named("apc_joining_spares")
+GROWS = Named("apc_growing_spares")
+joining, of_this_join = JOINS.naming, JOINS.get
 
 
 def _fits(spare: mx.array, shape: Sequence[int], dtype: mx.Dtype) -> bool:

@@ -153,11 +153,20 @@ def kv_rows_leave(cache: Any, batch_indices: Any) -> bool:
 
 def kv_rows_write(cache: Any, keys: Any, values: Any) -> Any:
     """``BatchKVCache.update_and_fetch`` of a cache whose rows a leave kept in place (it has a
-    ``copyfree.batch.RowView``): the tokens written into the old buffer, in place, and the views
-    to attend over; None leaves the write to mlx-vlm (the record is stale, or the buffer full)."""
-    from server_patch.copyfree import batch
+    ``copyfree.batch.RowView``), or whose buffer the tokens outgrow: the tokens written into the
+    old buffer, in place, or, in a decode step, the buffer grown into one its runtime made
+    ahead (``copyfree.grow``, timed as ``grow``), and the views to attend over; None leaves the
+    write to mlx-vlm (a stock cache, a prefill chunk's regrow, the record stale and the buffer
+    not full)."""
+    from server_patch.copyfree import batch, grow, spares
 
-    return batch.write_kv(cache, keys, values)
+    if not batch.takes_over(cache):
+        return None
+    written = batch.write_kv(cache, keys, values)
+    made = spares.GROWS.get()  # named for a decode step of a lineage runtime's batch only
+    if written is not None or made is None or not grow.takes_grows():
+        return written
+    return grow.grow_kv(cache, keys, values, made, functools.partial(waits.run, waits.Work.GROW))
 
 
 def admissible(coordinator: object, queue: list[Any], extra_hash_of: Callable[[dict[str, Any]], int], limit: int,
@@ -365,10 +374,29 @@ def decode_step(method: Callable[..., Any]) -> Callable[..., Any]:
         book = _waits_of(batch.apc_coordinator) if batch.uids else None
         if book is None:
             return method(batch, *args, **kwargs)
-        with book.timed(waits.OWN_STEP, waits.Owners()):
+        with _growing(batch), book.timed(waits.OWN_STEP, waits.Owners()):
             return method(batch, *args, **kwargs)
 
     return timed
+
+
+def _growing(batch: Any) -> AbstractContextManager[None]:
+    """The decode step's regrow spares (``copyfree.grow``): the runtime's made ahead, named for
+    the step, after its stager was asked for them when the regrow is near
+    (``integration.grows_ahead``). A failure to tend them never fails the step."""
+    from server_patch.copyfree import spares
+
+    lineage = _lineage(batch.apc_coordinator)
+    runtime = lineage.runtime if lineage is not None else None
+    if runtime is None:
+        return contextlib.nullcontext()
+    try:
+        from server_patch.integration import grows_ahead
+
+        grows_ahead.tend(runtime, batch)
+    except Exception as exc:
+        fail_closed(exc, "apc_copyfree regrow buffers ahead", log=copyfree_log)
+    return spares.GROWS.naming(runtime.grow_spares)
 
 
 def rows_leave(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -40,11 +40,7 @@ def ask(runtime: LineageRuntime, generator: Any, prompt_batch: Any) -> bool:
     if decoding is None or not len(decoding.uids) or columns is None:
         return False
     shapes = batch.joint_shapes(decoding.prompt_cache, prompt_batch.prompt_cache, int(columns.shape[1]))
-    ticket = spares.ahead(prompt_batch, shapes)
-    if ticket is None:
-        return False
-    runtime.stages.run(spares.make, ticket, shapes)
-    return True
+    return spares.ask(prompt_batch, shapes, runtime.stages.run)
 
 
 __all__ = ["ask"]

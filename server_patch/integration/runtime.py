@@ -80,6 +80,9 @@ class LineageRuntime:
         # Joint batch buffers its stager makes ahead for a staged turn's join (``copyfree.spares``);
         # its generator's join takes them, its ticker drops those no join took.
         self.spares = JointSpares()
+        # Those of its decoding batch's next regrow (``integration.grows_ahead``), its own set:
+        # a join's and a regrow's may both be wanted at once.
+        self.grow_spares = JointSpares(purpose="regrow")
         if disk_enabled() and why_no_disk:
             log.warning("apc_lineage: disk tier off for this run: %s", why_no_disk)
         elif disk_enabled():
@@ -89,7 +92,7 @@ class LineageRuntime:
                                   writer=new_writer(self.workers).start())
             self.disk.peers = peers.attach(self.disk)  # the shared tier (issue 38), if configured
         self.cache = LineageCache(self.config, disk=self.disk, on_event=self._record_event, clock=clock.steady)
-        self.spares.budget = self.cache  # the joint buffers made ahead count in its RAM budget
+        self.spares.budget = self.grow_spares.budget = self.cache  # buffers made ahead count in its RAM budget
         # The one book of its requests' sessions, whose ring holds the finished timing records;
         # every coordinator of this runtime works in a scope of it (``SessionBook.scope``).
         self.book = SessionBook(release=self.cache.release)
@@ -200,6 +203,7 @@ class LineageRuntime:
         complete = self.disk.close(timeout) if self.disk is not None else True
         self.workers.close(timeout)  # their threads go back to the park, for the next runtime
         self.spares.drop()  # a staged turn's joint buffers: no join of this runtime will take them
+        self.grow_spares.drop()
         if self.journal is not None:
             self.journal.close()
         log.info("apc_lineage runtime %s closed (its model was unloaded); unwritten entries %s",

@@ -70,6 +70,7 @@ class Work(StrEnum):
     LEAVE = "leave"  # its rows left the decoding batch (``GenerationBatch.filter``, its reply commit inside)
     STAGE = "stage"  # the queue's turn: its disk load or staged copy started or checked (``prefetch``, ``admissible``)
     POOL = "pool"  # the buffer pool cleared (``mx.clear_cache``, ``APC_POOL_CLEAR=1``)
+    GROW = "grow"  # the decoding batch's KV outgrew its buffer: every row copied (``copyfree.grow``)
 
 
 WORK_KINDS = tuple(Work)

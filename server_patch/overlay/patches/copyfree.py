@@ -23,7 +23,9 @@ topic's ``lineage.door_import`` imports it into ar.py), and hands it the coordin
   ``APC_COPYFREE=0`` or ``APC_COPYFREE_JOIN=0`` keeps mlx-vlm's methods. A leave may keep the
   rows in place (a view of the old buffer, recorded on the cache as ``_apc_row_view``): then
   ``update_and_fetch`` hands the write to the door (``kv_rows_write``), which writes into the old
-  buffer in place; a cache without that record writes as stock, at the cost of one attribute read.
+  buffer in place. So does a write the buffer is too small for (a regrow): the door grows it
+  into a buffer made ahead (``copyfree.grow``, ``APC_COPYFREE_GROW``). Any other write is
+  stock's, at the cost of one attribute read and one comparison.
 """
 
 from __future__ import annotations
@@ -271,7 +273,9 @@ FILE_PATCHES = (
             ),
             new=(
                 "    def update_and_fetch(self, keys, values):\n"
-                "        if getattr(self, \"_apc_row_view\", None) is not None:\n"
+                "        if getattr(self, \"_apc_row_view\", None) is not None or (\n"
+                "            self.keys is not None and self._idx + keys.shape[2] > self.keys.shape[2]\n"
+                "        ):\n"
                 "            from server_patch.integration import hooks as _apc_door\n"
                 "\n"
                 "            _apc_fetched = _apc_door.kv_rows_write(self, keys, values)\n"
