@@ -145,7 +145,10 @@ def _regrow(children: list[Any], context: int, victim: int, repeat: int, joint: 
             write: Callable[..., Any], ahead: Any = None) -> dict[str, Any]:
     """``repeat`` rounds of: a full batch (``_full``) takes one token (``write(row, keys,
     values)``: the regrow), then the next one; each timed to the end of its compute.
-    ``ahead(rows)``, untimed, runs first (what the stager does off the generation thread)."""
+    ``ahead(rows)``, untimed, runs first (what the stager does off the generation thread).
+    MLX's pool of freed buffers is emptied before each regrow (untimed): in the server a grown
+    buffer is wider than any the batch freed, so its pages come fresh from the OS, whereas here
+    the earlier rows (and rounds) free buffers of exactly the grown size, which MLX would reuse."""
     out: dict[str, Any] = {"grow": [], "grow_next": []}
     for _ in range(repeat):
         rows = _full(children, context, victim, joint)
@@ -153,6 +156,7 @@ def _regrow(children: list[Any], context: int, victim: int, repeat: int, joint: 
         out["rows_bytes"] = sum(int(x.nbytes) for x in _arrays(rows))
         if ahead is not None:
             ahead(rows)
+        mx.clear_cache()
         out["grow"] += timed(lambda: _next_write(rows, write), 1)
         out["grown_bytes"] = sum(int(x.nbytes) for x in _arrays(rows))
         out["grow_next"] += timed(lambda: _next_write(rows), 1)
@@ -163,9 +167,10 @@ def _regrow(children: list[Any], context: int, victim: int, repeat: int, joint: 
 def _regrows(children: list[Any], context: int, victim: int, repeat: int) -> dict[str, Any]:
     """The regrow rows: mlx-vlm's, ``grow_kv`` allocating, ``grow_kv`` into buffers made ahead;
     for the lone long row (``_long``) and the joint batch (``_joint``)."""
-    from server_patch.copyfree import grow
+    from server_patch.copyfree import grow, pool
     from server_patch.copyfree.spares import JointSpares
 
+    pool.settings()  # the server's pool limit (16 GB; CPU MLX's own keeps 32 MB): freed buffers are kept
     made = JointSpares(purpose="regrow")
     left: list[int] = []  # buffers made ahead that a regrow did not take (it allocated instead)
 
