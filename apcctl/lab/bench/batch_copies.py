@@ -117,15 +117,17 @@ def _lent_capacity(context: int) -> int:
     return capacity(context + settings.decode_reserve + settings.lend_headroom)
 
 
+def _at_once(job: Callable[..., Any], *args: Any) -> Any:
+    """The stager's run for ``JointSpares.ask``, here on this thread, before the timing."""
+    return job(*args)
+
+
 def _asked(spares: Any, rows: list[Any], joining: list[Any]) -> None:
     """What the runtime does for a joiner without a staged copy: the join's shapes at its first
     chunk (here its last column left), made as the stager makes them."""
     from server_patch.copyfree import batch
 
-    shapes = batch.joint_shapes(rows, joining, 0)
-    ticket = spares.ahead(joining[0], shapes)  # a prompt batch's stand-in: its first layer
-    if ticket is not None:
-        spares.make(ticket, shapes)
+    spares.ask(joining[0], batch.joint_shapes(rows, joining, 0), _at_once)  # a prompt batch's stand-in: its first layer
 
 
 def _full(children: list[Any], context: int, victim: int, joint: bool) -> list[Any]:
@@ -176,10 +178,7 @@ def _regrows(children: list[Any], context: int, victim: int, repeat: int) -> dic
 
     def make(rows: list[Any]) -> None:
         left.append(made.count())  # the last round's leftovers
-        shapes = grow.grow_shapes(grow.grown(rows))
-        ticket = made.ahead(rows[0], shapes)  # the decoding batch's stand-in: its first layer
-        if ticket is not None:
-            made.make(ticket, shapes)
+        made.ask(rows[0], grow.grow_shapes(grow.grown(rows)), _at_once)  # the decoding batch's stand-in: its first layer
 
     out: dict[str, Any] = {}
     for joint, suffix in ((False, "long"), (True, "joint")):
