@@ -257,6 +257,8 @@ _SCALARS: tuple[Setting, ...] = (
        "file exists (it writes `PATH.held` first).", "test faults", "server_patch.disk.faults"),
     _s("APC_TEST_FAULT_STAGE_HOLD_FILE", T.PATH, None, "A queued request's staged copy waits while this "
        "file exists (it writes `PATH.held` first).", "test faults", "server_patch.disk.faults"),
+    _s("APC_TEST_FAULT_JOIN_SPARES_HOLD_FILE", T.PATH, None, "The stager's making of a join's buffers ahead "
+       "waits while this file exists (it writes `PATH.held` first).", "test faults", "server_patch.disk.faults"),
     _s("APC_TEST_FAULT_CORRUPT_STATE", T.LIST, (), "Checkpoint kinds whose recurrent state is corrupted "
        "(`all`: every kind).", "test faults", "server_patch.canary.faults"),
     _s("APC_TEST_FAULT_CANARY_PAUSE_FILE", T.PATH, None, "A check pauses while this file exists.",
@@ -360,6 +362,9 @@ _GROUPS: tuple[_Group, ...] = (
                 "(0: mlx-vlm's extend/filter, which copy every row at the longest row's width).",
         "grow": "A decoding batch outgrowing its KV buffer grows into one made ahead off the generation "
                 "thread, timed as `grow` (needs APC_COPYFREE_JOIN; 0: mlx-vlm's concatenation into fresh memory).",
+        "join_wait_ms": "A finished prompt batch waits at most this long (others keep decoding) for the joint "
+                        "buffers the stager is still making for its join, instead of allocating them while "
+                        "every stream waits (0: never waits).",
         "lend_headroom": "Extra rows a lone request's merge allocates, so its next turns fit in place.",
         "decode_reserve": "Rows of decode headroom the merge allocates past the prompt end.",
         "adopt_dead_fraction": "Adopt only while the rows past the entry are at most this fraction of it...",

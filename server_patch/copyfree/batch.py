@@ -106,6 +106,27 @@ def extend_kv(cache: Any, other: Any, joint: JointSpares | None = None) -> None:
     cache._idx = write_index
 
 
+def one_row(cache: Any) -> Any:
+    """``type(cache).merge([cache])`` for a single-row cache, as mlx-vlm's ``_extend_cache``
+    makes one before a join (a lone stream decodes in its model's own ``KVCache``): a
+    ``KVCache``'s buffer shown as a one-row ``BatchKVCache`` without a copy (mlx-vlm's merge
+    copies the row into a fresh buffer of its exact length, which the join then copies again and
+    the first decode step regrows), the children of a ``CacheList`` the same way, any other cache
+    mlx-vlm's merge. Only for a join, which writes the row into its joint buffer next and keeps
+    no reference to this one (``extend_kv``; mlx-vlm's ``extend`` concatenates into new ones)."""
+    from mlx_vlm.models.cache import BatchKVCache, CacheList, KVCache
+
+    if type(cache) is KVCache and cache.keys is not None:
+        row = BatchKVCache([0])
+        row.keys, row.values = cache.keys, cache.values
+        row._idx = int(cache.offset)
+        row.offset = mx.array([int(cache.offset)])
+        return row
+    if type(cache) is CacheList:
+        return CacheList(*(one_row(child) for child in cache.caches))  # type: ignore[no-untyped-call]
+    return type(cache).merge([cache])
+
+
 def joint_shapes(decoding: Sequence[Any], joining: Sequence[Any], tokens: int,
                  steps: Optional[int] = None) -> list[Shape]:
     """The buffers ``extend_kv`` will want when the prompt batch ``joining`` (its per-layer
@@ -113,19 +134,20 @@ def joint_shapes(decoding: Sequence[Any], joining: Sequence[Any], tokens: int,
     (its prompt columns left) and ``decoding`` at most ``steps`` more (decode steps meanwhile;
     default one allocation step). Upper bounds, a step or so past the join's need
     (``JointSpares.take`` takes a buffer up to twice as wide); rows are those of both batches
-    now. Only layers whose join this module makes (plain ``BatchKVCache`` on both sides)."""
+    now. Only layers whose join this module makes: plain ``BatchKVCache`` on both sides, or a
+    single row's ``KVCache``, which ``one_row`` shows as one."""
     shapes: list[Shape] = []
     ours, others = list(leaf_caches(decoding)), list(leaf_caches(joining))
     if len(ours) != len(others):
         return shapes  # not the same layers (a draft model's too?): nothing is known ahead
     for mine, theirs in zip(ours, others):
-        if not (takes_over(mine) and takes_over(theirs)):
+        if not (_joinable(mine) and _joinable(theirs)):
             continue
         template = mine if mine.keys is not None else theirs
         if template.keys is None:
             continue
         step = int(type(mine).step)
-        ends = (int(mine._idx) + (step if steps is None else steps), int(theirs._idx) + tokens)
+        ends = (_index(mine) + (step if steps is None else steps), _index(theirs) + tokens)
         widths = [_width(c) if end <= _width(c) else -(-end // step) * step for c, end in zip((mine, theirs), ends)]
         width = max(*widths, max(ends) + step)
         rows, heads = _rows(mine) + _rows(theirs), int(template.keys.shape[1])
@@ -238,8 +260,23 @@ def _as_list(batch_indices: mx.array | Sequence[int]) -> list[int]:
     return [int(i) for i in batch_indices]
 
 
+def _joinable(cache: Any) -> bool:
+    """A layer whose join ``extend_kv`` makes: a plain ``BatchKVCache``, or a ``KVCache`` (one
+    row, ``one_row``)."""
+    from mlx_vlm.models.cache import KVCache
+
+    return takes_over(cache) or (type(cache) is KVCache and takes_joins())
+
+
+def _index(cache: Any) -> int:
+    """The write index: a ``BatchKVCache``'s ``_idx``, a ``KVCache``'s offset."""
+    return int(cache._idx) if hasattr(cache, "_idx") else int(cache.offset)
+
+
 def _rows(cache: Any) -> int:
-    return int(cache.keys.shape[0]) if cache.keys is not None else int(cache.offset.shape[0])
+    if cache.keys is not None:
+        return int(cache.keys.shape[0])
+    return int(cache.offset.shape[0]) if isinstance(cache.offset, mx.array) else 1
 
 
 def _width(cache: Any) -> int:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 
-from server_patch.copyfree import pool, spares
+from server_patch.copyfree import pool
 from server_patch.copyfree.spares import JointSpares, Shape
 from server_patch.state.row_view import ROW_VIEW
 from server_patch.state.rows import leaf_caches
@@ -106,13 +106,17 @@ def grow_kv(cache: Any, keys: mx.array, values: mx.array, made: Optional[JointSp
 
 
 def _moved(old_keys: mx.array, old_values: mx.array, width: int, made: Optional[JointSpares]) -> Moved:
-    """``old_keys``/``old_values`` written into the first columns of buffers ``width`` wide
-    (``made``'s where one fits), computed."""
+    """``old_keys``/``old_values`` in the first columns of buffers ``width`` wide, computed:
+    written into ``made``'s where one fits, else concatenated with zeros as mlx-vlm does (one
+    write of the rows; filling a new buffer with zeros first would write it twice)."""
     moved = []
     for old in (old_keys, old_values):
         rows, heads, held, dim = (int(n) for n in old.shape)
-        buffer = spares.buffer(made, (rows, heads, width, dim), old.dtype)
-        buffer[..., :held, :] = old
+        buffer = made.taken((rows, heads, width, dim), old.dtype) if made is not None else None
+        if buffer is None:
+            buffer = mx.concatenate([old, mx.zeros((rows, heads, width - held, dim), dtype=old.dtype)], axis=2)
+        else:
+            buffer[..., :held, :] = old
         moved.append(buffer)
     mx.eval(moved)
     return moved[0], moved[1]

@@ -15,6 +15,7 @@ ENV = {
     "lend": "APC_COPYFREE_LEND",
     "join": "APC_COPYFREE_JOIN",
     "grow": "APC_COPYFREE_GROW",
+    "join_wait_ms": "APC_COPYFREE_JOIN_WAIT_MS",
     "lend_headroom": "APC_COPYFREE_LEND_HEADROOM",
     "decode_reserve": "APC_COPYFREE_DECODE_RESERVE",
     "adopt_dead_fraction": "APC_COPYFREE_ADOPT_DEAD_FRACTION",
@@ -44,6 +45,10 @@ class CopyFreeSettings:
     # A decoding batch outgrowing its buffer grows into one its stager made ahead, and the
     # copy is timed as ``grow`` (``copyfree.grow``; needs ``join``); 0: mlx-vlm's concatenation.
     grow: bool = True
+    # A finished prompt batch waits this long at most (decode steps go on) for the joint buffers
+    # the stager is still making for its join, instead of allocating them on the generation
+    # thread while every decoding stream waits (``integration.joins_ahead.waits``); 0: never.
+    join_wait_ms: float = 2000.0
     # Tokens of decode headroom the merge allocates past prompt end (stock regrows in 256 steps).
     decode_reserve: int = 256
     # Extra rows a lone request's merge allocates, so the next turns of its conversation fit
@@ -70,6 +75,8 @@ class CopyFreeSettings:
             raise ValueError("copy-free reserves and adoption limits must be >= 0")
         if settings.pool_limit_gb < 0 or settings.pool_idle_s < 0:
             raise ValueError("APC_POOL_LIMIT_GB and APC_POOL_IDLE_S must be >= 0")
+        if settings.join_wait_ms < 0:
+            raise ValueError("APC_COPYFREE_JOIN_WAIT_MS must be >= 0")
         return settings
 
     @property

@@ -86,6 +86,9 @@ class JointSpares:
         self._joiner: Optional[weakref.ref[object]] = None
         self._ticket: Optional[int] = None
         self._taken = 0  # buffers joins took since the last ``joined``
+        self._making: Optional[int] = None  # the ticket whose set the stager is making now
+        # When the join asked for began waiting for its set (``joins_ahead.waits``), until it joins.
+        self.waiting_since: Optional[float] = None
 
     def reserve(self, buffers: Sequence[mx.array], rows: int = 2) -> None:
         """Zero buffers of ``rows`` rows shaped like each of ``buffers`` (a staged row's KV
@@ -122,8 +125,17 @@ class JointSpares:
         ticket = self.ahead(owner, shapes)
         if ticket is None:
             return False
+        with self._lock:
+            self._making = ticket
         run(self.make, ticket, shapes)
         return True
+
+    def unmade(self, owner: object) -> bool:
+        """Whether the set asked for ``owner`` is still being made (handed to the stager by
+        ``ask``, not finished nor given up)."""
+        with self._lock:
+            return (self._making is not None and self._making == self._ticket and self._joiner is not None
+                    and self._joiner() is owner)
 
     def make(self, ticket: int, shapes: Sequence[Shape]) -> bool:
         """Off the generation thread (the runtime's stager): the zero buffers ``ahead`` asked
@@ -133,7 +145,12 @@ class JointSpares:
         with self._lock:
             if ticket != self._ticket:
                 return False
-        return self._make(shapes, (SPARES_KEY, ticket), ticket)
+        try:
+            return self._make(shapes, (SPARES_KEY, ticket), ticket)
+        finally:
+            with self._lock:
+                if self._making == ticket:
+                    self._making = None
 
     def joined(self) -> int:
         """After a join (taking what fits): the set asked for it is spent, and what it left
@@ -141,6 +158,7 @@ class JointSpares:
         is dropped; a staged turn's set is kept for its own join. The count dropped."""
         with self._lock:
             ticket, self._ticket, self._joiner = self._ticket, None, None
+            self._making = self.waiting_since = None
             taken, self._taken = self._taken, 0
             spent = ticket is not None and self._owner == (SPARES_KEY, ticket)
             count = len(self._spares) if spent else 0
@@ -156,8 +174,8 @@ class JointSpares:
         if self.budget is not None and not self.budget.reserve_spare(owner, SPARES_KEY, nbytes):
             # Counted before it exists, and only in the budget's free room: a set never evicts a
             # cached entry nor takes the budget past its limit; without one the join allocates.
-            log.info("apc_copyfree joint buffers not made ahead: %d bytes do not fit the RAM budget's free room",
-                     nbytes)
+            log.info("apc_copyfree %s buffers not made ahead: %d bytes do not fit the RAM budget's free room",
+                     self.purpose, nbytes)
             return False
         made = [mx.zeros(shape, dtype=dtype) for shape, dtype in shapes]
         mx.eval(made)
@@ -225,6 +243,11 @@ class JointSpares:
         turn does not take (and hold) the staged turn's wide buffers. The join that takes the
         last of a set lets its budget hold go (the buffers are the decoding batch's from then on,
         which the budget does not count; a set taken in part stays counted whole until dropped)."""
+        taken = self.taken(shape, dtype)
+        return taken if taken is not None else mx.zeros(shape, dtype=dtype)
+
+    def taken(self, shape: tuple[int, int, int, int], dtype: mx.Dtype) -> Optional[mx.array]:
+        """``take``'s spare, or None where none fits (the caller allocates as it likes)."""
         taken, emptied = None, None
         with self._lock:
             for i, spare in enumerate(self._spares):
@@ -235,7 +258,7 @@ class JointSpares:
                         emptied, self._owner = self._owner, None
                     break
         self._let_go(emptied)
-        return taken if taken is not None else mx.zeros(shape, dtype=dtype)
+        return taken
 
 
 class Named:

@@ -9,7 +9,9 @@ The fault-injection suite (tests/fault/test_fault_disk.py) drives a real server 
   (``integration.loading``, on the loader thread) waits before it reads, having written
   ``PATH.held`` (so a test knows the request is LOADING and releases it by removing PATH);
 * ``APC_TEST_FAULT_STAGE_HOLD_FILE=PATH``: the same for a queued request's staged copy
-  (``integration.staging``, on the stager thread): the request is STAGING meanwhile.
+  (``integration.staging``, on the stager thread): the request is STAGING meanwhile;
+* ``APC_TEST_FAULT_JOIN_SPARES_HOLD_FILE=PATH``: the same for the making of a join's buffers
+  ahead (``integration.joins_ahead``, on the stager thread): the finished joiner waits meanwhile.
 
 Nothing else in the package reads these variables.
 """
@@ -45,6 +47,11 @@ def before_load() -> None:
 def before_stage() -> None:
     """Called on the stager thread before a queued request's rows are copied."""
     _hold("APC_TEST_FAULT_STAGE_HOLD_FILE")
+
+
+def before_join_spares() -> None:
+    """Called on the stager thread before a join's buffers are made ahead."""
+    _hold("APC_TEST_FAULT_JOIN_SPARES_HOLD_FILE")
 
 
 def _hold(variable: str) -> None:

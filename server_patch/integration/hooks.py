@@ -141,6 +141,14 @@ def kv_rows_join(cache: Any, other: Any) -> bool:
     return True
 
 
+def one_row(cache: Any) -> Any:
+    """mlx-vlm's ``_extend_cache``, a single-row cache before a join: shown as a batch of one
+    without a copy (``copyfree.batch.one_row``), or mlx-vlm's merge (``APC_COPYFREE_JOIN=0``)."""
+    from server_patch.copyfree import batch
+
+    return batch.one_row(cache) if batch.takes_joins() else type(cache).merge([cache])
+
+
 def kv_rows_leave(cache: Any, batch_indices: Any) -> bool:
     """``BatchKVCache.filter``: True when ``copyfree.batch`` kept the rows (each moved once)."""
     from server_patch.copyfree import batch
@@ -273,6 +281,20 @@ def prefill_step(generator: Any, prompt_batch: PromptBatch) -> int:
         log.debug("apc_lineage waits: pending step not settled before a chunk: %s", exc)
     _join_ahead(generator, prompt_batch)
     return _prefill_chunk(generator, prompt_batch)
+
+
+def join_waits(generator: Any, prompt_batch: PromptBatch) -> bool:
+    """``BatchGenerator._next``, before a finished prompt batch joins the decoding batch:
+    True skips the join this time (the rows decode on) while the runtime's stager is still
+    making its buffers (``integration.joins_ahead.waits``). A failure to tell joins now."""
+    try:
+        if (lineage := _lineage(generator.apc)) is not None and lineage.runtime is not None:
+            from server_patch.integration import joins_ahead
+
+            return joins_ahead.waits(lineage.runtime, generator, prompt_batch)
+    except Exception as exc:
+        fail_closed(exc, "apc_copyfree join wait", log=copyfree_log)
+    return False
 
 
 def _join_ahead(generator: Any, prompt_batch: PromptBatch) -> None:
@@ -439,6 +461,9 @@ def batch_join(method: Callable[..., Any]) -> Callable[..., Any]:
                 return timed(generator, gen_batch)
             finally:
                 if runtime is not None:
+                    from server_patch.integration import joins_ahead
+
+                    joins_ahead.waited(runtime)
                     runtime.spares.joined()  # the set asked for this join is spent
 
     def timed(generator: Any, gen_batch: Any) -> Any:

@@ -117,6 +117,63 @@ def test_a_lent_third_row_joins_into_buffers_made_ahead_and_its_logits_equal_col
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=f"decode step {step}")
 
 
+def _lone(model: Any, tokens: np.ndarray) -> tuple[list[Any], int]:
+    """A lone stream's caches: the model's own (``KVCache`` layers), as mlx-vlm decodes one row."""
+    cache = model.make_cache()
+    logits = prefill(model, cache, tokens)
+    return cache, int(mx.argmax(logits, axis=-1).item())
+
+
+def _extended(a: list[Any], b: list[Any], one_row: bool) -> list[Any]:
+    """mlx-vlm's ``_extend_cache``: single-row entries merged first (mlx-vlm's merge, or the
+    door's ``one_row`` as the overlay's edit does), then extended."""
+    from mlx_vlm.generate.ar import _is_batch_cache_entry
+
+    joined = []
+    for ca, cb in zip(a, b):
+        ca, cb = (c if _is_batch_cache_entry(c) else batch.one_row(c) if one_row else type(c).merge([c])
+                  for c in (ca, cb))
+        ca.extend(cb)
+        joined.append(ca)
+    return joined
+
+
+def test_a_lone_streams_own_caches_join_uncopied_into_buffers_made_ahead(model: Any) -> None:
+    """A lone stream decodes in its model's ``KVCache`` layers; a short row joins. mlx-vlm merges
+    each into a fresh buffer and then extends; ``one_row`` shows the stream's buffer as a batch of
+    one (no copy), so the join writes each row once, into the buffers ``joint_shapes`` asked for."""
+    from mlx_vlm.models.cache import KVCache
+
+    seen_stock: list[np.ndarray] = []
+    seen_ours: list[np.ndarray] = []
+    stock_a, a = _lone(model, random_tokens(40, seed=21))
+    stock_b, b = _lone(model, random_tokens(25, seed=22))
+    ours_a, _ = _lone(model, random_tokens(40, seed=21))
+    ours_b, _ = _lone(model, random_tokens(25, seed=22))
+    lone_kv = [leaf for leaf in leaf_caches(ours_a) if type(leaf) is KVCache and leaf.keys is not None]
+    assert lone_kv and all(batch.one_row(leaf).keys is leaf.keys for leaf in lone_kv)  # shown, not copied
+    spares = JointSpares()
+    shapes = batch.joint_shapes(ours_a, ours_b, 0)
+    assert len(shapes) == 2 * len(lone_kv)  # the KVCache layers count as one-row batches
+    ticket = spares.ahead(_PromptBatch(ours_b, 0), shapes)
+    assert ticket is not None and spares.make(ticket, shapes)
+    made = {id(x) for x in spares._spares}
+    stock = _extended(stock_a, stock_b, one_row=False)
+    with pytest.MonkeyPatch.context() as patch:
+        _copyfree(patch)
+        patch.setattr(BatchKVCache, "extend", lambda self, other: batch.extend_kv(self, other, spares))
+        ours = _extended(ours_a, ours_b, one_row=True)
+        joined = [leaf for leaf in leaf_caches(ours) if type(leaf) is BatchKVCache]
+        assert spares.count() == 0 and {id(x) for leaf in joined for x in (leaf.keys, leaf.values)} == made
+        for mine, theirs in zip(leaf_caches(stock), leaf_caches(ours)):
+            if type(mine) is BatchKVCache:
+                _same(mine, theirs)
+        _decode(model, ours, [a, b], 4, seen_ours)
+    _decode(model, stock, [a, b], 4, seen_stock)
+    for step, (x, y) in enumerate(zip(seen_stock, seen_ours)):
+        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5, err_msg=f"decode step {step}")
+
+
 # --- the shapes and the set's life, on plain buffers ------------------------------------------
 
 def test_joint_shapes_fit_the_join_after_its_prefill_and_decode_steps() -> None:
@@ -171,3 +228,72 @@ def test_a_staged_turns_set_that_fits_is_not_made_again_and_staging_waits_for_a_
     assert ticket is not None and spares.make(ticket, three)
     spares.reserve([joining.keys, joining.values])  # a staging meanwhile: the known join's set stays
     assert [int(x.shape[0]) for x in spares._spares] == [3, 3]
+
+
+# --- a finished prompt batch waits for its set while the stager makes it ----------------------
+
+class _HeldStager:
+    """A stager whose job starts only when ``release`` is called (it is busy meanwhile)."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[Any, tuple[Any, ...]]] = []
+        self.done: list[Any] = []
+
+    def run(self, job: Any, *args: Any) -> None:
+        self.jobs.append((job, args))
+
+    def release(self) -> None:
+        self.done += [job(*args) for job, args in self.jobs]
+        self.jobs.clear()
+
+
+def _waiting(patch: pytest.MonkeyPatch, wait_ms: float) -> tuple[SimpleNamespace, SimpleNamespace, _PromptBatch,
+                                                                  _HeldStager]:
+    """A 1,000-token row decodes; a short prompt batch has asked for its join's set, which the
+    held stager has not made yet."""
+    from server_patch.copyfree import pool
+    from server_patch.copyfree.settings import CopyFreeSettings
+
+    patch.setattr(pool, "_settings", CopyFreeSettings(join_wait_ms=wait_ms))
+    decoding = _cache(1, 2, 1024, 1000, [0], 16, 16, mx.bfloat16, 1)
+    joiner = _PromptBatch([_cache(1, 2, 256, 100, [0], 16, 16, mx.bfloat16, 2)], 20)
+    stager = _HeldStager()
+    runtime = SimpleNamespace(spares=JointSpares(), stages=stager)
+    generator = _generator([decoding], 1)
+    assert joins_ahead.ask(runtime, generator, joiner)  # type: ignore[arg-type]
+    return runtime, generator, joiner, stager
+
+
+def test_a_join_waits_while_its_set_is_made_and_goes_once_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime, generator, joiner, stager = _waiting(monkeypatch, 60_000)
+    assert joins_ahead.waits(runtime, generator, joiner)  # type: ignore[arg-type]
+    assert joins_ahead.waits(runtime, generator, joiner)  # type: ignore[arg-type]  # the next step too
+    assert not joins_ahead.waits(runtime, generator, _PromptBatch([], 0))  # type: ignore[arg-type]  # not its set
+    stager.release()
+    assert stager.done == [True] and runtime.spares.count() == 2
+    assert not joins_ahead.waits(runtime, generator, joiner)  # type: ignore[arg-type]  # made: it joins
+    runtime2, generator2, joiner2, _ = _waiting(monkeypatch, 60_000)
+    generator2._generation_batch.uids = []  # nobody decoding: nothing to wait for
+    assert not joins_ahead.waits(runtime2, generator2, joiner2)  # type: ignore[arg-type]
+
+
+def test_a_join_waits_no_longer_than_its_limit_nor_for_a_set_the_budget_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from server_patch import clock
+
+    now = [1000.0]
+    monkeypatch.setattr(clock, "steady", lambda: now[0])
+    runtime, generator, joiner, stager = _waiting(monkeypatch, 500)
+    assert joins_ahead.waits(runtime, generator, joiner)  # type: ignore[arg-type]
+    now[0] += 0.4
+    assert joins_ahead.waits(runtime, generator, joiner)  # type: ignore[arg-type]
+    now[0] += 0.2  # 600 ms since it first waited: it joins, allocating
+    assert not joins_ahead.waits(runtime, generator, joiner)  # type: ignore[arg-type]
+
+    runtime, generator, joiner, stager = _waiting(monkeypatch, 60_000)
+    runtime.spares.budget = SimpleNamespace(reserve_spare=lambda *a: False, release=lambda *a: 0)
+    stager.release()  # the set is refused: nothing will come
+    assert stager.done == [False]
+    assert not joins_ahead.waits(runtime, generator, joiner)  # type: ignore[arg-type]
+    runtime0, generator0, joiner0, _ = _waiting(monkeypatch, 0)  # APC_COPYFREE_JOIN_WAIT_MS=0: never waits
+    assert not joins_ahead.waits(runtime0, generator0, joiner0)  # type: ignore[arg-type]

@@ -14,7 +14,10 @@ topic's ``lineage.door_import`` imports it into ar.py), and hands it the coordin
   has one; the empty starting batch has none), so ``filter`` can say which rows leave and
   ``next`` which ids each step fed (reply reuse: 0.7.10 keeps no generated ids). A batch that
   knows its coordinator from birth reads better upstream than one handed it by the generator
-  later, and needs no attribute set from outside the class.
+  later, and needs no attribute set from outside the class. A finished prompt batch asks the
+  door before it joins (``join_waits``): while the runtime's stager is still making its join's
+  buffers, the join waits and the rows decode on. A lone stream's single-row caches join
+  through the door (``one_row``), without mlx-vlm's merge copy first.
 * server/openai.py: the clear after every non-streaming chat completion and response goes
   through the same opt-in (error paths keep their clears).
 * models/cache.py: ``BatchKVCache.extend`` and ``filter`` (a row joining or leaving the decoding
@@ -173,6 +176,37 @@ FILE_PATCHES = (
             old="    def next(self) -> List[Response]:\n        \"\"\"Generate the next batch of tokens.\"\"\"\n",
             new=("    @_apc_door.decode_step\n"
                  "    def next(self) -> List[Response]:\n        \"\"\"Generate the next batch of tokens.\"\"\"\n"),
+        ),
+        # A finished prompt batch whose join's buffers the stager is still making waits (the
+        # rows decode on) instead of having them allocated on the thread (issue 40).
+        Edit(
+            name="copyfree.join_waits_for_its_buffers",
+            old=("                self._record_prompt_batch_time(self._prompt_batch, elapsed)\n"
+                 "                return prompt_responses, generation_responses\n"
+                 "\n"
+                 "            tic = time.perf_counter()\n"
+                 "            gen_batch = self._prompt_batch.generate(\n"),
+            new=("                self._record_prompt_batch_time(self._prompt_batch, elapsed)\n"
+                 "                return prompt_responses, generation_responses\n"
+                 "\n"
+                 "            if _apc_door.join_waits(self, self._prompt_batch):\n"
+                 "                return prompt_responses, generation_responses\n"
+                 "\n"
+                 "            tic = time.perf_counter()\n"
+                 "            gen_batch = self._prompt_batch.generate(\n"),
+        ),
+        # A lone stream's single-row caches join without a copy (issue 40): mlx-vlm merges each
+        # into a fresh batch buffer first, which the join then copies again.
+        Edit(
+            name="copyfree.one_row_joins_uncopied",
+            old=("        if not _is_batch_cache_entry(ca) and hasattr(ca.__class__, \"merge\"):\n"
+                 "            ca = ca.__class__.merge([ca])\n"
+                 "        if not _is_batch_cache_entry(cb) and hasattr(cb.__class__, \"merge\"):\n"
+                 "            cb = cb.__class__.merge([cb])\n"),
+            new=("        if not _is_batch_cache_entry(ca) and hasattr(ca.__class__, \"merge\"):\n"
+                 "            ca = _apc_door.one_row(ca)\n"
+                 "        if not _is_batch_cache_entry(cb) and hasattr(cb.__class__, \"merge\"):\n"
+                 "            cb = _apc_door.one_row(cb)\n"),
         ),
         Edit(
             name="copyfree.rows_leave_timed",
