@@ -20,6 +20,10 @@ Here, with ``APC_COPYFREE`` and ``APC_COPYFREE_JOIN`` on (either ``=0``: mlx-vlm
   buffers at the first chunk and the runtime's stager makes them (``integration.joins_ahead``).
   ``bench copies --context 8192`` (load ~4-5): a lent joiner's join into buffers made ahead
   38 ms (median), against 641 ms allocating at the join and 843 ms for mlx-vlm's ``extend``.
+* A join into rows a leave freed: where the decoding rows were kept in place by a leave and
+  the joiner is no wider than they are, its rows go into the free rows after them
+  (``_into_free_rows``) and the decoding rows do not move (a long stream that short requests
+  join and leave one after another copies its row once, at the first).
 * ``filter_kv``: the padding no kept row needs is dropped first. Kept rows that are a contiguous
   range and fill at least half of the buffer (``IN_PLACE_MIN_SHARE``: a long row that stays
   when a short one leaves) stay where they are: ``cache.keys`` becomes a view of them
@@ -36,16 +40,14 @@ so the masks and the logits are unchanged. Only ``BatchKVCache`` itself takes th
 (quantized and rotating caches keep mlx-vlm's methods); the patched ``models/cache.py`` calls
 ``takes_over`` and then these functions.
 
-Not built: a batch buffer with a free row (headroom), so that a join writes only the joiner's
-row and the rows already in the batch stay put. Measured (MLX 0.32.4, bench preset, an 8k-token
-decoding row, a 256-token joiner; docs/benchmarks.md): the write into a free row of a buffer
-with one reference is in place (11 ms, no allocation, against 1.7 s for ``extend_kv`` allocating
-at the join), but a second reference to the buffer makes MLX copy all of it (1.6 s). And
-mlx-vlm cannot be shown the free row: ``update_and_fetch`` writes ``keys[..., prev:idx, :]``
-with the batch's row count, so ``cache.keys`` would have to be a view of the first rows, and
-MLX copies a view at its first write (the first decode step: 0.7 s, and the free row is gone).
-It would need ``update_and_fetch`` to write into the full buffer itself (in place when it drops
-its view first: measured 0.33 ms a step) and a free row as wide as the batch held at all times.
+Free rows come only from leaves: the rows a leave kept in place are written through the door
+(``write_kv``, the patched ``update_and_fetch``: mlx-vlm writes with the batch's row count, so
+it cannot be shown a free row), and the next narrower joiner goes into the rows that left. Not
+built: a free row held from the start (headroom), so that the first join too writes only the
+joiner's row. It costs a row as wide as the batch for as long as it decodes (a lone long stream's
+cache doubled); measured (MLX 0.32.4, bench preset, 8k tokens, docs/benchmarks.md): the write
+into a free row of a buffer with one reference is in place (11 ms), against 38 ms for the join
+into buffers made ahead, so it would gain little where the stager made them in time.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ import mlx.core as mx
 
 from server_patch.copyfree import pool, spares
 from server_patch.copyfree.spares import JointSpares, Shape
-from server_patch.state.row_view import ROW_VIEW, RowView, live_view, show
+from server_patch.state.row_view import ROW_VIEW, WRITTEN_FROM, RowView, live_view, show, written_from
 from server_patch.state.rows import leaf_caches
 
 
@@ -82,6 +84,8 @@ def extend_kv(cache: Any, other: Any, joint: JointSpares | None = None) -> None:
         cache.left_padding = mx.concatenate([cache.left_padding, other.left_padding])
         cache.offset = mx.concatenate([cache.offset, other.offset])
         return
+    if _into_free_rows(cache, other):
+        return
     sides = (cache, other)
     template = next(c for c in sides if c.keys is not None)
     heads, dk, dv = int(template.keys.shape[1]), int(template.keys.shape[3]), int(template.values.shape[3])
@@ -90,20 +94,79 @@ def extend_kv(cache: Any, other: Any, joint: JointSpares | None = None) -> None:
     counts = [_rows(c) for c in sides]
     keys = spares.buffer(joint, (sum(counts), heads, width, dk), template.keys.dtype)
     values = spares.buffer(joint, (sum(counts), heads, width, dv), template.values.dtype)
-    first = 0
+    first, starts = 0, []
     for side, count in zip(sides, counts):
         held = int(side._idx)
+        start = write_index - held
+        starts += [start + column for column in written_from(side)]
         if side.keys is not None and held > 0:
-            start = write_index - held
             keys[first: first + count, :, start:write_index, :] = side.keys[..., :held, :]
             values[first: first + count, :, start:write_index, :] = side.values[..., :held, :]
         first += count
     cache.keys, cache.values = keys, values
+    setattr(cache, WRITTEN_FROM, starts)
     for side in sides:  # a kept-in-place record is stale now: the old buffers go with it
         setattr(side, ROW_VIEW, None)
     cache.offset = mx.concatenate([c.offset for c in sides])
     cache.left_padding = mx.concatenate([c.left_padding + (write_index - int(c._idx)) for c in sides])
     cache._idx = write_index
+
+
+def _into_free_rows(cache: Any, other: Any) -> bool:
+    """``extend_kv`` in place: where ``cache``'s rows were kept in place by a leave and the
+    buffer has free rows right after them (the rows that left), and ``other``'s rows end at or
+    before ``cache``'s write index, ``other``'s rows are written into those free rows and the
+    rows already in the batch stay where they are: nothing of theirs moves. What the rows that
+    left wrote left of the joiner's columns is zeroed first (from where each was written,
+    ``RowView.dirty``: a short row's own width), so the rows equal mlx-vlm's ``extend``'s."""
+    view = live_view(cache)
+    if view is None or other.keys is None:
+        return False
+    count, held, index = _rows(other), int(other._idx), int(cache._idx)
+    buffer, free = view.keys, range(view.end, view.end + count)
+    if (not _free_rows_fit(view, count, held, index)
+            or other.keys.shape[1::2] != buffer.shape[1::2] or other.values.shape[1::2] != view.values.shape[1::2]
+            or other.keys.dtype != buffer.dtype or other.values.dtype != view.values.dtype):
+        return False
+    shown_from = written_from(cache)
+    cache.keys = cache.values = view.shown_keys = view.shown_values = None  # the record's alone: in place
+    rows, at = slice(view.end, view.end + count), view.column + index
+    for row in free:  # what the row that left wrote, left of the joiner's columns, zeroed
+        dirty = view.dirty.pop(row)
+        if dirty < at - held:
+            view.keys[row: row + 1, :, dirty: at - held, :] = 0
+            view.values[row: row + 1, :, dirty: at - held, :] = 0
+    view.keys[rows, :, at - held: at, :] = other.keys[..., :held, :]
+    view.values[rows, :, at - held: at, :] = other.values[..., :held, :]
+    view.end += count
+    show(cache, view)
+    setattr(other, ROW_VIEW, None)
+    cache.offset = mx.concatenate([cache.offset, other.offset])
+    cache.left_padding = mx.concatenate([cache.left_padding, other.left_padding + (index - held)])
+    setattr(cache, WRITTEN_FROM, shown_from + [index - held + column for column in written_from(other)])
+    return True
+
+
+def _free_rows_fit(view: RowView, count: int, held: int, index: int) -> bool:
+    """``count`` rows ending at ``held`` fit the free rows after ``view``'s rows, which write at
+    ``index``: enough of them, each freed by a leave (its dirty columns known), the joiner no
+    wider, and a step of room past ``index`` (else the first decode step would regrow)."""
+    free = range(view.end, view.end + count)
+    return (view.end + count <= int(view.keys.shape[0]) and held <= index
+            and all(row in view.dirty for row in free) and index + 1 <= int(view.keys.shape[2]) - view.column)
+
+
+def joins_into_free_rows(decoding: Sequence[Any], joining: Sequence[Any], tokens: int) -> bool:
+    """Whether the prompt batch ``joining`` (its per-layer caches), once it has written
+    ``tokens`` more, will join ``decoding`` into free rows in every layer ``extend_kv`` joins
+    (``_into_free_rows``): its join then needs no buffers made ahead."""
+    pairs = [(mine, theirs) for mine, theirs in zip(leaf_caches(decoding), leaf_caches(joining))
+             if _joinable(mine) and _joinable(theirs)]
+    for mine, theirs in pairs:
+        view = live_view(mine)
+        if view is None or not _free_rows_fit(view, _rows(theirs), _index(theirs) + tokens, _index(mine)):
+            return False
+    return bool(pairs)
 
 
 def one_row(cache: Any) -> Any:
@@ -176,10 +239,12 @@ def filter_kv(cache: Any, batch_indices: mx.array | Sequence[int], *, leave: Lea
     shift = min(int(cache.left_padding.min().item()), int(cache._idx)) if kept else 0
     if cache.keys is not None:
         span, view = contiguous_range(kept), live_view(cache)
+        starts = written_from(cache)
+        setattr(cache, WRITTEN_FROM, [max(0, starts[row] - shift) for row in kept])
         if span == (0, int(cache.keys.shape[0])) and shift == 0:
             pass  # nothing leaves and no column is dropped: nothing to move
         elif span is not None and leave == "in_place" and _worth_keeping(cache, view, span, shift):
-            _keep_in_place(cache, view, span, shift)
+            _keep_in_place(cache, view, span, shift, starts)
         else:  # copied: the buffer (and any older one the cache's rows were a view of) is let go
             setattr(cache, ROW_VIEW, None)
             cache.keys = _kept(cache.keys, index, span, shift, leave == "view")
@@ -224,10 +289,15 @@ def _worth_keeping(cache: Any, view: Optional[RowView], span: tuple[int, int], s
     return kept >= IN_PLACE_MIN_SHARE * rows * width
 
 
-def _keep_in_place(cache: Any, view: Optional[RowView], span: tuple[int, int], shift: int) -> None:
+def _keep_in_place(cache: Any, view: Optional[RowView], span: tuple[int, int], shift: int,
+                   starts: Sequence[int]) -> None:
     """The kept rows shown in place: narrowing ``view`` (the cache's live one), or a new record
-    of the buffer the cache holds."""
+    of the buffer the cache holds; the rows that left are free rows of it, each dirty from the
+    first column it was written (``starts``, the cache's ``written_from`` before the leave)."""
     view = view or RowView(cache.keys, cache.values, 0, int(cache.keys.shape[0]), 0)
+    for row, start in enumerate(starts):
+        if not span[0] <= row < span[1]:
+            view.dirty[view.first + row] = view.column + start
     view.first, view.end = view.first + span[0], view.first + span[1]
     view.column += shift
     show(cache, view)

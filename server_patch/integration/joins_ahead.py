@@ -50,6 +50,8 @@ def ask(runtime: LineageRuntime, generator: Any, prompt_batch: Any) -> bool:
     columns = getattr(prompt_batch, "_input_ids", None)  # the prompt columns not yet prefilled
     if decoding is None or not len(decoding.uids) or columns is None:
         return False
+    if batch.joins_into_free_rows(decoding.prompt_cache, prompt_batch.prompt_cache, int(columns.shape[1])):
+        return False  # it will join into rows a leave freed: no buffer to make
     shapes = batch.joint_shapes(decoding.prompt_cache, prompt_batch.prompt_cache, int(columns.shape[1]))
     return spares.ask(prompt_batch, shapes, lambda make, *args: runtime.stages.run(_made, make, *args))
 

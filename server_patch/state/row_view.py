@@ -9,12 +9,17 @@ the cache's ``ROW_VIEW`` attribute) names the buffer, so the next writes go into
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import mlx.core as mx
 
 ROW_VIEW = "_apc_row_view"  # the cache attribute that holds its ``RowView`` while it has one
+# The cache attribute listing, per row, the first column of ``cache.keys`` the row may have
+# written (its own padding included): left of it the row's columns are zero. Kept by
+# ``copyfree.batch``'s join and leave; a cache without it (or with a stale one) counts as
+# written from column 0.
+WRITTEN_FROM = "_apc_written_from"
 
 
 @dataclass
@@ -32,6 +37,9 @@ class RowView:
     column: int
     shown_keys: Optional[mx.array] = None
     shown_values: Optional[mx.array] = None
+    # Rows of the buffer a leave freed: the first column each may have been written from (buffer
+    # columns); a join that reuses one zeroes it from there (``copyfree.batch._into_free_rows``).
+    dirty: dict[int, int] = field(default_factory=dict)
 
 
 def show(cache: Any, view: RowView) -> None:
@@ -53,4 +61,11 @@ def live_view(cache: Any) -> Optional[RowView]:
     return None
 
 
-__all__ = ["ROW_VIEW", "RowView", "live_view", "show"]
+def written_from(cache: Any) -> list[int]:
+    """``cache``'s ``WRITTEN_FROM`` per row, or column 0 for each row where it has none."""
+    rows = int(cache.keys.shape[0]) if cache.keys is not None else int(cache.offset.shape[0])
+    starts: Optional[list[int]] = getattr(cache, WRITTEN_FROM, None)
+    return list(starts) if starts is not None and len(starts) == rows else [0] * rows
+
+
+__all__ = ["ROW_VIEW", "RowView", "WRITTEN_FROM", "live_view", "show", "written_from"]

@@ -297,3 +297,25 @@ def test_a_join_waits_no_longer_than_its_limit_nor_for_a_set_the_budget_refused(
     assert not joins_ahead.waits(runtime, generator, joiner)  # type: ignore[arg-type]
     runtime0, generator0, joiner0, _ = _waiting(monkeypatch, 0)  # APC_COPYFREE_JOIN_WAIT_MS=0: never waits
     assert not joins_ahead.waits(runtime0, generator0, joiner0)  # type: ignore[arg-type]
+
+
+def test_a_join_into_rows_a_leave_freed_asks_no_buffers_and_does_not_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long row that a short one left: the next short joiner goes into the freed row
+    (``batch._into_free_rows``), so nothing is made for it and its join never waits."""
+    from server_patch.copyfree import pool
+    from server_patch.copyfree.settings import CopyFreeSettings
+
+    monkeypatch.setattr(pool, "_settings", CopyFreeSettings(join_wait_ms=60_000))
+    long_row = _cache(1, 2, 1024, 1000, [0], 16, 16, mx.bfloat16, 3)
+    batch.extend_kv(long_row, _cache(1, 2, 256, 30, [0], 16, 16, mx.bfloat16, 4))
+    batch.filter_kv(long_row, [0])  # the visitor left: its row is free
+    visitor = _PromptBatch([_cache(1, 2, 256, 0, [0], 16, 16, mx.bfloat16, 5)], 40)
+    busy = _HeldStager()
+    runtime = SimpleNamespace(spares=JointSpares(), stages=busy)
+    generator = _generator([long_row], 1)
+    assert batch.joins_into_free_rows([long_row], visitor.prompt_cache, 40)
+    assert not joins_ahead.ask(runtime, generator, visitor)  # type: ignore[arg-type]
+    assert busy.jobs == [] and not joins_ahead.waits(runtime, generator, visitor)  # type: ignore[arg-type]
+    wide = _PromptBatch([_cache(1, 2, 2048, 0, [0], 16, 16, mx.bfloat16, 6)], 1500)  # wider: it cannot
+    assert not batch.joins_into_free_rows([long_row], wide.prompt_cache, 1500)
+    assert joins_ahead.ask(runtime, generator, wide)  # type: ignore[arg-type]

@@ -173,3 +173,96 @@ def test_hybrid_model_logits_equal_with_leaves_kept_in_place(model: Any) -> None
     assert len(ours) == len(stock)
     for step, (a, b) in enumerate(zip(stock, ours)):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=f"decode step {step}")
+
+
+# --- a join into the rows a leave freed ---------------------------------------------------------
+
+def _visited(seed: int) -> BatchKVCache:
+    """A 1,000-token row in a 1,024-wide buffer, then a 30-token request joined (mlx-vlm's extend
+    or ``extend_kv``: a new 2-row buffer, the long row first)."""
+    return _cache(1, 2, 1024, 1000, [0], 16, 16, mx.bfloat16, seed)
+
+
+def _visitor(seed: int) -> BatchKVCache:
+    return _cache(1, 2, 256, 30, [0], 16, 16, mx.bfloat16, seed)
+
+
+def test_a_short_request_joins_into_the_row_a_leave_freed_and_nothing_else_moves() -> None:
+    stock, ours = _visited(14), _visited(14)
+    stock.extend(_visitor(15))
+    batch.extend_kv(ours, _visitor(15))  # the first visit: the long row copied once, into a new buffer
+    _steps(stock, ours, 2, 3, seed=6)
+    stock.filter(mx.array([0], mx.int32))
+    batch.filter_kv(ours, mx.array([0], mx.int32))
+    view = live_view(ours)
+    # The visitor's row is free, written from column 970 on (1,000 - 30, where its join put it).
+    assert view is not None and (view.first, view.end) == (0, 1) and view.dirty == {1: 970}
+    _steps(stock, ours, 1, 4, seed=7)
+    mx.eval(ours.keys, ours.values)
+    base, row_bytes = _address(view.keys), int(view.keys.nbytes) // 2
+    for visit, seed in enumerate((16, 17)):
+        joiner = _visitor(seed)
+        mx.eval(joiner.keys, joiner.values)
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        batch.extend_kv(ours, joiner)
+        mx.eval(ours.keys, ours.values)
+        grown = mx.get_peak_memory() - before
+        assert grown < row_bytes // 4, f"visit {visit}: {grown} bytes allocated: the long row was copied"
+        assert live_view(ours) is view and (view.first, view.end) == (0, 2) and _address(view.keys) == base
+        stock.extend(_visitor(seed))
+        _same(stock, ours)  # the free row's old columns zeroed: as mlx-vlm's extend pads
+        _steps(stock, ours, 2, 3, seed=seed)
+        stock.filter(mx.array([0], mx.int32))  # the visitor leaves; the long row stays in place
+        batch.filter_kv(ours, mx.array([0], mx.int32))
+        assert live_view(ours) is view and (view.first, view.end) == (0, 1) and 1 in view.dirty
+        _same(stock, ours)
+
+
+def test_a_joiner_wider_than_the_rows_kept_joins_into_a_new_buffer() -> None:
+    ours = _visited(18)
+    batch.extend_kv(ours, _visitor(19))
+    batch.filter_kv(ours, mx.array([0], mx.int32))
+    assert live_view(ours) is not None
+    batch.extend_kv(ours, _cache(1, 2, 2048, 1500, [0], 16, 16, mx.bfloat16, 17))
+    assert live_view(ours) is None and ours.keys.shape[0] == 2 and ours._idx == 1500
+
+
+def test_hybrid_model_logits_equal_with_visits_joining_freed_rows(model: Any) -> None:
+    from tests.copyfree.test_batch_join_leave import _copyfree, _decode, _extend_cache, _leave, _rows_cache
+    from tests.fake_model import random_tokens
+
+    def visits() -> list[np.ndarray]:
+        """A 150-token stream decodes; two 20-token requests join it and leave, one after another."""
+        seen: list[np.ndarray] = []
+        cache, a = _rows_cache(model, random_tokens(150, seed=8))
+        [a] = _decode(model, cache, [a], 2, seen)
+        for seed in (9, 10):
+            visitor, v = _rows_cache(model, random_tokens(20, seed=seed))
+            cache = _extend_cache(cache, visitor)
+            a, v = _decode(model, cache, [a, v], 2, seen)
+            _leave(cache, [0])
+            [a] = _decode(model, cache, [a], 2, seen)
+        return seen
+
+    stock = visits()
+    into_free: list[bool] = []
+    free_rows, stock_update = batch._into_free_rows, BatchKVCache.update_and_fetch
+
+    def noted(cache: Any, other: Any) -> bool:
+        into_free.append(free_rows(cache, other))
+        return into_free[-1]
+
+    def update(self: BatchKVCache, keys: mx.array, values: mx.array) -> Any:
+        fetched = batch.write_kv(self, keys, values)
+        return fetched if fetched is not None else stock_update(self, keys, values)
+
+    with pytest.MonkeyPatch.context() as patch:
+        _copyfree(patch)
+        patch.setattr(batch, "_into_free_rows", noted)
+        patch.setattr(BatchKVCache, "update_and_fetch", update)
+        ours = visits()
+    assert True in into_free, "the second visit did not join into the row the first one freed"
+    assert len(ours) == len(stock)
+    for step, (a, b) in enumerate(zip(stock, ours)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=f"decode step {step}")
