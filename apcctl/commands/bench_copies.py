@@ -26,6 +26,11 @@ _REGROWS = (("regrow", "mlx-vlm's update_and_fetch"), ("alloc_grow", "grow_kv al
             ("ahead_grow", "grow_kv, buffer made ahead"))
 
 
+# A short visitor joins a lone long stream (its rows in the model's own KVCache), and the next one.
+_VISITS = (("visit_merge_extend", "mlx-vlm's merge + extend"), ("visit_ahead", "one_row + extend_kv, made ahead"),
+           ("visit_free_row", "the next one, into the row it freed"))
+
+
 def _regrow_rows(batch: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
     """The table's regrow rows (name, key, where): a full buffer takes one more token."""
     return [(f"regrow, {rows}: {how}", f"{key}_{suffix}", batch) for suffix, rows in _REGROWN for key, how in _REGROWS]
@@ -46,7 +51,10 @@ def copies(context: int, reply: int, slice_rows: int, repeat: int, victim: int, 
     the reply's rows, the merge in one piece and per slice; a row joining a decoding batch and
     leaving it (mlx-vlm's extend and filter, and the copy-free join and leave), the next decode
     write after each, and a join into a buffer with room; a full decoding buffer's regrow
-    (mlx-vlm's, and copyfree.grow's allocating and into buffers made ahead) and the write after."""
+    (mlx-vlm's, and copyfree.grow's allocating and into buffers made ahead) and the write after;
+    a short visitor joining a lone long stream (its rows in the model's own KVCache: mlx-vlm's
+    merge and extend, one_row and extend_kv into buffers made ahead) and the next visitor, written
+    into the row the first one freed."""
     from apcctl.lab.bench import batch_copies, reply_copy
 
     with click.progressbar(length=2, label="timing the copies", file=sys.stderr) as bar:
@@ -69,7 +77,8 @@ def copies(context: int, reply: int, slice_rows: int, repeat: int, victim: int, 
                                   ("short row leaves, long row copied", "long_copied_leave", out["batch"]),
                                   ("short row leaves, long row kept in place", "long_in_place_leave", out["batch"]),
                                   ("join into a buffer with room", "headroom_join", out["batch"]),
-                                  *_regrow_rows(out["batch"]))]
+                                  *_regrow_rows(out["batch"]),
+                                  *((f"visitor joins a lone row: {how}", key, out["batch"]) for key, how in _VISITS))]
     render.console().print(render.table(("COPY", "BYTES", "MIN ms", "MEDIAN ms", "MAX ms"), rows,
                                         title=f"{context:,}-token context, {reply:,}-token reply"))
     batch = out["batch"]
@@ -85,6 +94,11 @@ def copies(context: int, reply: int, slice_rows: int, repeat: int, victim: int, 
         + "; the next decode write after it (ms median): " + ", ".join(
         f"{how}, {rows} {batch[f'{key}_{suffix}_next_ms']['median']:.1f}" for suffix, rows in _REGROWN
         for key, how in _REGROWS))
+    click.echo(f"a {victim:,}-token visitor joining a lone {context:,}-token row: the next decode write after it "
+               "(ms median): " + ", ".join(f"{how} {batch[f'{key}_next_ms']['median']:.1f}" for key, how in _VISITS)
+               + "; the joint buffers: " + ", ".join(
+                   f"{how} {render.human_bytes(batch[f'{key}_buffer_bytes'])}" for key, how in _VISITS)
+               + f"; the next one went into the freed row: {'yes' if batch['visit_free_row_joined'] else 'NO'}")
     if "merge_slice_ms" in out:
         click.echo(f"merge in {out['merge_slices']} slices of {slice_rows:,} rows: "
                    f"{out['merge_slice_ms']['median']:.1f} ms median each")

@@ -52,6 +52,28 @@ def test_a_full_buffers_regrow_copies_its_rows_into_one_step_wider(out: dict[str
         assert out[f"ahead_grow_{suffix}_left"] == 0  # the regrow wrote into them, allocating none
 
 
+def test_a_visitor_joins_a_lone_rows_kvcache_and_the_next_one_its_freed_row(out: dict[str, Any]) -> None:
+    """A 20-token visitor joins the lone 300-token row, both rows KVCaches as the model's own
+    cache holds them: mlx-vlm merges each at its exact length, pads the short one to 300 and
+    concatenates both; copy-free writes each row once, into the buffers made ahead (all taken);
+    after it leaves (the long row kept in place), the next visitor goes into the row it freed,
+    in the same buffer, and writes its 20 tokens and zeroes the one column the row that left
+    wrote left of it (its first: the decode write after the first join moved the index by one)."""
+    per_token = out["kv_bytes_per_token"]
+    assert out["visit_merge_extend_buffer_bytes"] == 2 * 300 * per_token
+    assert out["visit_merge_extend_bytes"] == (300 + 20 + 300 + 2 * 300) * per_token
+    assert out["visit_ahead_bytes"] == (300 + 20) * per_token
+    assert out["visit_ahead_made"] > 0 and out["visit_ahead_left"] == 0
+    assert out["visit_ahead_buffer_bytes"] == out["visit_ahead_made_bytes"]
+    assert out["visit_free_row_joined"] is True and out["visit_free_row_missed"] == 0
+    assert out["visit_free_row_buffer_bytes"] == out["visit_ahead_buffer_bytes"]
+    assert out["visit_free_row_zeroed_columns"] == 1
+    assert out["visit_free_row_bytes"] == (20 + 1) * per_token
+    for key in ("visit_merge_extend", "visit_ahead", "visit_free_row"):
+        assert out[f"{key}_ms"]["min"] <= out[f"{key}_ms"]["median"] <= out[f"{key}_ms"]["max"]
+        assert out[f"{key}_next_ms"]["min"] <= out[f"{key}_next_ms"]["max"]
+
+
 def test_bench_copies_prints_the_batch_rows_too() -> None:
     done = CliRunner().invoke(main, ["bench", "copies", "--context", "300", "--reply", "20", "--slice", "128",
                                      "--repeat", "1", "--victim", "20", "--json"])
@@ -65,3 +87,6 @@ def test_bench_copies_prints_the_batch_rows_too() -> None:
     assert "regrow, 1 row: mlx-vlm's update_and_fetch" in table.output
     assert "regrow, 2 rows: grow_kv, buffer made ahead" in table.output
     assert "the next decode write after it" in table.output
+    assert "visitor joins a lone row: mlx-vlm's merge + extend" in table.output
+    assert "visitor joins a lone row: the next one, into the row it freed" in table.output
+    assert "the next one went into the freed row: yes" in table.output

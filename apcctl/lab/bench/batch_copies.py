@@ -20,6 +20,13 @@ in-process, each timed to the end of its compute (``mx.eval``):
   a new buffer one allocation step wider; ``copyfree.grow.grow_kv`` writes the rows into a new
   zero buffer (allocating, evaluated at once) or into one made ahead (``JointSpares``, made
   before the timing, as the runtime's stager makes them: ``integration.grows_ahead``).
+* ``visit``: a short ``victim``-token visitor joins a lone ``context``-token stream, each row in
+  the model's own ``KVCache`` (a lone stream decodes in it): mlx-vlm's ``_extend_cache`` merges
+  each into a fresh ``BatchKVCache`` of its exact length, then ``extend`` copies both again (and
+  the next write regrows: the merge left no room); copy-free, ``one_row`` shows each as a batch
+  without a copy and ``extend_kv`` writes both once into buffers made ahead; and after that
+  visitor leaves (the long row kept in place), the next one is written into the row it freed.
+  MLX's pool is emptied before each timed step, as for the regrow.
 
 Only the KV children (``KVCache`` → ``BatchKVCache``), which hold the bytes; the pooled and
 recurrent children are small. Not a test: nothing asserts a time.
@@ -41,15 +48,19 @@ def _kv_children(probe: list[Any]) -> list[Any]:
     return [c for c in children if type(c) is KVCache and c.keys is not None]
 
 
-def _row(child: Any, tokens: int, capacity: int) -> Any:
-    """A one-row ``BatchKVCache`` shaped like ``child`` holding ``tokens`` random rows."""
-    from mlx_vlm.models.cache import BatchKVCache
+def _row(child: Any, tokens: int, capacity: int, own: bool = False) -> Any:
+    """A one-row ``BatchKVCache`` shaped like ``child`` holding ``tokens`` random rows; with
+    ``own``, a ``KVCache`` (as a lone stream's own cache holds its row)."""
+    from mlx_vlm.models.cache import BatchKVCache, KVCache
 
-    batch = BatchKVCache([0])
+    batch: Any = KVCache() if own else BatchKVCache([0])  # type: ignore[no-untyped-call]
     k, v = child.keys, child.values
     batch.keys = mx.random.normal((1, k.shape[1], capacity, k.shape[3])).astype(k.dtype)
     batch.values = mx.random.normal((1, v.shape[1], capacity, v.shape[3])).astype(v.dtype)
-    batch._idx, batch.offset = tokens, mx.array([tokens])
+    if own:
+        batch.offset = tokens
+    else:
+        batch._idx, batch.offset = tokens, mx.array([tokens])
     return batch
 
 
@@ -192,6 +203,138 @@ def _regrows(children: list[Any], context: int, victim: int, repeat: int) -> dic
     return out
 
 
+def _fresh(fn: Callable[[], Any]) -> float:
+    """``fn``'s milliseconds to the end of its compute, MLX's pool of freed buffers emptied
+    first (untimed): what it allocates comes fresh from the OS, as in the server."""
+    mx.clear_cache()
+    return timed(fn, 1)[0]
+
+
+def _own_rows(children: list[Any], tokens: int, capacity: int) -> list[Any]:
+    """Each child's row as a lone stream's own cache holds it (a ``KVCache``), evaluated."""
+    rows = [_row(c, tokens, capacity, own=True) for c in children]
+    mx.eval(_arrays(rows))
+    return rows
+
+
+def _join_timed(decoding: list[Any], visitors: list[Any], join: Callable[[Any, Any], Any],
+                after: Optional[Callable[[list[Any]], None]] = None) -> tuple[list[Any], float, float]:
+    """Each child's ``join(decoding, visitor)`` (it returns the joint cache), then the next
+    decode write, each timed with a fresh pool (``_fresh``); ``after(joint)``, untimed, between."""
+    joint: list[Any] = []
+
+    def joined() -> list[mx.array]:
+        joint.extend(join(d, v) for d, v in zip(decoding, visitors))
+        return _arrays(joint)
+
+    ms = _fresh(joined)
+    if after is not None:
+        after(joint)
+    return joint, ms, _fresh(lambda: _next_write(joint))
+
+
+def _merge_extend(long: Any, short: Any) -> Any:
+    """mlx-vlm's ``_extend_cache`` for single-row caches: each merged into a fresh
+    ``BatchKVCache`` of its exact length, then ``extend``."""
+    joint = type(long).merge([long])
+    joint.extend(type(short).merge([short]))
+    return joint
+
+
+def _extend_with(made: Any, lone: bool) -> Callable[[Any, Any], Any]:
+    """The copy-free join of a visitor's own row: ``one_row`` (no copy; the decoding row's too
+    where it is ``lone``), then ``extend_kv`` (into ``made``'s buffers where they fit, or into
+    the rows a leave freed)."""
+    from server_patch.copyfree import batch
+
+    def join(cache: Any, visitor: Any) -> Any:
+        joint = batch.one_row(cache) if lone else cache
+        batch.extend_kv(joint, batch.one_row(visitor), made)
+        return joint
+
+    return join
+
+
+def _visits(children: list[Any], context: int, victim: int, repeat: int, per_token: int) -> dict[str, Any]:
+    """A short visitor (``victim`` tokens) joins a lone long stream (``context`` tokens), each
+    row a ``KVCache`` as the model's own cache holds it (256-token steps, the long row with room
+    for its next token): mlx-vlm's merge and ``extend`` (``visit_merge_extend``); ``one_row`` and
+    ``extend_kv`` into buffers made ahead (``visit_ahead``); and, after that visitor left, the
+    next visitor of its size, written into the row it freed (``visit_free_row``). Bytes: every
+    buffer the join fills (mlx-vlm: both merges, the short row padded to the long one's width,
+    the concatenation; copy-free: the rows written, and the free row's columns zeroed), and the
+    joint buffers after the join (``_buffer_bytes``)."""
+    from server_patch.copyfree import pool
+    from server_patch.copyfree.spares import JointSpares
+
+    pool.settings()  # the server's pool limit, as the regrow rows
+    times: dict[str, list[float]] = {}
+    out: dict[str, Any] = {"visit_free_row_missed": 0}
+    made = JointSpares()
+    for _ in range(repeat):
+        for name, ms in _stock_visit(children, context, victim, out) + _copyfree_visits(children, context, victim, made, out):
+            times.setdefault(name, []).append(ms)
+    made.drop()
+    padded = max(context, victim) * per_token if context != victim else 0
+    out |= {"visit_merge_extend_bytes": (context + victim) * per_token + padded + out["visit_merge_extend_buffer_bytes"],
+            "visit_ahead_bytes": (context + victim) * per_token,
+            "visit_free_row_bytes": (victim + out["visit_free_row_zeroed_columns"]) * per_token,
+            "visit_free_row_joined": out["visit_free_row_missed"] == 0}
+    return out | {f"{name}_ms": _stats(ms) for name, ms in times.items()}
+
+
+def _lone_and_visitor(children: list[Any], context: int, victim: int) -> tuple[list[Any], list[Any]]:
+    """Each child's lone long row (room for its next token) and a visitor's, as ``KVCache``s."""
+    return _own_rows(children, context, _step_capacity(context + 1)), _own_rows(children, victim, _step_capacity(victim))
+
+
+def _buffer_bytes(out: dict[str, Any], name: str) -> Callable[[list[Any]], None]:
+    """``after`` for ``_join_timed``: the joint buffers' bytes, recorded as ``{name}_buffer_bytes``."""
+    return lambda joint: out.update({f"{name}_buffer_bytes": sum(int(x.nbytes) for x in _arrays(joint))})
+
+
+def _stock_visit(children: list[Any], context: int, victim: int, out: dict[str, Any]) -> list[tuple[str, float]]:
+    """One round of mlx-vlm's join (merge, ``extend``): its and the next write's milliseconds."""
+    _, ms, next_ms = _join_timed(*_lone_and_visitor(children, context, victim), _merge_extend,
+                                 _buffer_bytes(out, "visit_merge_extend"))
+    return [("visit_merge_extend", ms), ("visit_merge_extend_next", next_ms)]
+
+
+def _copyfree_visits(children: list[Any], context: int, victim: int, made: Any,
+                     out: dict[str, Any]) -> list[tuple[str, float]]:
+    """One round of the copy-free visits: the visitor joins into ``made``'s buffers (asked
+    before the timing; how many were made, and the most a join left untaken, recorded), leaves
+    (``filter_kv``: the long row kept in place), and the next visitor joins into the row it
+    freed (checked: each layer's ``live_view`` is the one the leave made, ending at row 2;
+    ``visit_free_row_missed`` counts the layers where it was not)."""
+    from server_patch.copyfree import batch
+    from server_patch.state.row_view import live_view
+
+    long, short = _lone_and_visitor(children, context, victim)
+    _asked(made, long, short)  # the stager's set for this join, made before the timing
+    out["visit_ahead_made"] = min(out.get("visit_ahead_made", made.count()), made.count())
+    out["visit_ahead_made_bytes"] = made.held_bytes()
+    joint, ms, next_ms = _join_timed(long, short, _extend_with(made, lone=True), _buffer_bytes(out, "visit_ahead"))
+    out["visit_ahead_left"] = max(out.get("visit_ahead_left", 0), made.count())
+    del long, short
+    for r in joint:  # the visitor leaves; the long row is kept in place
+        batch.filter_kv(r, [0])
+    kept = [live_view(r) for r in joint]
+    first = kept[0]
+    out["visit_free_row_zeroed_columns"] = 0 if first is None else max(
+        0, first.column + int(joint[0]._idx) - victim - first.dirty.get(first.end, 0))
+
+    def into_free_row(joint: list[Any]) -> None:
+        views = [live_view(r) for r in joint]
+        out["visit_free_row_missed"] += sum(not (v is not None and v is k and v.end == 2) for v, k in zip(views, kept))
+        out["visit_free_row_buffer_bytes"] = sum(int(v.keys.nbytes + v.values.nbytes) for v in views if v is not None)
+
+    _, again_ms, again_next_ms = _join_timed(joint, _own_rows(children, victim, _step_capacity(victim)),
+                                             _extend_with(None, lone=False), into_free_row)
+    return [("visit_ahead", ms), ("visit_ahead_next", next_ms), ("visit_free_row", again_ms),
+            ("visit_free_row_next", again_next_ms)]
+
+
 def run(context: int, victim: int, repeat: int) -> dict[str, Any]:
     from server_patch.copyfree import batch
     from server_patch.copyfree.spares import JointSpares
@@ -263,7 +406,7 @@ def run(context: int, victim: int, repeat: int) -> dict[str, Any]:
             "lent_join_ms": _stats(lent["join"]), "lent_join_bytes": lent["joint_bytes"],
             "lent_join_next_ms": _stats(lent["join_next"]),
             "headroom_join_ms": _stats(headroom_ms), "headroom_join_bytes": headroom_bytes,
-            **_regrows(children, context, victim, repeat)}
+            **_regrows(children, context, victim, repeat), **_visits(children, context, victim, repeat, per_token)}
 
 
 __all__ = ["run"]
