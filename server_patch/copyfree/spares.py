@@ -115,6 +115,7 @@ class JointSpares:
         already (a staged turn's) or nothing is to be made."""
         with self._lock:
             self._joiner, self._ticket = weakref.ref(joiner), next(_sets)
+            self.waiting_since = None  # a new joiner: an earlier one's wait (it was cancelled) is over
             if not shapes or self._fits_all(shapes):
                 return None
             return self._ticket
