@@ -79,3 +79,32 @@ def test_a_long_row_that_stays_when_a_short_one_leaves_is_not_copied_and_its_nex
         for answer, messages, tokens, name in ((first, conversation, 60, "first"), (short_answer, short, 4, "short"),
                                                (warm, next_turn, 8, "warm")):
             assert_same_output(answer, server.chat(messages, tenant=f"cold-{name}", max_tokens=tokens, **LOGPROBS))
+
+
+@pytest.mark.server
+def test_a_second_short_request_joins_into_the_row_the_first_one_freed(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A long stream decodes alone; a short request joins its batch (the long row written once,
+    into the joint buffer) and leaves (the long row kept in place); a second one joins into the
+    row the first freed: the copy counter counts no second ``extend`` copy, and its answer equals
+    the same request served alone."""
+    from tests.integration.test_pacing import Stream, stop_streams
+
+    ledger = tmp_path / "copies.json"
+    env = {"APC_COPY_COUNTER": "1", "APC_COPY_COUNTER_FILE": str(ledger)}
+    visits = [[{"role": "user", "content": text(30, seed)}] for seed in (4301, 4302)]
+    with PatchedServer(tiny_model_dir, env=env, log_dir=tmp_path) as server:
+        stream = Stream(server, max_tokens=2000)  # its greedy reply runs ~600 tokens
+        stream.start()
+        assert stream.decoding.wait(120)
+        server.chat(visits[0], tenant="v0", max_tokens=4)
+        wait_for(lambda: sum(r.ended for r in records(server)) == 1, "the first visitor's row left", server)
+        extended = json.loads(ledger.read_text()).get("extend.kv")
+        assert extended  # the first join wrote the long row into the joint buffer
+        answer = server.chat(visits[1], tenant="v1", max_tokens=4)
+        wait_for(lambda: sum(r.ended for r in records(server)) == 2, "the second visitor's row left", server)
+        assert not stream.stopping.is_set() and stream.is_alive()  # the long stream decoded throughout
+        assert json.loads(ledger.read_text()).get("extend.kv") == extended  # the second join moved no row
+        stop_streams(server, stream)
+        # The greedy reply (no logprobs: mlx-vlm reports none for a row joining a batch whose rows
+        # asked for none, as the stream here).
+        assert reply_text(answer) == reply_text(server.chat(visits[1], tenant="alone", max_tokens=4))
