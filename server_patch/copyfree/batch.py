@@ -58,7 +58,7 @@ import mlx.core as mx
 
 from server_patch.copyfree import pool, spares
 from server_patch.copyfree.spares import JointSpares, Shape
-from server_patch.state.row_view import ROW_VIEW, WRITTEN_FROM, RowView, live_view, show, written_from
+from server_patch.state.row_view import ROW_VIEW, WRITTEN_FROM, RowView, live_view, show, unshown, written_from
 from server_patch.state.rows import leaf_caches
 
 
@@ -98,7 +98,7 @@ def extend_kv(cache: Any, other: Any, joint: JointSpares | None = None) -> None:
     for side, count in zip(sides, counts):
         held = int(side._idx)
         start = write_index - held
-        starts += [start + column for column in written_from(side)]
+        starts += [start + column for column in written_from(side, count)]
         if side.keys is not None and held > 0:
             keys[first: first + count, :, start:write_index, :] = side.keys[..., :held, :]
             values[first: first + count, :, start:write_index, :] = side.values[..., :held, :]
@@ -128,22 +128,21 @@ def _into_free_rows(cache: Any, other: Any) -> bool:
             or other.keys.shape[1::2] != buffer.shape[1::2] or other.values.shape[1::2] != view.values.shape[1::2]
             or other.keys.dtype != buffer.dtype or other.values.dtype != view.values.dtype):
         return False
-    shown_from = written_from(cache)
-    cache.keys = cache.values = view.shown_keys = view.shown_values = None  # the record's alone: in place
+    shown_from = written_from(cache, view.end - view.first)
     rows, at = slice(view.end, view.end + count), view.column + index
-    for row in free:  # what the row that left wrote, left of the joiner's columns, zeroed
-        dirty = view.dirty.pop(row)
-        if dirty < at - held:
-            view.keys[row: row + 1, :, dirty: at - held, :] = 0
-            view.values[row: row + 1, :, dirty: at - held, :] = 0
-    view.keys[rows, :, at - held: at, :] = other.keys[..., :held, :]
-    view.values[rows, :, at - held: at, :] = other.values[..., :held, :]
-    view.end += count
-    show(cache, view)
+    with unshown(cache, view):
+        for row in free:  # what the row that left wrote, left of the joiner's columns, zeroed
+            dirty = view.dirty.pop(row)
+            if dirty < at - held:
+                view.keys[row: row + 1, :, dirty: at - held, :] = 0
+                view.values[row: row + 1, :, dirty: at - held, :] = 0
+        view.keys[rows, :, at - held: at, :] = other.keys[..., :held, :]
+        view.values[rows, :, at - held: at, :] = other.values[..., :held, :]
+        view.end += count
     setattr(other, ROW_VIEW, None)
     cache.offset = mx.concatenate([cache.offset, other.offset])
     cache.left_padding = mx.concatenate([cache.left_padding, other.left_padding + (index - held)])
-    setattr(cache, WRITTEN_FROM, shown_from + [index - held + column for column in written_from(other)])
+    setattr(cache, WRITTEN_FROM, shown_from + [index - held + column for column in written_from(other, count)])
     return True
 
 
@@ -239,7 +238,7 @@ def filter_kv(cache: Any, batch_indices: mx.array | Sequence[int], *, leave: Lea
     shift = min(int(cache.left_padding.min().item()), int(cache._idx)) if kept else 0
     if cache.keys is not None:
         span, view = contiguous_range(kept), live_view(cache)
-        starts = written_from(cache)
+        starts = written_from(cache, int(cache.keys.shape[0]))
         setattr(cache, WRITTEN_FROM, [max(0, starts[row] - shift) for row in kept])
         if span == (0, int(cache.keys.shape[0])) and shift == 0:
             pass  # nothing leaves and no column is dropped: nothing to move
@@ -268,11 +267,10 @@ def write_kv(cache: Any, keys: mx.array, values: mx.array) -> Optional[tuple[mx.
     if prev + count > int(cache.keys.shape[2]) or int(keys.shape[0]) != view.end - view.first:
         setattr(cache, ROW_VIEW, None)
         return None
-    cache.keys = cache.values = view.shown_keys = view.shown_values = None
     rows, at = slice(view.first, view.end), view.column + prev
-    view.keys[rows, :, at: at + count, :] = keys
-    view.values[rows, :, at: at + count, :] = values
-    show(cache, view)
+    with unshown(cache, view):
+        view.keys[rows, :, at: at + count, :] = keys
+        view.values[rows, :, at: at + count, :] = values
     cache.offset += count
     cache._idx += count
     return cache.keys[..., : cache._idx, :], cache.values[..., : cache._idx, :]

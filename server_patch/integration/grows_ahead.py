@@ -30,8 +30,7 @@ def tend(runtime: LineageRuntime, decoding: Any) -> bool:
     made = runtime.grow_spares
     layers = grow.grown(decoding.prompt_cache) if grow.takes_grows() else []
     if not grow.due(layers):
-        if made.asked(decoding) or made.count():
-            made.joined()  # it grew (or got wider): what it did not take fits no later regrow
+        made.joined()  # it grew (or got wider): a set it did not take fits no later regrow
         return False
     if made.asked(decoding):
         return False

@@ -9,8 +9,9 @@ the cache's ``ROW_VIEW`` attribute) names the buffer, so the next writes go into
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import mlx.core as mx
 
@@ -50,6 +51,17 @@ def show(cache: Any, view: RowView) -> None:
     setattr(cache, ROW_VIEW, view)
 
 
+@contextmanager
+def unshown(cache: Any, view: RowView) -> Iterator[None]:
+    """Within the block the cache shows none of ``view``'s rows, so the buffers have no other
+    reference and MLX writes them in place; shown again (``show``) after."""
+    cache.keys = cache.values = view.shown_keys = view.shown_values = None
+    try:
+        yield
+    finally:
+        show(cache, view)
+
+
 def live_view(cache: Any) -> Optional[RowView]:
     """``cache``'s ``RowView`` while the cache still shows its views; a stale one is dropped."""
     view: Optional[RowView] = getattr(cache, ROW_VIEW, None)
@@ -61,11 +73,10 @@ def live_view(cache: Any) -> Optional[RowView]:
     return None
 
 
-def written_from(cache: Any) -> list[int]:
-    """``cache``'s ``WRITTEN_FROM`` per row, or column 0 for each row where it has none."""
-    rows = int(cache.keys.shape[0]) if cache.keys is not None else int(cache.offset.shape[0])
+def written_from(cache: Any, rows: int) -> list[int]:
+    """``cache``'s ``WRITTEN_FROM`` for its ``rows`` rows, or column 0 for each where it has none."""
     starts: Optional[list[int]] = getattr(cache, WRITTEN_FROM, None)
     return list(starts) if starts is not None and len(starts) == rows else [0] * rows
 
 
-__all__ = ["ROW_VIEW", "RowView", "WRITTEN_FROM", "live_view", "show", "written_from"]
+__all__ = ["ROW_VIEW", "RowView", "WRITTEN_FROM", "live_view", "show", "unshown", "written_from"]
